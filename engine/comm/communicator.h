@@ -1,0 +1,70 @@
+// Collectives between the ranks of one data-parallel group. Backends: in-process threads (here),
+// NCCL (CUDA issue). Every rank must call the same collectives in the same order with the same
+// counts; the in-process backend checks this and fails every rank with a CommError otherwise.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "memory/dtype.h"
+
+namespace shardswap {
+
+enum class ReduceOp { sum, avg, max };
+
+const char* reduce_op_name(ReduceOp op);
+
+/// One rank's endpoint. Reductions of bit16 data accumulate in fp32 and round once; fp32 in fp32;
+/// fp64 in fp64. Ranks are summed in rank order 0..N-1, so results are reproducible bit for bit.
+/// `avg` divides the sum by the world size before rounding.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  /// In place on `count` elements.
+  virtual void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op) = 0;
+  /// `send` holds world_size * recv_count elements; rank r receives the reduction of chunk r.
+  /// In place is allowed: recv == send + rank * recv_count (in elements).
+  virtual void reduce_scatter(const void* send, void* recv, std::size_t recv_count, DType dtype,
+                              ReduceOp op) = 0;
+  /// In place on `count` elements; the result is defined on `root` only (other ranks' data is
+  /// left unchanged).
+  virtual void reduce(void* data, std::size_t count, DType dtype, ReduceOp op, int root) = 0;
+  /// `recv` receives world_size * send_count elements, rank r's `send` at chunk r.
+  /// In place is allowed: send == recv + rank * send_count (in elements).
+  virtual void all_gather(const void* send, void* recv, std::size_t send_count, DType dtype) = 0;
+  /// In place: every rank's `data` receives root's.
+  virtual void broadcast(void* data, std::size_t count, DType dtype, int root) = 0;
+  virtual void barrier() = 0;
+};
+
+/// N ranks as threads of one process, on host memory.
+class InProcessGroup {
+ public:
+  /// Throws ConfigError if world_size < 1.
+  explicit InProcessGroup(int world_size);
+  ~InProcessGroup();
+  InProcessGroup(const InProcessGroup&) = delete;
+  InProcessGroup& operator=(const InProcessGroup&) = delete;
+
+  int world_size() const;
+  Communicator& rank(int r);
+  /// Fails every collective in progress or to come with CommError(reason). Used when one rank
+  /// throws, so the others do not wait forever.
+  void abort(const std::string& reason);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+/// Runs fn(rank, comm) on world_size threads over one InProcessGroup. If any rank throws, the
+/// group is aborted (so no rank waits forever) and the first rank's exception (by time) is
+/// rethrown here after every thread has joined.
+void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn);
+
+}  // namespace shardswap

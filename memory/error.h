@@ -1,0 +1,53 @@
+// The one base of every ShardSwap error, and the typed errors shared by all modules.
+// Header-only so that partition/ (pure arithmetic) can throw them without linking memory/.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace shardswap {
+
+/// Base of every error ShardSwap throws. Messages start with the function they come from and
+/// name the config key, parameter, group, buffer or file involved.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Bad input: a config value, a declaration or an argument that can never work.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A View was used after its buffer was freed or re-formed.
+class StaleView : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A buffer could not be released because Pins still hold it.
+class PinnedMemory : public Error {
+ public:
+  using Error::Error;
+};
+
+/// An allocator could not satisfy a request.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A collective failed, mismatched across ranks, or was aborted because another rank failed.
+class CommError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// The requested backend (e.g. CUDA) is not part of this build.
+class BackendUnavailable : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace shardswap

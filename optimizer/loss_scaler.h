@@ -1,0 +1,45 @@
+// Loss scaling for fp16 training: dynamic (overflow -> skip, shrink after hysteresis; grow after a
+// window of clean steps) or static. bf16 runs use a static scale of 1.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace shardswap {
+
+struct LossScaleConfig {
+  bool dynamic = true;
+  double initial_scale = 65536.0;  ///< 2^initial_scale_power in DeepSpeed's terms
+  double static_scale = 1.0;       ///< used when !dynamic
+  int window = 1000;               ///< clean steps before the scale doubles
+  int hysteresis = 2;              ///< overflows tolerated before the scale halves
+  double min_scale = 1.0;          ///< the scale never goes below this
+
+  /// Throws ConfigError naming the key under `prefix` (e.g. "fp16.loss_scale_window") for a
+  /// scale <= 0 or not finite, window < 1, hysteresis < 1, min_scale <= 0.
+  void validate(std::string_view prefix = "fp16") const;
+};
+
+class LossScaler {
+ public:
+  explicit LossScaler(const LossScaleConfig& config);
+
+  double scale() const { return scale_; }
+  /// Records one step's outcome. Returns true if the step must be applied, false if it must be
+  /// skipped (any overflow skips the step). On overflow: hysteresis counts down; when it reaches
+  /// zero the scale halves (never below min_scale) and hysteresis is restored. After `window`
+  /// consecutive clean steps the scale doubles. A static scaler never changes its scale.
+  bool update(bool overflow);
+
+  std::int64_t clean_steps() const { return clean_steps_; }
+  int hysteresis_left() const { return hysteresis_left_; }
+  const LossScaleConfig& config() const { return config_; }
+
+ private:
+  LossScaleConfig config_;
+  double scale_;
+  std::int64_t clean_steps_ = 0;
+  int hysteresis_left_;
+};
+
+}  // namespace shardswap

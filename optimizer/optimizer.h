@@ -1,0 +1,87 @@
+// Update rules on flat shards: one fused pass per shard reads the fp32 master, the optimizer
+// state and the bit16 gradient (upcast in registers, never copied to fp32) and writes the master,
+// the state and the bit16 param copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "memory/dtype.h"
+
+namespace shardswap {
+
+enum class OptimizerType { adam, adamw, sgd };
+
+/// "Adam", "AdamW", "SGD" (case-insensitive). Throws ConfigError naming `key` otherwise.
+OptimizerType optimizer_type_from_name(std::string_view name, std::string_view key);
+const char* optimizer_type_name(OptimizerType type);
+
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::adamw;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  ///< Adam, SGD: L2 added to the gradient; AdamW: decoupled
+  double momentum = 0.0;      ///< SGD only
+  double dampening = 0.0;     ///< SGD only
+  bool nesterov = false;      ///< SGD only; needs momentum > 0 and dampening == 0
+
+  /// Throws ConfigError naming the key under `prefix` (e.g. "optimizer.params.lr") for: lr < 0
+  /// or not finite, betas outside [0, 1), eps <= 0, weight_decay < 0, momentum < 0, dampening
+  /// outside [0, 1], nesterov without momentum or with dampening.
+  void validate(std::string_view prefix = "optimizer.params") const;
+
+  /// fp32 state values kept per parameter element: Adam/AdamW 2 (exp_avg, exp_avg_sq),
+  /// SGD 1 with momentum (momentum buffer), 0 without.
+  int state_slots() const;
+};
+
+/// Per-step scalars of one shard update.
+struct StepArgs {
+  std::int64_t step = 1;      ///< this group's step count after this update (1 for the first)
+  double lr = 1e-3;           ///< learning rate of this step (after any schedule)
+  double weight_decay = 0.0;  ///< this group's weight decay
+  float grad_scale = 1.0f;    ///< multiplies each upcast gradient: 1 / (loss scale * ranks *
+                              ///< micro-steps), times the clipping coefficient
+};
+
+/// The tensors of one shard update, `count` elements each. `state0`/`state1` are the optimizer
+/// state slots (nullptr when the rule has fewer). `grad` and `param` are bit16 of `dtype`.
+struct ShardTensors {
+  float* master = nullptr;
+  float* state0 = nullptr;
+  float* state1 = nullptr;
+  const void* grad = nullptr;
+  void* param = nullptr;
+  DType dtype = DType::bf16;
+  std::size_t count = 0;
+};
+
+/// The kernels one backend provides. Capabilities are data: the engine calls through this table
+/// and never asks which backend it runs on.
+struct OptimizerKernels {
+  /// The fused update (Adam, AdamW or SGD per config) of one shard.
+  void (*update)(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t);
+  /// Sum of squares of the upcast bit16 values times `scale`, accumulated in double.
+  double (*sum_squares)(const void* data, DType dtype, std::size_t count, double scale);
+  /// True if any of the `count` bit16 values is Inf or NaN.
+  bool (*has_inf_or_nan)(const void* data, DType dtype, std::size_t count);
+  /// dst[i] = round_to_nearest_even(src[i]) in bit16 `dtype`.
+  void (*cast_to_bit16)(const float* src, void* dst, DType dtype, std::size_t count);
+  /// dst[i] = float(src[i]).
+  void (*cast_from_bit16)(const void* src, float* dst, DType dtype, std::size_t count);
+  /// dst[i] = bit16(float(dst[i]) + float(src[i])): accumulates a reduced gradient.
+  void (*accumulate_bit16)(void* dst, const void* src, DType dtype, std::size_t count);
+  void (*fill_zero)(void* dst, std::size_t bytes);
+  void (*copy)(void* dst, const void* src, std::size_t bytes);
+};
+
+/// The CPU backend (Eigen), always present.
+const OptimizerKernels& cpu_kernels();
+
+/// Gradient clipping by global norm: max_norm / (norm + 1e-6) when norm > max_norm > 0, else 1.
+double clip_coefficient(double total_norm, double max_norm);
+
+}  // namespace shardswap

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the Debian packages ShardSwap builds against, only those missing (idempotent).
+set -euo pipefail
+packages=(build-essential cmake ninja-build libeigen3-dev libspdlog-dev libfmt-dev
+          nlohmann-json3-dev catch2)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+as_root=()
+[ "$(id -u)" -eq 0 ] || as_root=(sudo)
+"${as_root[@]}" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
