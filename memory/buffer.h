@@ -1,0 +1,176 @@
+// Owning buffers and their registered aliases.
+//
+// A Buffer owns one block of a MemorySpace. Any pointer into it that outlives one call is a
+// registered alias with a label:
+//   View: non-owning (buffer, byte offset, count, dtype, label). Once the buffer is released,
+//         every access through the View throws StaleView naming the View and the event that
+//         released the buffer; it never reads freed memory.
+//   Pin:  owning and labelled, for code outside the engine that must keep memory alive. A
+//         release that meets a Pin fails, listing the Pins and changing nothing, unless the
+//         caller explicitly allows it; then the block lives on, visibly, until the last Pin goes.
+// MemorySpace::report() lists every block with its tag, bytes and holders: nothing holds memory
+// silently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "memory/allocator.h"
+#include "memory/dtype.h"
+#include "memory/stats.h"
+
+namespace shardswap {
+
+namespace detail {
+struct SpaceState;
+struct Storage;
+struct ViewRecord;
+struct PinRecord;
+}  // namespace detail
+
+class View {
+ public:
+  View() = default;
+
+  /// Checked access: throws StaleView if the buffer was released, Error if T is not the dtype.
+  template <class T>
+  T* data() const {
+    check_type(dtype_of<T>());
+    return static_cast<T*>(raw());
+  }
+  template <class T>
+  std::span<T> span() const {
+    return {data<T>(), count()};
+  }
+  void* raw() const;
+
+  std::size_t count() const;
+  DType dtype() const;
+  std::size_t byte_offset() const;
+  std::size_t bytes() const { return count() * dtype_size(dtype()); }
+  const std::string& label() const;
+  std::uint64_t buffer_id() const;
+  bool stale() const;
+  bool empty() const { return record_ == nullptr; }
+
+  /// A View of part of this one, registered under its own label.
+  View sub(std::size_t first, std::size_t count, std::string label) const;
+
+ private:
+  friend class Buffer;
+  explicit View(std::shared_ptr<detail::ViewRecord> record) : record_(std::move(record)) {}
+  void check_type(DType wanted) const;
+  std::shared_ptr<detail::ViewRecord> record_;  // copies share one registration
+};
+
+class Pin {
+ public:
+  Pin();
+  Pin(Pin&&) noexcept;
+  Pin& operator=(Pin&&) noexcept;
+  Pin(const Pin&) = delete;
+  Pin& operator=(const Pin&) = delete;
+  ~Pin();
+
+  void* data() const;
+  std::size_t bytes() const;
+  const std::string& label() const;
+  std::uint64_t buffer_id() const;
+  bool empty() const { return record_ == nullptr; }
+  /// Drops the reference now (the destructor does the same).
+  void reset();
+
+ private:
+  friend class Buffer;
+  explicit Pin(std::unique_ptr<detail::PinRecord> record);
+  std::unique_ptr<detail::PinRecord> record_;
+};
+
+enum class ReleasePolicy {
+  fail_if_pinned,  ///< throw PinnedMemory listing the Pins, change nothing
+  allow_pinned,    ///< release anyway; Pins keep the block until they go (reported)
+};
+
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Buffer&& other) noexcept = default;
+  Buffer& operator=(Buffer&& other) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  /// Releases with ReleasePolicy::allow_pinned (a destructor cannot fail); logs a warning
+  /// naming the Pins if any still hold the block.
+  ~Buffer();
+
+  bool valid() const { return storage_ != nullptr; }
+  void* data() const;  ///< throws Error on an empty Buffer
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data());
+  }
+  std::size_t bytes() const;  ///< requested bytes
+  Tag tag() const;
+  const std::string& label() const;
+  std::uint64_t id() const;
+
+  /// Registers a View of `count` elements of `dtype` at `byte_offset`. Throws Error if it does not
+  /// fit in the buffer or the offset is not a multiple of the element size.
+  View view(std::size_t byte_offset, std::size_t count, DType dtype, std::string label) const;
+  /// Registers an owning Pin.
+  Pin pin(std::string label) const;
+  std::vector<std::string> view_labels() const;
+  std::vector<std::string> pin_labels() const;
+
+  /// Gives the buffer up: every View becomes stale with `event` as the reason. Returns the bytes
+  /// still held by Pins (0 when the block went back to the allocator).
+  std::size_t release(const std::string& event,
+                      ReleasePolicy policy = ReleasePolicy::fail_if_pinned);
+
+ private:
+  friend class MemorySpace;
+  explicit Buffer(std::shared_ptr<detail::Storage> storage) : storage_(std::move(storage)) {}
+  std::shared_ptr<detail::Storage> storage_;
+};
+
+/// What report() says of one block still holding memory.
+struct BufferReport {
+  std::uint64_t id = 0;
+  Tag tag = Tag::other;
+  std::string label;
+  std::size_t requested = 0;
+  std::size_t allocated = 0;
+  bool owned = true;  ///< false: released by its owner, kept alive by Pins
+  std::vector<std::string> views;
+  std::vector<std::string> pins;
+};
+
+/// One rank's memory: an allocator, the stats, and the registry of every live block and alias.
+/// Thread-safe. Buffers, Views and Pins may outlive the MemorySpace object safely.
+class MemorySpace {
+ public:
+  MemorySpace(int rank, std::unique_ptr<Allocator> allocator);
+  ~MemorySpace();
+  MemorySpace(const MemorySpace&) = delete;
+  MemorySpace& operator=(const MemorySpace&) = delete;
+
+  /// A new buffer of `bytes` (may be 0). Contents are unspecified. Throws OutOfMemory.
+  Buffer allocate(std::size_t bytes, Tag tag, std::string label);
+
+  MemoryStats stats() const;
+  void reset_peaks();
+  std::vector<BufferReport> report() const;
+  /// The report as text, one block per line, for logs and the CLI.
+  std::string report_text() const;
+
+  int rank() const;
+  DeviceKind device() const;
+
+ private:
+  std::shared_ptr<detail::SpaceState> state_;
+};
+
+}  // namespace shardswap

@@ -1,0 +1,50 @@
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstdlib>
+
+#include "memory/allocator.h"
+#include "memory/error.h"
+
+namespace shardswap {
+namespace {
+
+class HostAllocator final : public Allocator {
+ public:
+  explicit HostAllocator(std::size_t alignment) : alignment_(alignment) {
+    if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment < sizeof(void*))
+      throw ConfigError(fmt::format("make_host_allocator: alignment {} is not a power of two >= {}",
+                                    alignment, sizeof(void*)));
+  }
+
+  Block allocate(std::size_t requested) override {
+    const std::size_t bytes = (requested + alignment_ - 1) / alignment_ * alignment_;
+    void* p = std::aligned_alloc(alignment_, bytes);
+    if (p == nullptr)
+      throw OutOfMemory(fmt::format("HostAllocator::allocate: {} bytes ({} requested) failed",
+                                    bytes, requested));
+    reserved_ += bytes;
+    return {p, bytes};
+  }
+
+  void deallocate(Block block) noexcept override {
+    std::free(block.ptr);
+    reserved_ -= block.bytes;
+  }
+
+  std::size_t reserved_bytes() const override { return reserved_; }
+  DeviceKind device() const override { return DeviceKind::host; }
+  std::string name() const override { return "host"; }
+
+ private:
+  std::size_t alignment_;
+  std::atomic<std::size_t> reserved_{0};
+};
+
+}  // namespace
+
+std::unique_ptr<Allocator> make_host_allocator(std::size_t alignment) {
+  return std::make_unique<HostAllocator>(alignment);
+}
+
+}  // namespace shardswap
