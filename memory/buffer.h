@@ -125,6 +125,10 @@ class Buffer {
   std::vector<std::string> view_labels() const;
   std::vector<std::string> pin_labels() const;
 
+  /// Makes every View made so far stale (they throw StaleView naming `event`) while the buffer
+  /// lives on: used when its contents are repurposed (a gradient bucket reused, a re-form).
+  void invalidate_views(const std::string& event);
+
   /// Gives the buffer up: every View becomes stale with `event` as the reason. Returns the bytes
   /// still held by Pins (0 when the block went back to the allocator).
   std::size_t release(const std::string& event,

@@ -49,7 +49,8 @@ struct Storage {
   std::size_t requested = 0;
   Block block;
   std::atomic<bool> live{true};  // false once the owner released it: Views are stale
-  std::string freed_by;          // written once, before live turns false
+  std::atomic<std::uint64_t> generation{0};  // bumped by invalidate_views: older Views are stale
+  std::string last_event;        // why Views went stale; written before live/generation change
   bool owned = true;
   std::vector<ViewRecord*> views;
   std::vector<PinRecord*> pins;
@@ -60,6 +61,7 @@ struct ViewRecord {
   std::size_t byte_offset = 0;
   std::size_t count = 0;
   DType dtype = DType::f32;
+  std::uint64_t generation = 0;  // the storage's generation when this View was made
   std::string label;
 
   ~ViewRecord() {
@@ -117,7 +119,11 @@ void* View::raw() const {
   if (!s.live.load(std::memory_order_acquire))
     throw StaleView(fmt::format("View::raw: view '{}' is stale: buffer '{}' (#{}) was released by "
                                 "'{}'",
-                                record_->label, s.label, s.id, s.freed_by));
+                                record_->label, s.label, s.id, s.last_event));
+  if (s.generation.load(std::memory_order_acquire) != record_->generation)
+    throw StaleView(fmt::format("View::raw: view '{}' is stale: buffer '{}' (#{}) was repurposed "
+                                "by '{}'",
+                                record_->label, s.label, s.id, s.last_event));
   return static_cast<char*>(s.block.ptr) + record_->byte_offset;
 }
 
@@ -136,7 +142,10 @@ const std::string& View::label() const {
   return record_ ? record_->label : none;
 }
 std::uint64_t View::buffer_id() const { return record_ ? record_->storage->id : 0; }
-bool View::stale() const { return !record_ || !record_->storage->live.load(); }
+bool View::stale() const {
+  return !record_ || !record_->storage->live.load() ||
+         record_->storage->generation.load() != record_->generation;
+}
 
 View View::sub(std::size_t first, std::size_t count, std::string label) const {
   if (!record_) throw Error("View::sub: empty View");
@@ -149,6 +158,7 @@ View View::sub(std::size_t first, std::size_t count, std::string label) const {
   record->byte_offset = record_->byte_offset + first * dtype_size(record_->dtype);
   record->count = count;
   record->dtype = record_->dtype;
+  record->generation = record_->generation;
   record->label = std::move(label);
   std::lock_guard lock(s->space->mu);
   s->views.push_back(record.get());
@@ -224,6 +234,7 @@ View Buffer::view(std::size_t byte_offset, std::size_t count, DType dtype,
   record->dtype = dtype;
   record->label = std::move(label);
   std::lock_guard lock(storage_->space->mu);
+  record->generation = storage_->generation.load();
   storage_->views.push_back(record.get());
   ++storage_->space->stats.views;
   return View(std::move(record));
@@ -256,6 +267,13 @@ std::vector<std::string> Buffer::pin_labels() const {
   return out;
 }
 
+void Buffer::invalidate_views(const std::string& event) {
+  if (!storage_) throw Error(fmt::format("Buffer::invalidate_views: '{}' on an empty Buffer", event));
+  std::lock_guard lock(storage_->space->mu);
+  storage_->last_event = event;
+  storage_->generation.fetch_add(1, std::memory_order_release);
+}
+
 std::size_t Buffer::release(const std::string& event, ReleasePolicy policy) {
   if (!storage_) return 0;
   auto space = storage_->space;  // keeps the mutex alive past storage_.reset()
@@ -272,7 +290,7 @@ std::size_t Buffer::release(const std::string& event, ReleasePolicy policy) {
       }
       held = s.requested;
     }
-    s.freed_by = event;
+    s.last_event = event;
     s.live.store(false, std::memory_order_release);
     s.owned = false;
     if (s.pins.empty()) detail::return_block(s);

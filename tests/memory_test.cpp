@@ -212,3 +212,20 @@ TEST_CASE("a zero-byte buffer is counted but takes no memory") {
   b.release("done");
   REQUIRE(space.stats().buffers == 0);
 }
+
+TEST_CASE("invalidating a buffer's views makes older views stale and leaves newer ones usable") {
+  auto space = host_space();
+  Buffer b = space.allocate(64, Tag::grad, "grad bucket 0");
+  View old_slot = b.view(0, 8, DType::f32, "layers.1.w: grad slot");
+  View old_sub = old_slot.sub(0, 4, "part of slot");
+  b.invalidate_views("bucket 0 reduced");
+  View new_slot = b.view(0, 8, DType::f32, "layers.0.w: grad slot");
+  REQUIRE(old_slot.stale());
+  REQUIRE(old_sub.stale());
+  const auto msg = test::message_of<StaleView>([&] { (void)old_slot.data<float>(); });
+  REQUIRE(test::contains(msg, "layers.1.w: grad slot"));
+  REQUIRE(test::contains(msg, "bucket 0 reduced"));
+  REQUIRE_FALSE(new_slot.stale());
+  new_slot.data<float>()[0] = 2.0f;
+  REQUIRE(static_cast<float*>(b.data())[0] == 2.0f);
+}
