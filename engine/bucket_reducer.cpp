@@ -1,0 +1,105 @@
+#include "engine/bucket_reducer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "memory/error.h"
+
+namespace shardswap {
+
+BucketReducer::BucketReducer(Communicator& comm, MemorySpace& space,
+                             const OptimizerKernels& kernels, DType dtype, std::int64_t capacity)
+    : comm_(comm), kernels_(kernels), dtype_(dtype), capacity_(capacity) {
+  const auto bytes = static_cast<std::size_t>(capacity) * dtype_size(dtype);
+  for (int i = 0; i < 2; ++i)
+    buckets_[i] = space.allocate(bytes, Tag::grad, fmt::format("grad bucket {}", i));
+}
+
+View BucketReducer::slot(Group& group, std::size_t param, const std::string& name,
+                         const LayoutEntry& entry) {
+  const bool fits = group_ == &group && entry.offset >= start_ &&
+                    entry.offset + entry.numel <= start_ + capacity_;
+  if (!fits) {
+    flush();
+    open(group, entry);
+  }
+  lo_ = std::min(lo_, entry.offset);
+  hi_ = std::max(hi_, entry.offset + entry.numel);
+  last_group_ = &group;
+  last_offset_ = entry.offset;
+  auto it = std::find_if(pending_.begin(), pending_.end(),
+                         [&](const Pending& p) { return p.param == param; });
+  if (it == pending_.end())
+    pending_.push_back({param, name, false});
+  else
+    it->ready = false;  // handed out again: more gradient is coming
+  const auto esize = dtype_size(dtype_);
+  return buckets_[current_].view(static_cast<std::size_t>(entry.offset - start_) * esize,
+                                 static_cast<std::size_t>(entry.numel), dtype_,
+                                 fmt::format("{}: grad slot in bucket {}", name, current_));
+}
+
+bool BucketReducer::mark_ready(std::size_t param) {
+  for (auto& p : pending_)
+    if (p.param == param) {
+      p.ready = true;
+      return true;
+    }
+  return false;
+}
+
+void BucketReducer::open(Group& group, const LayoutEntry& entry) {
+  // Gradients usually arrive in descending flat order (backward): place the window so it ends at
+  // this param. Ascending arrival (the previous slot of this group lay below): start at it.
+  const bool ascending = last_group_ == &group && last_offset_ < entry.offset;
+  const std::int64_t align = group.layout.alignment_elements();
+  if (ascending) {
+    start_ = entry.offset;
+  } else {  // the lowest aligned start whose window still holds the whole param
+    const std::int64_t slack = (capacity_ - entry.numel) / align * align;
+    start_ = std::max<std::int64_t>(0, entry.offset - slack);
+  }
+  group_ = &group;
+  lo_ = entry.offset;
+  hi_ = entry.offset + entry.numel;
+  // Alignment gaps between slots are reduced with the slots: they must hold zeros.
+  kernels_.fill_zero(buckets_[current_].data(), buckets_[current_].bytes());
+}
+
+void BucketReducer::flush() {
+  if (group_ == nullptr) return;
+  std::string missing;
+  for (const auto& p : pending_)
+    if (!p.ready) missing += fmt::format("{}'{}'", missing.empty() ? "" : ", ", p.name);
+  if (!missing.empty())
+    throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
+                            missing));
+  const auto esize = static_cast<std::int64_t>(dtype_size(dtype_));
+  auto* bucket = buckets_[current_].as<std::byte>();
+  for (const OwnedRange& piece : owners_of(group_->layout, lo_, hi_)) {
+    std::byte* data = bucket + (piece.begin - start_) * esize;
+    const auto count = static_cast<std::size_t>(piece.end - piece.begin);
+    comm_.reduce(data, count, dtype_, ReduceOp::sum, piece.rank);
+    if (piece.rank == comm_.rank()) {
+      std::byte* partition = group_->grad.as<std::byte>() + (piece.begin - group_->shard.begin) * esize;
+      kernels_.accumulate_bit16(partition, data, dtype_, count);
+    }
+  }
+  ++flushes_;
+  close(fmt::format("reduce of grad bucket {} (flush {})", current_, flushes_));
+  current_ = 1 - current_;  // the next window fills the other bucket
+}
+
+void BucketReducer::discard() {
+  if (group_ != nullptr) close("zero_grad discarded the pending bucket");
+  last_group_ = nullptr;
+}
+
+void BucketReducer::close(const std::string& event) {
+  buckets_[current_].invalidate_views(event);
+  group_ = nullptr;
+  pending_.clear();
+}
+
+}  // namespace shardswap

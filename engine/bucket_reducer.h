@@ -1,0 +1,72 @@
+// Stage 2 gradient reduction: gradients are written into one of two reduce buckets; a full bucket
+// is reduced straight into the owning ranks' gradient partitions, so no rank ever holds a full
+// gradient buffer.
+//
+// A bucket is a window [start, start + capacity) of one group's flat space: a param's slot sits
+// at its own flat offset within the window, so a reduced bucket splits at shard boundaries into
+// contiguous pieces, one reduce per owner (usually one or two). Windows follow the order the
+// gradients come in (backward order is usually descending), but any order is correct: a param
+// reduced twice simply accumulates.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/comm/communicator.h"
+#include "engine/group.h"
+#include "memory/buffer.h"
+#include "optimizer/optimizer.h"
+
+namespace shardswap {
+
+class BucketReducer {
+ public:
+  /// Allocates two buckets of `capacity` elements of `dtype` (tag grad).
+  BucketReducer(Communicator& comm, MemorySpace& space, const OptimizerKernels& kernels,
+                DType dtype, std::int64_t capacity);
+
+  /// The slot for param `param` named `name` (flat entry `entry` of `group`). Reduces the open
+  /// bucket first if the slot does not fit in its window.
+  View slot(Group& group, std::size_t param, const std::string& name, const LayoutEntry& entry);
+  /// Records that the gradient in param's slot is complete. Returns false if param has no slot
+  /// in the open bucket.
+  bool mark_ready(std::size_t param);
+  /// Reduces the open bucket (if any) into the owners' partitions; its slots go stale. Throws
+  /// Error naming the params whose slot was handed out but never marked ready.
+  void flush();
+  /// flush(), and forget the fill direction: the next backward starts afresh.
+  void finish() {
+    flush();
+    last_group_ = nullptr;
+  }
+  /// Forgets the open bucket without reducing it; its slots go stale.
+  void discard();
+  const Group* open_group() const { return group_; }
+  std::int64_t capacity() const { return capacity_; }
+
+ private:
+  void open(Group& group, const LayoutEntry& entry);
+  void close(const std::string& event);
+
+  Communicator& comm_;
+  const OptimizerKernels& kernels_;
+  DType dtype_;
+  std::int64_t capacity_;
+  Buffer buckets_[2];
+  int current_ = 0;
+  Group* group_ = nullptr;  // group of the open bucket; null when none is open
+  std::int64_t start_ = 0;  // window start (flat element)
+  std::int64_t lo_ = 0, hi_ = 0;  // hull of the slots handed out
+  const Group* last_group_ = nullptr;  // previous slot's group and offset: the fill direction
+  std::int64_t last_offset_ = -1;
+  struct Pending {
+    std::size_t param;
+    std::string name;
+    bool ready;
+  };
+  std::vector<Pending> pending_;
+  std::int64_t flushes_ = 0;
+};
+
+}  // namespace shardswap

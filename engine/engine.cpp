@@ -1,0 +1,382 @@
+// The Engine: declarations -> groups with flat layouts -> buffers -> the ZeRO-1/2 step.
+#include "engine/engine.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <cmath>
+#include <map>
+#include <unordered_map>
+
+#include "engine/bucket_reducer.h"
+#include "engine/group.h"
+#include "memory/error.h"
+#include "optimizer/loss_scaler.h"
+
+namespace shardswap {
+
+std::int64_t MemoryPlan::total() const {
+  std::int64_t sum = 0;
+  for (auto b : bytes) sum += b;
+  return sum;
+}
+
+namespace {
+
+LossScaleConfig scaling_for(const EngineConfig& config) {
+  if (config.dtype == DType::f16) return config.loss_scale;
+  LossScaleConfig none;  // bf16 has fp32's range: no scaling, but Inf/NaN still skip the step
+  none.dynamic = false;
+  none.static_scale = 1.0;
+  return none;
+}
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  explicit Impl(const EngineConfig& config) : scaler(scaling_for(config)) {}
+
+  std::vector<Param> params;
+  std::vector<ParamInfo> infos;  // the declarations, as params() returns them
+  std::unordered_map<std::string, std::size_t> by_name;
+  std::vector<std::string> group_names;  // in order of first declaration
+  std::map<std::string, double> weight_decay;
+  std::vector<Group> groups;  // after build
+  std::unique_ptr<BucketReducer> reducer;
+  LossScaler scaler;
+  bool built = false;
+
+  Param& param(const std::string& name, const char* caller) {
+    auto it = by_name.find(name);
+    if (it == by_name.end())
+      throw ConfigError(fmt::format("Engine::{}: no param named '{}'", caller, name));
+    return params[it->second];
+  }
+  void require_built(const char* caller) const {
+    if (!built) throw Error(fmt::format("Engine::{}: call build() first", caller));
+  }
+};
+
+Engine::Engine(EngineConfig config, Communicator& comm, MemorySpace& space,
+               const OptimizerKernels& kernels)
+    : config_(std::move(config)), comm_(comm), space_(space), kernels_(kernels) {
+  config_.validate();
+  impl_ = std::make_unique<Impl>(config_);
+}
+
+Engine::~Engine() = default;
+
+void Engine::add_param(std::string name, std::vector<std::int64_t> shape, std::string group) {
+  if (impl_->built)
+    throw ConfigError(fmt::format("Engine::add_param: '{}' declared after build()", name));
+  if (name.empty()) throw ConfigError("Engine::add_param: a param needs a name");
+  if (group.empty())
+    throw ConfigError(fmt::format("Engine::add_param: '{}' needs a group name", name));
+  if (impl_->by_name.count(name))
+    throw ConfigError(fmt::format("Engine::add_param: duplicate param name '{}'", name));
+  std::int64_t numel = 1;
+  for (auto extent : shape) numel *= extent;
+  bool positive = !shape.empty();
+  for (auto extent : shape) positive = positive && extent > 0;
+  if (!positive)
+    throw ConfigError(fmt::format("Engine::add_param: '{}' has zero elements (shape {})", name,
+                                  shape_text(shape)));
+  auto& groups = impl_->group_names;
+  if (std::find(groups.begin(), groups.end(), group) == groups.end()) groups.push_back(group);
+  Param p;
+  p.info = {std::move(name), std::move(shape), numel, std::move(group)};
+  impl_->by_name.emplace(p.info.name, impl_->params.size());
+  impl_->infos.push_back(p.info);
+  impl_->params.push_back(std::move(p));
+}
+
+void Engine::set_group_weight_decay(const std::string& group, double weight_decay) {
+  if (!(weight_decay >= 0.0) || !std::isfinite(weight_decay))
+    throw ConfigError(fmt::format("Engine::set_group_weight_decay: group '{}': weight decay {} "
+                                  "must be finite and >= 0",
+                                  group, weight_decay));
+  impl_->weight_decay[group] = weight_decay;
+  for (auto& g : impl_->groups)
+    if (g.name == group) g.weight_decay = weight_decay;
+}
+
+// Groups with their layouts and shards, no buffers yet.
+static std::vector<Group> plan_groups(const EngineConfig& config,
+                                      const std::vector<std::string>& names,
+                                      std::vector<Param>& params,
+                                      const std::map<std::string, double>& weight_decay,
+                                      int world_size, int rank) {
+  std::vector<Group> groups;
+  for (const auto& name : names) {
+    Group g;
+    g.name = name;
+    auto wd = weight_decay.find(name);
+    g.weight_decay = wd != weight_decay.end() ? wd->second : config.optimizer.weight_decay;
+    std::vector<std::int64_t> numels;
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (params[i].info.group == name) {
+        params[i].group = groups.size();
+        params[i].index_in_group = g.params.size();
+        g.params.push_back(i);
+        numels.push_back(params[i].info.numel);
+      }
+    LayoutOptions options;
+    options.element_bytes = dtype_size(config.dtype);
+    options.alignment_bytes = config.alignment_bytes;
+    options.world_size = world_size;
+    options.order = config.order;
+    g.layout = FlatLayout::build(numels, options);
+    g.shard = Shard::of(g.layout, rank);
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+// Bucket capacity in elements: the configured bytes, grown (with a warning) to the largest param.
+static std::int64_t bucket_capacity(const EngineConfig& config, const std::vector<Group>& groups,
+                                    const std::vector<Param>& params, bool warn) {
+  const auto esize = static_cast<std::int64_t>(dtype_size(config.dtype));
+  std::int64_t capacity = static_cast<std::int64_t>(config.reduce_bucket_bytes) / esize;
+  std::int64_t largest = 0;
+  std::string largest_name;
+  for (const auto& g : groups)
+    for (auto i : g.params)
+      if (params[i].info.numel > largest) {
+        largest = params[i].info.numel;
+        largest_name = params[i].info.name;
+      }
+  if (largest > capacity) {
+    if (warn)
+      spdlog::warn("Engine: reduce bucket grown from {} to {} bytes to hold param '{}'",
+                   capacity * esize, largest * esize, largest_name);
+    capacity = largest;
+  }
+  return capacity;
+}
+
+MemoryPlan Engine::plan() const {
+  if (impl_->params.empty()) throw ConfigError("Engine::plan: no params declared");
+  auto params = impl_->params;
+  const auto groups = plan_groups(config_, impl_->group_names, params, impl_->weight_decay,
+                                  comm_.world_size(), comm_.rank());
+  const auto esize = static_cast<std::int64_t>(dtype_size(config_.dtype));
+  MemoryPlan plan;
+  auto add = [&](Tag t, std::int64_t bytes) { plan.bytes[static_cast<std::size_t>(t)] += bytes; };
+  for (const auto& g : groups) {
+    add(Tag::param16, g.layout.total_numel() * esize);
+    add(Tag::grad, (config_.stage == 1 ? g.layout.total_numel() : g.shard.numel()) * esize);
+    add(Tag::master32, g.shard.numel() * 4);
+    add(Tag::optim_state, g.shard.numel() * 4 * config_.optimizer.state_slots());
+  }
+  if (config_.stage == 2) add(Tag::grad, 2 * bucket_capacity(config_, groups, params, false) * esize);
+  return plan;
+}
+
+void Engine::build(const WeightInit& init) {
+  if (impl_->built) throw Error("Engine::build: already built");
+  if (impl_->params.empty()) throw ConfigError("Engine::build: no params declared");
+  const int rank = comm_.rank();
+  const auto esize = dtype_size(config_.dtype);
+  const DType dtype = config_.dtype;
+  // Everything is built into locals and moved in at the end: a failure frees it all.
+  auto params = impl_->params;
+  auto groups = plan_groups(config_, impl_->group_names, params, impl_->weight_decay,
+                            comm_.world_size(), rank);
+  std::vector<float> values;
+  for (auto& g : groups) {
+    const auto total = static_cast<std::size_t>(g.layout.total_numel());
+    const auto shard = static_cast<std::size_t>(g.shard.numel());
+    g.param16 = space_.allocate(total * esize, Tag::param16, fmt::format("group {} param16", g.name));
+    kernels_.fill_zero(g.param16.data(), g.param16.bytes());  // padding stays zero for good
+    for (auto i : g.params) {
+      Param& p = params[i];
+      const auto& entry = g.layout.entry_of(p.index_in_group);
+      values.assign(static_cast<std::size_t>(p.info.numel), 0.0f);
+      init(p.info, values);
+      kernels_.cast_to_bit16(values.data(), g.param16_at(entry.offset, esize), dtype, values.size());
+    }
+    // Every rank must start from the same weights, whatever its init did.
+    comm_.broadcast(g.param16.data(), total, dtype, 0);
+    const bool full_grads = config_.stage == 1;
+    g.grad = space_.allocate((full_grads ? total : shard) * esize, Tag::grad,
+                             full_grads ? fmt::format("group {} grads", g.name)
+                                        : fmt::format("group {} grad partition", g.name));
+    kernels_.fill_zero(g.grad.data(), g.grad.bytes());
+    g.master = space_.allocate(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
+    kernels_.cast_from_bit16(g.param16_at(g.shard.begin, esize), g.master.as<float>(), dtype, shard);
+    const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
+    g.state = space_.allocate(slots * shard * 4, Tag::optim_state,
+                              fmt::format("group {} {} state", g.name,
+                                          optimizer_type_name(config_.optimizer.type)));
+    kernels_.fill_zero(g.state.data(), g.state.bytes());
+    for (auto i : g.params) {
+      Param& p = params[i];
+      const auto& entry = g.layout.entry_of(p.index_in_group);
+      const auto at = static_cast<std::size_t>(entry.offset) * esize;
+      const auto n = static_cast<std::size_t>(p.info.numel);
+      p.weight = g.param16.view(at, n, dtype, p.info.name + ": weight view");
+      if (full_grads) p.full_grad = g.grad.view(at, n, dtype, p.info.name + ": grad slot");
+    }
+  }
+  std::unique_ptr<BucketReducer> reducer;
+  if (config_.stage == 2)
+    reducer = std::make_unique<BucketReducer>(comm_, space_, kernels_, dtype,
+                                              bucket_capacity(config_, groups, params, rank == 0));
+  impl_->params = std::move(params);
+  impl_->groups = std::move(groups);
+  impl_->reducer = std::move(reducer);
+  impl_->built = true;
+}
+
+View Engine::weight(const std::string& name) const {
+  impl_->require_built("weight");
+  return impl_->param(name, "weight").weight;
+}
+
+View Engine::grad_slot(const std::string& name) {
+  impl_->require_built("grad_slot");
+  Param& p = impl_->param(name, "grad_slot");
+  if (config_.stage == 1) {
+    p.slot_out = true;
+    p.ready = false;
+    return p.full_grad;
+  }
+  Group& g = impl_->groups[p.group];
+  const auto i = static_cast<std::size_t>(&p - impl_->params.data());
+  return impl_->reducer->slot(g, i, name, g.layout.entry_of(p.index_in_group));
+}
+
+void Engine::grad_ready(const std::string& name) {
+  impl_->require_built("grad_ready");
+  Param& p = impl_->param(name, "grad_ready");
+  const auto i = static_cast<std::size_t>(&p - impl_->params.data());
+  const bool known = config_.stage == 1 ? p.slot_out : impl_->reducer->mark_ready(i);
+  if (!known)
+    throw Error(fmt::format("Engine::grad_ready: '{}' has no grad slot handed out", name));
+  p.ready = true;
+}
+
+void Engine::finish_backward() {
+  impl_->require_built("finish_backward");
+  if (config_.stage == 2) {
+    impl_->reducer->finish();
+    return;
+  }
+  std::string missing;
+  for (const auto& p : impl_->params)
+    if (p.slot_out && !p.ready) missing += fmt::format("{}'{}'", missing.empty() ? "" : ", ", p.info.name);
+  if (!missing.empty())
+    throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
+                            missing));
+}
+
+StepResult Engine::step() {
+  impl_->require_built("step");
+  finish_backward();
+  const DType dtype = config_.dtype;
+  const auto esize = dtype_size(dtype);
+  const int rank = comm_.rank();
+  auto& groups = impl_->groups;
+  if (config_.stage == 1)
+    for (auto& g : groups) {
+      const auto shard = static_cast<std::size_t>(g.shard.numel());
+      comm_.reduce_scatter(g.grad.data(), g.grad.as<std::byte>() + rank * shard * esize, shard,
+                           dtype, ReduceOp::sum);
+    }
+
+  // Partitions now hold sums over ranks of loss-scaled micro-batch sums. One factor turns them
+  // into the mean unscaled gradient; it is applied in registers, never to a stored copy.
+  StepResult result;
+  result.loss_scale = impl_->scaler.scale();
+  const double unscale = 1.0 / (result.loss_scale * comm_.world_size() *
+                                config_.gradient_accumulation_steps);
+  double squares = 0.0;
+  for (auto& g : groups)
+    squares += kernels_.sum_squares(g.grad_partition(config_.stage, esize), dtype,
+                                    static_cast<std::size_t>(g.shard.numel()), unscale);
+  // One all-reduce gives both the norm and the overflow flag: Inf/NaN anywhere poisons the sum.
+  comm_.all_reduce(&squares, 1, DType::f64, ReduceOp::sum);
+  result.grad_norm = std::sqrt(squares);
+  const bool overflow = !std::isfinite(squares);
+  result.applied = impl_->scaler.update(overflow);
+  if (result.applied) {
+    result.clip_coef = clip_coefficient(result.grad_norm, config_.gradient_clipping);
+    StepArgs args;
+    args.lr = config_.optimizer.lr;
+    args.grad_scale = static_cast<float>(unscale * result.clip_coef);
+    const auto slots = config_.optimizer.state_slots();
+    for (auto& g : groups) {
+      const auto shard = static_cast<std::size_t>(g.shard.numel());
+      args.step = ++g.step;
+      args.weight_decay = g.weight_decay;
+      ShardTensors t;
+      t.master = g.master.as<float>();
+      t.state0 = slots >= 1 ? g.state.as<float>() : nullptr;
+      t.state1 = slots >= 2 ? g.state.as<float>() + shard : nullptr;
+      t.grad = g.grad_partition(config_.stage, esize);
+      t.param = g.param16_at(g.shard.begin, esize);
+      t.dtype = dtype;
+      t.count = shard;
+      kernels_.update(config_.optimizer, args, t);
+    }
+    for (auto& g : groups) {
+      const auto shard = static_cast<std::size_t>(g.shard.numel());
+      comm_.all_gather(g.param16_at(g.shard.begin, esize), g.param16.data(), shard, dtype);
+    }
+  }
+  zero_grad();
+  return result;
+}
+
+void Engine::zero_grad() {
+  impl_->require_built("zero_grad");
+  if (impl_->reducer) impl_->reducer->discard();
+  for (auto& g : impl_->groups) kernels_.fill_zero(g.grad.data(), g.grad.bytes());
+  for (auto& p : impl_->params) p.slot_out = p.ready = false;
+}
+
+double Engine::loss_scale() const { return impl_->scaler.scale(); }
+
+void Engine::set_lr(double lr) {
+  if (!(lr >= 0.0) || !std::isfinite(lr))
+    throw ConfigError(fmt::format("Engine::set_lr: learning rate {} must be finite and >= 0", lr));
+  config_.optimizer.lr = lr;
+}
+
+const std::vector<ParamInfo>& Engine::params() const { return impl_->infos; }
+
+std::vector<std::string> Engine::groups() const { return impl_->group_names; }
+
+static const Group& find_group(const std::vector<Group>& groups, const std::string& name,
+                               const char* caller) {
+  for (const auto& g : groups)
+    if (g.name == name) return g;
+  throw ConfigError(fmt::format("Engine::{}: no built group named '{}'", caller, name));
+}
+
+std::int64_t Engine::group_step(const std::string& group) const {
+  return find_group(impl_->groups, group, "group_step").step;
+}
+
+const FlatLayout& Engine::layout(const std::string& group) const {
+  return find_group(impl_->groups, group, "layout").layout;
+}
+
+std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {
+  impl_->require_built("master_pieces");
+  const Param& p = impl_->param(name, "master_pieces");
+  const Group& g = impl_->groups[p.group];
+  std::vector<MasterPiece> pieces;
+  const float* master = g.master.as<float>();
+  for (const auto& f : g.shard.fragments)
+    if (f.param == p.index_in_group)
+      pieces.push_back({f.param_offset, std::vector<float>(master + f.shard_offset,
+                                                           master + f.shard_offset + f.count)});
+  return pieces;
+}
+
+}  // namespace shardswap

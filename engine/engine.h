@@ -1,0 +1,124 @@
+// The public C++ API: one Engine per rank. Declare params, build, then per step: write gradients
+// into grad slots, signal them ready, step(). ZeRO-1/2 over any Communicator.
+//
+// Typical use (each rank, e.g. a thread of run_ranks or a process under mpirun):
+//   Engine engine(config, comm, space);
+//   engine.add_param("layers.0.fc1.weight", {256, 64}, "layers.0");
+//   ...
+//   engine.build(init);                       // same init on every rank
+//   View w = engine.weight("layers.0.fc1.weight");   // bit16, read in forward
+//   // backward: for each param, in any order, the same on every rank:
+//   View g = engine.grad_slot("layers.0.fc1.weight");
+//   add this micro-batch's gradient (times loss_scale()) into g;
+//   engine.grad_ready("layers.0.fc1.weight");
+//   StepResult r = engine.step();             // reduce, clip, update, all-gather
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/comm/communicator.h"
+#include "engine/engine_config.h"
+#include "memory/buffer.h"
+#include "optimizer/optimizer.h"
+
+namespace shardswap {
+
+struct ParamInfo {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::int64_t numel = 0;
+  std::string group;
+};
+
+/// Fills a param's initial values (fp32; rounded to bit16). Must give the same values on every
+/// rank.
+using WeightInit = std::function<void(const ParamInfo& param, std::span<float> values)>;
+
+struct StepResult {
+  bool applied = false;      ///< false: skipped (Inf/NaN gradients)
+  double grad_norm = 0.0;    ///< global norm of the averaged, unscaled gradients (Inf/NaN if so)
+  double clip_coef = 1.0;    ///< applied to the gradients (1 when not clipped)
+  double loss_scale = 1.0;   ///< the scale the gradients of this step carried
+};
+
+/// Planned bytes per tag for this rank, computed from the declarations alone.
+struct MemoryPlan {
+  std::array<std::int64_t, kTagCount> bytes{};
+  std::int64_t total() const;
+  std::int64_t of(Tag t) const { return bytes[static_cast<std::size_t>(t)]; }
+};
+
+/// A piece of a param's fp32 master held by this rank.
+struct MasterPiece {
+  std::int64_t param_offset = 0;
+  std::vector<float> values;
+};
+
+class Engine {
+ public:
+  /// Throws ConfigError if the config is invalid. `comm` and `space` must outlive the Engine.
+  Engine(EngineConfig config, Communicator& comm, MemorySpace& space,
+         const OptimizerKernels& kernels = cpu_kernels());
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // ---- declaration ----
+  /// Throws ConfigError for an empty or duplicate name, an empty group name, a shape with a
+  /// non-positive extent (zero elements), or a call after build().
+  void add_param(std::string name, std::vector<std::int64_t> shape, std::string group);
+  /// Overrides the optimizer's weight decay for one group (e.g. norms and biases: 0).
+  void set_group_weight_decay(const std::string& group, double weight_decay);
+  /// Bytes this rank will hold after build(), per tag.
+  MemoryPlan plan() const;
+  /// Allocates every buffer, fills the bit16 weights from `init` and seeds the fp32 masters
+  /// from them. On failure nothing stays allocated and the Engine can be built again.
+  void build(const WeightInit& init);
+
+  // ---- training ----
+  /// The param's bit16 weights (registered as "<name>: weight view").
+  View weight(const std::string& name) const;
+  /// Where to add this micro-batch's gradient of `name` (bit16, pre-scaled by loss_scale()).
+  /// Stage 1: a slot of the group's full gradient buffer. Stage 2: a slot in a reduce bucket,
+  /// valid until the bucket is reduced (later Views of it throw StaleView).
+  View grad_slot(const std::string& name);
+  /// Signals that the gradient in the slot is complete for this micro-batch.
+  void grad_ready(const std::string& name);
+  /// Reduces any bucket still pending (stage 2). step() calls it; call it earlier to end a
+  /// micro-batch's backward explicitly.
+  void finish_backward();
+  /// Reduce, unscale, check for overflow, clip, update, all-gather, zero the gradients.
+  StepResult step();
+  /// Drops the gradients accumulated so far (and any pending bucket) without stepping.
+  void zero_grad();
+  double loss_scale() const;
+  void set_lr(double lr);
+  double lr() const { return config_.optimizer.lr; }
+
+  // ---- inspection ----
+  const EngineConfig& config() const { return config_; }
+  const std::vector<ParamInfo>& params() const;
+  std::vector<std::string> groups() const;
+  std::int64_t group_step(const std::string& group) const;
+  const FlatLayout& layout(const std::string& group) const;
+  std::vector<MasterPiece> master_pieces(const std::string& name) const;
+  MemoryStats memory_stats() const { return space_.stats(); }
+  std::string memory_report() const { return space_.report_text(); }
+  int rank() const { return comm_.rank(); }
+  int world_size() const { return comm_.world_size(); }
+
+ private:
+  struct Impl;
+  EngineConfig config_;
+  Communicator& comm_;
+  MemorySpace& space_;
+  const OptimizerKernels& kernels_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardswap

@@ -1,0 +1,35 @@
+// What an Engine is asked to do: ZeRO stage, precision, layout, buckets, optimizer, scaling.
+#pragma once
+
+#include <cstddef>
+#include <string_view>
+
+#include "memory/dtype.h"
+#include "optimizer/loss_scaler.h"
+#include "optimizer/optimizer.h"
+#include "partition/flat_layout.h"
+
+namespace shardswap {
+
+struct EngineConfig {
+  /// 1: fp32 master and optimizer state sharded, full bit16 gradients kept until the step.
+  /// 2: gradients also sharded: reduced in buckets into their owners' partitions as they come.
+  int stage = 2;
+  DType dtype = DType::bf16;  ///< bit16 type of params and gradients (bf16 or fp16)
+  std::size_t alignment_bytes = 256;
+  /// Capacity of each of the two stage-2 reduce buckets, in bytes. (The JSON key
+  /// zero_optimization.reduce_bucket_size counts elements, as in DeepSpeed.)
+  std::size_t reduce_bucket_bytes = std::size_t{1} << 26;
+  LayoutOrder order = LayoutOrder::declaration;  ///< round_robin_gradients in DeepSpeed
+  /// Gradients are averaged over ranks and over this many micro-batches per step.
+  int gradient_accumulation_steps = 1;
+  double gradient_clipping = 0.0;  ///< max global norm; 0 turns clipping off
+  OptimizerConfig optimizer;
+  /// Used when dtype is fp16; bf16 runs use a static scale of 1.
+  LossScaleConfig loss_scale;
+
+  /// Throws ConfigError naming the key (under `prefix`) of the first bad value.
+  void validate(std::string_view prefix = "") const;
+};
+
+}  // namespace shardswap

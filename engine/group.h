@@ -1,0 +1,48 @@
+// A layer group: its params packed in one aligned bit16 flat buffer, and this rank's shard of
+// the gradients, fp32 master and optimizer state.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "memory/buffer.h"
+#include "partition/flat_layout.h"
+
+namespace shardswap {
+
+struct Param {
+  ParamInfo info;
+  std::size_t group = 0;
+  std::size_t index_in_group = 0;
+  View weight;            // registered "<name>: weight view"
+  View full_grad;         // stage 1 only: "<name>: grad slot"
+  bool slot_out = false;  // grad_slot handed out this micro-batch
+  bool ready = false;     // grad_ready called since
+};
+
+struct Group {
+  std::string name;
+  std::vector<std::size_t> params;  // indices into the engine's params, declaration order
+  double weight_decay = 0.0;
+  FlatLayout layout;
+  Shard shard;
+  Buffer param16;  // full flat bit16 weights, every rank
+  Buffer grad;     // stage 1: full flat bit16 gradients; stage 2: this rank's partition
+  Buffer master;   // fp32, this rank's shard
+  Buffer state;    // fp32 optimizer state, state_slots x shard
+  std::int64_t step = 0;
+
+  std::byte* param16_at(std::int64_t element, std::size_t elem_bytes) const {
+    return param16.as<std::byte>() + element * static_cast<std::int64_t>(elem_bytes);
+  }
+  /// This rank's partition of the reduced gradients.
+  std::byte* grad_partition(int stage, std::size_t elem_bytes) const {
+    const std::int64_t at = stage == 1 ? shard.begin : 0;
+    return grad.as<std::byte>() + at * static_cast<std::int64_t>(elem_bytes);
+  }
+};
+
+}  // namespace shardswap

@@ -1,0 +1,86 @@
+// The shardswap command line. Exit codes: 0 success, 1 runtime failure, 2 bad input.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "memory/error.h"
+#include "tools/train.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(usage:
+  shardswap train --config FILE [--metrics FILE] [--set key.path=value]... [--memory-report]
+
+  train   runs the built-in model with the JSON config FILE (see docs/config.md)
+          --metrics FILE     one JSON object per step
+          --set k.path=v     overrides a config key (v is JSON, or a bare string)
+          --memory-report    prints rank 0's buffers and their holders after build
+)";
+
+struct BadUsage : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+int train_command(const std::vector<std::string>& args) {
+  std::string config_path, metrics_path;
+  std::vector<std::string> overrides;
+  bool memory_report = false;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const auto value = [&]() -> const std::string& {
+      if (i + 1 >= args.size()) throw BadUsage(fmt::format("{} needs a value", args[i]));
+      return args[++i];
+    };
+    if (args[i] == "--config") config_path = value();
+    else if (args[i] == "--metrics") metrics_path = value();
+    else if (args[i] == "--set") overrides.push_back(value());
+    else if (args[i] == "--memory-report") memory_report = true;
+    else throw BadUsage(fmt::format("unknown argument '{}'", args[i]));
+  }
+  if (config_path.empty()) throw BadUsage("train needs --config FILE");
+
+  auto reader = shardswap::ConfigReader::from_file(config_path);
+  for (const auto& o : overrides) reader.set(o);
+  const auto config = shardswap::train_config_from_json(reader);
+  for (const auto& key : reader.unread_keys())
+    spdlog::warn("config {}: key '{}' is not implemented by ShardSwap and is ignored",
+                 config_path, key);
+
+  std::ofstream metrics;
+  if (!metrics_path.empty()) {
+    metrics.open(metrics_path);
+    if (!metrics)
+      throw shardswap::ConfigError(fmt::format("--metrics: cannot write '{}'", metrics_path));
+  }
+  const auto summary = shardswap::train(config, std::cout, metrics_path.empty() ? nullptr : &metrics,
+                                        memory_report ? &std::cout : nullptr);
+  std::cout << fmt::format("done: {} steps, {} skipped; loss {:.6f} -> {:.6f}\n", summary.steps,
+                           summary.skipped, summary.first_loss, summary.final_loss);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    if (args.empty() || args[0] == "--help" || args[0] == "-h") {
+      std::cout << kUsage;
+      return args.empty() ? 2 : 0;
+    }
+    if (args[0] == "train") return train_command({args.begin() + 1, args.end()});
+    throw BadUsage(fmt::format("unknown command '{}'", args[0]));
+  } catch (const BadUsage& e) {
+    std::cerr << "shardswap: " << e.what() << "\n" << kUsage;
+    return 2;
+  } catch (const shardswap::ConfigError& e) {
+    std::cerr << "shardswap: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "shardswap: error: " << e.what() << "\n";
+    return 1;
+  }
+}
