@@ -8,7 +8,9 @@
 
 namespace shardswap {
 
-EngineConfig engine_config_from_json(ConfigReader& c) {
+namespace {
+
+EngineConfig read(ConfigReader& c) {
   EngineConfig cfg;
   const bool bf16 = c.boolean("bf16.enabled", false);
   const bool fp16 = c.boolean("fp16.enabled", false);
@@ -55,12 +57,21 @@ EngineConfig engine_config_from_json(ConfigReader& c) {
   const auto alignment = c.integer("shardswap.alignment_bytes", 256);
   if (alignment < 1) c.fail("shardswap.alignment_bytes", fmt::format("= {} must be >= 1", alignment));
   cfg.alignment_bytes = static_cast<std::size_t>(alignment);
-  try {
-    cfg.validate();
-  } catch (const ConfigError& e) {
-    throw ConfigError(fmt::format("config {}: {}", c.source(), e.what()));
-  }
+  cfg.validate();
   return cfg;
+}
+
+}  // namespace
+
+EngineConfig engine_config_from_json(ConfigReader& c) {
+  try {
+    return read(c);
+  } catch (const ConfigError& e) {
+    // Errors from validators below know the key but not the file: add it.
+    const std::string what = e.what();
+    if (what.find(c.source()) != std::string::npos) throw;
+    throw ConfigError(fmt::format("config {}: {}", c.source(), what));
+  }
 }
 
 }  // namespace shardswap

@@ -28,7 +28,8 @@ class LossScaler {
   /// Records one step's outcome. Returns true if the step must be applied, false if it must be
   /// skipped (any overflow skips the step). On overflow: hysteresis counts down; when it reaches
   /// zero the scale halves (never below min_scale) and hysteresis is restored. After `window`
-  /// consecutive clean steps the scale doubles. A static scaler never changes its scale.
+  /// consecutive clean steps the scale doubles and hysteresis is restored (as in DeepSpeed). A
+  /// static scaler never changes its scale.
   bool update(bool overflow);
 
   std::int64_t clean_steps() const { return clean_steps_; }

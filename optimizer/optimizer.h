@@ -64,7 +64,8 @@ struct ShardTensors {
 struct OptimizerKernels {
   /// The fused update (Adam, AdamW or SGD per config) of one shard.
   void (*update)(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t);
-  /// Sum of squares of the upcast bit16 values times `scale`, accumulated in double.
+  /// Sum of squares of the upcast bit16 values times `scale`, accumulated in double:
+  /// sum over i of (double(data[i]) * scale)^2.
   double (*sum_squares)(const void* data, DType dtype, std::size_t count, double scale);
   /// True if any of the `count` bit16 values is Inf or NaN.
   bool (*has_inf_or_nan)(const void* data, DType dtype, std::size_t count);

@@ -1,0 +1,99 @@
+// Optimizer names, config validation and the backend-independent scalars (state slots, clipping).
+#include "optimizer/optimizer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <string>
+
+#include "memory/error.h"
+
+namespace shardswap {
+
+namespace {
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+// Throws unless `ok`; written so that callers state the condition that must hold, which makes a
+// NaN (for which every comparison is false) fail too.
+void require(bool ok, std::string_view prefix, std::string_view key, double value,
+             std::string_view rule) {
+  if (!ok) {
+    throw ConfigError(
+        fmt::format("OptimizerConfig::validate: {}.{} = {} must be {}", prefix, key, value, rule));
+  }
+}
+
+}  // namespace
+
+OptimizerType optimizer_type_from_name(std::string_view name, std::string_view key) {
+  const std::string l = lower(name);
+  if (l == "adam") return OptimizerType::adam;
+  if (l == "adamw") return OptimizerType::adamw;
+  if (l == "sgd") return OptimizerType::sgd;
+  throw ConfigError(
+      fmt::format("optimizer_type_from_name: {}: unknown optimizer type '{}'; "
+                  "expected Adam, AdamW or SGD",
+                  key, name));
+}
+
+const char* optimizer_type_name(OptimizerType type) {
+  switch (type) {
+    case OptimizerType::adam:
+      return "Adam";
+    case OptimizerType::adamw:
+      return "AdamW";
+    case OptimizerType::sgd:
+      return "SGD";
+  }
+  return "?";
+}
+
+// Keys follow the DeepSpeed / torch.optim JSON spelling: "betas" is a pair, so beta1 and beta2
+// are named "betas[0]" and "betas[1]".
+void OptimizerConfig::validate(std::string_view prefix) const {
+  require(std::isfinite(lr), prefix, "lr", lr, "finite");
+  require(lr >= 0, prefix, "lr", lr, ">= 0");
+  require(beta1 >= 0 && beta1 < 1, prefix, "betas[0]", beta1, "in [0, 1)");
+  require(beta2 >= 0 && beta2 < 1, prefix, "betas[1]", beta2, "in [0, 1)");
+  require(std::isfinite(eps), prefix, "eps", eps, "finite");
+  require(eps > 0, prefix, "eps", eps, "> 0");
+  require(std::isfinite(weight_decay), prefix, "weight_decay", weight_decay, "finite");
+  require(weight_decay >= 0, prefix, "weight_decay", weight_decay, ">= 0");
+  require(std::isfinite(momentum), prefix, "momentum", momentum, "finite");
+  require(momentum >= 0, prefix, "momentum", momentum, ">= 0");
+  require(dampening >= 0 && dampening <= 1, prefix, "dampening", dampening, "in [0, 1]");
+  if (nesterov && !(momentum > 0 && dampening == 0)) {
+    throw ConfigError(
+        fmt::format("OptimizerConfig::validate: {}.nesterov = true needs {}.momentum "
+                    "> 0 (got {}) and {}.dampening = 0 (got {})",
+                    prefix, prefix, momentum, prefix, dampening));
+  }
+}
+
+int OptimizerConfig::state_slots() const {
+  switch (type) {
+    case OptimizerType::adam:
+    case OptimizerType::adamw:
+      return 2;
+    case OptimizerType::sgd:
+      return momentum > 0 ? 1 : 0;
+  }
+  return 0;
+}
+
+double clip_coefficient(double total_norm, double max_norm) {
+  // The 1e-6 matches torch.nn.utils.clip_grad_norm_; a NaN norm fails the test and gives 1 (an
+  // overflowed step is skipped elsewhere, not clipped).
+  if (max_norm > 0 && total_norm > max_norm) return max_norm / (total_norm + 1e-6);
+  return 1.0;
+}
+
+}  // namespace shardswap

@@ -1,0 +1,636 @@
+// Specification of optimizer/: the CPU update rules against an independent float64 reference
+// (torch.optim formulas), the bit16 helpers against bit-level rounding written here, loss scaling
+// and config validation.
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "memory/dtype.h"
+#include "memory/error.h"
+#include "optimizer/loss_scaler.h"
+#include "optimizer/optimizer.h"
+#include "tests/catch_compat.h"
+
+using namespace shardswap;
+
+namespace {
+
+// --- bit16 by hand, independent of Eigen ----------------------------------------------------
+
+std::uint16_t round_bf16(float f) {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<std::uint16_t>((x >> 16) | 0x40);
+  const std::uint32_t lsb = (x >> 16) & 1u;  // ties go to the even neighbour
+  return static_cast<std::uint16_t>((x + 0x7FFFu + lsb) >> 16);
+}
+
+std::uint16_t round_f16(float f) {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
+  const std::uint32_t abs = x & 0x7FFFFFFFu;
+  if (abs > 0x7F800000u) return sign | 0x7E00;  // NaN
+  const int exp = static_cast<int>(abs >> 23) - 127;
+  std::uint32_t mant = abs & 0x7FFFFFu;
+  if (exp > 15) return sign | 0x7C00;  // Inf, or finite beyond the fp16 range
+  auto round_shift = [](std::uint32_t m, int shift) {
+    const std::uint32_t kept = m >> shift;
+    const std::uint32_t rest = m & ((1u << shift) - 1);
+    const std::uint32_t half = 1u << (shift - 1);
+    return kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u);
+  };
+  if (exp >= -14) {  // normal; a carry out of the mantissa correctly bumps the exponent (or to Inf)
+    const std::uint32_t h = (static_cast<std::uint32_t>(exp + 15) << 10) | (mant >> 13);
+    const std::uint32_t rest = mant & 0x1FFFu;
+    const bool up = rest > 0x1000u || (rest == 0x1000u && (h & 1u));
+    return sign | static_cast<std::uint16_t>(h + (up ? 1 : 0));
+  }
+  if (exp < -25) return sign;  // below half the smallest subnormal
+  mant |= 0x800000u;           // subnormal: value / 2^-24 = mant * 2^(exp + 1)
+  return sign | static_cast<std::uint16_t>(round_shift(mant, -(exp + 1)));
+}
+
+double decode_bf16(std::uint16_t b) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+}
+
+double decode_f16(std::uint16_t b) {
+  const double sign = (b & 0x8000) ? -1.0 : 1.0;
+  const int exp = (b >> 10) & 0x1F;
+  const int mant = b & 0x3FF;
+  if (exp == 0x1F) return mant ? std::numeric_limits<double>::quiet_NaN() : sign * INFINITY;
+  if (exp == 0) return sign * std::ldexp(mant, -24);
+  return sign * std::ldexp(1024 + mant, exp - 25);
+}
+
+std::uint16_t round_to(DType d, float f) {
+  return d == DType::bf16 ? round_bf16(f) : round_f16(f);
+}
+double decode(DType d, std::uint16_t b) {
+  return d == DType::bf16 ? decode_bf16(b) : decode_f16(b);
+}
+
+const DType bit16_types[] = {DType::bf16, DType::f16};
+
+// Values in +-[lo, hi]: random sign, never near zero.
+std::vector<float> random_values(std::mt19937& rng, std::size_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> mag(lo, hi);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<float> v(n);
+  for (float& x : v) x = negative(rng) ? -mag(rng) : mag(rng);
+  return v;
+}
+
+std::vector<std::uint16_t> random_bit16(std::mt19937& rng, DType d, std::size_t n, float lo,
+                                        float hi) {
+  std::vector<std::uint16_t> out;
+  for (float x : random_values(rng, n, lo, hi)) out.push_back(round_to(d, x));
+  return out;
+}
+
+double normalized_error(const std::vector<float>& x, const std::vector<double>& ref) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    diff += (x[i] - ref[i]) * (x[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+// --- float64 reference of torch.optim, in its textbook form ---------------------------------
+
+struct Reference {
+  OptimizerConfig config;
+  std::vector<double> master, state0, state1;
+
+  void step(std::int64_t step, double lr, double wd, const std::vector<double>& grad) {
+    const auto t = static_cast<double>(step);
+    for (std::size_t i = 0; i < master.size(); ++i) {
+      double g = grad[i];
+      double& p = master[i];
+      if (config.type == OptimizerType::sgd) {
+        if (wd != 0) g += wd * p;
+        double d = g;
+        if (config.momentum != 0) {
+          double& buf = state0[i];
+          buf = step == 1 ? g : config.momentum * buf + (1 - config.dampening) * g;
+          d = config.nesterov ? g + config.momentum * buf : buf;
+        }
+        p -= lr * d;
+        continue;
+      }
+      if (config.type == OptimizerType::adamw) {
+        p -= lr * wd * p;
+      } else if (wd != 0) {
+        g += wd * p;
+      }
+      double& m = state0[i];
+      double& v = state1[i];
+      m = config.beta1 * m + (1 - config.beta1) * g;
+      v = config.beta2 * v + (1 - config.beta2) * g * g;
+      const double mhat = m / (1 - std::pow(config.beta1, t));
+      const double vhat = v / (1 - std::pow(config.beta2, t));
+      p -= lr * mhat / (std::sqrt(vhat) + config.eps);
+    }
+  }
+};
+
+// Runs 20 steps of the CPU kernel and of the reference on the same random bit16 gradients and
+// checks, after every step, the master and state against the reference and the bit16 param
+// against the kernel's own master rounded to nearest even.
+void check_against_reference(const OptimizerConfig& config, double lr, double wd) {
+  config.validate();
+  for (DType dtype : bit16_types) {
+    INFO("dtype " << dtype_name(dtype));
+    constexpr std::size_t n = 1031;  // not a multiple of any vector width
+    constexpr float grad_scale = 0.37f;
+    std::mt19937 rng(1234);
+    const int slots = config.state_slots();
+
+    std::vector<float> master = random_values(rng, n, 0.05f, 1.0f);
+    std::vector<float> state0(slots >= 1 ? n : 0, 0.0f), state1(slots >= 2 ? n : 0, 0.0f);
+    std::vector<std::uint16_t> param(n, 0);
+    Reference ref{config, std::vector<double>(master.begin(), master.end()),
+                  std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+
+    for (std::int64_t step = 1; step <= 20; ++step) {
+      INFO("step " << step);
+      const std::vector<std::uint16_t> grad = random_bit16(rng, dtype, n, 0.01f, 2.0f);
+      std::vector<double> ref_grad(n);
+      for (std::size_t i = 0; i < n; ++i) ref_grad[i] = decode(dtype, grad[i]) * grad_scale;
+      ref.step(step, lr, wd, ref_grad);
+
+      const ShardTensors t{master.data(),
+                           slots >= 1 ? state0.data() : nullptr,
+                           slots >= 2 ? state1.data() : nullptr,
+                           grad.data(),
+                           param.data(),
+                           dtype,
+                           n};
+      cpu_kernels().update(config, StepArgs{step, lr, wd, grad_scale}, t);
+
+      CHECK(normalized_error(master, ref.master) <= 1e-6);
+      if (slots >= 1) CHECK(normalized_error(state0, ref.state0) <= 1e-6);
+      if (slots >= 2) CHECK(normalized_error(state1, ref.state1) <= 1e-6);
+      std::size_t misrounded = 0;
+      for (std::size_t i = 0; i < n; ++i) misrounded += param[i] != round_to(dtype, master[i]);
+      CHECK(misrounded == 0);
+    }
+  }
+}
+
+OptimizerConfig make(OptimizerType type) {
+  OptimizerConfig c;
+  c.type = type;
+  return c;
+}
+
+OptimizerConfig sgd(double momentum, double dampening, bool nesterov) {
+  OptimizerConfig c = make(OptimizerType::sgd);
+  c.momentum = momentum;
+  c.dampening = dampening;
+  c.nesterov = nesterov;
+  return c;
+}
+
+}  // namespace
+
+// --- update rules ---------------------------------------------------------------------------
+
+TEST_CASE("Adam matches the float64 reference over 20 steps") {
+  check_against_reference(make(OptimizerType::adam), 1e-2, 0.0);
+}
+
+TEST_CASE("Adam with weight decay adds the L2 term to the gradient") {
+  check_against_reference(make(OptimizerType::adam), 1e-2, 0.1);
+}
+
+TEST_CASE("AdamW matches the float64 reference over 20 steps without weight decay") {
+  check_against_reference(make(OptimizerType::adamw), 1e-2, 0.0);
+}
+
+TEST_CASE("AdamW decays the master weights decoupled from the gradient") {
+  check_against_reference(make(OptimizerType::adamw), 1e-2, 0.1);
+}
+
+TEST_CASE("Adam with beta1 = 0 and a large eps follows the reference") {
+  OptimizerConfig c = make(OptimizerType::adam);
+  c.beta1 = 0.0;
+  c.beta2 = 0.95;
+  c.eps = 1e-3;
+  check_against_reference(c, 1e-2, 0.0);
+}
+
+TEST_CASE("plain SGD matches the float64 reference and needs no state") {
+  check_against_reference(sgd(0.0, 0.0, false), 0.05, 0.0);
+}
+
+TEST_CASE("plain SGD with weight decay adds the L2 term to the gradient") {
+  check_against_reference(sgd(0.0, 0.0, false), 0.05, 0.01);
+}
+
+TEST_CASE("SGD with momentum starts the buffer at the first gradient") {
+  check_against_reference(sgd(0.9, 0.0, false), 0.05, 0.0);
+}
+
+TEST_CASE("SGD with momentum and weight decay follows the reference") {
+  check_against_reference(sgd(0.9, 0.0, false), 0.05, 0.01);
+}
+
+TEST_CASE("SGD with nesterov momentum looks ahead along the buffer") {
+  check_against_reference(sgd(0.9, 0.0, true), 0.05, 0.0);
+}
+
+TEST_CASE("SGD with nesterov momentum and weight decay follows the reference") {
+  check_against_reference(sgd(0.9, 0.0, true), 0.05, 0.01);
+}
+
+TEST_CASE("SGD with dampening scales new gradients from the second step on") {
+  check_against_reference(sgd(0.8, 0.3, false), 0.05, 0.01);
+}
+
+TEST_CASE("grad_scale multiplies every upcast gradient") {
+  for (DType dtype : bit16_types) {
+    INFO("dtype " << dtype_name(dtype));
+    const std::vector<std::uint16_t> grad = {round_to(dtype, 1.5f), round_to(dtype, -0.75f),
+                                             round_to(dtype, 3.0f)};
+    std::vector<float> master(3, 0.0f);
+    std::vector<std::uint16_t> param(3);
+    cpu_kernels().update(
+        sgd(0.0, 0.0, false), StepArgs{1, 1.0, 0.0, 0.25f},
+        ShardTensors{master.data(), nullptr, nullptr, grad.data(), param.data(), dtype, 3});
+    CHECK(master == std::vector<float>{-0.375f, 0.1875f, -0.75f});
+  }
+}
+
+TEST_CASE("an update of zero elements touches nothing") {
+  for (DType dtype : bit16_types) {
+    for (OptimizerType type : {OptimizerType::adam, OptimizerType::adamw, OptimizerType::sgd}) {
+      CHECK_NOTHROW(cpu_kernels().update(
+          make(type), StepArgs{},
+          ShardTensors{nullptr, nullptr, nullptr, nullptr, nullptr, dtype, 0}));
+    }
+  }
+}
+
+TEST_CASE("update rejects a dtype that is not bit16, a missing state slot and step 0") {
+  float master = 1, m = 0;
+  std::uint16_t grad = 0, param = 0;
+  const ShardTensors no_v{&master, &m, nullptr, &grad, &param, DType::bf16, 1};
+  CHECK(test::contains(test::message_of<ConfigError>([&] {
+                         cpu_kernels().update(make(OptimizerType::adam), StepArgs{}, no_v);
+                       }),
+                       "state1"));
+  ShardTensors f32 = no_v;
+  f32.dtype = DType::f32;
+  CHECK(test::contains(test::message_of<ConfigError>([&] {
+                         cpu_kernels().update(make(OptimizerType::sgd), StepArgs{}, f32);
+                       }),
+                       "fp32"));
+  const ShardTensors plain{&master, nullptr, nullptr, &grad, &param, DType::bf16, 1};
+  CHECK(test::contains(test::message_of<ConfigError>([&] {
+                         cpu_kernels().update(make(OptimizerType::sgd), StepArgs{0}, plain);
+                       }),
+                       "step = 0"));
+}
+
+// --- reductions, casts and copies -----------------------------------------------------------
+
+TEST_CASE("sum_squares accumulates the scaled upcast values in double") {
+  for (DType dtype : bit16_types) {
+    INFO("dtype " << dtype_name(dtype));
+    std::mt19937 rng(7);
+    const std::vector<std::uint16_t> x = random_bit16(rng, dtype, 4099, 1e-3f, 100.0f);
+    const double scale = 1.0 / 4096.0 / 3.0;
+    double expected = 0;
+    for (std::uint16_t b : x) expected += (decode(dtype, b) * scale) * (decode(dtype, b) * scale);
+    const double got = cpu_kernels().sum_squares(x.data(), dtype, x.size(), scale);
+    CHECK(std::abs(got - expected) <= 1e-12 * expected);
+    CHECK(cpu_kernels().sum_squares(nullptr, dtype, 0, scale) == 0.0);
+  }
+}
+
+TEST_CASE("has_inf_or_nan finds an Inf or NaN at any position and nothing in finite data") {
+  struct Special {
+    const char* name;
+    std::uint16_t bf16, f16;
+  };
+  const Special specials[] = {{"+Inf", 0x7F80, 0x7C00},
+                              {"-Inf", 0xFF80, 0xFC00},
+                              {"quiet NaN", 0x7FC0, 0x7E00},
+                              {"signalling NaN", 0x7F81, 0x7C01},
+                              {"negative NaN", 0xFFC1, 0xFE01}};
+  for (DType dtype : bit16_types) {
+    INFO("dtype " << dtype_name(dtype));
+    std::mt19937 rng(11);
+    std::vector<std::uint16_t> x = random_bit16(rng, dtype, 1000, 1e-3f, 100.0f);
+    x[3] = dtype == DType::bf16 ? 0x7F7F : 0x7BFF;  // the largest finite values are not flagged
+    x[4] = dtype == DType::bf16 ? 0xFF7F : 0xFBFF;
+    CHECK_FALSE(cpu_kernels().has_inf_or_nan(x.data(), dtype, x.size()));
+    CHECK_FALSE(cpu_kernels().has_inf_or_nan(nullptr, dtype, 0));
+    for (const Special& s : specials) {
+      for (std::size_t pos : {std::size_t{0}, std::size_t{1}, std::size_t{517}, x.size() - 1}) {
+        INFO(s.name << " at " << pos);
+        std::vector<std::uint16_t> y = x;
+        y[pos] = dtype == DType::bf16 ? s.bf16 : s.f16;
+        CHECK(cpu_kernels().has_inf_or_nan(y.data(), dtype, y.size()));
+        CHECK_FALSE(cpu_kernels().has_inf_or_nan(y.data(), dtype, pos));  // just before it
+      }
+    }
+  }
+}
+
+TEST_CASE("cast_to_bit16 rounds to nearest even, ties and subnormals included") {
+  std::mt19937 rng(5);
+  std::vector<float> src = random_values(rng, 3000, 1e-9f, 7e4f);
+  std::uniform_int_distribution<std::uint32_t> bits(0, 0xFFFFFFFFu);
+  for (int i = 0; i < 3000; ++i) {
+    const float f = std::bit_cast<float>(bits(rng));
+    if (!std::isnan(f)) src.push_back(f);
+  }
+  // exact ties between two bf16 / fp16 neighbours, an fp16 subnormal tie, the fp16 overflow edge
+  for (float f :
+       {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 0x1p-25f,
+        3 * 0x1p-25f, 65504.0f, 65519.0f, 65520.0f, -0.0f, 0.0f, INFINITY, -INFINITY})
+    src.push_back(f);
+  for (DType dtype : bit16_types) {
+    INFO("dtype " << dtype_name(dtype));
+    std::vector<std::uint16_t> dst(src.size());
+    cpu_kernels().cast_to_bit16(src.data(), dst.data(), dtype, src.size());
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < src.size(); ++i) wrong += dst[i] != round_to(dtype, src[i]);
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("every bit16 value survives a cast to fp32 and back") {
+  for (DType dtype : bit16_types) {
+    INFO("dtype " << dtype_name(dtype));
+    std::vector<std::uint16_t> all(65536);
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i);
+    std::vector<float> wide(all.size());
+    cpu_kernels().cast_from_bit16(all.data(), wide.data(), dtype, all.size());
+    std::vector<std::uint16_t> back(all.size());
+    cpu_kernels().cast_to_bit16(wide.data(), back.data(), dtype, wide.size());
+    std::size_t wrong_value = 0, wrong_bits = 0;
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      const double exact = decode(dtype, all[i]);
+      if (std::isnan(exact)) {
+        wrong_value += !std::isnan(wide[i]);
+        wrong_bits += !std::isnan(decode(dtype, back[i]));  // a NaN stays a NaN
+      } else {
+        wrong_value += static_cast<double>(wide[i]) != exact;
+        wrong_bits += back[i] != all[i];
+      }
+    }
+    CHECK(wrong_value == 0);
+    CHECK(wrong_bits == 0);
+  }
+}
+
+TEST_CASE("accumulate_bit16 adds in fp32 and rounds once") {
+  for (DType dtype : bit16_types) {
+    INFO("dtype " << dtype_name(dtype));
+    std::mt19937 rng(3);
+    std::vector<std::uint16_t> dst = random_bit16(rng, dtype, 2001, 1e-3f, 50.0f);
+    const std::vector<std::uint16_t> src = random_bit16(rng, dtype, 2001, 1e-3f, 50.0f);
+    std::vector<std::uint16_t> expected(dst.size());
+    for (std::size_t i = 0; i < dst.size(); ++i) {
+      const float sum =
+          static_cast<float>(decode(dtype, dst[i])) + static_cast<float>(decode(dtype, src[i]));
+      expected[i] = round_to(dtype, sum);
+    }
+    cpu_kernels().accumulate_bit16(dst.data(), src.data(), dtype, dst.size());
+    CHECK(dst == expected);
+  }
+}
+
+TEST_CASE("fill_zero clears and copy duplicates exactly the bytes asked") {
+  std::vector<unsigned char> a(64, 0xAB), b(64, 0xCD);
+  cpu_kernels().fill_zero(a.data() + 8, 16);
+  for (std::size_t i = 0; i < a.size(); ++i) CHECK(a[i] == (i >= 8 && i < 24 ? 0 : 0xAB));
+  cpu_kernels().copy(b.data(), a.data(), 32);
+  CHECK(std::memcmp(b.data(), a.data(), 32) == 0);
+  CHECK(b[32] == 0xCD);
+  cpu_kernels().fill_zero(nullptr, 0);
+  cpu_kernels().copy(nullptr, nullptr, 0);
+}
+
+// --- clipping, names, state, validation -----------------------------------------------------
+
+TEST_CASE("clip_coefficient shrinks only a norm above a positive max_norm") {
+  CHECK(clip_coefficient(4.0, 1.0) == 1.0 / (4.0 + 1e-6));
+  CHECK(clip_coefficient(0.5, 1.0) == 1.0);
+  CHECK(clip_coefficient(1.0, 1.0) == 1.0);
+  CHECK(clip_coefficient(100.0, 0.0) == 1.0);  // max_norm 0 turns clipping off
+}
+
+TEST_CASE("state_slots counts the fp32 state values per element") {
+  CHECK(make(OptimizerType::adam).state_slots() == 2);
+  CHECK(make(OptimizerType::adamw).state_slots() == 2);
+  CHECK(sgd(0.9, 0.0, false).state_slots() == 1);
+  CHECK(sgd(0.0, 0.0, false).state_slots() == 0);
+}
+
+TEST_CASE("optimizer type names round-trip and are case-insensitive") {
+  for (OptimizerType type : {OptimizerType::adam, OptimizerType::adamw, OptimizerType::sgd}) {
+    CHECK(optimizer_type_from_name(optimizer_type_name(type), "optimizer.type") == type);
+  }
+  CHECK(optimizer_type_from_name("adamw", "optimizer.type") == OptimizerType::adamw);
+  CHECK(optimizer_type_from_name("ADAM", "optimizer.type") == OptimizerType::adam);
+  CHECK(optimizer_type_from_name("sgd", "optimizer.type") == OptimizerType::sgd);
+}
+
+TEST_CASE("an unknown optimizer type names the key, the value and the choices") {
+  const std::string msg =
+      test::message_of<ConfigError>([] { optimizer_type_from_name("Adagrad", "optimizer.type"); });
+  CHECK(msg ==
+        "optimizer_type_from_name: optimizer.type: unknown optimizer type 'Adagrad'; expected "
+        "Adam, AdamW or SGD");
+}
+
+TEST_CASE("OptimizerConfig::validate accepts the defaults and names each bad key") {
+  CHECK_NOTHROW(OptimizerConfig{}.validate());
+  CHECK_NOTHROW(sgd(0.9, 0.0, true).validate());
+  struct Bad {
+    const char* key;
+    void (*spoil)(OptimizerConfig&);
+  };
+  const Bad bad[] = {
+      {"optimizer.params.lr", [](OptimizerConfig& c) { c.lr = -0.1; }},
+      {"optimizer.params.lr", [](OptimizerConfig& c) { c.lr = INFINITY; }},
+      {"optimizer.params.lr", [](OptimizerConfig& c) { c.lr = NAN; }},
+      {"optimizer.params.betas[0]", [](OptimizerConfig& c) { c.beta1 = 1.0; }},
+      {"optimizer.params.betas[0]", [](OptimizerConfig& c) { c.beta1 = -0.1; }},
+      {"optimizer.params.betas[1]", [](OptimizerConfig& c) { c.beta2 = 1.5; }},
+      {"optimizer.params.betas[1]", [](OptimizerConfig& c) { c.beta2 = NAN; }},
+      {"optimizer.params.eps", [](OptimizerConfig& c) { c.eps = 0.0; }},
+      {"optimizer.params.eps", [](OptimizerConfig& c) { c.eps = INFINITY; }},
+      {"optimizer.params.weight_decay", [](OptimizerConfig& c) { c.weight_decay = -1e-4; }},
+      {"optimizer.params.momentum", [](OptimizerConfig& c) { c.momentum = -0.5; }},
+      {"optimizer.params.dampening", [](OptimizerConfig& c) { c.dampening = 1.5; }},
+      {"optimizer.params.dampening", [](OptimizerConfig& c) { c.dampening = -0.1; }},
+      {"optimizer.params.nesterov", [](OptimizerConfig& c) { c.nesterov = true; }},
+      {"optimizer.params.nesterov",
+       [](OptimizerConfig& c) {
+         c.nesterov = true;
+         c.momentum = 0.9;
+         c.dampening = 0.1;
+       }},
+  };
+  for (const Bad& b : bad) {
+    OptimizerConfig c;
+    b.spoil(c);
+    const std::string msg = test::message_of<ConfigError>([&] { c.validate(); });
+    INFO(msg);
+    CHECK(test::contains(msg, "OptimizerConfig::validate: "));
+    CHECK(test::contains(msg, b.key));
+  }
+}
+
+TEST_CASE("OptimizerConfig::validate reports a negative lr with its value and the rule") {
+  OptimizerConfig c;
+  c.lr = -0.1;
+  CHECK(test::message_of<ConfigError>([&] { c.validate(); }) ==
+        "OptimizerConfig::validate: optimizer.params.lr = -0.1 must be >= 0");
+  CHECK(test::contains(test::message_of<ConfigError>([&] { c.validate("groups[2]"); }),
+                       "groups[2].lr"));
+}
+
+// --- loss scaling ---------------------------------------------------------------------------
+
+namespace {
+
+LossScaleConfig dynamic_config(double initial, int window, int hysteresis, double min_scale) {
+  LossScaleConfig c;
+  c.initial_scale = initial;
+  c.window = window;
+  c.hysteresis = hysteresis;
+  c.min_scale = min_scale;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a dynamic scaler skips every overflowed step and halves only at the second overflow "
+    "with hysteresis 2") {
+  LossScaler s(dynamic_config(65536, 1000, 2, 1));
+  CHECK_FALSE(s.update(true));
+  CHECK(s.scale() == 65536);
+  CHECK(s.hysteresis_left() == 1);
+  CHECK_FALSE(s.update(true));
+  CHECK(s.scale() == 32768);
+  CHECK(s.hysteresis_left() == 2);  // restored after the halving
+  CHECK_FALSE(s.update(true));
+  CHECK(s.scale() == 32768);
+}
+
+TEST_CASE("clean steps between overflows do not restore hysteresis") {
+  LossScaler s(dynamic_config(1024, 10, 2, 1));
+  CHECK_FALSE(s.update(true));
+  CHECK(s.update(false));
+  CHECK(s.update(false));
+  CHECK_FALSE(s.update(true));
+  CHECK(s.scale() == 512);
+}
+
+TEST_CASE("a dynamic scaler doubles its scale after window consecutive clean steps") {
+  LossScaler s(dynamic_config(1024, 3, 2, 1));
+  CHECK(s.update(false));
+  CHECK(s.update(false));
+  CHECK(s.scale() == 1024);
+  CHECK(s.clean_steps() == 2);
+  CHECK(s.update(false));
+  CHECK(s.scale() == 2048);
+  CHECK(s.clean_steps() == 0);
+  for (int i = 0; i < 3; ++i) s.update(false);
+  CHECK(s.scale() == 4096);
+}
+
+TEST_CASE("an overflow restarts the count of clean steps") {
+  LossScaler s(dynamic_config(1024, 3, 5, 1));
+  s.update(false);
+  s.update(false);
+  s.update(true);
+  CHECK(s.clean_steps() == 0);
+  s.update(false);
+  s.update(false);
+  CHECK(s.scale() == 1024);
+  s.update(false);
+  CHECK(s.scale() == 2048);
+}
+
+TEST_CASE("a full clean window restores hysteresis") {
+  LossScaler s(dynamic_config(1024, 2, 2, 1));
+  s.update(true);
+  CHECK(s.hysteresis_left() == 1);
+  s.update(false);
+  s.update(false);
+  CHECK(s.scale() == 2048);
+  CHECK(s.hysteresis_left() == 2);
+}
+
+TEST_CASE("the dynamic scale never falls below min_scale") {
+  LossScaler s(dynamic_config(8, 1000, 1, 2));
+  s.update(true);
+  CHECK(s.scale() == 4);
+  s.update(true);
+  CHECK(s.scale() == 2);
+  CHECK_FALSE(s.update(true));
+  CHECK(s.scale() == 2);
+}
+
+TEST_CASE("a static scaler keeps its scale but still skips overflowed steps") {
+  LossScaleConfig c;
+  c.dynamic = false;
+  c.static_scale = 128;
+  c.window = 2;
+  c.hysteresis = 1;
+  LossScaler s(c);
+  CHECK(s.scale() == 128);
+  CHECK_FALSE(s.update(true));
+  CHECK(s.scale() == 128);
+  for (int i = 0; i < 5; ++i) CHECK(s.update(false));
+  CHECK(s.scale() == 128);
+}
+
+TEST_CASE("LossScaleConfig::validate accepts the defaults and names each bad key") {
+  CHECK_NOTHROW(LossScaleConfig{}.validate());
+  struct Bad {
+    const char* key;
+    void (*spoil)(LossScaleConfig&);
+  };
+  const Bad bad[] = {
+      {"fp16.initial_scale_power", [](LossScaleConfig& c) { c.initial_scale = 0; }},
+      {"fp16.initial_scale_power", [](LossScaleConfig& c) { c.initial_scale = INFINITY; }},
+      {"fp16.loss_scale",
+       [](LossScaleConfig& c) {
+         c.dynamic = false;
+         c.static_scale = -1;
+       }},
+      {"fp16.loss_scale",
+       [](LossScaleConfig& c) {
+         c.dynamic = false;
+         c.static_scale = NAN;
+       }},
+      {"fp16.loss_scale_window", [](LossScaleConfig& c) { c.window = 0; }},
+      {"fp16.hysteresis", [](LossScaleConfig& c) { c.hysteresis = 0; }},
+      {"fp16.min_loss_scale", [](LossScaleConfig& c) { c.min_scale = 0; }},
+  };
+  for (const Bad& b : bad) {
+    LossScaleConfig c;
+    b.spoil(c);
+    const std::string msg = test::message_of<ConfigError>([&] { c.validate(); });
+    INFO(msg);
+    CHECK(test::contains(msg, "LossScaleConfig::validate: "));
+    CHECK(test::contains(msg, b.key));
+  }
+  LossScaleConfig bad_window;
+  bad_window.window = 0;
+  CHECK_THROWS_AS(LossScaler(bad_window), ConfigError);
+}

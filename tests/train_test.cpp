@@ -1,0 +1,146 @@
+// The CLI's training run and its JSON config: the loss falls, metrics are complete, bad configs
+// are refused naming the key and the file.
+#include <nlohmann/json.hpp>
+
+#include <sstream>
+#include <string>
+
+#include "engine/config_json.h"
+#include "memory/error.h"
+#include "tests/catch_compat.h"
+#include "tools/train.h"
+
+using namespace shardswap;
+
+namespace {
+
+nlohmann::json small_run() {
+  return nlohmann::json::parse(R"({
+    "world_size": 2, "steps": 120, "seed": 3, "train_micro_batch_size_per_gpu": 32,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.01}},
+    "bf16": {"enabled": true}, "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 20000},
+    "model": {"input_dim": 16, "width": 64, "hidden": 96, "depth": 3, "output_dim": 4},
+    "logging": {"interval": 40}
+  })");
+}
+
+TrainConfig load(const nlohmann::json& j) {
+  ConfigReader reader(j, "test.json");
+  return train_config_from_json(reader);
+}
+
+std::string config_error(nlohmann::json j) {
+  return test::message_of<ConfigError>([&] { load(j); });
+}
+
+}  // namespace
+
+TEST_CASE("a bf16 stage 2 run on two ranks drives the loss down") {
+  std::ostringstream log, metrics;
+  const auto summary = train(load(small_run()), log, &metrics);
+  CAPTURE(log.str());
+  REQUIRE(summary.steps == 120);
+  REQUIRE(summary.skipped == 0);
+  REQUIRE(summary.final_loss < 0.2 * summary.first_loss);
+}
+
+TEST_CASE("an fp16 stage 1 run with dynamic loss scaling drives the loss down") {
+  auto j = small_run();
+  j.erase("bf16");
+  j["fp16"] = {{"enabled", true}, {"loss_scale", 0}, {"initial_scale_power", 12}};
+  j["zero_optimization"]["stage"] = 1;
+  std::ostringstream log, metrics;
+  const auto summary = train(load(j), log, &metrics);
+  CAPTURE(log.str());
+  REQUIRE(summary.final_loss < 0.2 * summary.first_loss);
+}
+
+TEST_CASE("metrics hold one complete JSON object per step") {
+  auto j = small_run();
+  j["steps"] = 5;
+  std::ostringstream log, metrics;
+  train(load(j), log, &metrics);
+  std::istringstream lines(metrics.str());
+  std::string line;
+  int count = 0;
+  while (std::getline(lines, line)) {
+    const auto m = nlohmann::json::parse(line);
+    REQUIRE(m.at("step") == ++count);
+    for (const char* key : {"loss", "grad_norm", "loss_scale", "skipped", "lr"})
+      REQUIRE(m.contains(key));
+    REQUIRE(m.at("memory_bytes").at("param16").get<std::int64_t>() > 0);
+    REQUIRE(m.at("memory_bytes").at("master32").get<std::int64_t>() > 0);
+    REQUIRE(m.at("memory_bytes").at("grad").get<std::int64_t>() > 0);
+  }
+  REQUIRE(count == 5);
+}
+
+TEST_CASE("a DeepSpeed reduce_bucket_size counts elements, even written as a float") {
+  auto j = small_run();
+  j["zero_optimization"]["reduce_bucket_size"] = 5e8;
+  REQUIRE(load(j).engine.reduce_bucket_bytes == 1'000'000'000u);  // bf16: 2 bytes per element
+}
+
+TEST_CASE("keys ShardSwap does not implement are reported, known keys are not") {
+  auto j = small_run();
+  j["wall_clock_breakdown"] = false;
+  j["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+  ConfigReader reader(j, "test.json");
+  train_config_from_json(reader);
+  REQUIRE(reader.unread_keys() ==
+          std::vector<std::string>{"wall_clock_breakdown", "zero_optimization.offload_optimizer.device"});
+}
+
+TEST_CASE("a --set override replaces a key before the config is read") {
+  ConfigReader reader(small_run(), "test.json");
+  reader.set("optimizer.params.lr=0.5");
+  reader.set("optimizer.type=SGD");
+  const auto cfg = train_config_from_json(reader);
+  REQUIRE(cfg.engine.optimizer.lr == 0.5);
+  REQUIRE(cfg.engine.optimizer.type == OptimizerType::sgd);
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { reader.set("no_equals_sign"); }),
+                         "no_equals_sign"));
+}
+
+TEST_CASE("bad config values are refused naming the key and the file") {
+  auto with = [](const char* path, nlohmann::json value) {
+    auto j = small_run();
+    j[nlohmann::json::json_pointer(path)] = std::move(value);
+    return j;
+  };
+  struct Bad {
+    nlohmann::json config;
+    const char* key;
+  };
+  const Bad cases[] = {
+      {with("/optimizer/type", "Adagrad"), "optimizer.type"},
+      {with("/optimizer/params/lr", -0.1), "optimizer.params.lr"},
+      {with("/optimizer/params/lr", "fast"), "optimizer.params.lr"},
+      {with("/world_size", 0), "world_size"},
+      {with("/zero_optimization/stage", 3), "zero_optimization.stage"},
+      {with("/zero_optimization/reduce_bucket_size", 64), "reduce_bucket_size"},
+      {with("/shardswap/alignment_bytes", 100), "alignment_bytes"},
+      {with("/optimizer/params/betas", nlohmann::json::array({0.9})), "optimizer.params.betas"},
+      {with("/model/depth", 0), "model.depth"},
+      {with("/model/type", "transformer"), "model.type"},
+      {with("/train_batch_size", 1000), "train_batch_size"},
+      {with("/fp16/enabled", true), "fp16.enabled"},
+  };
+  for (const auto& c : cases) {
+    const auto msg = config_error(c.config);
+    CAPTURE(c.key, msg);
+    REQUIRE(test::contains(msg, c.key));
+    REQUIRE(test::contains(msg, "test.json"));
+  }
+}
+
+TEST_CASE("a missing or malformed config file is refused naming the file") {
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([] { ConfigReader::from_file("/nonexistent/run.json"); }),
+      "/nonexistent/run.json"));
+  REQUIRE(test::contains(test::message_of<ConfigError>([] {
+                           ConfigReader::from_file(SHARDSWAP_TEST_DIR "/configs/malformed.json");
+                         }),
+                         "malformed.json"));
+}
