@@ -18,7 +18,9 @@ const char* reduce_op_name(ReduceOp op);
 
 /// One rank's endpoint. Reductions of bit16 data accumulate in fp32 and round once; fp32 in fp32;
 /// fp64 in fp64. Ranks are summed in rank order 0..N-1, so results are reproducible bit for bit.
-/// `avg` divides the sum by the world size before rounding.
+/// `avg` divides the sum by the world size before rounding. Arguments that can never work (a root
+/// outside [0, world_size), a null buffer with a non-zero count) throw ConfigError on the calling
+/// rank before it waits for the others.
 class Communicator {
  public:
   virtual ~Communicator() = default;

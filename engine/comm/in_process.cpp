@@ -1,0 +1,389 @@
+// In-process communicator: N ranks as threads of one process, exchanging data through host memory.
+//
+// Policy: every collective is a rendezvous of all ranks. Each rank posts a `Call` (what it asked
+// for and its buffer pointers); the last rank to arrive compares the calls, so every rank sees
+// the same verdict and a mismatch fails all of them. Then each rank does its own share of the
+// work by reading the others' buffers directly (no copies through a shared staging area), and a
+// closing rendezvous keeps everyone's inputs alive and unmodified until all reads are done.
+// Reductions run in rank order 0..N-1 and round once, so results are reproducible bit for bit.
+// The barrier is hand-written (mutex + condition variable) because it must be abortable: when a
+// rank fails, abort() wakes every waiting rank with a CommError instead of leaving it blocked.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "engine/comm/communicator.h"
+#include "memory/error.h"
+
+namespace shardswap {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::avg:
+      return "avg";
+    case ReduceOp::max:
+      return "max";
+  }
+  return "?";
+}
+
+namespace {
+
+enum class Kind { all_reduce, reduce_scatter, reduce, all_gather, broadcast, barrier };
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::all_reduce:
+      return "all_reduce";
+    case Kind::reduce_scatter:
+      return "reduce_scatter";
+    case Kind::reduce:
+      return "reduce";
+    case Kind::all_gather:
+      return "all_gather";
+    case Kind::broadcast:
+      return "broadcast";
+    case Kind::barrier:
+      return "barrier";
+  }
+  return "?";
+}
+
+bool has_op(Kind k) {
+  return k == Kind::all_reduce || k == Kind::reduce_scatter || k == Kind::reduce;
+}
+bool has_root(Kind k) {
+  return k == Kind::reduce || k == Kind::broadcast;
+}
+
+/// One rank's side of a collective, as posted at the opening rendezvous.
+struct Call {
+  Kind kind = Kind::barrier;
+  std::size_t count = 0;  // the count argument as the caller passed it
+  DType dtype = DType::f32;
+  ReduceOp op = ReduceOp::sum;  // left at sum where the collective has no op, so calls compare
+  int root = 0;                 // left at 0 where the collective has no root
+  const void* send = nullptr;
+  void* recv = nullptr;
+  void* scratch = nullptr;  // all_reduce: this rank's reduced chunk, read by all in phase 2
+
+  /// The part that must agree across ranks.
+  bool same_as(const Call& o) const {
+    return kind == o.kind && count == o.count && dtype == o.dtype && op == o.op && root == o.root;
+  }
+
+  std::string describe() const {
+    if (kind == Kind::barrier) return "barrier()";
+    std::string s = fmt::format("{}(count={}, {}", kind_name(kind), count, dtype_name(dtype));
+    if (has_op(kind)) s += fmt::format(", {}", reduce_op_name(op));
+    if (has_root(kind)) s += fmt::format(", root={}", root);
+    return s + ")";
+  }
+};
+
+const std::byte* bytes(const void* p) {
+  return static_cast<const std::byte*>(p);
+}
+std::byte* bytes(void* p) {
+  return static_cast<std::byte*>(p);
+}
+
+/// dst[i] = op over ranks q = 0..N-1 of src[q][i], accumulated in Acc in rank order and rounded
+/// once to T. Each block is read completely before it is written, so dst may equal one src.
+template <class T, class Acc>
+void reduce_typed(const std::vector<const void*>& src, void* dst, std::size_t count, ReduceOp op) {
+  constexpr std::size_t kBlock = 256;  // small stack accumulator; keeps the inner loops simple
+  Acc acc[kBlock];
+  for (std::size_t base = 0; base < count; base += kBlock) {
+    const std::size_t n = std::min(kBlock, count - base);
+    const T* first = static_cast<const T*>(src[0]) + base;
+    for (std::size_t i = 0; i < n; ++i) acc[i] = static_cast<Acc>(first[i]);
+    for (std::size_t q = 1; q < src.size(); ++q) {
+      const T* s = static_cast<const T*>(src[q]) + base;
+      if (op == ReduceOp::max) {
+        for (std::size_t i = 0; i < n; ++i) {
+          const Acc v = static_cast<Acc>(s[i]);
+          if (std::isnan(v) || v > acc[i]) acc[i] = v;  // a NaN already in acc stays
+        }
+      } else {
+        for (std::size_t i = 0; i < n; ++i) acc[i] += static_cast<Acc>(s[i]);
+      }
+    }
+    if (op == ReduceOp::avg) {
+      const Acc ranks = static_cast<Acc>(src.size());
+      for (std::size_t i = 0; i < n; ++i) acc[i] /= ranks;
+    }
+    T* d = static_cast<T*>(dst) + base;
+    for (std::size_t i = 0; i < n; ++i) d[i] = T(acc[i]);  // bit16: round to nearest even
+  }
+}
+
+void reduce_into(DType dtype, const std::vector<const void*>& src, void* dst, std::size_t count,
+                 ReduceOp op) {
+  switch (dtype) {
+    case DType::f32:
+      return reduce_typed<float, float>(src, dst, count, op);
+    case DType::f64:
+      return reduce_typed<double, double>(src, dst, count, op);
+    case DType::bf16:
+      return reduce_typed<bf16_t, float>(src, dst, count, op);
+    case DType::f16:
+      return reduce_typed<f16_t, float>(src, dst, count, op);
+  }
+}
+
+/// Copies unless source and destination are the same memory (an in-place chunk): writing it
+/// anyway would race with other ranks reading it.
+void copy_bytes(void* dst, const void* src, std::size_t n) {
+  if (dst != src && n > 0) std::memcpy(dst, src, n);
+}
+
+void check_data(const Call& c, const void* p, const char* what) {
+  if (p == nullptr && c.count > 0) {
+    throw ConfigError(fmt::format("{}: {} is null", c.describe(), what));
+  }
+}
+
+/// What the ranks of one group share.
+struct Shared {
+  explicit Shared(int n) : world_size(n), calls(static_cast<std::size_t>(n)) {}
+
+  /// Blocks until every rank has arrived. With `post`, the rank's call is published first and the
+  /// last rank to arrive compares all calls; a mismatch then throws CommError on every rank.
+  /// Throws CommError if the group is (or becomes) aborted before the rendezvous completes.
+  void rendezvous(int rank, const Call& call, bool post);
+
+  const int world_size;
+  std::mutex mutex;
+  std::condition_variable arrived_cv;
+  int arrived = 0;
+  std::uint64_t generation = 0;  // completed rendezvous; lets waiters tell "done" from "spurious"
+  std::optional<std::string> abort_reason;
+  std::string mismatch;  // verdict of the latest posting rendezvous; empty if the calls agree
+  // calls[r] is written by rank r under the mutex before an opening rendezvous, and read by
+  // every rank until the closing one; nobody writes it in between.
+  std::vector<Call> calls;
+};
+
+void Shared::rendezvous(int rank, const Call& call, bool post) {
+  std::unique_lock lock(mutex);
+  auto aborted = [&] {
+    return CommError(fmt::format("{}: rank {} aborted: {}", call.describe(), rank, *abort_reason));
+  };
+  if (abort_reason) throw aborted();
+  if (post) calls[static_cast<std::size_t>(rank)] = call;
+  const std::uint64_t gen = generation;
+  if (++arrived == world_size) {
+    arrived = 0;
+    ++generation;
+    mismatch.clear();
+    if (post) {
+      for (int q = 1; q < world_size; ++q) {
+        const Call& a = calls[0];
+        const Call& b = calls[static_cast<std::size_t>(q)];
+        if (!b.same_as(a)) {
+          mismatch = fmt::format("InProcessGroup: rank {} called {} while rank 0 called {}", q,
+                                 b.describe(), a.describe());
+          break;
+        }
+      }
+    }
+    arrived_cv.notify_all();
+  } else {
+    arrived_cv.wait(lock, [&] { return generation != gen || abort_reason.has_value(); });
+    // A rendezvous that completed before the abort counts as done; the abort shows at the next.
+    if (generation == gen) throw aborted();
+  }
+  // Read under the lock: the next rendezvous cannot complete (and overwrite it) without us.
+  if (!mismatch.empty()) throw CommError(mismatch);
+}
+
+class RankComm final : public Communicator {
+ public:
+  RankComm(Shared& s, int rank) : s_(s), rank_(rank) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return s_.world_size; }
+
+  void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op) override {
+    // Phase 1: rank r reduces chunk r of every rank's data into a scratch of about count/N.
+    // Phase 2 (after everyone has read all inputs): each rank copies every chunk into its data.
+    const std::size_t esize = dtype_size(dtype);
+    const std::size_t begin = chunk_begin(count, rank_), end = chunk_begin(count, rank_ + 1);
+    std::vector<std::byte> scratch((end - begin) * esize);
+    Call c{Kind::all_reduce, count, dtype, op, 0, data, data, scratch.data()};
+    check_data(c, data, "data");
+    open(c);
+    reduce_into(dtype, sources(begin * esize), scratch.data(), end - begin, op);
+    step(c);
+    for (int q = 0; q < s_.world_size; ++q) {
+      const std::size_t b = chunk_begin(count, q), e = chunk_begin(count, q + 1);
+      copy_bytes(bytes(data) + b * esize, call(q).scratch, (e - b) * esize);
+    }
+    step(c);
+  }
+
+  void reduce_scatter(const void* send, void* recv, std::size_t recv_count, DType dtype,
+                      ReduceOp op) override {
+    // Rank r reads only chunk r of each send buffer, so writing recv == chunk r of its own send
+    // buffer (in place) never touches what another rank reads.
+    Call c{Kind::reduce_scatter, recv_count, dtype, op, 0, send, recv, nullptr};
+    check_data(c, send, "send");
+    check_data(c, recv, "recv");
+    open(c);
+    const std::size_t offset = static_cast<std::size_t>(rank_) * recv_count * dtype_size(dtype);
+    reduce_into(dtype, sources(offset), recv, recv_count, op);
+    step(c);
+  }
+
+  void reduce(void* data, std::size_t count, DType dtype, ReduceOp op, int root) override {
+    Call c{Kind::reduce, count, dtype, op, root, data, data, nullptr};
+    check_root(c);
+    check_data(c, data, "data");
+    open(c);
+    if (rank_ == root) reduce_into(dtype, sources(0), data, count, op);
+    step(c);
+  }
+
+  void all_gather(const void* send, void* recv, std::size_t send_count, DType dtype) override {
+    // Rank r writes only its own recv; others read only their send chunks, which in place are
+    // chunk q of rank q's recv, skipped by copy_bytes when r == q.
+    Call c{Kind::all_gather, send_count, dtype, ReduceOp::sum, 0, send, recv, nullptr};
+    check_data(c, send, "send");
+    check_data(c, recv, "recv");
+    open(c);
+    const std::size_t chunk = send_count * dtype_size(dtype);
+    for (int q = 0; q < s_.world_size; ++q) {
+      copy_bytes(bytes(recv) + static_cast<std::size_t>(q) * chunk, call(q).send, chunk);
+    }
+    step(c);
+  }
+
+  void broadcast(void* data, std::size_t count, DType dtype, int root) override {
+    Call c{Kind::broadcast, count, dtype, ReduceOp::sum, root, data, data, nullptr};
+    check_root(c);
+    check_data(c, data, "data");
+    open(c);
+    if (rank_ != root) copy_bytes(data, call(root).send, count * dtype_size(dtype));
+    step(c);
+  }
+
+  void barrier() override { open(Call{}); }
+
+ private:
+  void open(const Call& c) { s_.rendezvous(rank_, c, /*post=*/true); }
+  void step(const Call& c) { s_.rendezvous(rank_, c, /*post=*/false); }
+  const Call& call(int q) const { return s_.calls[static_cast<std::size_t>(q)]; }
+
+  /// Every rank's send buffer advanced by `offset` bytes, in rank order.
+  std::vector<const void*> sources(std::size_t offset) const {
+    std::vector<const void*> src;
+    src.reserve(s_.calls.size());
+    for (const Call& c : s_.calls) src.push_back(bytes(c.send) + offset);
+    return src;
+  }
+
+  /// Balanced split of [0, count) into world_size chunks; some are empty when count < N.
+  std::size_t chunk_begin(std::size_t count, int q) const {
+    return count * static_cast<std::size_t>(q) / static_cast<std::size_t>(s_.world_size);
+  }
+
+  void check_root(const Call& c) const {
+    if (c.root < 0 || c.root >= s_.world_size) {
+      throw ConfigError(fmt::format("{}: root {} is out of range for world size {}", c.describe(),
+                                    c.root, s_.world_size));
+    }
+  }
+
+  Shared& s_;
+  const int rank_;
+};
+
+}  // namespace
+
+struct InProcessGroup::State {
+  explicit State(int n) : shared(n) {
+    for (int r = 0; r < n; ++r) ranks.push_back(std::make_unique<RankComm>(shared, r));
+  }
+  Shared shared;
+  std::vector<std::unique_ptr<RankComm>> ranks;
+};
+
+InProcessGroup::InProcessGroup(int world_size) {
+  if (world_size < 1) {
+    throw ConfigError(
+        fmt::format("InProcessGroup: world_size must be at least 1, got {}", world_size));
+  }
+  state_ = std::make_unique<State>(world_size);
+}
+
+InProcessGroup::~InProcessGroup() = default;
+
+int InProcessGroup::world_size() const {
+  return state_->shared.world_size;
+}
+
+Communicator& InProcessGroup::rank(int r) {
+  if (r < 0 || r >= world_size()) {
+    throw ConfigError(fmt::format("InProcessGroup::rank: rank {} is out of range for world size {}",
+                                  r, world_size()));
+  }
+  return *state_->ranks[static_cast<std::size_t>(r)];
+}
+
+void InProcessGroup::abort(const std::string& reason) {
+  Shared& s = state_->shared;
+  std::lock_guard lock(s.mutex);
+  if (!s.abort_reason) s.abort_reason = reason;  // the first cause is the useful one
+  s.arrived_cv.notify_all();
+}
+
+void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn) {
+  InProcessGroup group(world_size);
+  std::mutex mutex;
+  std::exception_ptr first;
+  auto run = [&](int r) {
+    try {
+      fn(r, group.rank(r));
+    } catch (...) {
+      std::string what = "unknown exception";
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      {
+        std::lock_guard lock(mutex);
+        if (first) return;  // a later failure, most likely the CommError of our own abort
+        first = std::current_exception();
+      }
+      group.abort(fmt::format("run_ranks: rank {} failed: {}", r, what));
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(world_size));
+  try {
+    for (int r = 0; r < world_size; ++r) threads.emplace_back(run, r);
+  } catch (const std::exception& e) {
+    // Could not start every rank: release the started ones before reporting.
+    group.abort(fmt::format("run_ranks: could not start {} threads: {}", world_size, e.what()));
+    for (auto& t : threads) t.join();
+    throw;
+  }
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace shardswap
