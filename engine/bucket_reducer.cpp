@@ -82,7 +82,8 @@ void BucketReducer::flush() {
     const auto count = static_cast<std::size_t>(piece.end - piece.begin);
     comm_.reduce(data, count, dtype_, ReduceOp::sum, piece.rank);
     if (piece.rank == comm_.rank()) {
-      std::byte* partition = group_->grad.as<std::byte>() + (piece.begin - group_->shard.begin) * esize;
+      std::byte* partition =
+          group_->grad.as<std::byte>() + (piece.begin - group_->shard.begin) * esize;
       kernels_.accumulate_bit16(partition, data, dtype_, count);
     }
   }

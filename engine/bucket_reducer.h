@@ -55,9 +55,9 @@ class BucketReducer {
   std::int64_t capacity_;
   Buffer buckets_[2];
   int current_ = 0;
-  Group* group_ = nullptr;  // group of the open bucket; null when none is open
-  std::int64_t start_ = 0;  // window start (flat element)
-  std::int64_t lo_ = 0, hi_ = 0;  // hull of the slots handed out
+  Group* group_ = nullptr;             // group of the open bucket; null when none is open
+  std::int64_t start_ = 0;             // window start (flat element)
+  std::int64_t lo_ = 0, hi_ = 0;       // hull of the slots handed out
   const Group* last_group_ = nullptr;  // previous slot's group and offset: the fill direction
   std::int64_t last_offset_ = -1;
   struct Pending {

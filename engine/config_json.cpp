@@ -24,14 +24,16 @@ EngineConfig read(ConfigReader& c) {
     cfg.loss_scale.dynamic = loss_scale == 0.0;
     cfg.loss_scale.static_scale = loss_scale;
     const auto power = c.integer("fp16.initial_scale_power", 16);
-    if (power < 0 || power > 64) c.fail("fp16.initial_scale_power", fmt::format("= {} must lie in [0, 64]", power));
+    if (power < 0 || power > 64)
+      c.fail("fp16.initial_scale_power", fmt::format("= {} must lie in [0, 64]", power));
     cfg.loss_scale.initial_scale = std::ldexp(1.0, static_cast<int>(power));
     cfg.loss_scale.window = static_cast<int>(c.integer("fp16.loss_scale_window", 1000));
     cfg.loss_scale.hysteresis = static_cast<int>(c.integer("fp16.hysteresis", 2));
     cfg.loss_scale.min_scale = c.number("fp16.min_loss_scale", 1.0);
   }
 
-  cfg.optimizer.type = optimizer_type_from_name(c.string("optimizer.type", "AdamW"), "optimizer.type");
+  cfg.optimizer.type =
+      optimizer_type_from_name(c.string("optimizer.type", "AdamW"), "optimizer.type");
   cfg.optimizer.lr = c.number("optimizer.params.lr", 1e-3);
   const auto betas = c.numbers("optimizer.params.betas", {0.9, 0.999});
   if (betas.size() != 2) c.fail("optimizer.params.betas", "must hold two numbers");
@@ -45,17 +47,21 @@ EngineConfig read(ConfigReader& c) {
 
   cfg.gradient_clipping = c.number("gradient_clipping", 0.0);
   const auto accumulation = c.integer("gradient_accumulation_steps", 1);
-  if (accumulation < 1) c.fail("gradient_accumulation_steps", fmt::format("= {} must be >= 1", accumulation));
+  if (accumulation < 1)
+    c.fail("gradient_accumulation_steps", fmt::format("= {} must be >= 1", accumulation));
   cfg.gradient_accumulation_steps = static_cast<int>(accumulation);
 
   cfg.stage = static_cast<int>(c.integer("zero_optimization.stage", 2));
   const auto bucket = c.integer("zero_optimization.reduce_bucket_size", 500'000'000);
-  if (bucket < 1) c.fail("zero_optimization.reduce_bucket_size", fmt::format("= {} must be >= 1", bucket));
+  if (bucket < 1)
+    c.fail("zero_optimization.reduce_bucket_size", fmt::format("= {} must be >= 1", bucket));
   cfg.reduce_bucket_bytes = static_cast<std::size_t>(bucket) * dtype_size(cfg.dtype);
-  cfg.order = c.boolean("zero_optimization.round_robin_gradients", false) ? LayoutOrder::round_robin
-                                                                         : LayoutOrder::declaration;
+  cfg.order = c.boolean("zero_optimization.round_robin_gradients", false)
+                  ? LayoutOrder::round_robin
+                  : LayoutOrder::declaration;
   const auto alignment = c.integer("shardswap.alignment_bytes", 256);
-  if (alignment < 1) c.fail("shardswap.alignment_bytes", fmt::format("= {} must be >= 1", alignment));
+  if (alignment < 1)
+    c.fail("shardswap.alignment_bytes", fmt::format("= {} must be >= 1", alignment));
   cfg.alignment_bytes = static_cast<std::size_t>(alignment);
   cfg.validate();
   return cfg;

@@ -39,7 +39,8 @@ void collect_leaves(const nlohmann::json& j, const std::string& prefix,
 ConfigReader::ConfigReader(nlohmann::json root, std::string source)
     : root_(std::move(root)), source_(std::move(source)) {
   if (!root_.is_object())
-    throw ConfigError(fmt::format("ConfigReader: {}: the top level must be a JSON object", source_));
+    throw ConfigError(
+        fmt::format("ConfigReader: {}: the top level must be a JSON object", source_));
 }
 
 ConfigReader ConfigReader::from_file(const std::string& path) {
@@ -69,7 +70,9 @@ const nlohmann::json* ConfigReader::find(std::string_view path) const {
   return node;
 }
 
-bool ConfigReader::has(std::string_view path) const { return find(path) != nullptr; }
+bool ConfigReader::has(std::string_view path) const {
+  return find(path) != nullptr;
+}
 
 double ConfigReader::number(std::string_view path, double fallback) {
   const auto* node = find(path);
@@ -116,7 +119,8 @@ std::vector<double> ConfigReader::numbers(std::string_view path,
   std::vector<double> out;
   if (node->is_array())
     for (const auto& x : *node) {
-      if (!x.is_number()) fail(path, fmt::format("must be a list of numbers, not {}", node->dump()));
+      if (!x.is_number())
+        fail(path, fmt::format("must be a list of numbers, not {}", node->dump()));
       out.push_back(x.get<double>());
     }
   else

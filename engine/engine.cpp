@@ -96,9 +96,10 @@ void Engine::add_param(std::string name, std::vector<std::int64_t> shape, std::s
 
 void Engine::set_group_weight_decay(const std::string& group, double weight_decay) {
   if (!(weight_decay >= 0.0) || !std::isfinite(weight_decay))
-    throw ConfigError(fmt::format("Engine::set_group_weight_decay: group '{}': weight decay {} "
-                                  "must be finite and >= 0",
-                                  group, weight_decay));
+    throw ConfigError(
+        fmt::format("Engine::set_group_weight_decay: group '{}': weight decay {} "
+                    "must be finite and >= 0",
+                    group, weight_decay));
   impl_->weight_decay[group] = weight_decay;
   for (auto& g : impl_->groups)
     if (g.name == group) g.weight_decay = weight_decay;
@@ -172,7 +173,8 @@ MemoryPlan Engine::plan() const {
     add(Tag::master32, g.shard.numel() * 4);
     add(Tag::optim_state, g.shard.numel() * 4 * config_.optimizer.state_slots());
   }
-  if (config_.stage == 2) add(Tag::grad, 2 * bucket_capacity(config_, groups, params, false) * esize);
+  if (config_.stage == 2)
+    add(Tag::grad, 2 * bucket_capacity(config_, groups, params, false) * esize);
   return plan;
 }
 
@@ -190,14 +192,16 @@ void Engine::build(const WeightInit& init) {
   for (auto& g : groups) {
     const auto total = static_cast<std::size_t>(g.layout.total_numel());
     const auto shard = static_cast<std::size_t>(g.shard.numel());
-    g.param16 = space_.allocate(total * esize, Tag::param16, fmt::format("group {} param16", g.name));
+    g.param16 =
+        space_.allocate(total * esize, Tag::param16, fmt::format("group {} param16", g.name));
     kernels_.fill_zero(g.param16.data(), g.param16.bytes());  // padding stays zero for good
     for (auto i : g.params) {
       Param& p = params[i];
       const auto& entry = g.layout.entry_of(p.index_in_group);
       values.assign(static_cast<std::size_t>(p.info.numel), 0.0f);
       init(p.info, values);
-      kernels_.cast_to_bit16(values.data(), g.param16_at(entry.offset, esize), dtype, values.size());
+      kernels_.cast_to_bit16(values.data(), g.param16_at(entry.offset, esize), dtype,
+                             values.size());
     }
     // Every rank must start from the same weights, whatever its init did.
     comm_.broadcast(g.param16.data(), total, dtype, 0);
@@ -207,11 +211,12 @@ void Engine::build(const WeightInit& init) {
                                         : fmt::format("group {} grad partition", g.name));
     kernels_.fill_zero(g.grad.data(), g.grad.bytes());
     g.master = space_.allocate(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
-    kernels_.cast_from_bit16(g.param16_at(g.shard.begin, esize), g.master.as<float>(), dtype, shard);
+    kernels_.cast_from_bit16(g.param16_at(g.shard.begin, esize), g.master.as<float>(), dtype,
+                             shard);
     const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
-    g.state = space_.allocate(slots * shard * 4, Tag::optim_state,
-                              fmt::format("group {} {} state", g.name,
-                                          optimizer_type_name(config_.optimizer.type)));
+    g.state = space_.allocate(
+        slots * shard * 4, Tag::optim_state,
+        fmt::format("group {} {} state", g.name, optimizer_type_name(config_.optimizer.type)));
     kernels_.fill_zero(g.state.data(), g.state.bytes());
     for (auto i : g.params) {
       Param& p = params[i];
@@ -268,7 +273,8 @@ void Engine::finish_backward() {
   }
   std::string missing;
   for (const auto& p : impl_->params)
-    if (p.slot_out && !p.ready) missing += fmt::format("{}'{}'", missing.empty() ? "" : ", ", p.info.name);
+    if (p.slot_out && !p.ready)
+      missing += fmt::format("{}'{}'", missing.empty() ? "" : ", ", p.info.name);
   if (!missing.empty())
     throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
                             missing));
@@ -292,8 +298,8 @@ StepResult Engine::step() {
   // into the mean unscaled gradient; it is applied in registers, never to a stored copy.
   StepResult result;
   result.loss_scale = impl_->scaler.scale();
-  const double unscale = 1.0 / (result.loss_scale * comm_.world_size() *
-                                config_.gradient_accumulation_steps);
+  const double unscale =
+      1.0 / (result.loss_scale * comm_.world_size() * config_.gradient_accumulation_steps);
   double squares = 0.0;
   for (auto& g : groups)
     squares += kernels_.sum_squares(g.grad_partition(config_.stage, esize), dtype,
@@ -339,7 +345,9 @@ void Engine::zero_grad() {
   for (auto& p : impl_->params) p.slot_out = p.ready = false;
 }
 
-double Engine::loss_scale() const { return impl_->scaler.scale(); }
+double Engine::loss_scale() const {
+  return impl_->scaler.scale();
+}
 
 void Engine::set_lr(double lr) {
   if (!(lr >= 0.0) || !std::isfinite(lr))
@@ -347,9 +355,13 @@ void Engine::set_lr(double lr) {
   config_.optimizer.lr = lr;
 }
 
-const std::vector<ParamInfo>& Engine::params() const { return impl_->infos; }
+const std::vector<ParamInfo>& Engine::params() const {
+  return impl_->infos;
+}
 
-std::vector<std::string> Engine::groups() const { return impl_->group_names; }
+std::vector<std::string> Engine::groups() const {
+  return impl_->group_names;
+}
 
 static const Group& find_group(const std::vector<Group>& groups, const std::string& name,
                                const char* caller) {

@@ -40,10 +40,10 @@ struct ParamInfo {
 using WeightInit = std::function<void(const ParamInfo& param, std::span<float> values)>;
 
 struct StepResult {
-  bool applied = false;      ///< false: skipped (Inf/NaN gradients)
-  double grad_norm = 0.0;    ///< global norm of the averaged, unscaled gradients (Inf/NaN if so)
-  double clip_coef = 1.0;    ///< applied to the gradients (1 when not clipped)
-  double loss_scale = 1.0;   ///< the scale the gradients of this step carried
+  bool applied = false;     ///< false: skipped (Inf/NaN gradients)
+  double grad_norm = 0.0;   ///< global norm of the averaged, unscaled gradients (Inf/NaN if so)
+  double clip_coef = 1.0;   ///< applied to the gradients (1 when not clipped)
+  double loss_scale = 1.0;  ///< the scale the gradients of this step carried
 };
 
 /// Planned bytes per tag for this rank, computed from the declarations alone.

@@ -15,20 +15,22 @@ void EngineConfig::validate(std::string_view prefix) const {
     throw ConfigError(fmt::format("EngineConfig::validate: {} {}", key(name), why));
   };
   if (stage != 1 && stage != 2)
-    fail("zero_optimization.stage", fmt::format("= {}: ShardSwap implements stages 1 and 2", stage));
+    fail("zero_optimization.stage",
+         fmt::format("= {}: ShardSwap implements stages 1 and 2", stage));
   if (!is_bit16(dtype))
-    fail("dtype", fmt::format("= {}: params and gradients must be bf16 or fp16", dtype_name(dtype)));
+    fail("dtype",
+         fmt::format("= {}: params and gradients must be bf16 or fp16", dtype_name(dtype)));
   if (alignment_bytes == 0 || (alignment_bytes & (alignment_bytes - 1)) != 0 ||
       alignment_bytes < dtype_size(dtype))
-    fail("alignment_bytes",
-         fmt::format("= {} must be a power of two >= {} (the element size)", alignment_bytes,
-                     dtype_size(dtype)));
+    fail("alignment_bytes", fmt::format("= {} must be a power of two >= {} (the element size)",
+                                        alignment_bytes, dtype_size(dtype)));
   if (reduce_bucket_bytes < alignment_bytes)
     fail("zero_optimization.reduce_bucket_size",
          fmt::format("= {} bytes is smaller than the alignment ({} bytes)", reduce_bucket_bytes,
                      alignment_bytes));
   if (gradient_accumulation_steps < 1)
-    fail("gradient_accumulation_steps", fmt::format("= {} must be >= 1", gradient_accumulation_steps));
+    fail("gradient_accumulation_steps",
+         fmt::format("= {} must be >= 1", gradient_accumulation_steps));
   if (!(gradient_clipping >= 0.0) || !std::isfinite(gradient_clipping))
     fail("gradient_clipping", fmt::format("= {} must be finite and >= 0", gradient_clipping));
   optimizer.validate(fmt::format("{}optimizer.params", prefix));

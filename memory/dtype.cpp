@@ -11,10 +11,14 @@ namespace shardswap {
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "fp32";
-    case DType::f64: return "fp64";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "fp16";
+    case DType::f32:
+      return "fp32";
+    case DType::f64:
+      return "fp64";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "fp16";
   }
   return "?";
 }
@@ -27,9 +31,10 @@ DType dtype_from_name(std::string_view name, std::string_view what) {
   if (lower == "fp64" || lower == "float64" || lower == "double") return DType::f64;
   if (lower == "bf16" || lower == "bfloat16") return DType::bf16;
   if (lower == "fp16" || lower == "float16" || lower == "half") return DType::f16;
-  throw ConfigError(fmt::format("dtype_from_name: {}: unknown dtype '{}'; expected fp32, fp64, "
-                                "bf16 or fp16",
-                                what, name));
+  throw ConfigError(
+      fmt::format("dtype_from_name: {}: unknown dtype '{}'; expected fp32, fp64, "
+                  "bf16 or fp16",
+                  what, name));
 }
 
 }  // namespace shardswap

@@ -15,15 +15,21 @@ using f16_t = Eigen::half;
 
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::f64: return 8;
-    case DType::bf16: return 2;
-    case DType::f16: return 2;
+    case DType::f32:
+      return 4;
+    case DType::f64:
+      return 8;
+    case DType::bf16:
+      return 2;
+    case DType::f16:
+      return 2;
   }
   return 0;
 }
 
-constexpr bool is_bit16(DType t) { return t == DType::bf16 || t == DType::f16; }
+constexpr bool is_bit16(DType t) {
+  return t == DType::bf16 || t == DType::f16;
+}
 
 const char* dtype_name(DType t);
 
@@ -34,12 +40,20 @@ DType dtype_from_name(std::string_view name, std::string_view what);
 template <class T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::f32; }
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
 template <>
-constexpr DType dtype_of<double>() { return DType::f64; }
+constexpr DType dtype_of<double>() {
+  return DType::f64;
+}
 template <>
-constexpr DType dtype_of<bf16_t>() { return DType::bf16; }
+constexpr DType dtype_of<bf16_t>() {
+  return DType::bf16;
+}
 template <>
-constexpr DType dtype_of<f16_t>() { return DType::f16; }
+constexpr DType dtype_of<f16_t>() {
+  return DType::f16;
+}
 
 }  // namespace shardswap

@@ -21,8 +21,8 @@ class HostAllocator final : public Allocator {
     const std::size_t bytes = (requested + alignment_ - 1) / alignment_ * alignment_;
     void* p = std::aligned_alloc(alignment_, bytes);
     if (p == nullptr)
-      throw OutOfMemory(fmt::format("HostAllocator::allocate: {} bytes ({} requested) failed",
-                                    bytes, requested));
+      throw OutOfMemory(
+          fmt::format("HostAllocator::allocate: {} bytes ({} requested) failed", bytes, requested));
     reserved_ += bytes;
     return {p, bytes};
   }

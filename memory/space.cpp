@@ -20,12 +20,18 @@ namespace shardswap {
 
 const char* tag_name(Tag tag) {
   switch (tag) {
-    case Tag::param16: return "param16";
-    case Tag::grad: return "grad";
-    case Tag::master32: return "master32";
-    case Tag::optim_state: return "optim_state";
-    case Tag::comm: return "comm";
-    case Tag::other: return "other";
+    case Tag::param16:
+      return "param16";
+    case Tag::grad:
+      return "grad";
+    case Tag::master32:
+      return "master32";
+    case Tag::optim_state:
+      return "optim_state";
+    case Tag::comm:
+      return "comm";
+    case Tag::other:
+      return "other";
   }
   return "?";
 }
@@ -48,9 +54,9 @@ struct Storage {
   std::string label;
   std::size_t requested = 0;
   Block block;
-  std::atomic<bool> live{true};  // false once the owner released it: Views are stale
+  std::atomic<bool> live{true};              // false once the owner released it: Views are stale
   std::atomic<std::uint64_t> generation{0};  // bumped by invalidate_views: older Views are stale
-  std::string last_event;        // why Views went stale; written before live/generation change
+  std::string last_event;  // why Views went stale; written before live/generation change
   bool owned = true;
   std::vector<ViewRecord*> views;
   std::vector<PinRecord*> pins;
@@ -117,13 +123,15 @@ void* View::raw() const {
   if (!record_) throw Error("View::raw: empty View");
   const Storage& s = *record_->storage;
   if (!s.live.load(std::memory_order_acquire))
-    throw StaleView(fmt::format("View::raw: view '{}' is stale: buffer '{}' (#{}) was released by "
-                                "'{}'",
-                                record_->label, s.label, s.id, s.last_event));
+    throw StaleView(
+        fmt::format("View::raw: view '{}' is stale: buffer '{}' (#{}) was released by "
+                    "'{}'",
+                    record_->label, s.label, s.id, s.last_event));
   if (s.generation.load(std::memory_order_acquire) != record_->generation)
-    throw StaleView(fmt::format("View::raw: view '{}' is stale: buffer '{}' (#{}) was repurposed "
-                                "by '{}'",
-                                record_->label, s.label, s.id, s.last_event));
+    throw StaleView(
+        fmt::format("View::raw: view '{}' is stale: buffer '{}' (#{}) was repurposed "
+                    "by '{}'",
+                    record_->label, s.label, s.id, s.last_event));
   return static_cast<char*>(s.block.ptr) + record_->byte_offset;
 }
 
@@ -134,14 +142,22 @@ void View::check_type(DType wanted) const {
                             dtype_name(record_->dtype), dtype_name(wanted)));
 }
 
-std::size_t View::count() const { return record_ ? record_->count : 0; }
-DType View::dtype() const { return record_ ? record_->dtype : DType::f32; }
-std::size_t View::byte_offset() const { return record_ ? record_->byte_offset : 0; }
+std::size_t View::count() const {
+  return record_ ? record_->count : 0;
+}
+DType View::dtype() const {
+  return record_ ? record_->dtype : DType::f32;
+}
+std::size_t View::byte_offset() const {
+  return record_ ? record_->byte_offset : 0;
+}
 const std::string& View::label() const {
   static const std::string none;
   return record_ ? record_->label : none;
 }
-std::uint64_t View::buffer_id() const { return record_ ? record_->storage->id : 0; }
+std::uint64_t View::buffer_id() const {
+  return record_ ? record_->storage->id : 0;
+}
 bool View::stale() const {
   return !record_ || !record_->storage->live.load() ||
          record_->storage->generation.load() != record_->generation;
@@ -173,15 +189,23 @@ Pin::Pin(std::unique_ptr<PinRecord> record) : record_(std::move(record)) {}
 Pin::Pin(Pin&&) noexcept = default;
 Pin& Pin::operator=(Pin&&) noexcept = default;
 Pin::~Pin() = default;
-void Pin::reset() { record_.reset(); }
+void Pin::reset() {
+  record_.reset();
+}
 
-void* Pin::data() const { return record_ ? record_->storage->block.ptr : nullptr; }
-std::size_t Pin::bytes() const { return record_ ? record_->storage->requested : 0; }
+void* Pin::data() const {
+  return record_ ? record_->storage->block.ptr : nullptr;
+}
+std::size_t Pin::bytes() const {
+  return record_ ? record_->storage->requested : 0;
+}
 const std::string& Pin::label() const {
   static const std::string none;
   return record_ ? record_->label : none;
 }
-std::uint64_t Pin::buffer_id() const { return record_ ? record_->storage->id : 0; }
+std::uint64_t Pin::buffer_id() const {
+  return record_ ? record_->storage->id : 0;
+}
 
 // ---- Buffer -------------------------------------------------------------------------------
 
@@ -210,23 +234,29 @@ void* Buffer::data() const {
   if (!storage_) throw Error("Buffer::data: empty Buffer");
   return storage_->block.ptr;
 }
-std::size_t Buffer::bytes() const { return storage_ ? storage_->requested : 0; }
-Tag Buffer::tag() const { return storage_ ? storage_->tag : Tag::other; }
+std::size_t Buffer::bytes() const {
+  return storage_ ? storage_->requested : 0;
+}
+Tag Buffer::tag() const {
+  return storage_ ? storage_->tag : Tag::other;
+}
 const std::string& Buffer::label() const {
   static const std::string none;
   return storage_ ? storage_->label : none;
 }
-std::uint64_t Buffer::id() const { return storage_ ? storage_->id : 0; }
+std::uint64_t Buffer::id() const {
+  return storage_ ? storage_->id : 0;
+}
 
 View Buffer::view(std::size_t byte_offset, std::size_t count, DType dtype,
                   std::string label) const {
   if (!storage_) throw Error(fmt::format("Buffer::view: '{}' on an empty Buffer", label));
   const std::size_t size = dtype_size(dtype);
   if (byte_offset % size != 0 || byte_offset + count * size > storage_->requested)
-    throw Error(fmt::format("Buffer::view: '{}' ({} x {} at byte {}) does not fit buffer '{}' of "
-                            "{} bytes",
-                            label, count, dtype_name(dtype), byte_offset, storage_->label,
-                            storage_->requested));
+    throw Error(fmt::format(
+        "Buffer::view: '{}' ({} x {} at byte {}) does not fit buffer '{}' of "
+        "{} bytes",
+        label, count, dtype_name(dtype), byte_offset, storage_->label, storage_->requested));
   auto record = std::make_shared<ViewRecord>();
   record->storage = storage_;
   record->byte_offset = byte_offset;
@@ -268,7 +298,8 @@ std::vector<std::string> Buffer::pin_labels() const {
 }
 
 void Buffer::invalidate_views(const std::string& event) {
-  if (!storage_) throw Error(fmt::format("Buffer::invalidate_views: '{}' on an empty Buffer", event));
+  if (!storage_)
+    throw Error(fmt::format("Buffer::invalidate_views: '{}' on an empty Buffer", event));
   std::lock_guard lock(storage_->space->mu);
   storage_->last_event = event;
   storage_->generation.fetch_add(1, std::memory_order_release);
@@ -284,7 +315,8 @@ std::size_t Buffer::release(const std::string& event, ReleasePolicy policy) {
     if (!s.pins.empty()) {
       if (policy == ReleasePolicy::fail_if_pinned) {
         std::string names;
-        for (const auto* p : s.pins) names += fmt::format("{}'{}'", names.empty() ? "" : ", ", p->label);
+        for (const auto* p : s.pins)
+          names += fmt::format("{}'{}'", names.empty() ? "" : ", ", p->label);
         throw PinnedMemory(fmt::format("Buffer::release: '{}' ({} bytes) is held by {} Pin(s): {}",
                                        s.label, s.requested, s.pins.size(), names));
       }
@@ -387,7 +419,11 @@ std::string MemorySpace::report_text() const {
   return text;
 }
 
-int MemorySpace::rank() const { return state_->rank; }
-DeviceKind MemorySpace::device() const { return state_->allocator->device(); }
+int MemorySpace::rank() const {
+  return state_->rank;
+}
+DeviceKind MemorySpace::device() const {
+  return state_->allocator->device();
+}
 
 }  // namespace shardswap

@@ -14,8 +14,8 @@ namespace shardswap {
 /// What a buffer is for. Every buffer has exactly one tag.
 enum class Tag : std::uint8_t { param16, grad, master32, optim_state, comm, other };
 inline constexpr std::size_t kTagCount = 6;
-inline constexpr std::array<Tag, kTagCount> kAllTags = {
-    Tag::param16, Tag::grad, Tag::master32, Tag::optim_state, Tag::comm, Tag::other};
+inline constexpr std::array<Tag, kTagCount> kAllTags = {Tag::param16,     Tag::grad, Tag::master32,
+                                                        Tag::optim_state, Tag::comm, Tag::other};
 
 const char* tag_name(Tag tag);
 

@@ -16,7 +16,7 @@ enum class LayoutOrder {
 };
 
 struct LayoutOptions {
-  std::size_t element_bytes = 2;    ///< bytes per element of the flat buffer (bit16: 2)
+  std::size_t element_bytes = 2;      ///< bytes per element of the flat buffer (bit16: 2)
   std::size_t alignment_bytes = 256;  ///< power of two, >= element_bytes; every param start and
                                       ///< every shard start is aligned to it
   int world_size = 1;

@@ -31,9 +31,9 @@ struct Decl {
 // Sizes chosen so that, with 64-byte alignment, params straddle shard boundaries at every world
 // size here and the last shard is padded; one group has a param smaller than the world size.
 const std::vector<Decl> kModel = {
-    {"embed.weight", {37, 11}, "embed"},    {"layers.0.w", {19, 23}, "layers.0"},
-    {"layers.0.b", {19}, "layers.0"},       {"layers.0.v", {5, 61}, "layers.0"},
-    {"layers.1.w", {29, 17}, "layers.1"},   {"layers.1.b", {3}, "layers.1"},
+    {"embed.weight", {37, 11}, "embed"},  {"layers.0.w", {19, 23}, "layers.0"},
+    {"layers.0.b", {19}, "layers.0"},     {"layers.0.v", {5, 61}, "layers.0"},
+    {"layers.1.w", {29, 17}, "layers.1"}, {"layers.1.b", {3}, "layers.1"},
     {"head.weight", {11, 41}, "head"},
 };
 
@@ -62,9 +62,9 @@ std::uint64_t mix(std::uint64_t x) {
 // A gradient value exactly representable in `t`, magnitude in [2^-4, 2): sums of up to 8 of
 // them are exact in fp32, so the reference may sum in float64 and round once.
 double grad_value(int rank, int step, std::size_t param, std::int64_t i, DType t) {
-  const auto h = mix((static_cast<std::uint64_t>(rank) << 56) ^
-                     (static_cast<std::uint64_t>(step) << 40) ^ (param << 32) ^
-                     static_cast<std::uint64_t>(i));
+  const auto h =
+      mix((static_cast<std::uint64_t>(rank) << 56) ^ (static_cast<std::uint64_t>(step) << 40) ^
+          (param << 32) ^ static_cast<std::uint64_t>(i));
   const int mantissa_bits = t == DType::bf16 ? 7 : 10;
   const double m = 1.0 + static_cast<double>(h & ((1u << mantissa_bits) - 1)) /
                              static_cast<double>(1u << mantissa_bits);
@@ -171,8 +171,8 @@ struct Reference {
 // ---- the engine, on world_size threads ----
 
 struct EngineRun {
-  std::vector<std::vector<double>> master;        // assembled from every rank's pieces
-  std::vector<std::vector<int>> covered;          // how many ranks supplied each element
+  std::vector<std::vector<double>> master;               // assembled from every rank's pieces
+  std::vector<std::vector<int>> covered;                 // how many ranks supplied each element
   std::vector<std::vector<std::vector<float>>> weights;  // [rank][param] bit16 weights as float
   bool weights_are_rounded_master = true;
   int steps_applied = 0;
@@ -258,13 +258,15 @@ void check_against_reference(const Case& c) {
   REQUIRE(std::sqrt(moved / norm) > 1e-3);  // the weights really moved: the check has teeth
   REQUIRE(rel <= 1e-6);
   REQUIRE(run.weights_are_rounded_master);
-  for (int r = 1; r < c.world_size; ++r) REQUIRE(run.weights[static_cast<std::size_t>(r)] == run.weights[0]);
+  for (int r = 1; r < c.world_size; ++r)
+    REQUIRE(run.weights[static_cast<std::size_t>(r)] == run.weights[0]);
 }
 
 void check_all(OptimizerType optimizer) {
   for (int world : {1, 2, 3, 4, 8})
     for (int stage : {1, 2})
-      for (DType dtype : {DType::bf16, DType::f16}) check_against_reference({world, stage, dtype, optimizer});
+      for (DType dtype : {DType::bf16, DType::f16})
+        check_against_reference({world, stage, dtype, optimizer});
 }
 
 }  // namespace
@@ -283,5 +285,6 @@ TEST_CASE("sharded SGD matches the float64 reference for every world size, stage
 
 TEST_CASE("round-robin layout order gives the same result as declaration order") {
   for (int stage : {1, 2})
-    check_against_reference({3, stage, DType::bf16, OptimizerType::adamw, LayoutOrder::round_robin});
+    check_against_reference(
+        {3, stage, DType::bf16, OptimizerType::adamw, LayoutOrder::round_robin});
 }

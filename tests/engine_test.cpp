@@ -246,16 +246,16 @@ TEST_CASE("bad engine input is refused with a typed error that names it") {
     e.add_param("w", {4, 4}, "g");
     REQUIRE(test::contains(test::message_of<ConfigError>([&] { e.add_param("w", {2}, "g"); }),
                            "duplicate param name 'w'"));
-    REQUIRE(test::contains(test::message_of<ConfigError>([&] { e.add_param("z", {3, 0}, "g"); }),
+    REQUIRE(test::contains(test::message_of<ConfigError>([&] {
+                             e.add_param("z", {3, 0}, "g");
+                           }),
                            "'z' has zero elements"));
     REQUIRE(e.params().size() == 1);  // the refused declarations changed nothing
   });
-  REQUIRE(test::contains(test::message_of<ConfigError>([] { InProcessGroup group(0); }),
-                         "world"));
-  REQUIRE(test::contains(test::message_of<ConfigError>([] {
-                           optimizer_type_from_name("Adagrad", "optimizer.type");
-                         }),
-                         "optimizer.type"));
+  REQUIRE(test::contains(test::message_of<ConfigError>([] { InProcessGroup group(0); }), "world"));
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([] { optimizer_type_from_name("Adagrad", "optimizer.type"); }),
+      "optimizer.type"));
 }
 
 TEST_CASE("zero_grad discards accumulated gradients") {

@@ -2,4 +2,6 @@
 #define CATCH_CONFIG_RUNNER
 #include "tests/catch_compat.h"
 
-int main(int argc, char* argv[]) { return Catch::Session().run(argc, argv); }
+int main(int argc, char* argv[]) {
+  return Catch::Session().run(argc, argv);
+}

@@ -10,7 +10,9 @@ using namespace shardswap;
 
 namespace {
 
-MemorySpace host_space(int rank = 0) { return MemorySpace(rank, make_host_allocator()); }
+MemorySpace host_space(int rank = 0) {
+  return MemorySpace(rank, make_host_allocator());
+}
 
 void require_all_zero(const MemoryStats& s) {
   for (Tag t : kAllTags) {
@@ -75,8 +77,8 @@ TEST_CASE("creating and releasing 10000 buffers and views leaves every stat at e
   for (int i = 0; i < 10000; ++i) {
     const Tag tag = kAllTags[static_cast<std::size_t>(i) % kTagCount];
     buffers.push_back(space.allocate(size(rng), tag, "b" + std::to_string(i)));
-    views.push_back(buffers.back().view(0, buffers.back().bytes() / 4, DType::f32,
-                                        "v" + std::to_string(i)));
+    views.push_back(
+        buffers.back().view(0, buffers.back().bytes() / 4, DType::f32, "v" + std::to_string(i)));
     if (i % 3 == 0) views.push_back(views.back().sub(0, views.back().count() / 2, "sub"));
   }
   REQUIRE(space.stats().buffers == 10000);

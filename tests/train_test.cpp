@@ -89,7 +89,8 @@ TEST_CASE("keys ShardSwap does not implement are reported, known keys are not") 
   ConfigReader reader(j, "test.json");
   train_config_from_json(reader);
   REQUIRE(reader.unread_keys() ==
-          std::vector<std::string>{"wall_clock_breakdown", "zero_optimization.offload_optimizer.device"});
+          std::vector<std::string>{"wall_clock_breakdown",
+                                   "zero_optimization.offload_optimizer.device"});
 }
 
 TEST_CASE("a --set override replaces a key before the config is read") {
@@ -143,4 +144,26 @@ TEST_CASE("a missing or malformed config file is refused naming the file") {
                            ConfigReader::from_file(SHARDSWAP_TEST_DIR "/configs/malformed.json");
                          }),
                          "malformed.json"));
+}
+
+TEST_CASE("two runs of the same config give bit-identical metrics") {
+  auto j = small_run();
+  j["steps"] = 30;
+  j["world_size"] = 3;
+  std::ostringstream log1, log2, first, second;
+  train(load(j), log1, &first);
+  train(load(j), log2, &second);
+  // samples_per_s is a timing; every other field must match exactly.
+  auto strip = [](const std::string& text) {
+    std::istringstream in(text);
+    std::string line, out;
+    while (std::getline(in, line)) {
+      auto m = nlohmann::json::parse(line);
+      m.erase("samples_per_s");
+      out += m.dump() + "\n";
+    }
+    return out;
+  };
+  REQUIRE(strip(first.str()) == strip(second.str()));
+  REQUIRE(!first.str().empty());
 }

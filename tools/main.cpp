@@ -34,11 +34,16 @@ int train_command(const std::vector<std::string>& args) {
       if (i + 1 >= args.size()) throw BadUsage(fmt::format("{} needs a value", args[i]));
       return args[++i];
     };
-    if (args[i] == "--config") config_path = value();
-    else if (args[i] == "--metrics") metrics_path = value();
-    else if (args[i] == "--set") overrides.push_back(value());
-    else if (args[i] == "--memory-report") memory_report = true;
-    else throw BadUsage(fmt::format("unknown argument '{}'", args[i]));
+    if (args[i] == "--config")
+      config_path = value();
+    else if (args[i] == "--metrics")
+      metrics_path = value();
+    else if (args[i] == "--set")
+      overrides.push_back(value());
+    else if (args[i] == "--memory-report")
+      memory_report = true;
+    else
+      throw BadUsage(fmt::format("unknown argument '{}'", args[i]));
   }
   if (config_path.empty()) throw BadUsage("train needs --config FILE");
 
@@ -46,8 +51,8 @@ int train_command(const std::vector<std::string>& args) {
   for (const auto& o : overrides) reader.set(o);
   const auto config = shardswap::train_config_from_json(reader);
   for (const auto& key : reader.unread_keys())
-    spdlog::warn("config {}: key '{}' is not implemented by ShardSwap and is ignored",
-                 config_path, key);
+    spdlog::warn("config {}: key '{}' is not implemented by ShardSwap and is ignored", config_path,
+                 key);
 
   std::ofstream metrics;
   if (!metrics_path.empty()) {
@@ -55,8 +60,9 @@ int train_command(const std::vector<std::string>& args) {
     if (!metrics)
       throw shardswap::ConfigError(fmt::format("--metrics: cannot write '{}'", metrics_path));
   }
-  const auto summary = shardswap::train(config, std::cout, metrics_path.empty() ? nullptr : &metrics,
-                                        memory_report ? &std::cout : nullptr);
+  const auto summary =
+      shardswap::train(config, std::cout, metrics_path.empty() ? nullptr : &metrics,
+                       memory_report ? &std::cout : nullptr);
   std::cout << fmt::format("done: {} steps, {} skipped; loss {:.6f} -> {:.6f}\n", summary.steps,
                            summary.skipped, summary.first_loss, summary.final_loss);
   return 0;

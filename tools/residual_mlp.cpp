@@ -20,10 +20,8 @@ void accumulate(const View& slot, const Eigen::MatrixXf& grad) {
   // Params are row-major [rows, cols]; Eigen's default is column-major.
   Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> g = grad;
   T* out = slot.data<T>();
-  for (Eigen::Index i = 0; i < g.size(); ++i)
-    out[i] = T(static_cast<float>(out[i]) + g.data()[i]);
+  for (Eigen::Index i = 0; i < g.size(); ++i) out[i] = T(static_cast<float>(out[i]) + g.data()[i]);
 }
-
 
 }  // namespace
 
@@ -79,11 +77,11 @@ double ResidualMlp::loss(const Engine& engine, const Eigen::MatrixXf& x,
   Eigen::MatrixXf h = weight(engine, "input.weight") * x;
   for (int i = 0; i < shape_.depth; ++i) {
     const auto g = fmt::format("layers.{}", i);
-    Eigen::MatrixXf a = ((weight(engine, g + ".fc1.weight") * h).colwise() +
-                         weight(engine, g + ".fc1.bias").col(0))
-                            .array()
-                            .tanh()
-                            .matrix();
+    Eigen::MatrixXf a =
+        ((weight(engine, g + ".fc1.weight") * h).colwise() + weight(engine, g + ".fc1.bias").col(0))
+            .array()
+            .tanh()
+            .matrix();
     h += weight(engine, g + ".fc2.weight") * a;
   }
   const Eigen::MatrixXf y = weight(engine, "head.weight") * h;
@@ -148,9 +146,8 @@ void TeacherTask::batch(int rank, std::int64_t step, int batch_size, Eigen::Matr
   std::normal_distribution<float> n(0.0f, 1.0f);
   x = Eigen::MatrixXf::NullaryExpr(a1_.cols(), batch_size, [&] { return n(rng); });
   target = a2_ * (a1_ * x).array().tanh().matrix();
-  target += Eigen::MatrixXf::NullaryExpr(target.rows(), target.cols(), [&] {
-    return static_cast<float>(noise_) * n(rng);
-  });
+  target += Eigen::MatrixXf::NullaryExpr(target.rows(), target.cols(),
+                                         [&] { return static_cast<float>(noise_) * n(rng); });
 }
 
 }  // namespace shardswap

@@ -1,5 +1,6 @@
 // The CPU quickstart model: a residual MLP regressing a fixed random teacher network.
-//   h0 = W_in x;  h_{i+1} = h_i + W2_i tanh(W1_i h_i + b1_i);  y = W_out h_L;  loss = mean (y - t)^2
+//   h0 = W_in x;  h_{i+1} = h_i + W2_i tanh(W1_i h_i + b1_i);  y = W_out h_L;  loss = mean (y -
+//   t)^2
 // Each residual block is one layer group ("layers.i"); the input projection and the head are
 // groups of their own. Forward and backward run in fp32 (Eigen) on the engine's bit16 weights.
 #pragma once

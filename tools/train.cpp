@@ -24,7 +24,8 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   t.micro_batch = static_cast<int>(positive("train_micro_batch_size_per_gpu", 32, 1 << 20));
   if (c.has("train_batch_size")) {
     const auto total = c.integer("train_batch_size", 0);
-    const auto expected = std::int64_t{t.micro_batch} * t.engine.gradient_accumulation_steps * t.world_size;
+    const auto expected =
+        std::int64_t{t.micro_batch} * t.engine.gradient_accumulation_steps * t.world_size;
     if (total != expected)
       c.fail("train_batch_size", fmt::format("= {} but train_micro_batch_size_per_gpu x "
                                              "gradient_accumulation_steps x world_size = {}",
@@ -50,7 +51,9 @@ TrainConfig train_config_from_json(ConfigReader& c) {
 
 namespace {
 
-std::string mib(std::int64_t bytes) { return fmt::format("{:.2f} MiB", bytes / 1048576.0); }
+std::string mib(std::int64_t bytes) {
+  return fmt::format("{:.2f} MiB", bytes / 1048576.0);
+}
 
 }  // namespace
 
@@ -69,11 +72,11 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
       std::int64_t params = 0;
       for (const auto& p : engine.params()) params += p.numel;
       std::lock_guard lock(mu);
-      log << fmt::format("shardswap train: {} params in {} groups, world size {}, ZeRO stage {}, "
-                         "{}, {}\n",
-                         params, engine.groups().size(), config.world_size, config.engine.stage,
-                         dtype_name(config.engine.dtype),
-                         optimizer_type_name(config.engine.optimizer.type));
+      log << fmt::format(
+          "shardswap train: {} params in {} groups, world size {}, ZeRO stage {}, "
+          "{}, {}\n",
+          params, engine.groups().size(), config.world_size, config.engine.stage,
+          dtype_name(config.engine.dtype), optimizer_type_name(config.engine.optimizer.type));
       if (report) *report << engine.memory_report();
     }
     Eigen::MatrixXf x, target;
@@ -105,14 +108,10 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
       ++interval_steps;
       const MemoryStats mem = engine.memory_stats();
       if (metrics) {
-        nlohmann::json line = {{"step", step + 1},
-                               {"loss", loss},
-                               {"grad_norm", r.grad_norm},
-                               {"clip_coef", r.clip_coef},
-                               {"loss_scale", r.loss_scale},
-                               {"skipped", !r.applied},
-                               {"lr", engine.lr()},
-                               {"samples_per_s", samples / seconds}};
+        nlohmann::json line = {{"step", step + 1},           {"loss", loss},
+                               {"grad_norm", r.grad_norm},   {"clip_coef", r.clip_coef},
+                               {"loss_scale", r.loss_scale}, {"skipped", !r.applied},
+                               {"lr", engine.lr()},          {"samples_per_s", samples / seconds}};
         nlohmann::json memory;
         for (Tag t : kAllTags) memory[tag_name(t)] = mem.tag(t).requested.current;
         memory["total"] = mem.requested.current;
@@ -122,15 +121,15 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
         *metrics << line.dump() << '\n';
       }
       if ((step + 1) % config.log_interval == 0 || step + 1 == config.steps) {
-        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                                             interval_start)
-                                   .count();
+        const double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - interval_start)
+                .count();
         summary.final_loss = interval_loss / interval_steps;
-        log << fmt::format("step {:>6}/{}  loss {:.6f}  grad_norm {:.4f}  scale {}  skipped {}  "
-                           "memory {}  {:.0f} samples/s\n",
-                           step + 1, config.steps, summary.final_loss, r.grad_norm, r.loss_scale,
-                           summary.skipped, mib(mem.requested.current),
-                           samples * interval_steps / elapsed);
+        log << fmt::format(
+            "step {:>6}/{}  loss {:.6f}  grad_norm {:.4f}  scale {}  skipped {}  "
+            "memory {}  {:.0f} samples/s\n",
+            step + 1, config.steps, summary.final_loss, r.grad_norm, r.loss_scale, summary.skipped,
+            mib(mem.requested.current), samples * interval_steps / elapsed);
         log.flush();
         interval_loss = 0.0;
         interval_steps = 0;
