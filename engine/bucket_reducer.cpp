@@ -9,11 +9,16 @@
 namespace shardswap {
 
 BucketReducer::BucketReducer(Communicator& comm, MemorySpace& space,
-                             const OptimizerKernels& kernels, DType dtype, std::int64_t capacity)
-    : comm_(comm), kernels_(kernels), dtype_(dtype), capacity_(capacity) {
-  const auto bytes = static_cast<std::size_t>(capacity) * dtype_size(dtype);
+                             const OptimizerKernels& kernels, DType grad_dtype, DType comm_dtype,
+                             std::int64_t capacity)
+    : comm_(comm), kernels_(kernels), dtype_(grad_dtype), comm_dtype_(comm_dtype),
+      capacity_(capacity) {
+  const auto n = static_cast<std::size_t>(capacity);
   for (int i = 0; i < 2; ++i)
-    buckets_[i] = space.allocate(bytes, Tag::grad, fmt::format("grad bucket {}", i));
+    buckets_[i] = space.allocate(n * dtype_size(grad_dtype), Tag::grad, fmt::format("grad bucket {}", i));
+  if (comm_dtype != grad_dtype)
+    compressed_ = space.allocate(n * dtype_size(comm_dtype), Tag::comm,
+                                 fmt::format("compressed bucket ({})", dtype_name(comm_dtype)));
 }
 
 View BucketReducer::slot(Group& group, std::size_t param, const std::string& name,
@@ -76,15 +81,22 @@ void BucketReducer::flush() {
     throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
                             missing));
   const auto esize = static_cast<std::int64_t>(dtype_size(dtype_));
+  const auto wire_size = static_cast<std::int64_t>(dtype_size(comm_dtype_));
   auto* bucket = buckets_[current_].as<std::byte>();
   for (const OwnedRange& piece : owners_of(group_->layout, lo_, hi_)) {
-    std::byte* data = bucket + (piece.begin - start_) * esize;
+    const std::int64_t at = piece.begin - start_;
+    std::byte* data = bucket + at * esize;
     const auto count = static_cast<std::size_t>(piece.end - piece.begin);
-    comm_.reduce(data, count, dtype_, ReduceOp::sum, piece.rank);
+    if (compressed_.valid()) {
+      std::byte* wire = compressed_.as<std::byte>() + at * wire_size;
+      kernels_.cast(wire, comm_dtype_, data, dtype_, count);
+      data = wire;
+    }
+    comm_.reduce(data, count, comm_dtype_, ReduceOp::sum, piece.rank);
     if (piece.rank == comm_.rank()) {
       std::byte* partition =
           group_->grad.as<std::byte>() + (piece.begin - group_->shard.begin) * esize;
-      kernels_.accumulate_bit16(partition, data, dtype_, count);
+      kernels_.accumulate(partition, dtype_, data, comm_dtype_, count);
     }
   }
   ++flushes_;

@@ -7,6 +7,11 @@
 // contiguous pieces, one reduce per owner (usually one or two). Windows follow the order the
 // gradients come in (backward order is usually descending), but any order is correct: a param
 // reduced twice simply accumulates.
+//
+// Compression (fp32 gradients, bf16/fp16 communication): each piece is cast into one reused
+// bucket-sized comm buffer, reduced there, and accumulated back into the fp32 partition. That
+// buffer is the only extra memory, whatever the model size: the failure of a compressed copy
+// kept per bucket (PyTorch DDP's fp16 hook: peak from 3G to 4G) cannot happen.
 #pragma once
 
 #include <cstdint>
@@ -22,9 +27,10 @@ namespace shardswap {
 
 class BucketReducer {
  public:
-  /// Allocates two buckets of `capacity` elements of `dtype` (tag grad).
+  /// Allocates two buckets of `capacity` elements of `grad_dtype` (tag grad) and, when
+  /// comm_dtype differs, one comm buffer of `capacity` elements of `comm_dtype` (tag comm).
   BucketReducer(Communicator& comm, MemorySpace& space, const OptimizerKernels& kernels,
-                DType dtype, std::int64_t capacity);
+                DType grad_dtype, DType comm_dtype, std::int64_t capacity);
 
   /// The slot for param `param` named `name` (flat entry `entry` of `group`). Reduces the open
   /// bucket first if the slot does not fit in its window.
@@ -51,9 +57,11 @@ class BucketReducer {
 
   Communicator& comm_;
   const OptimizerKernels& kernels_;
-  DType dtype_;
+  DType dtype_;       // of the gradients (buckets and partitions)
+  DType comm_dtype_;  // on the wire
   std::int64_t capacity_;
   Buffer buckets_[2];
+  Buffer compressed_;  // only when comm_dtype_ != dtype_
   int current_ = 0;
   Group* group_ = nullptr;             // group of the open bucket; null when none is open
   std::int64_t start_ = 0;             // window start (flat element)

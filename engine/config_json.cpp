@@ -18,6 +18,10 @@ EngineConfig read(ConfigReader& c) {
   if (!bf16 && !fp16)
     c.fail("bf16.enabled", "or fp16.enabled must be true: ShardSwap trains bit16 params only");
   cfg.dtype = bf16 ? DType::bf16 : DType::f16;
+  cfg.grad_dtype = dtype_from_name(c.string("data_types.grad_accum_dtype", dtype_name(cfg.dtype)),
+                                   "data_types.grad_accum_dtype");
+  cfg.comm_dtype = dtype_from_name(c.string("communication_data_type", dtype_name(cfg.grad_type())),
+                                   "communication_data_type");
 
   if (fp16) {
     const double loss_scale = c.number("fp16.loss_scale", 0.0);
@@ -55,7 +59,7 @@ EngineConfig read(ConfigReader& c) {
   const auto bucket = c.integer("zero_optimization.reduce_bucket_size", 500'000'000);
   if (bucket < 1)
     c.fail("zero_optimization.reduce_bucket_size", fmt::format("= {} must be >= 1", bucket));
-  cfg.reduce_bucket_bytes = static_cast<std::size_t>(bucket) * dtype_size(cfg.dtype);
+  cfg.reduce_bucket_bytes = static_cast<std::size_t>(bucket) * dtype_size(cfg.grad_type());
   cfg.order = c.boolean("zero_optimization.round_robin_gradients", false)
                   ? LayoutOrder::round_robin
                   : LayoutOrder::declaration;

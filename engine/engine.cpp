@@ -23,6 +23,8 @@ std::int64_t MemoryPlan::total() const {
 
 namespace {
 
+constexpr std::int64_t kScalarBytes = 8;  // one double
+
 LossScaleConfig scaling_for(const EngineConfig& config) {
   if (config.dtype == DType::f16) return config.loss_scale;
   LossScaleConfig none;  // bf16 has fp32's range: no scaling, but Inf/NaN still skip the step
@@ -47,6 +49,9 @@ struct Engine::Impl {
   std::map<std::string, double> weight_decay;
   std::vector<Group> groups;  // after build
   std::unique_ptr<BucketReducer> reducer;
+  Buffer compressed;  // stage 1 with compression: one reused chunk buffer
+  Buffer scalars;     // the step's global scalars, in backend memory for the collectives
+  std::int64_t capacity = 0;  // bucket (and compressed chunk) capacity in elements
   LossScaler scaler;
   bool built = false;
 
@@ -137,11 +142,12 @@ static std::vector<Group> plan_groups(const EngineConfig& config,
   return groups;
 }
 
-// Bucket capacity in elements: the configured bytes, grown (with a warning) to the largest param.
+// Bucket capacity in elements: the configured bytes (of gradients), grown (with a warning) to
+// the largest param, and to at least one element per rank for the stage-1 compressed chunks.
 static std::int64_t bucket_capacity(const EngineConfig& config, const std::vector<Group>& groups,
-                                    const std::vector<Param>& params, bool warn) {
-  const auto esize = static_cast<std::int64_t>(dtype_size(config.dtype));
-  std::int64_t capacity = static_cast<std::int64_t>(config.reduce_bucket_bytes) / esize;
+                                    const std::vector<Param>& params, int world_size, bool warn) {
+  const auto gsize = static_cast<std::int64_t>(dtype_size(config.grad_type()));
+  std::int64_t capacity = static_cast<std::int64_t>(config.reduce_bucket_bytes) / gsize;
   std::int64_t largest = 0;
   std::string largest_name;
   for (const auto& g : groups)
@@ -150,13 +156,13 @@ static std::int64_t bucket_capacity(const EngineConfig& config, const std::vecto
         largest = params[i].info.numel;
         largest_name = params[i].info.name;
       }
-  if (largest > capacity) {
+  if (config.stage == 2 && largest > capacity) {
     if (warn)
       spdlog::warn("Engine: reduce bucket grown from {} to {} bytes to hold param '{}'",
-                   capacity * esize, largest * esize, largest_name);
+                   capacity * gsize, largest * gsize, largest_name);
     capacity = largest;
   }
-  return capacity;
+  return std::max<std::int64_t>(capacity, world_size);
 }
 
 MemoryPlan Engine::plan() const {
@@ -164,17 +170,21 @@ MemoryPlan Engine::plan() const {
   auto params = impl_->params;
   const auto groups = plan_groups(config_, impl_->group_names, params, impl_->weight_decay,
                                   comm_.world_size(), comm_.rank());
-  const auto esize = static_cast<std::int64_t>(dtype_size(config_.dtype));
+  const auto psize = static_cast<std::int64_t>(dtype_size(config_.dtype));
+  const auto gsize = static_cast<std::int64_t>(dtype_size(config_.grad_type()));
   MemoryPlan plan;
   auto add = [&](Tag t, std::int64_t bytes) { plan.bytes[static_cast<std::size_t>(t)] += bytes; };
   for (const auto& g : groups) {
-    add(Tag::param16, g.layout.total_numel() * esize);
-    add(Tag::grad, (config_.stage == 1 ? g.layout.total_numel() : g.shard.numel()) * esize);
+    add(Tag::param16, g.layout.total_numel() * psize);
+    add(Tag::grad, (config_.stage == 1 ? g.layout.total_numel() : g.shard.numel()) * gsize);
     add(Tag::master32, g.shard.numel() * 4);
     add(Tag::optim_state, g.shard.numel() * 4 * config_.optimizer.state_slots());
   }
-  if (config_.stage == 2)
-    add(Tag::grad, 2 * bucket_capacity(config_, groups, params, false) * esize);
+  const auto capacity = bucket_capacity(config_, groups, params, comm_.world_size(), false);
+  if (config_.stage == 2) add(Tag::grad, 2 * capacity * gsize);
+  add(Tag::comm, kScalarBytes);
+  if (config_.compressed())
+    add(Tag::comm, capacity * static_cast<std::int64_t>(dtype_size(config_.comm_type())));
   return plan;
 }
 
@@ -182,37 +192,38 @@ void Engine::build(const WeightInit& init) {
   if (impl_->built) throw Error("Engine::build: already built");
   if (impl_->params.empty()) throw ConfigError("Engine::build: no params declared");
   const int rank = comm_.rank();
-  const auto esize = dtype_size(config_.dtype);
-  const DType dtype = config_.dtype;
+  const DType dtype = config_.dtype, grad_dtype = config_.grad_type();
+  const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
   // Everything is built into locals and moved in at the end: a failure frees it all.
   auto params = impl_->params;
   auto groups = plan_groups(config_, impl_->group_names, params, impl_->weight_decay,
                             comm_.world_size(), rank);
   std::vector<float> values;
+  std::vector<std::byte> staged;  // one param's bit16 values on the host, then uploaded
   for (auto& g : groups) {
     const auto total = static_cast<std::size_t>(g.layout.total_numel());
     const auto shard = static_cast<std::size_t>(g.shard.numel());
     g.param16 =
-        space_.allocate(total * esize, Tag::param16, fmt::format("group {} param16", g.name));
+        space_.allocate(total * psize, Tag::param16, fmt::format("group {} param16", g.name));
     kernels_.fill_zero(g.param16.data(), g.param16.bytes());  // padding stays zero for good
     for (auto i : g.params) {
       Param& p = params[i];
       const auto& entry = g.layout.entry_of(p.index_in_group);
       values.assign(static_cast<std::size_t>(p.info.numel), 0.0f);
       init(p.info, values);
-      kernels_.cast_to_bit16(values.data(), g.param16_at(entry.offset, esize), dtype,
-                             values.size());
+      staged.resize(values.size() * psize);
+      cpu_kernels().cast(staged.data(), dtype, values.data(), DType::f32, values.size());
+      space_.upload(g.param16_at(entry.offset, psize), staged.data(), staged.size());
     }
     // Every rank must start from the same weights, whatever its init did.
     comm_.broadcast(g.param16.data(), total, dtype, 0);
     const bool full_grads = config_.stage == 1;
-    g.grad = space_.allocate((full_grads ? total : shard) * esize, Tag::grad,
+    g.grad = space_.allocate((full_grads ? total : shard) * gsize, Tag::grad,
                              full_grads ? fmt::format("group {} grads", g.name)
                                         : fmt::format("group {} grad partition", g.name));
     kernels_.fill_zero(g.grad.data(), g.grad.bytes());
     g.master = space_.allocate(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
-    kernels_.cast_from_bit16(g.param16_at(g.shard.begin, esize), g.master.as<float>(), dtype,
-                             shard);
+    kernels_.cast(g.master.data(), DType::f32, g.param16_at(g.shard.begin, psize), dtype, shard);
     const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
     g.state = space_.allocate(
         slots * shard * 4, Tag::optim_state,
@@ -221,19 +232,30 @@ void Engine::build(const WeightInit& init) {
     for (auto i : g.params) {
       Param& p = params[i];
       const auto& entry = g.layout.entry_of(p.index_in_group);
-      const auto at = static_cast<std::size_t>(entry.offset) * esize;
       const auto n = static_cast<std::size_t>(p.info.numel);
-      p.weight = g.param16.view(at, n, dtype, p.info.name + ": weight view");
-      if (full_grads) p.full_grad = g.grad.view(at, n, dtype, p.info.name + ": grad slot");
+      const auto at = static_cast<std::size_t>(entry.offset);
+      p.weight = g.param16.view(at * psize, n, dtype, p.info.name + ": weight view");
+      if (full_grads)
+        p.full_grad = g.grad.view(at * gsize, n, grad_dtype, p.info.name + ": grad slot");
     }
   }
+  const auto capacity = bucket_capacity(config_, groups, params, comm_.world_size(), rank == 0);
   std::unique_ptr<BucketReducer> reducer;
   if (config_.stage == 2)
-    reducer = std::make_unique<BucketReducer>(comm_, space_, kernels_, dtype,
-                                              bucket_capacity(config_, groups, params, rank == 0));
+    reducer = std::make_unique<BucketReducer>(comm_, space_, kernels_, grad_dtype,
+                                              config_.comm_type(), capacity);
+  Buffer compressed;
+  if (config_.stage == 1 && config_.compressed())
+    compressed = space_.allocate(
+        static_cast<std::size_t>(capacity) * dtype_size(config_.comm_type()), Tag::comm,
+        fmt::format("compressed chunk ({})", dtype_name(config_.comm_type())));
+  Buffer scalars = space_.allocate(kScalarBytes, Tag::comm, "step scalars");
   impl_->params = std::move(params);
   impl_->groups = std::move(groups);
   impl_->reducer = std::move(reducer);
+  impl_->compressed = std::move(compressed);
+  impl_->scalars = std::move(scalars);
+  impl_->capacity = capacity;
   impl_->built = true;
 }
 
@@ -280,19 +302,49 @@ void Engine::finish_backward() {
                             missing));
 }
 
+// Stage 1: reduce-scatters a group's full gradient buffer so this rank's shard holds the sum.
+// Uncompressed, in place. Compressed, in chunks through the one comm buffer: the k-th slice of
+// every rank's shard is cast to the wire type side by side, reduce-scattered there, and this
+// rank's slice is cast back into its fp32 shard.
+void Engine::reduce_scatter_grads(Group& g) {
+  const DType grad_dtype = config_.grad_type(), wire = config_.comm_type();
+  const auto gsize = dtype_size(grad_dtype), wsize = dtype_size(wire);
+  const auto shard = static_cast<std::size_t>(g.shard.numel());
+  const auto rank = static_cast<std::size_t>(comm_.rank());
+  auto* grads = g.grad.as<std::byte>();
+  if (!config_.compressed()) {
+    comm_.reduce_scatter(grads, grads + rank * shard * gsize, shard, grad_dtype, ReduceOp::sum);
+    return;
+  }
+  const auto ranks = static_cast<std::size_t>(comm_.world_size());
+  const std::size_t slice = static_cast<std::size_t>(impl_->capacity) / ranks;
+  auto* chunk = impl_->compressed.as<std::byte>();
+  for (std::size_t k = 0; k < shard; k += slice) {
+    const std::size_t n = std::min(slice, shard - k);
+    for (std::size_t r = 0; r < ranks; ++r)
+      kernels_.cast(chunk + r * n * wsize, wire, grads + (r * shard + k) * gsize, grad_dtype, n);
+    comm_.reduce_scatter(chunk, chunk + rank * n * wsize, n, wire, ReduceOp::sum);
+    kernels_.cast(grads + (rank * shard + k) * gsize, grad_dtype, chunk + rank * n * wsize, wire, n);
+  }
+}
+
+double Engine::sum_across_ranks(double value) {
+  impl_->require_built("sum_across_ranks");
+  void* scalar = impl_->scalars.data();
+  space_.upload(scalar, &value, sizeof value);
+  comm_.all_reduce(scalar, 1, DType::f64, ReduceOp::sum);
+  space_.download(&value, scalar, sizeof value);
+  return value;
+}
+
 StepResult Engine::step() {
   impl_->require_built("step");
   finish_backward();
-  const DType dtype = config_.dtype;
-  const auto esize = dtype_size(dtype);
-  const int rank = comm_.rank();
+  const DType dtype = config_.dtype, grad_dtype = config_.grad_type();
+  const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
   auto& groups = impl_->groups;
   if (config_.stage == 1)
-    for (auto& g : groups) {
-      const auto shard = static_cast<std::size_t>(g.shard.numel());
-      comm_.reduce_scatter(g.grad.data(), g.grad.as<std::byte>() + rank * shard * esize, shard,
-                           dtype, ReduceOp::sum);
-    }
+    for (auto& g : groups) reduce_scatter_grads(g);
 
   // Partitions now hold sums over ranks of loss-scaled micro-batch sums. One factor turns them
   // into the mean unscaled gradient; it is applied in registers, never to a stored copy.
@@ -302,10 +354,10 @@ StepResult Engine::step() {
       1.0 / (result.loss_scale * comm_.world_size() * config_.gradient_accumulation_steps);
   double squares = 0.0;
   for (auto& g : groups)
-    squares += kernels_.sum_squares(g.grad_partition(config_.stage, esize), dtype,
+    squares += kernels_.sum_squares(g.grad_partition(config_.stage, gsize), grad_dtype,
                                     static_cast<std::size_t>(g.shard.numel()), unscale);
   // One all-reduce gives both the norm and the overflow flag: Inf/NaN anywhere poisons the sum.
-  comm_.all_reduce(&squares, 1, DType::f64, ReduceOp::sum);
+  squares = sum_across_ranks(squares);
   result.grad_norm = std::sqrt(squares);
   const bool overflow = !std::isfinite(squares);
   result.applied = impl_->scaler.update(overflow);
@@ -323,15 +375,16 @@ StepResult Engine::step() {
       t.master = g.master.as<float>();
       t.state0 = slots >= 1 ? g.state.as<float>() : nullptr;
       t.state1 = slots >= 2 ? g.state.as<float>() + shard : nullptr;
-      t.grad = g.grad_partition(config_.stage, esize);
-      t.param = g.param16_at(g.shard.begin, esize);
+      t.grad = g.grad_partition(config_.stage, gsize);
+      t.param = g.param16_at(g.shard.begin, psize);
       t.dtype = dtype;
+      t.grad_dtype = grad_dtype;
       t.count = shard;
       kernels_.update(config_.optimizer, args, t);
     }
     for (auto& g : groups) {
       const auto shard = static_cast<std::size_t>(g.shard.numel());
-      comm_.all_gather(g.param16_at(g.shard.begin, esize), g.param16.data(), shard, dtype);
+      comm_.all_gather(g.param16_at(g.shard.begin, psize), g.param16.data(), shard, dtype);
     }
   }
   zero_grad();
@@ -385,10 +438,21 @@ std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {
   std::vector<MasterPiece> pieces;
   const float* master = g.master.as<float>();
   for (const auto& f : g.shard.fragments)
-    if (f.param == p.index_in_group)
-      pieces.push_back({f.param_offset, std::vector<float>(master + f.shard_offset,
-                                                           master + f.shard_offset + f.count)});
+    if (f.param == p.index_in_group) {
+      MasterPiece piece{f.param_offset, std::vector<float>(static_cast<std::size_t>(f.count))};
+      space_.download(piece.values.data(), master + f.shard_offset, f.count * sizeof(float));
+      pieces.push_back(std::move(piece));
+    }
   return pieces;
+}
+
+std::vector<float> Engine::read_weight(const std::string& name) const {
+  const View w = weight(name);
+  std::vector<std::byte> raw(w.bytes());
+  space_.download(raw.data(), w.raw(), raw.size());
+  std::vector<float> out(w.count());
+  cpu_kernels().cast(out.data(), DType::f32, raw.data(), w.dtype(), out.size());
+  return out;
 }
 
 }  // namespace shardswap

@@ -59,6 +59,8 @@ struct MasterPiece {
   std::vector<float> values;
 };
 
+struct Group;
+
 class Engine {
  public:
   /// Throws ConfigError if the config is invalid. `comm` and `space` must outlive the Engine.
@@ -107,12 +109,18 @@ class Engine {
   std::int64_t group_step(const std::string& group) const;
   const FlatLayout& layout(const std::string& group) const;
   std::vector<MasterPiece> master_pieces(const std::string& name) const;
+  /// The param's bit16 weights, copied to the host as floats.
+  std::vector<float> read_weight(const std::string& name) const;
+  /// Sum of `value` over ranks (a collective: every rank must call it).
+  double sum_across_ranks(double value);
+  MemorySpace& memory() const { return space_; }
   MemoryStats memory_stats() const { return space_.stats(); }
   std::string memory_report() const { return space_.report_text(); }
   int rank() const { return comm_.rank(); }
   int world_size() const { return comm_.world_size(); }
 
  private:
+  void reduce_scatter_grads(Group& g);
   struct Impl;
   EngineConfig config_;
   Communicator& comm_;

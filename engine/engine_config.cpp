@@ -20,6 +20,16 @@ void EngineConfig::validate(std::string_view prefix) const {
   if (!is_bit16(dtype))
     fail("dtype",
          fmt::format("= {}: params and gradients must be bf16 or fp16", dtype_name(dtype)));
+  const DType grads = grad_type(), comm = comm_type();
+  if (grads != dtype && grads != DType::f32)
+    fail("data_types.grad_accum_dtype",
+         fmt::format("= {}: gradients are kept in the param type ({}) or fp32", dtype_name(grads),
+                     dtype_name(dtype)));
+  if (comm == DType::f64 || (is_bit16(grads) && comm != grads))
+    fail("communication_data_type",
+         fmt::format("= {}: with {} gradients communication is in {}; compression to bf16/fp16 "
+                     "needs fp32 gradients (data_types.grad_accum_dtype = fp32)",
+                     dtype_name(comm), dtype_name(grads), dtype_name(grads)));
   if (alignment_bytes == 0 || (alignment_bytes & (alignment_bytes - 1)) != 0 ||
       alignment_bytes < dtype_size(dtype))
     fail("alignment_bytes", fmt::format("= {} must be a power of two >= {} (the element size)",

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <string_view>
 
 #include "memory/dtype.h"
@@ -15,7 +16,17 @@ struct EngineConfig {
   /// 1: fp32 master and optimizer state sharded, full bit16 gradients kept until the step.
   /// 2: gradients also sharded: reduced in buckets into their owners' partitions as they come.
   int stage = 2;
-  DType dtype = DType::bf16;  ///< bit16 type of params and gradients (bf16 or fp16)
+  DType dtype = DType::bf16;  ///< bit16 type of params (bf16 or fp16)
+  /// Type gradients are accumulated and kept in: `dtype` (when unset), or fp32 (DeepSpeed's
+  /// data_types.grad_accum_dtype).
+  std::optional<DType> grad_dtype;
+  /// Type gradients travel in (communication_data_type); unset: the gradient type, reduced in
+  /// place. bf16/fp16 with fp32 gradients: compressed through one reused bucket-sized buffer, so
+  /// peak memory grows by at most one bucket, whatever the model size.
+  std::optional<DType> comm_dtype;
+  DType grad_type() const { return grad_dtype.value_or(dtype); }
+  DType comm_type() const { return comm_dtype.value_or(grad_type()); }
+  bool compressed() const { return comm_type() != grad_type(); }
   std::size_t alignment_bytes = 256;
   /// Capacity of each of the two stage-2 reduce buckets, in bytes. (The JSON key
   /// zero_optimization.reduce_bucket_size counts elements, as in DeepSpeed.)

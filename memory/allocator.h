@@ -26,10 +26,33 @@ class Allocator {
   virtual std::size_t reserved_bytes() const = 0;
   virtual DeviceKind device() const = 0;
   virtual std::string name() const = 0;
+  /// Copies between this allocator's memory and the host (synchronously with respect to the
+  /// calling thread's work on the device).
+  virtual void upload(void* device_dst, const void* host_src, std::size_t bytes) = 0;
+  virtual void download(void* host_dst, const void* device_src, std::size_t bytes) = 0;
 };
 
 /// Host memory, `alignment`-aligned (a power of two), rounded up to the alignment. No cache:
 /// freed blocks go straight back to the C heap, so reserved == allocated.
 std::unique_ptr<Allocator> make_host_allocator(std::size_t alignment = 256);
+
+}  // namespace shardswap
+
+namespace shardswap {
+
+/// Device memory as the driver sees it (cudaMemGetInfo): what a test reads to show that freed
+/// memory went back to the device and not only into a cache.
+struct DeviceMemory {
+  std::size_t free = 0;
+  std::size_t total = 0;
+};
+
+/// cudaMalloc/cudaFree on `device`, no cache: every free returns memory to the driver, so
+/// reserved == allocated. Throws BackendUnavailable in a build without CUDA.
+std::unique_ptr<Allocator> make_cuda_allocator(int device);
+/// Throws BackendUnavailable in a build without CUDA.
+DeviceMemory cuda_device_memory(int device);
+/// Number of CUDA devices usable now; 0 in a build without CUDA or on a machine without a GPU.
+int cuda_device_count();
 
 }  // namespace shardswap

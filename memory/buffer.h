@@ -21,6 +21,7 @@
 
 #include "memory/allocator.h"
 #include "memory/dtype.h"
+#include "memory/host_types.h"
 #include "memory/stats.h"
 
 namespace shardswap {
@@ -173,7 +174,25 @@ class MemorySpace {
   int rank() const;
   DeviceKind device() const;
 
+  /// Copies between host memory and this space's memory (a View's or a Buffer's bytes).
+  void upload(void* dst, const void* host_src, std::size_t bytes) const;
+  void download(void* host_dst, const void* src, std::size_t bytes) const;
+  /// A View's elements, copied to the host.
+  template <class T>
+  std::vector<T> read(const View& v) const {
+    std::vector<T> out(v.count());
+    download(out.data(), v.data<T>(), v.bytes());
+    return out;
+  }
+  /// Copies host values into a View (sizes must match; throws Error otherwise).
+  template <class T>
+  void write(const View& v, std::span<const T> values) const {
+    check_write(v, values.size());
+    upload(v.data<T>(), values.data(), v.bytes());
+  }
+
  private:
+  void check_write(const View& v, std::size_t count) const;
   std::shared_ptr<detail::SpaceState> state_;
 };
 

@@ -1,7 +1,7 @@
-// Element types of flat buffers, and the host types that represent them.
+// Element types of flat buffers. (Their host C++ types are in memory/host_types.h, kept apart so
+// CUDA sources can use DType without Eigen.)
 #pragma once
 
-#include <Eigen/Core>
 #include <cstddef>
 #include <string>
 #include <string_view>
@@ -9,9 +9,6 @@
 namespace shardswap {
 
 enum class DType { f32, f64, bf16, f16 };
-
-using bf16_t = Eigen::bfloat16;
-using f16_t = Eigen::half;
 
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
@@ -36,24 +33,5 @@ const char* dtype_name(DType t);
 /// Parses "fp32"/"float32", "fp64", "bf16"/"bfloat16", "fp16"/"float16"/"half".
 /// Throws ConfigError naming `what` (a config key or parameter) on anything else.
 DType dtype_from_name(std::string_view name, std::string_view what);
-
-template <class T>
-constexpr DType dtype_of();
-template <>
-constexpr DType dtype_of<float>() {
-  return DType::f32;
-}
-template <>
-constexpr DType dtype_of<double>() {
-  return DType::f64;
-}
-template <>
-constexpr DType dtype_of<bf16_t>() {
-  return DType::bf16;
-}
-template <>
-constexpr DType dtype_of<f16_t>() {
-  return DType::f16;
-}
 
 }  // namespace shardswap

@@ -44,6 +44,12 @@ class CommError : public Error {
   using Error::Error;
 };
 
+/// A CUDA, cuBLAS or NCCL call failed (the message names the statement, file, line and device).
+class DeviceError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// The requested backend (e.g. CUDA) is not part of this build.
 class BackendUnavailable : public Error {
  public:

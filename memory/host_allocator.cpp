@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 
 #include "memory/allocator.h"
 #include "memory/error.h"
@@ -35,6 +36,12 @@ class HostAllocator final : public Allocator {
   std::size_t reserved_bytes() const override { return reserved_; }
   DeviceKind device() const override { return DeviceKind::host; }
   std::string name() const override { return "host"; }
+  void upload(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+  }
+  void download(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+  }
 
  private:
   std::size_t alignment_;

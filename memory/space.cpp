@@ -349,13 +349,15 @@ Buffer MemorySpace::allocate(std::size_t bytes, Tag tag, std::string label) {
   s->tag = tag;
   s->label = std::move(label);
   s->requested = bytes;
-  std::lock_guard lock(state_->mu);
+  std::unique_lock lock(state_->mu);
   if (bytes > 0) {
     try {
       s->block = state_->allocator->allocate(bytes);
     } catch (const OutOfMemory& e) {
-      throw OutOfMemory(fmt::format("MemorySpace::allocate: rank {}: '{}' ({} bytes, {}): {}",
-                                    state_->rank, s->label, bytes, tag_name(tag), e.what()));
+      lock.unlock();  // report_text() takes the lock
+      throw OutOfMemory(fmt::format("MemorySpace::allocate: rank {}: '{}' ({} bytes, {}): {}\n{}",
+                                    state_->rank, s->label, bytes, tag_name(tag), e.what(),
+                                    report_text()));
     }
   }
   s->id = state_->next_id++;
@@ -424,6 +426,24 @@ int MemorySpace::rank() const {
 }
 DeviceKind MemorySpace::device() const {
   return state_->allocator->device();
+}
+
+}  // namespace shardswap
+
+namespace shardswap {
+
+void MemorySpace::upload(void* dst, const void* host_src, std::size_t bytes) const {
+  state_->allocator->upload(dst, host_src, bytes);
+}
+
+void MemorySpace::download(void* host_dst, const void* src, std::size_t bytes) const {
+  state_->allocator->download(host_dst, src, bytes);
+}
+
+void MemorySpace::check_write(const View& v, std::size_t count) const {
+  if (count != v.count())
+    throw Error(fmt::format("MemorySpace::write: {} values for view '{}' of {} elements", count,
+                            v.label(), v.count()));
 }
 
 }  // namespace shardswap

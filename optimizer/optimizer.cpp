@@ -1,4 +1,5 @@
-// Optimizer names, config validation and the backend-independent scalars (state slots, clipping).
+// Optimizer names, config validation and the backend-independent scalars (state slots, clipping,
+// the per-call scalars of the fused update).
 #include "optimizer/optimizer.h"
 
 #include <fmt/format.h>
@@ -9,6 +10,7 @@
 #include <string>
 
 #include "memory/error.h"
+#include "optimizer/update_scalars.h"
 
 namespace shardswap {
 
@@ -87,6 +89,37 @@ int OptimizerConfig::state_slots() const {
       return momentum > 0 ? 1 : 0;
   }
   return 0;
+}
+
+AdamScalars adam_scalars(const OptimizerConfig& c, const StepArgs& a) {
+  const bool decoupled = c.type == OptimizerType::adamw;
+  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(a.step));
+  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(a.step));
+  AdamScalars s;
+  s.beta1 = static_cast<float>(c.beta1);
+  s.one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
+  s.beta2 = static_cast<float>(c.beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
+  s.step_size = static_cast<float>(a.lr / bc1);
+  s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  s.eps = static_cast<float>(c.eps);
+  s.l2 = decoupled ? 0.0f : static_cast<float>(a.weight_decay);
+  s.lr_wd = decoupled ? static_cast<float>(a.lr * a.weight_decay) : 0.0f;
+  s.grad_scale = a.grad_scale;
+  return s;
+}
+
+SgdScalars sgd_scalars(const OptimizerConfig& c, const StepArgs& a) {
+  SgdScalars s;
+  s.momentum = static_cast<float>(c.momentum);
+  s.one_minus_dampening = static_cast<float>(1.0 - c.dampening);
+  s.lr = static_cast<float>(a.lr);
+  s.wd = static_cast<float>(a.weight_decay);
+  s.grad_scale = a.grad_scale;
+  s.has_momentum = c.momentum > 0;
+  s.first = a.step == 1;
+  s.nesterov = c.nesterov;
+  return s;
 }
 
 double clip_coefficient(double total_norm, double max_norm) {

@@ -48,7 +48,8 @@ struct StepArgs {
 };
 
 /// The tensors of one shard update, `count` elements each. `state0`/`state1` are the optimizer
-/// state slots (nullptr when the rule has fewer). `grad` and `param` are bit16 of `dtype`.
+/// state slots (nullptr when the rule has fewer). `param` is bit16 of `dtype`; `grad` is of
+/// `grad_dtype`: the same bit16 type, or fp32 when gradients are accumulated in fp32.
 struct ShardTensors {
   float* master = nullptr;
   float* state0 = nullptr;
@@ -56,31 +57,40 @@ struct ShardTensors {
   const void* grad = nullptr;
   void* param = nullptr;
   DType dtype = DType::bf16;
+  DType grad_dtype = DType::bf16;
   std::size_t count = 0;
 };
 
-/// The kernels one backend provides. Capabilities are data: the engine calls through this table
-/// and never asks which backend it runs on.
+/// The kernels one backend provides, on that backend's memory. Capabilities are data: the engine
+/// calls through this table and never asks which backend it runs on. Kernels of a device backend
+/// are queued on the calling thread's stream (cudaStreamPerThread) in call order; a function
+/// returning a value (sum_squares, has_inf_or_nan) waits for its result.
+/// "any" below means fp32, bf16 or fp16; conversions round to nearest even.
 struct OptimizerKernels {
-  /// The fused update (Adam, AdamW or SGD per config) of one shard.
+  const char* name;
+  /// The fused update (Adam, AdamW or SGD per config) of one shard, in one pass.
   void (*update)(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t);
-  /// Sum of squares of the upcast bit16 values times `scale`, accumulated in double:
-  /// sum over i of (double(data[i]) * scale)^2.
+  /// sum over i of (double(data[i]) * scale)^2, data of any dtype; Inf/NaN make it non-finite.
   double (*sum_squares)(const void* data, DType dtype, std::size_t count, double scale);
-  /// True if any of the `count` bit16 values is Inf or NaN.
+  /// True if any of the `count` values (any dtype) is Inf or NaN.
   bool (*has_inf_or_nan)(const void* data, DType dtype, std::size_t count);
-  /// dst[i] = round_to_nearest_even(src[i]) in bit16 `dtype`.
-  void (*cast_to_bit16)(const float* src, void* dst, DType dtype, std::size_t count);
-  /// dst[i] = float(src[i]).
-  void (*cast_from_bit16)(const void* src, float* dst, DType dtype, std::size_t count);
-  /// dst[i] = bit16(float(dst[i]) + float(src[i])): accumulates a reduced gradient.
-  void (*accumulate_bit16)(void* dst, const void* src, DType dtype, std::size_t count);
+  /// dst[i] = dst_dtype(src[i]), both of any dtype.
+  void (*cast)(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::size_t count);
+  /// dst[i] = dst_dtype(float(dst[i]) + float(src[i])), both of any dtype: accumulates a reduced
+  /// gradient into a partition.
+  void (*accumulate)(void* dst, DType dst_dtype, const void* src, DType src_dtype,
+                     std::size_t count);
   void (*fill_zero)(void* dst, std::size_t bytes);
+  /// Copy within the backend's memory.
   void (*copy)(void* dst, const void* src, std::size_t bytes);
+  /// Waits until every kernel this thread queued has finished (no-op on the CPU).
+  void (*synchronize)();
 };
 
 /// The CPU backend (Eigen), always present.
 const OptimizerKernels& cpu_kernels();
+/// The CUDA backend. Throws BackendUnavailable in a build without CUDA.
+const OptimizerKernels& cuda_kernels();
 
 /// Gradient clipping by global norm: max_norm / (norm + 1e-6) when norm > max_norm > 0, else 1.
 double clip_coefficient(double total_norm, double max_norm);

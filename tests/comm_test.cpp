@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/comm/communicator.h"
+#include "memory/host_types.h"
 #include "memory/error.h"
 #include "tests/catch_compat.h"
 

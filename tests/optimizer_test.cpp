@@ -1,6 +1,6 @@
 // Specification of optimizer/: the CPU update rules against an independent float64 reference
-// (torch.optim formulas), the bit16 helpers against bit-level rounding written here, loss scaling
-// and config validation.
+// (torch.optim formulas), the casts and reductions against bit-level rounding written here, loss
+// scaling and config validation.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -75,6 +75,51 @@ double decode(DType d, std::uint16_t b) {
 }
 
 const DType bit16_types[] = {DType::bf16, DType::f16};
+const DType any_types[] = {DType::f32, DType::bf16, DType::f16};
+
+// Host data of fp32, bf16 or fp16, rounded by this file's functions.
+class Data {
+ public:
+  Data(DType dtype, std::size_t n) : dtype_(dtype), bytes_(n * dtype_size(dtype)) {}
+  DType dtype() const { return dtype_; }
+  std::size_t size() const { return bytes_.size() / dtype_size(dtype_); }
+  void* data() { return bytes_.data(); }
+  const void* data() const { return bytes_.data(); }
+
+  std::uint32_t bits(std::size_t i) const {
+    if (dtype_ == DType::f32) {
+      std::uint32_t b;
+      std::memcpy(&b, bytes_.data() + 4 * i, 4);
+      return b;
+    }
+    std::uint16_t b;
+    std::memcpy(&b, bytes_.data() + 2 * i, 2);
+    return b;
+  }
+  void set_bits(std::size_t i, std::uint32_t b) {
+    if (dtype_ == DType::f32) {
+      std::memcpy(bytes_.data() + 4 * i, &b, 4);
+    } else {
+      const auto h = static_cast<std::uint16_t>(b);
+      std::memcpy(bytes_.data() + 2 * i, &h, 2);
+    }
+  }
+  /// The exact value.
+  double value(std::size_t i) const {
+    return dtype_ == DType::f32 ? std::bit_cast<float>(bits(i))
+                                : decode(dtype_, static_cast<std::uint16_t>(bits(i)));
+  }
+  /// Stores f rounded to nearest even (exactly for fp32).
+  void set(std::size_t i, float f) { set_bits(i, encode(dtype_, f)); }
+
+  static std::uint32_t encode(DType d, float f) {
+    return d == DType::f32 ? std::bit_cast<std::uint32_t>(f) : round_to(d, f);
+  }
+
+ private:
+  DType dtype_;
+  std::vector<unsigned char> bytes_;
+};
 
 // Values in +-[lo, hi]: random sign, never near zero.
 std::vector<float> random_values(std::mt19937& rng, std::size_t n, float lo, float hi) {
@@ -89,6 +134,13 @@ std::vector<std::uint16_t> random_bit16(std::mt19937& rng, DType d, std::size_t 
                                         float hi) {
   std::vector<std::uint16_t> out;
   for (float x : random_values(rng, n, lo, hi)) out.push_back(round_to(d, x));
+  return out;
+}
+
+Data random_typed(std::mt19937& rng, DType d, std::size_t n, float lo, float hi) {
+  Data out(d, n);
+  const std::vector<float> v = random_values(rng, n, lo, hi);
+  for (std::size_t i = 0; i < n; ++i) out.set(i, v[i]);
   return out;
 }
 
@@ -139,48 +191,51 @@ struct Reference {
   }
 };
 
-// Runs 20 steps of the CPU kernel and of the reference on the same random bit16 gradients and
-// checks, after every step, the master and state against the reference and the bit16 param
-// against the kernel's own master rounded to nearest even.
+// Runs 20 steps of the CPU kernel and of the reference on the same random gradients (of the
+// param's bit16 type and fp32, for bf16 and fp16 params) and checks, after every step, the master
+// and state against the reference and the bit16 param against the kernel's own master rounded to
+// nearest even.
 void check_against_reference(const OptimizerConfig& config, double lr, double wd) {
   config.validate();
-  for (DType dtype : bit16_types) {
-    INFO("dtype " << dtype_name(dtype));
-    constexpr std::size_t n = 1031;  // not a multiple of any vector width
-    constexpr float grad_scale = 0.37f;
-    std::mt19937 rng(1234);
-    const int slots = config.state_slots();
+  for (DType dtype : bit16_types)
+    for (DType grad_dtype : {dtype, DType::f32}) {
+      INFO("param dtype " << dtype_name(dtype) << ", grad dtype " << dtype_name(grad_dtype));
+      constexpr std::size_t n = 1031;  // not a multiple of any vector width
+      constexpr float grad_scale = 0.37f;
+      std::mt19937 rng(1234);
+      const int slots = config.state_slots();
 
-    std::vector<float> master = random_values(rng, n, 0.05f, 1.0f);
-    std::vector<float> state0(slots >= 1 ? n : 0, 0.0f), state1(slots >= 2 ? n : 0, 0.0f);
-    std::vector<std::uint16_t> param(n, 0);
-    Reference ref{config, std::vector<double>(master.begin(), master.end()),
-                  std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+      std::vector<float> master = random_values(rng, n, 0.05f, 1.0f);
+      std::vector<float> state0(slots >= 1 ? n : 0, 0.0f), state1(slots >= 2 ? n : 0, 0.0f);
+      std::vector<std::uint16_t> param(n, 0);
+      Reference ref{config, std::vector<double>(master.begin(), master.end()),
+                    std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
 
-    for (std::int64_t step = 1; step <= 20; ++step) {
-      INFO("step " << step);
-      const std::vector<std::uint16_t> grad = random_bit16(rng, dtype, n, 0.01f, 2.0f);
-      std::vector<double> ref_grad(n);
-      for (std::size_t i = 0; i < n; ++i) ref_grad[i] = decode(dtype, grad[i]) * grad_scale;
-      ref.step(step, lr, wd, ref_grad);
+      for (std::int64_t step = 1; step <= 20; ++step) {
+        INFO("step " << step);
+        const Data grad = random_typed(rng, grad_dtype, n, 0.01f, 2.0f);
+        std::vector<double> ref_grad(n);
+        for (std::size_t i = 0; i < n; ++i) ref_grad[i] = grad.value(i) * grad_scale;
+        ref.step(step, lr, wd, ref_grad);
 
-      const ShardTensors t{master.data(),
-                           slots >= 1 ? state0.data() : nullptr,
-                           slots >= 2 ? state1.data() : nullptr,
-                           grad.data(),
-                           param.data(),
-                           dtype,
-                           n};
-      cpu_kernels().update(config, StepArgs{step, lr, wd, grad_scale}, t);
+        const ShardTensors t{master.data(),
+                             slots >= 1 ? state0.data() : nullptr,
+                             slots >= 2 ? state1.data() : nullptr,
+                             grad.data(),
+                             param.data(),
+                             dtype,
+                             grad_dtype,
+                             n};
+        cpu_kernels().update(config, StepArgs{step, lr, wd, grad_scale}, t);
 
-      CHECK(normalized_error(master, ref.master) <= 1e-6);
-      if (slots >= 1) CHECK(normalized_error(state0, ref.state0) <= 1e-6);
-      if (slots >= 2) CHECK(normalized_error(state1, ref.state1) <= 1e-6);
-      std::size_t misrounded = 0;
-      for (std::size_t i = 0; i < n; ++i) misrounded += param[i] != round_to(dtype, master[i]);
-      CHECK(misrounded == 0);
+        CHECK(normalized_error(master, ref.master) <= 1e-6);
+        if (slots >= 1) CHECK(normalized_error(state0, ref.state0) <= 1e-6);
+        if (slots >= 2) CHECK(normalized_error(state1, ref.state1) <= 1e-6);
+        std::size_t misrounded = 0;
+        for (std::size_t i = 0; i < n; ++i) misrounded += param[i] != round_to(dtype, master[i]);
+        CHECK(misrounded == 0);
+      }
     }
-  }
 }
 
 OptimizerConfig make(OptimizerType type) {
@@ -262,9 +317,29 @@ TEST_CASE("grad_scale multiplies every upcast gradient") {
     std::vector<std::uint16_t> param(3);
     cpu_kernels().update(
         sgd(0.0, 0.0, false), StepArgs{1, 1.0, 0.0, 0.25f},
-        ShardTensors{master.data(), nullptr, nullptr, grad.data(), param.data(), dtype, 3});
+        ShardTensors{master.data(), nullptr, nullptr, grad.data(), param.data(), dtype, dtype, 3});
     CHECK(master == std::vector<float>{-0.375f, 0.1875f, -0.75f});
   }
+}
+
+TEST_CASE("fp32 gradients enter the update at full precision, never rounded to bit16") {
+  for (DType dtype : bit16_types) {
+    INFO("param dtype " << dtype_name(dtype));
+    const std::vector<float> grad = {1.0f + 0x1p-20f, -3.0f - 0x1p-18f};  // not bit16 values
+    std::vector<float> master(2, 0.0f);
+    std::vector<std::uint16_t> param(2);
+    cpu_kernels().update(sgd(0.0, 0.0, false), StepArgs{1, 1.0, 0.0, 0.5f},
+                         ShardTensors{master.data(), nullptr, nullptr, grad.data(), param.data(),
+                                      dtype, DType::f32, 2});
+    CHECK(master == std::vector<float>{-0.5f - 0x1p-21f, 1.5f + 0x1p-19f});
+    CHECK(param[0] == round_to(dtype, master[0]));
+    CHECK(param[1] == round_to(dtype, master[1]));
+  }
+}
+
+TEST_CASE("the backends are named") {
+  CHECK(std::string(cpu_kernels().name) == "cpu");
+  CHECK_NOTHROW(cpu_kernels().synchronize());
 }
 
 TEST_CASE("an update of zero elements touches nothing") {
@@ -272,15 +347,17 @@ TEST_CASE("an update of zero elements touches nothing") {
     for (OptimizerType type : {OptimizerType::adam, OptimizerType::adamw, OptimizerType::sgd}) {
       CHECK_NOTHROW(cpu_kernels().update(
           make(type), StepArgs{},
-          ShardTensors{nullptr, nullptr, nullptr, nullptr, nullptr, dtype, 0}));
+          ShardTensors{nullptr, nullptr, nullptr, nullptr, nullptr, dtype, DType::f32, 0}));
     }
   }
 }
 
-TEST_CASE("update rejects a dtype that is not bit16, a missing state slot and step 0") {
+TEST_CASE(
+    "update rejects a param dtype that is not bit16, an fp64 gradient, a missing state slot and "
+    "step 0") {
   float master = 1, m = 0;
   std::uint16_t grad = 0, param = 0;
-  const ShardTensors no_v{&master, &m, nullptr, &grad, &param, DType::bf16, 1};
+  const ShardTensors no_v{&master, &m, nullptr, &grad, &param, DType::bf16, DType::bf16, 1};
   CHECK(test::contains(test::message_of<ConfigError>([&] {
                          cpu_kernels().update(make(OptimizerType::adam), StepArgs{}, no_v);
                        }),
@@ -291,11 +368,31 @@ TEST_CASE("update rejects a dtype that is not bit16, a missing state slot and st
                          cpu_kernels().update(make(OptimizerType::sgd), StepArgs{}, f32);
                        }),
                        "fp32"));
-  const ShardTensors plain{&master, nullptr, nullptr, &grad, &param, DType::bf16, 1};
+  const ShardTensors plain{&master, nullptr, nullptr, &grad, &param, DType::bf16, DType::bf16, 1};
   CHECK(test::contains(test::message_of<ConfigError>([&] {
                          cpu_kernels().update(make(OptimizerType::sgd), StepArgs{0}, plain);
                        }),
                        "step = 0"));
+  ShardTensors f64_grad = plain;
+  f64_grad.grad_dtype = DType::f64;
+  CHECK(test::contains(test::message_of<ConfigError>([&] {
+                         cpu_kernels().update(make(OptimizerType::sgd), StepArgs{}, f64_grad);
+                       }),
+                       "fp64"));
+}
+
+TEST_CASE("update refuses gradients of the other bit16 type instead of misreading them") {
+  float master = 1;
+  std::uint16_t grad = 0, param = 0;
+  for (DType dtype : bit16_types) {
+    const DType other = dtype == DType::bf16 ? DType::f16 : DType::bf16;
+    const ShardTensors t{&master, nullptr, nullptr, &grad, &param, dtype, other, 1};
+    const std::string msg = test::message_of<ConfigError>(
+        [&] { cpu_kernels().update(make(OptimizerType::sgd), StepArgs{}, t); });
+    INFO(msg);
+    CHECK(test::contains(msg, "cpu_kernels().update: grad dtype"));
+    CHECK(test::contains(msg, dtype_name(other)));
+  }
 }
 
 // --- reductions, casts and copies -----------------------------------------------------------
@@ -311,6 +408,29 @@ TEST_CASE("sum_squares accumulates the scaled upcast values in double") {
     const double got = cpu_kernels().sum_squares(x.data(), dtype, x.size(), scale);
     CHECK(std::abs(got - expected) <= 1e-12 * expected);
     CHECK(cpu_kernels().sum_squares(nullptr, dtype, 0, scale) == 0.0);
+  }
+}
+
+TEST_CASE("sum_squares of fp32 data accumulates the scaled values in double") {
+  std::mt19937 rng(8);
+  const std::vector<float> x = random_values(rng, 4099, 1e-3f, 100.0f);
+  const double scale = 1.0 / 4096.0 / 3.0;
+  double expected = 0;
+  for (float f : x) expected += (static_cast<double>(f) * scale) * (static_cast<double>(f) * scale);
+  const double got = cpu_kernels().sum_squares(x.data(), DType::f32, x.size(), scale);
+  CHECK(std::abs(got - expected) <= 1e-12 * expected);
+  CHECK(cpu_kernels().sum_squares(nullptr, DType::f32, 0, scale) == 0.0);
+}
+
+TEST_CASE("sum_squares is not finite when the data holds an Inf or a NaN") {
+  for (DType dtype : any_types) {
+    INFO("dtype " << dtype_name(dtype));
+    std::mt19937 rng(9);
+    Data x = random_typed(rng, dtype, 100, 1e-3f, 10.0f);
+    x.set(37, INFINITY);
+    CHECK_FALSE(std::isfinite(cpu_kernels().sum_squares(x.data(), dtype, x.size(), 1.0)));
+    x.set(37, NAN);
+    CHECK(std::isnan(cpu_kernels().sum_squares(x.data(), dtype, x.size(), 1.0)));
   }
 }
 
@@ -344,7 +464,28 @@ TEST_CASE("has_inf_or_nan finds an Inf or NaN at any position and nothing in fin
   }
 }
 
-TEST_CASE("cast_to_bit16 rounds to nearest even, ties and subnormals included") {
+TEST_CASE("has_inf_or_nan finds an fp32 Inf or NaN at any position and nothing in finite data") {
+  const std::uint32_t specials[] = {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u,
+                                    0xFFC00001u};
+  std::mt19937 rng(12);
+  std::vector<float> x = random_values(rng, 1000, 1e-3f, 100.0f);
+  x[3] = std::numeric_limits<float>::max();
+  x[4] = -std::numeric_limits<float>::max();
+  x[5] = std::numeric_limits<float>::denorm_min();
+  CHECK_FALSE(cpu_kernels().has_inf_or_nan(x.data(), DType::f32, x.size()));
+  CHECK_FALSE(cpu_kernels().has_inf_or_nan(nullptr, DType::f32, 0));
+  for (std::uint32_t s : specials) {
+    for (std::size_t pos : {std::size_t{0}, std::size_t{1}, std::size_t{517}, x.size() - 1}) {
+      INFO("bits " << s << " at " << pos);
+      std::vector<float> y = x;
+      y[pos] = std::bit_cast<float>(s);
+      CHECK(cpu_kernels().has_inf_or_nan(y.data(), DType::f32, y.size()));
+      CHECK_FALSE(cpu_kernels().has_inf_or_nan(y.data(), DType::f32, pos));
+    }
+  }
+}
+
+TEST_CASE("a cast from fp32 to bit16 rounds to nearest even, ties and subnormals included") {
   std::mt19937 rng(5);
   std::vector<float> src = random_values(rng, 3000, 1e-9f, 7e4f);
   std::uniform_int_distribution<std::uint32_t> bits(0, 0xFFFFFFFFu);
@@ -360,7 +501,7 @@ TEST_CASE("cast_to_bit16 rounds to nearest even, ties and subnormals included") 
   for (DType dtype : bit16_types) {
     INFO("dtype " << dtype_name(dtype));
     std::vector<std::uint16_t> dst(src.size());
-    cpu_kernels().cast_to_bit16(src.data(), dst.data(), dtype, src.size());
+    cpu_kernels().cast(dst.data(), dtype, src.data(), DType::f32, src.size());
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < src.size(); ++i) wrong += dst[i] != round_to(dtype, src[i]);
     CHECK(wrong == 0);
@@ -373,9 +514,9 @@ TEST_CASE("every bit16 value survives a cast to fp32 and back") {
     std::vector<std::uint16_t> all(65536);
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i);
     std::vector<float> wide(all.size());
-    cpu_kernels().cast_from_bit16(all.data(), wide.data(), dtype, all.size());
+    cpu_kernels().cast(wide.data(), DType::f32, all.data(), dtype, all.size());
     std::vector<std::uint16_t> back(all.size());
-    cpu_kernels().cast_to_bit16(wide.data(), back.data(), dtype, wide.size());
+    cpu_kernels().cast(back.data(), dtype, wide.data(), DType::f32, wide.size());
     std::size_t wrong_value = 0, wrong_bits = 0;
     for (std::size_t i = 0; i < all.size(); ++i) {
       const double exact = decode(dtype, all[i]);
@@ -392,6 +533,64 @@ TEST_CASE("every bit16 value survives a cast to fp32 and back") {
   }
 }
 
+TEST_CASE("a cast between bf16 and fp16 goes through fp32 and rounds once") {
+  for (DType src_dtype : bit16_types) {
+    const DType dst_dtype = src_dtype == DType::bf16 ? DType::f16 : DType::bf16;
+    INFO(dtype_name(src_dtype) << " -> " << dtype_name(dst_dtype));
+    std::vector<std::uint16_t> all(65536);
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i);
+    std::vector<std::uint16_t> dst(all.size());
+    cpu_kernels().cast(dst.data(), dst_dtype, all.data(), src_dtype, all.size());
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      const double exact = decode(src_dtype, all[i]);
+      if (std::isnan(exact)) {
+        wrong += !std::isnan(decode(dst_dtype, dst[i]));  // a NaN stays a NaN
+      } else {
+        wrong += dst[i] != round_to(dst_dtype, static_cast<float>(exact));
+      }
+    }
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("a cast within one dtype copies the bits unchanged") {
+  for (DType dtype : any_types) {
+    INFO("dtype " << dtype_name(dtype));
+    std::mt19937 rng(13);
+    Data src(dtype, 1001), dst(dtype, 1001);
+    std::uniform_int_distribution<std::uint32_t> bits(0, 0xFFFFFFFFu);
+    for (std::size_t i = 0; i < src.size(); ++i) src.set_bits(i, bits(rng));  // NaNs included
+    cpu_kernels().cast(dst.data(), dtype, src.data(), dtype, src.size());
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < src.size(); ++i) wrong += dst.bits(i) != src.bits(i);
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("cast and accumulate reject fp64 and null data, and accept zero elements") {
+  float x = 0;
+  double d = 0;
+  CHECK(test::contains(
+      test::message_of<ConfigError>([&] { cpu_kernels().cast(&d, DType::f64, &x, DType::f32, 1); }),
+      "fp64"));
+  CHECK(test::contains(test::message_of<ConfigError>(
+                           [&] { cpu_kernels().accumulate(&x, DType::f32, &d, DType::f64, 1); }),
+                       "fp64"));
+  CHECK(test::contains(test::message_of<ConfigError>(
+                           [&] { cpu_kernels().cast(nullptr, DType::bf16, &x, DType::f32, 1); }),
+                       "dst is null"));
+  CHECK(test::contains(test::message_of<ConfigError>([&] {
+                         cpu_kernels().accumulate(&x, DType::f32, nullptr, DType::bf16, 1);
+                       }),
+                       "src is null"));
+  CHECK(test::contains(
+      test::message_of<ConfigError>([&] { cpu_kernels().sum_squares(&d, DType::f64, 1, 1.0); }),
+      "fp64"));
+  CHECK_NOTHROW(cpu_kernels().cast(nullptr, DType::bf16, nullptr, DType::f32, 0));
+  CHECK_NOTHROW(cpu_kernels().accumulate(nullptr, DType::f16, nullptr, DType::f32, 0));
+}
+
 TEST_CASE("accumulate_bit16 adds in fp32 and rounds once") {
   for (DType dtype : bit16_types) {
     INFO("dtype " << dtype_name(dtype));
@@ -404,8 +603,40 @@ TEST_CASE("accumulate_bit16 adds in fp32 and rounds once") {
           static_cast<float>(decode(dtype, dst[i])) + static_cast<float>(decode(dtype, src[i]));
       expected[i] = round_to(dtype, sum);
     }
-    cpu_kernels().accumulate_bit16(dst.data(), src.data(), dtype, dst.size());
+    cpu_kernels().accumulate(dst.data(), dtype, src.data(), dtype, dst.size());
     CHECK(dst == expected);
+  }
+}
+
+TEST_CASE("accumulate adds any dtype into any dtype in fp32 and rounds once") {
+  for (DType dst_dtype : any_types)
+    for (DType src_dtype : any_types) {
+      INFO(dtype_name(src_dtype) << " into " << dtype_name(dst_dtype));
+      std::mt19937 rng(4);
+      Data dst = random_typed(rng, dst_dtype, 2001, 1e-3f, 50.0f);
+      const Data src = random_typed(rng, src_dtype, 2001, 1e-3f, 50.0f);
+      std::vector<std::uint32_t> expected(dst.size());
+      for (std::size_t i = 0; i < dst.size(); ++i) {
+        const float sum = static_cast<float>(dst.value(i)) + static_cast<float>(src.value(i));
+        expected[i] = Data::encode(dst_dtype, sum);
+      }
+      cpu_kernels().accumulate(dst.data(), dst_dtype, src.data(), src_dtype, dst.size());
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < dst.size(); ++i) wrong += dst.bits(i) != expected[i];
+      CHECK(wrong == 0);
+    }
+}
+
+TEST_CASE("a cast from bf16 or fp16 to fp32 and from fp32 to fp32 is exact") {
+  for (DType src_dtype : any_types) {
+    INFO("dtype " << dtype_name(src_dtype));
+    std::mt19937 rng(14);
+    const Data src = random_typed(rng, src_dtype, 1001, 1e-6f, 1e4f);
+    std::vector<float> dst(src.size());
+    cpu_kernels().cast(dst.data(), DType::f32, src.data(), src_dtype, src.size());
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < src.size(); ++i) wrong += dst[i] != src.value(i);
+    CHECK(wrong == 0);
   }
 }
 
@@ -418,6 +649,8 @@ TEST_CASE("fill_zero clears and copy duplicates exactly the bytes asked") {
   CHECK(b[32] == 0xCD);
   cpu_kernels().fill_zero(nullptr, 0);
   cpu_kernels().copy(nullptr, nullptr, 0);
+  CHECK_THROWS_AS(cpu_kernels().fill_zero(nullptr, 4), ConfigError);
+  CHECK_THROWS_AS(cpu_kernels().copy(a.data(), nullptr, 4), ConfigError);
 }
 
 // --- clipping, names, state, validation -----------------------------------------------------

@@ -2,7 +2,7 @@
 # Installs the Debian packages ShardSwap builds against, only those missing (idempotent).
 set -euo pipefail
 packages=(build-essential cmake ninja-build libeigen3-dev libspdlog-dev libfmt-dev
-          nlohmann-json3-dev catch2)
+          nlohmann-json3-dev catch2 libopenmpi-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

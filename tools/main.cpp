@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "memory/error.h"
+#include "tools/bench_optimizer.h"
 #include "tools/train.h"
 
 namespace {
@@ -15,10 +16,14 @@ namespace {
 constexpr const char* kUsage = R"(usage:
   shardswap train --config FILE [--metrics FILE] [--set key.path=value]... [--memory-report]
 
+  shardswap bench optimizer [--backend cpu|cuda] [--sizes 64M,256M,1G] [--iters N] [--json FILE]
+
   train   runs the built-in model with the JSON config FILE (see docs/config.md)
           --metrics FILE     one JSON object per step
           --set k.path=v     overrides a config key (v is JSON, or a bare string)
           --memory-report    prints rank 0's buffers and their holders after build
+  bench optimizer
+          the fused AdamW shard update against the copy bandwidth of the same run
 )";
 
 struct BadUsage : std::runtime_error {
@@ -78,6 +83,8 @@ int main(int argc, char** argv) {
       return args.empty() ? 2 : 0;
     }
     if (args[0] == "train") return train_command({args.begin() + 1, args.end()});
+    if (args[0] == "bench" && args.size() > 1 && args[1] == "optimizer")
+      return shardswap::bench_optimizer({args.begin() + 2, args.end()}, std::cout);
     throw BadUsage(fmt::format("unknown command '{}'", args[0]));
   } catch (const BadUsage& e) {
     std::cerr << "shardswap: " << e.what() << "\n" << kUsage;

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install-deps.sh
-cmake --preset cpu >/dev/null
-cmake --build --preset cpu -j "$(nproc)" --target shardswap
-./build/cpu/tools/shardswap train --config configs/quickstart.json --metrics build/cpu/quickstart-metrics.jsonl "$@"
+cmake --preset default >/dev/null
+cmake --build --preset default -j "$(nproc)" --target shardswap
+./build/default/tools/shardswap train --config configs/quickstart.json --metrics build/default/quickstart-metrics.jsonl "$@"

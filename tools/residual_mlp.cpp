@@ -65,10 +65,11 @@ Eigen::MatrixXf ResidualMlp::weight(const Engine& engine, const std::string& nam
 void ResidualMlp::add_grad(Engine& engine, const std::string& name,
                            const Eigen::MatrixXf& grad) const {
   const View slot = engine.grad_slot(name);
-  if (slot.dtype() == DType::bf16)
-    accumulate<bf16_t>(slot, grad);
-  else
-    accumulate<f16_t>(slot, grad);
+  switch (slot.dtype()) {
+    case DType::bf16: accumulate<bf16_t>(slot, grad); break;
+    case DType::f16: accumulate<f16_t>(slot, grad); break;
+    default: accumulate<float>(slot, grad); break;
+  }
   engine.grad_ready(name);
 }
 

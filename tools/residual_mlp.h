@@ -2,7 +2,8 @@
 //   h0 = W_in x;  h_{i+1} = h_i + W2_i tanh(W1_i h_i + b1_i);  y = W_out h_L;  loss = mean (y -
 //   t)^2
 // Each residual block is one layer group ("layers.i"); the input projection and the head are
-// groups of their own. Forward and backward run in fp32 (Eigen) on the engine's bit16 weights.
+// groups of their own. Forward and backward run in fp32 (Eigen) on the host, reading the engine's
+// bit16 weights in place: this model needs the cpu backend.
 #pragma once
 
 #include <Eigen/Dense>

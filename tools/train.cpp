@@ -93,7 +93,7 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
       }
       loss /= config.engine.gradient_accumulation_steps;
       const StepResult r = engine.step();
-      comm.all_reduce(&loss, 1, DType::f64, ReduceOp::avg);
+      loss = engine.sum_across_ranks(loss) / config.world_size;
       if (rank != 0) continue;
 
       const double seconds =

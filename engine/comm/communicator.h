@@ -44,11 +44,30 @@ class Communicator {
   virtual void barrier() = 0;
 };
 
-/// N ranks as threads of one process, on host memory.
+/// The element work of in-process collectives on one backend's memory (host, or one GPU that all
+/// ranks share). Every function completes before it returns.
+struct CollectiveOps {
+  const char* name;
+  /// dst[i] = op over q = 0..nsrc-1 of src[q][i]: bit16 and fp32 accumulate in fp32, fp64 in fp64,
+  /// in rank order, rounded once. dst may be one of the sources.
+  void (*reduce)(DType dtype, const void* const* src, int nsrc, void* dst, std::size_t count,
+                 ReduceOp op);
+  void (*copy)(void* dst, const void* src, std::size_t bytes);
+  /// Waits for the calling thread's queued work on the backend (its writes become readable).
+  void (*sync)();
+  /// Scratch memory for all_reduce; may be cached per thread.
+  void* (*scratch)(std::size_t bytes);
+};
+
+const CollectiveOps& host_collective_ops();
+/// Ranks as threads sharing the current CUDA device. Throws BackendUnavailable without CUDA.
+const CollectiveOps& cuda_collective_ops();
+
+/// N ranks as threads of one process, on the memory `ops` works on.
 class InProcessGroup {
  public:
   /// Throws ConfigError if world_size < 1.
-  explicit InProcessGroup(int world_size);
+  explicit InProcessGroup(int world_size, const CollectiveOps& ops = host_collective_ops());
   ~InProcessGroup();
   InProcessGroup(const InProcessGroup&) = delete;
   InProcessGroup& operator=(const InProcessGroup&) = delete;
@@ -67,6 +86,7 @@ class InProcessGroup {
 /// Runs fn(rank, comm) on world_size threads over one InProcessGroup. If any rank throws, the
 /// group is aborted (so no rank waits forever) and the first rank's exception (by time) is
 /// rethrown here after every thread has joined.
-void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn);
+void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,
+               const CollectiveOps& ops = host_collective_ops());
 
 }  // namespace shardswap

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "engine/comm/communicator.h"
+#include "memory/host_types.h"
 #include "memory/error.h"
 
 namespace shardswap {
@@ -143,10 +144,17 @@ void reduce_into(DType dtype, const std::vector<const void*>& src, void* dst, st
   }
 }
 
-/// Copies unless source and destination are the same memory (an in-place chunk): writing it
-/// anyway would race with other ranks reading it.
-void copy_bytes(void* dst, const void* src, std::size_t n) {
-  if (dst != src && n > 0) std::memcpy(dst, src, n);
+void host_reduce(DType dtype, const void* const* src, int nsrc, void* dst, std::size_t count,
+                 ReduceOp op) {
+  reduce_into(dtype, std::vector<const void*>(src, src + nsrc), dst, count, op);
+}
+
+void host_copy(void* dst, const void* src, std::size_t n) { std::memcpy(dst, src, n); }
+
+void* host_scratch(std::size_t bytes) {
+  thread_local std::vector<std::byte> scratch;
+  if (scratch.size() < bytes) scratch.resize(bytes);
+  return scratch.data();
 }
 
 void check_data(const Call& c, const void* p, const char* what) {
@@ -157,7 +165,7 @@ void check_data(const Call& c, const void* p, const char* what) {
 
 /// What the ranks of one group share.
 struct Shared {
-  explicit Shared(int n) : world_size(n), calls(static_cast<std::size_t>(n)) {}
+  Shared(int n, const CollectiveOps& o) : world_size(n), ops(o), calls(static_cast<std::size_t>(n)) {}
 
   /// Blocks until every rank has arrived. With `post`, the rank's call is published first and the
   /// last rank to arrive compares all calls; a mismatch then throws CommError on every rank.
@@ -165,6 +173,7 @@ struct Shared {
   void rendezvous(int rank, const Call& call, bool post);
 
   const int world_size;
+  const CollectiveOps& ops;
   std::mutex mutex;
   std::condition_variable arrived_cv;
   int arrived = 0;
@@ -221,11 +230,11 @@ class RankComm final : public Communicator {
     // Phase 2 (after everyone has read all inputs): each rank copies every chunk into its data.
     const std::size_t esize = dtype_size(dtype);
     const std::size_t begin = chunk_begin(count, rank_), end = chunk_begin(count, rank_ + 1);
-    std::vector<std::byte> scratch((end - begin) * esize);
-    Call c{Kind::all_reduce, count, dtype, op, 0, data, data, scratch.data()};
+    void* scratch = s_.ops.scratch((end - begin) * esize);
+    Call c{Kind::all_reduce, count, dtype, op, 0, data, data, scratch};
     check_data(c, data, "data");
     open(c);
-    reduce_into(dtype, sources(begin * esize), scratch.data(), end - begin, op);
+    reduce_chunk(dtype, begin * esize, scratch, end - begin, op);
     step(c);
     for (int q = 0; q < s_.world_size; ++q) {
       const std::size_t b = chunk_begin(count, q), e = chunk_begin(count, q + 1);
@@ -243,7 +252,7 @@ class RankComm final : public Communicator {
     check_data(c, recv, "recv");
     open(c);
     const std::size_t offset = static_cast<std::size_t>(rank_) * recv_count * dtype_size(dtype);
-    reduce_into(dtype, sources(offset), recv, recv_count, op);
+    reduce_chunk(dtype, offset, recv, recv_count, op);
     step(c);
   }
 
@@ -252,7 +261,7 @@ class RankComm final : public Communicator {
     check_root(c);
     check_data(c, data, "data");
     open(c);
-    if (rank_ == root) reduce_into(dtype, sources(0), data, count, op);
+    if (rank_ == root) reduce_chunk(dtype, 0, data, count, op);
     step(c);
   }
 
@@ -282,7 +291,23 @@ class RankComm final : public Communicator {
   void barrier() override { open(Call{}); }
 
  private:
-  void open(const Call& c) { s_.rendezvous(rank_, c, /*post=*/true); }
+  // This rank's queued device work must be complete before others read its buffers.
+  void open(const Call& c) {
+    s_.ops.sync();
+    s_.rendezvous(rank_, c, /*post=*/true);
+  }
+
+  void reduce_chunk(DType dtype, std::size_t offset, void* dst, std::size_t count, ReduceOp op) {
+    if (count == 0) return;
+    const auto src = sources(offset);
+    s_.ops.reduce(dtype, src.data(), static_cast<int>(src.size()), dst, count, op);
+  }
+
+  /// Copies unless source and destination are the same memory (an in-place chunk): writing it
+  /// anyway would race with other ranks reading it.
+  void copy_bytes(void* dst, const void* src, std::size_t n) {
+    if (dst != src && n > 0) s_.ops.copy(dst, src, n);
+  }
   void step(const Call& c) { s_.rendezvous(rank_, c, /*post=*/false); }
   const Call& call(int q) const { return s_.calls[static_cast<std::size_t>(q)]; }
 
@@ -312,20 +337,25 @@ class RankComm final : public Communicator {
 
 }  // namespace
 
+const CollectiveOps& host_collective_ops() {
+  static const CollectiveOps ops{"host", host_reduce, host_copy, [] {}, host_scratch};
+  return ops;
+}
+
 struct InProcessGroup::State {
-  explicit State(int n) : shared(n) {
+  State(int n, const CollectiveOps& ops) : shared(n, ops) {
     for (int r = 0; r < n; ++r) ranks.push_back(std::make_unique<RankComm>(shared, r));
   }
   Shared shared;
   std::vector<std::unique_ptr<RankComm>> ranks;
 };
 
-InProcessGroup::InProcessGroup(int world_size) {
+InProcessGroup::InProcessGroup(int world_size, const CollectiveOps& ops) {
   if (world_size < 1) {
     throw ConfigError(
         fmt::format("InProcessGroup: world_size must be at least 1, got {}", world_size));
   }
-  state_ = std::make_unique<State>(world_size);
+  state_ = std::make_unique<State>(world_size, ops);
 }
 
 InProcessGroup::~InProcessGroup() = default;
@@ -349,8 +379,9 @@ void InProcessGroup::abort(const std::string& reason) {
   s.arrived_cv.notify_all();
 }
 
-void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn) {
-  InProcessGroup group(world_size);
+void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,
+               const CollectiveOps& ops) {
+  InProcessGroup group(world_size, ops);
   std::mutex mutex;
   std::exception_ptr first;
   auto run = [&](int r) {

@@ -1,5 +1,5 @@
 // The CPU backend of the optimizer kernels, on Eigen's bf16/fp16 host types. It computes as the
-// CUDA kernels will (fp32 arithmetic, per-call scalars precomputed in double, one pass over each
+// CUDA kernels do (fp32 arithmetic, the per-call scalars of update_scalars.h, one pass over each
 // shard) so that it is the reference the other backends are tested against.
 #include <fmt/format.h>
 
@@ -12,13 +12,16 @@
 #include <type_traits>
 
 #include "memory/error.h"
+#include "memory/host_types.h"
 #include "optimizer/optimizer.h"
+#include "optimizer/update_scalars.h"
 
 namespace shardswap {
 
 namespace {
 
-// Calls f(T{}) with T the host type of a bit16 dtype; any other dtype is a caller's error.
+// Calls f(T{}) with T the host type of a bit16 dtype (a param); any other dtype is a caller's
+// error.
 template <class F>
 decltype(auto) with_bit16(DType dtype, const char* fn, F&& f) {
   switch (dtype) {
@@ -33,10 +36,39 @@ decltype(auto) with_bit16(DType dtype, const char* fn, F&& f) {
                                 dtype_name(dtype)));
 }
 
-// Bits of the exponent field: all set means Inf or NaN.
+// Calls f(T{}) with T the host type of fp32, bf16 or fp16 (gradients, casts, reductions).
+template <class F>
+decltype(auto) with_any(DType dtype, const char* fn, F&& f) {
+  switch (dtype) {
+    case DType::f32:
+      return f(float{});
+    case DType::bf16:
+      return f(bf16_t{});
+    case DType::f16:
+      return f(f16_t{});
+    default:
+      break;
+  }
+  throw ConfigError(
+      fmt::format("cpu_kernels().{}: dtype {} is not fp32, bf16 or fp16", fn, dtype_name(dtype)));
+}
+
+// The bits of T's exponent field: all set means Inf or NaN.
 template <class T>
-constexpr std::uint16_t exponent_mask() {
-  return std::is_same_v<T, bf16_t> ? 0x7F80 : 0x7C00;
+using BitsOf = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>;
+template <class T>
+constexpr BitsOf<T> exponent_mask() {
+  if constexpr (std::is_same_v<T, float>) return 0x7F800000u;
+  if constexpr (std::is_same_v<T, bf16_t>) return 0x7F80;
+  return 0x7C00;
+}
+
+// Null data is refused for a non-empty range (zero elements may come with a null pointer).
+void require_data(const void* p, const char* fn, const char* name, std::size_t count,
+                  const char* unit = "elements") {
+  if (p == nullptr) {
+    throw ConfigError(fmt::format("cpu_kernels().{}: {} is null for {} {}", fn, name, count, unit));
+  }
 }
 
 void require_tensor(const void* p, const char* name, const ShardTensors& t) {
@@ -66,97 +98,93 @@ void for_each_chunk(std::size_t count, F&& f) {
   }
 }
 
-// Adam and AdamW. Bias corrections are folded into two scalars as torch.optim.Adam does:
-// master -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
-template <class T>
-void adam(const OptimizerConfig& c, const StepArgs& a, const ShardTensors& t) {
-  const bool decoupled = c.type == OptimizerType::adamw;
-  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(a.step));
-  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(a.step));
-  const float beta1 = static_cast<float>(c.beta1);
-  const float one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
-  const float beta2 = static_cast<float>(c.beta2);
-  const float one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
-  const float step_size = static_cast<float>(a.lr / bc1);
-  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  const float eps = static_cast<float>(c.eps);
-  // With no weight decay both terms below add exactly zero, so no branch is needed.
-  const float l2 = decoupled ? 0.0f : static_cast<float>(a.weight_decay);
-  const float lr_wd = decoupled ? static_cast<float>(a.lr * a.weight_decay) : 0.0f;
-
+// Adam and AdamW with param type T and gradient type G (formulas in update_scalars.h).
+template <class T, class G>
+void adam(const AdamScalars& s, const ShardTensors& t) {
   for_each_chunk(t.count, [&](std::size_t at, Eigen::Index n) {
     MapF p(t.master + at, n), m(t.state0 + at, n), v(t.state1 + at, n);
     const ChunkF g =
-        ConstMapT<T>(static_cast<const T*>(t.grad) + at, n).template cast<float>() * a.grad_scale +
-        l2 * p;
-    p -= lr_wd * p;
-    m = beta1 * m + one_minus_beta1 * g;
-    v = beta2 * v + one_minus_beta2 * g * g;
-    p -= step_size * m / (v.sqrt() * inv_sqrt_bc2 + eps);
+        ConstMapT<G>(static_cast<const G*>(t.grad) + at, n).template cast<float>() * s.grad_scale +
+        s.l2 * p;
+    p -= s.lr_wd * p;
+    m = s.beta1 * m + s.one_minus_beta1 * g;
+    v = s.beta2 * v + s.one_minus_beta2 * g * g;
+    p -= s.step_size * m / (v.sqrt() * s.inv_sqrt_bc2 + s.eps);
     // Eigen's float -> bf16/fp16 conversion rounds to nearest even.
     MapT<T>(static_cast<T*>(t.param) + at, n) = p.template cast<T>();
   });
 }
 
-// SGD as torch.optim.SGD: the momentum buffer starts as the first gradient (step 1), and
-// dampening applies from the second step on.
-template <class T>
-void sgd(const OptimizerConfig& c, const StepArgs& a, const ShardTensors& t) {
-  const bool has_momentum = c.momentum > 0;
-  const bool first = a.step == 1;
-  const float momentum = static_cast<float>(c.momentum);
-  const float one_minus_dampening = static_cast<float>(1.0 - c.dampening);
-  const float lr = static_cast<float>(a.lr);
-  const float wd = static_cast<float>(a.weight_decay);
-
+// SGD with param type T and gradient type G (formulas in update_scalars.h).
+template <class T, class G>
+void sgd(const SgdScalars& s, const ShardTensors& t) {
   for_each_chunk(t.count, [&](std::size_t at, Eigen::Index n) {
     MapF p(t.master + at, n);
     const ChunkF g =
-        ConstMapT<T>(static_cast<const T*>(t.grad) + at, n).template cast<float>() * a.grad_scale +
-        wd * p;
-    if (!has_momentum) {
-      p -= lr * g;
+        ConstMapT<G>(static_cast<const G*>(t.grad) + at, n).template cast<float>() * s.grad_scale +
+        s.wd * p;
+    if (!s.has_momentum) {
+      p -= s.lr * g;
     } else {
       MapF buf(t.state0 + at, n);
-      if (first) {
+      if (s.first) {
         buf = g;
       } else {
-        buf = momentum * buf + one_minus_dampening * g;
+        buf = s.momentum * buf + s.one_minus_dampening * g;
       }
-      if (c.nesterov) {
-        p -= lr * (g + momentum * buf);
+      if (s.nesterov) {
+        p -= s.lr * (g + s.momentum * buf);
       } else {
-        p -= lr * buf;
+        p -= s.lr * buf;
       }
     }
     MapT<T>(static_cast<T*>(t.param) + at, n) = p.template cast<T>();
   });
 }
 
+// Param type T, gradient type G.
+template <class T, class G>
+void update_shard(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
+  if (t.count == 0) return;
+  if (args.step < 1) {
+    throw ConfigError(fmt::format(
+        "cpu_kernels().update: step = {} must be >= 1 (the count after this update)", args.step));
+  }
+  require_tensor(t.master, "master", t);
+  require_tensor(t.grad, "grad", t);
+  require_tensor(t.param, "param", t);
+  if (config.state_slots() >= 1) require_tensor(t.state0, "state0", t);
+  if (config.state_slots() >= 2) require_tensor(t.state1, "state1", t);
+  if (config.type == OptimizerType::sgd) {
+    sgd<T, G>(sgd_scalars(config, args), t);
+  } else {
+    adam<T, G>(adam_scalars(config, args), t);
+  }
+}
+
+// Gradients are of the param's bit16 type or fp32 (a bf16 gradient with fp16 params, e.g. from a
+// forgotten grad_dtype, is refused rather than misread).
 void update(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
-  with_bit16(t.dtype, "update", [&](auto tag) {
-    using T = decltype(tag);
-    if (t.count == 0) return;
-    if (args.step < 1) {
-      throw ConfigError(fmt::format(
-          "cpu_kernels().update: step = {} must be >= 1 (the count after this update)", args.step));
-    }
-    require_tensor(t.master, "master", t);
-    require_tensor(t.grad, "grad", t);
-    require_tensor(t.param, "param", t);
-    if (config.state_slots() >= 1) require_tensor(t.state0, "state0", t);
-    if (config.state_slots() >= 2) require_tensor(t.state1, "state1", t);
-    if (config.type == OptimizerType::sgd) {
-      sgd<T>(config, args, t);
-    } else {
-      adam<T>(config, args, t);
-    }
+  with_bit16(t.dtype, "update", [&](auto param_tag) {
+    with_any(t.grad_dtype, "update", [&](auto grad_tag) {
+      using T = decltype(param_tag);
+      using G = decltype(grad_tag);
+      if constexpr (std::is_same_v<G, T> || std::is_same_v<G, float>) {
+        update_shard<T, G>(config, args, t);
+      } else {
+        throw ConfigError(fmt::format(
+            "cpu_kernels().update: grad dtype {} does not go with param dtype {}: gradients are "
+            "{} or fp32",
+            dtype_name(t.grad_dtype), dtype_name(t.dtype), dtype_name(t.dtype)));
+      }
+    });
   });
 }
 
 double sum_squares(const void* data, DType dtype, std::size_t count, double scale) {
-  return with_bit16(dtype, "sum_squares", [&](auto tag) {
+  return with_any(dtype, "sum_squares", [&](auto tag) {
     using T = decltype(tag);
+    if (count > 0) require_data(data, "sum_squares", "data", count);
     const T* x = static_cast<const T*>(data);
     double sum = 0.0;  // sequential order: the same input always gives the same bits
     for (std::size_t i = 0; i < count; ++i) {
@@ -168,61 +196,86 @@ double sum_squares(const void* data, DType dtype, std::size_t count, double scal
 }
 
 bool has_inf_or_nan(const void* data, DType dtype, std::size_t count) {
-  return with_bit16(dtype, "has_inf_or_nan", [&](auto tag) {
+  return with_any(dtype, "has_inf_or_nan", [&](auto tag) {
     using T = decltype(tag);
-    constexpr std::uint16_t mask = exponent_mask<T>();
+    constexpr BitsOf<T> mask = exponent_mask<T>();
+    if (count > 0) require_data(data, "has_inf_or_nan", "data", count);
     const T* x = static_cast<const T*>(data);
     // No early exit: a branch-free OR over the bits vectorizes, and overflow is the rare case.
     bool found = false;
     for (std::size_t i = 0; i < count; ++i) {
-      found |= (std::bit_cast<std::uint16_t>(x[i]) & mask) == mask;
+      found |= (std::bit_cast<BitsOf<T>>(x[i]) & mask) == mask;
     }
     return found;
   });
 }
 
-void cast_to_bit16(const float* src, void* dst, DType dtype, std::size_t count) {
-  with_bit16(dtype, "cast_to_bit16", [&](auto tag) {
-    using T = decltype(tag);
-    const auto n = static_cast<Eigen::Index>(count);
-    MapT<T>(static_cast<T*>(dst), n) = Eigen::Map<const Eigen::ArrayXf>(src, n).cast<T>();
+// Between two types the value goes through fp32 (exact from bf16 and fp16), so it is rounded
+// once; within one type the bits are copied unchanged.
+void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::size_t count) {
+  with_any(dst_dtype, "cast", [&](auto dst_tag) {
+    with_any(src_dtype, "cast", [&](auto src_tag) {
+      using D = decltype(dst_tag);
+      using S = decltype(src_tag);
+      if (count == 0) return;
+      require_data(dst, "cast", "dst", count);
+      require_data(src, "cast", "src", count);
+      if constexpr (std::is_same_v<D, S>) {
+        std::memmove(dst, src, count * sizeof(D));
+      } else {
+        const auto n = static_cast<Eigen::Index>(count);
+        MapT<D>(static_cast<D*>(dst), n) =
+            ConstMapT<S>(static_cast<const S*>(src), n).template cast<float>().template cast<D>();
+      }
+    });
   });
 }
 
-void cast_from_bit16(const void* src, float* dst, DType dtype, std::size_t count) {
-  with_bit16(dtype, "cast_from_bit16", [&](auto tag) {
-    using T = decltype(tag);
-    const auto n = static_cast<Eigen::Index>(count);
-    MapF(dst, n) = ConstMapT<T>(static_cast<const T*>(src), n).template cast<float>();
-  });
-}
-
-void accumulate_bit16(void* dst, const void* src, DType dtype, std::size_t count) {
-  with_bit16(dtype, "accumulate_bit16", [&](auto tag) {
-    using T = decltype(tag);
-    const auto n = static_cast<Eigen::Index>(count);
-    MapT<T> out(static_cast<T*>(dst), n);
-    out = (out.template cast<float>() +
-           ConstMapT<T>(static_cast<const T*>(src), n).template cast<float>())
-              .template cast<T>();
+void accumulate(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::size_t count) {
+  with_any(dst_dtype, "accumulate", [&](auto dst_tag) {
+    with_any(src_dtype, "accumulate", [&](auto src_tag) {
+      using D = decltype(dst_tag);
+      using S = decltype(src_tag);
+      if (count == 0) return;
+      require_data(dst, "accumulate", "dst", count);
+      require_data(src, "accumulate", "src", count);
+      const auto n = static_cast<Eigen::Index>(count);
+      MapT<D> out(static_cast<D*>(dst), n);
+      out = (out.template cast<float>() +
+             ConstMapT<S>(static_cast<const S*>(src), n).template cast<float>())
+                .template cast<D>();
+    });
   });
 }
 
 // memset/memcpy with a null pointer are undefined even for zero bytes, hence the guards.
 void fill_zero(void* dst, std::size_t bytes) {
-  if (bytes > 0) std::memset(dst, 0, bytes);
+  if (bytes == 0) return;
+  require_data(dst, "fill_zero", "dst", bytes, "bytes");
+  std::memset(dst, 0, bytes);
 }
 
 void copy(void* dst, const void* src, std::size_t bytes) {
-  if (bytes > 0) std::memcpy(dst, src, bytes);
+  if (bytes == 0) return;
+  require_data(dst, "copy", "dst", bytes, "bytes");
+  require_data(src, "copy", "src", bytes, "bytes");
+  std::memcpy(dst, src, bytes);
 }
+
+void synchronize() {}
 
 }  // namespace
 
 const OptimizerKernels& cpu_kernels() {
-  static const OptimizerKernels table{
-      update,          sum_squares,      has_inf_or_nan, cast_to_bit16,
-      cast_from_bit16, accumulate_bit16, fill_zero,      copy};
+  static const OptimizerKernels table{.name = "cpu",
+                                      .update = update,
+                                      .sum_squares = sum_squares,
+                                      .has_inf_or_nan = has_inf_or_nan,
+                                      .cast = cast,
+                                      .accumulate = accumulate,
+                                      .fill_zero = fill_zero,
+                                      .copy = copy,
+                                      .synchronize = synchronize};
   return table;
 }
 

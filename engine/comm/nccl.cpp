@@ -1,0 +1,531 @@
+// NCCL communicator: one rank of an NCCL clique, on one GPU.
+//
+// Ordering policy: the engine queues its kernels on each thread's cudaStreamPerThread. A
+// collective runs on the communicator's own non-blocking stream between two events: `ready_`,
+// recorded on the caller's stream and waited for by ours (communication after the compute that
+// produced its input), and `done_`, recorded on ours and waited for by the caller's (later
+// compute after the communication). The host never waits, except in barrier(). The two events
+// are reused: a wait captures the event as it is when the wait is issued, and one communicator
+// serves one thread at a time, so every record is consumed before the next one.
+//
+// Failure policy: arguments are checked before anything is queued (ConfigError). An NCCL call
+// that fails throws DeviceError. Errors NCCL finds later (a peer died, a network fault) are read
+// with ncclCommGetAsyncError before each collective and while barrier() or the destructor waits,
+// so a dead peer gives a CommError instead of a hang; such a communicator is aborted at the end
+// instead of destroyed.
+#include "engine/comm/nccl.h"
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <nccl.h>
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+
+#ifdef SHARDSWAP_HAVE_MPI
+#define OMPI_SKIP_MPICXX 1  // the C API is all we use
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
+
+#include "engine/comm/nccl_check.h"
+#include "memory/cuda/cuda_check.h"
+#include "memory/error.h"
+
+namespace shardswap {
+namespace {
+
+ncclDataType_t nccl_type(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::f16:
+      return ncclFloat16;
+  }
+  throw ConfigError(fmt::format("NcclCommunicator: unknown dtype {}", static_cast<int>(dtype)));
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return ncclSum;
+    case ReduceOp::avg:
+      return ncclAvg;
+    case ReduceOp::max:
+      return ncclMax;
+  }
+  throw ConfigError(fmt::format("NcclCommunicator: unknown reduce op {}", static_cast<int>(op)));
+}
+
+/// True if the byte ranges [a, a + a_bytes) and [b, b + b_bytes) share a byte.
+bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a);
+  const auto y = reinterpret_cast<std::uintptr_t>(b);
+  return x < y + b_bytes && y < x + a_bytes;
+}
+
+const std::byte* advance(const void* p, std::size_t bytes) {
+  return static_cast<const std::byte*>(p) + bytes;
+}
+
+/// A blocking NCCL communicator never reports ncclInProgress once initialized; treat it as
+/// "not failed" all the same.
+bool is_failure(ncclResult_t r) {
+  return r != ncclSuccess && r != ncclInProgress;
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  /// Takes `comm` over: it is destroyed here even if this constructor throws. `keep_alive` is
+  /// released only after the NCCL communicator is gone (an mpirun rank's MPI session).
+  NcclCommunicator(ncclComm_t comm, int device, std::shared_ptr<void> keep_alive)
+      : keep_alive_(std::move(keep_alive)), comm_(comm), device_(device) {
+    try {
+      SHARDSWAP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+      SHARDSWAP_NCCL_CHECK(ncclCommCount(comm_, &world_size_));
+      SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+      SHARDSWAP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      SHARDSWAP_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+      SHARDSWAP_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+      SHARDSWAP_CUDA_CHECK(cudaMalloc(&barrier_scratch_, sizeof(float)));
+      SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(barrier_scratch_, 0, sizeof(float), stream_));
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+
+  ~NcclCommunicator() override { release(); }
+
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+
+  void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op) override {
+    const auto call = [&] {
+      return fmt::format("NcclCommunicator::all_reduce(count={}, {}, {})", count, dtype_name(dtype),
+                         reduce_op_name(op));
+    };
+    require_data(call, data, count, "data");
+    const ncclDataType_t type = nccl_type(dtype);
+    const ncclRedOp_t red = nccl_op(op);
+    if (count == 0) return;
+    begin(call);
+    SHARDSWAP_NCCL_CHECK(ncclAllReduce(data, data, count, type, red, comm_, stream_));
+    end();
+  }
+
+  void reduce_scatter(const void* send, void* recv, std::size_t recv_count, DType dtype,
+                      ReduceOp op) override {
+    const auto call = [&] {
+      return fmt::format("NcclCommunicator::reduce_scatter(count={}, {}, {})", recv_count,
+                         dtype_name(dtype), reduce_op_name(op));
+    };
+    require_data(call, send, recv_count, "send");
+    require_data(call, recv, recv_count, "recv");
+    const ncclDataType_t type = nccl_type(dtype);
+    const ncclRedOp_t red = nccl_op(op);
+    if (recv_count == 0) return;
+    const std::size_t chunk = recv_count * dtype_size(dtype);
+    const void* own = advance(send, static_cast<std::size_t>(rank_) * chunk);
+    if (recv != own && overlap(send, static_cast<std::size_t>(world_size_) * chunk, recv, chunk)) {
+      throw ConfigError(fmt::format(
+          "{}: recv overlaps send without being rank {}'s chunk of it (in place means recv == "
+          "send + rank * recv_count)",
+          call(), rank_));
+    }
+    begin(call);
+    SHARDSWAP_NCCL_CHECK(ncclReduceScatter(send, recv, recv_count, type, red, comm_, stream_));
+    end();
+  }
+
+  void reduce(void* data, std::size_t count, DType dtype, ReduceOp op, int root) override {
+    const auto call = [&] {
+      return fmt::format("NcclCommunicator::reduce(count={}, {}, {}, root={})", count,
+                         dtype_name(dtype), reduce_op_name(op), root);
+    };
+    require_root(call, root);
+    require_data(call, data, count, "data");
+    const ncclDataType_t type = nccl_type(dtype);
+    const ncclRedOp_t red = nccl_op(op);
+    if (count == 0) return;
+    begin(call);
+    SHARDSWAP_NCCL_CHECK(ncclReduce(data, data, count, type, red, root, comm_, stream_));
+    end();
+  }
+
+  void all_gather(const void* send, void* recv, std::size_t send_count, DType dtype) override {
+    const auto call = [&] {
+      return fmt::format("NcclCommunicator::all_gather(count={}, {})", send_count,
+                         dtype_name(dtype));
+    };
+    require_data(call, send, send_count, "send");
+    require_data(call, recv, send_count, "recv");
+    const ncclDataType_t type = nccl_type(dtype);
+    if (send_count == 0) return;
+    const std::size_t chunk = send_count * dtype_size(dtype);
+    const void* own = advance(recv, static_cast<std::size_t>(rank_) * chunk);
+    if (send != own && overlap(send, chunk, recv, static_cast<std::size_t>(world_size_) * chunk)) {
+      throw ConfigError(fmt::format(
+          "{}: send overlaps recv without being rank {}'s chunk of it (in place means send == "
+          "recv + rank * send_count)",
+          call(), rank_));
+    }
+    begin(call);
+    SHARDSWAP_NCCL_CHECK(ncclAllGather(send, recv, send_count, type, comm_, stream_));
+    end();
+  }
+
+  void broadcast(void* data, std::size_t count, DType dtype, int root) override {
+    const auto call = [&] {
+      return fmt::format("NcclCommunicator::broadcast(count={}, {}, root={})", count,
+                         dtype_name(dtype), root);
+    };
+    require_root(call, root);
+    require_data(call, data, count, "data");
+    const ncclDataType_t type = nccl_type(dtype);
+    if (count == 0) return;
+    begin(call);
+    SHARDSWAP_NCCL_CHECK(ncclBroadcast(data, data, count, type, root, comm_, stream_));
+    end();
+  }
+
+  void barrier() override {
+    const auto call = [] { return std::string("NcclCommunicator::barrier()"); };
+    begin(call);
+    SHARDSWAP_NCCL_CHECK(
+        ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclFloat32, ncclSum, comm_, stream_));
+    end();
+    // Every rank's all-reduce has completed once ours has: all of them reached the barrier.
+    const Idle idle = wait_idle();
+    detail::cuda_check(idle.cuda, "cudaStreamQuery(stream_) in NcclCommunicator::barrier", __FILE__,
+                       __LINE__);
+    if (is_failure(idle.nccl)) throw async_failure(call, idle.nccl);
+  }
+
+ private:
+  template <class Call>
+  void require_data(const Call& call, const void* p, std::size_t count, const char* what) const {
+    if (p == nullptr && count > 0) throw ConfigError(fmt::format("{}: {} is null", call(), what));
+  }
+
+  template <class Call>
+  void require_root(const Call& call, int root) const {
+    if (root < 0 || root >= world_size_) {
+      throw ConfigError(
+          fmt::format("{}: root {} is out of range for world size {}", call(), root, world_size_));
+    }
+  }
+
+  template <class Call>
+  CommError async_failure(const Call& call, ncclResult_t status) {
+    failed_ = true;
+    return CommError(fmt::format(
+        "{}: rank {} of {} on device {}: the NCCL communicator failed: {}; NCCL last said: {}",
+        call(), rank_, world_size_, device_, ncclGetErrorString(status), ncclGetLastError(comm_)));
+  }
+
+  /// Makes the rank's GPU current and orders our stream after the caller's queued work.
+  template <class Call>
+  void begin(const Call& call) {
+    SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    ncclResult_t async = ncclSuccess;
+    SHARDSWAP_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+    if (is_failure(async)) throw async_failure(call, async);
+    SHARDSWAP_CUDA_CHECK(cudaEventRecord(ready_, cudaStreamPerThread));
+    SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+  }
+
+  /// Orders the caller's later work after what was just queued on our stream.
+  void end() {
+    SHARDSWAP_CUDA_CHECK(cudaEventRecord(done_, stream_));
+    SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, done_, 0));
+  }
+
+  struct Idle {
+    cudaError_t cuda = cudaSuccess;   // a CUDA error seen while waiting (likely sticky)
+    ncclResult_t nccl = ncclSuccess;  // an asynchronous NCCL error seen while waiting
+  };
+
+  /// Blocks until our stream is idle, or until CUDA or NCCL reports an error: polling NCCL's
+  /// asynchronous error is what keeps a dead peer from leaving us waiting forever.
+  Idle wait_idle() noexcept {
+    for (;;) {
+      const cudaError_t status = cudaStreamQuery(stream_);
+      if (status == cudaSuccess) return {};
+      if (status != cudaErrorNotReady) return {status, ncclSuccess};
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t got = ncclCommGetAsyncError(comm_, &async);
+      if (is_failure(got)) return {cudaSuccess, got};
+      if (is_failure(async)) return {cudaSuccess, async};
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  /// Never throws, and leaves the calling thread's current GPU as it was. Waits for queued
+  /// collectives, then destroys the NCCL communicator, or aborts it after an NCCL failure. After
+  /// a CUDA error (sticky: every later call fails the same way) the CUDA objects are left to the
+  /// process's teardown.
+  void release() noexcept {
+    int previous = -1;  // the caller's current GPU, restored at the end
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+    release_on_device();
+    if (previous >= 0) SHARDSWAP_CUDA_WARN(cudaSetDevice(previous));
+  }
+
+  void release_on_device() noexcept {
+    bool cuda_ok = cudaSetDevice(device_) == cudaSuccess;
+    bool nccl_ok = !failed_;
+    if (comm_ != nullptr && stream_ != nullptr && cuda_ok && nccl_ok) {
+      const Idle idle = wait_idle();
+      if (idle.cuda != cudaSuccess) {
+        SHARDSWAP_CUDA_WARN(idle.cuda);
+        cuda_ok = false;
+        nccl_ok = false;  // an NCCL kernel may still be stuck on the stream: abort, not wait
+      }
+      if (is_failure(idle.nccl)) {
+        spdlog::warn(
+            "NcclCommunicator: rank {} on device {}: the NCCL communicator failed ({}); "
+            "aborting it",
+            rank_, device_, ncclGetErrorString(idle.nccl));
+        nccl_ok = false;
+      }
+    }
+    if (comm_ != nullptr) {
+      if (nccl_ok) {
+        SHARDSWAP_NCCL_WARN(ncclCommDestroy(comm_));
+      } else {
+        SHARDSWAP_NCCL_WARN(ncclCommAbort(comm_));
+      }
+      comm_ = nullptr;
+    }
+    if (!cuda_ok) {
+      spdlog::warn(
+          "NcclCommunicator: rank {} on device {}: skipping the release of its stream, "
+          "events and barrier scratch after a CUDA error",
+          rank_, device_);
+      return;
+    }
+    if (barrier_scratch_ != nullptr) SHARDSWAP_CUDA_WARN(cudaFree(barrier_scratch_));
+    if (done_ != nullptr) SHARDSWAP_CUDA_WARN(cudaEventDestroy(done_));
+    if (ready_ != nullptr) SHARDSWAP_CUDA_WARN(cudaEventDestroy(ready_));
+    if (stream_ != nullptr) SHARDSWAP_CUDA_WARN(cudaStreamDestroy(stream_));
+    barrier_scratch_ = nullptr;
+    done_ = ready_ = nullptr;
+    stream_ = nullptr;
+  }
+
+  std::shared_ptr<void> keep_alive_;  // first member: destroyed after everything else
+  ncclComm_t comm_ = nullptr;
+  int device_ = 0;
+  int rank_ = 0;
+  int world_size_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ready_ = nullptr;  // recorded on the caller's cudaStreamPerThread
+  cudaEvent_t done_ = nullptr;   // recorded on stream_
+  float* barrier_scratch_ = nullptr;
+  bool failed_ = false;  // NCCL reported an asynchronous error: abort instead of destroy
+};
+
+/// Restores the calling thread's current GPU on scope exit.
+class CurrentDeviceGuard {
+ public:
+  CurrentDeviceGuard() { SHARDSWAP_CUDA_CHECK(cudaGetDevice(&previous_)); }
+  ~CurrentDeviceGuard() { SHARDSWAP_CUDA_WARN(cudaSetDevice(previous_)); }
+  CurrentDeviceGuard(const CurrentDeviceGuard&) = delete;
+  CurrentDeviceGuard& operator=(const CurrentDeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+/// Number of visible GPUs; 0 when CUDA finds none (or no driver).
+int visible_devices() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return 0;
+  }
+  return count;
+}
+
+}  // namespace
+
+std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(
+    const std::vector<int>& devices) {
+  if (devices.empty()) throw ConfigError("make_nccl_communicators: the device list is empty");
+  const int count = visible_devices();
+  std::set<int> seen;
+  for (const int d : devices) {
+    if (d < 0 || d >= count) {
+      throw ConfigError(
+          fmt::format("make_nccl_communicators: device {} does not exist ({} visible)", d, count));
+    }
+    if (!seen.insert(d).second) {
+      throw ConfigError(
+          fmt::format("make_nccl_communicators: device {} is listed twice (one rank per GPU)", d));
+    }
+  }
+
+  CurrentDeviceGuard guard;
+  const int n = static_cast<int>(devices.size());
+  std::vector<ncclComm_t> comms(devices.size(), nullptr);
+  SHARDSWAP_NCCL_CHECK(ncclCommInitAll(comms.data(), n, devices.data()));
+  std::vector<std::unique_ptr<Communicator>> ranks;
+  try {
+    ranks.reserve(devices.size());
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      // The communicator owns comms[i] from here, even if its constructor throws.
+      ncclComm_t comm = std::exchange(comms[i], nullptr);
+      ranks.push_back(std::make_unique<NcclCommunicator>(comm, devices[i], nullptr));
+    }
+  } catch (...) {
+    for (ncclComm_t comm : comms) {
+      if (comm != nullptr) SHARDSWAP_NCCL_WARN(ncclCommDestroy(comm));
+    }
+    throw;
+  }
+  return ranks;
+}
+
+#ifdef SHARDSWAP_HAVE_MPI
+
+namespace {
+
+void mpi_check(int status, const char* statement) {
+  if (status == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int length = 0;
+  MPI_Error_string(status, text, &length);
+  throw CommError(fmt::format("make_nccl_communicator_mpi: {} failed: {}", statement, text));
+}
+
+/// MPI for the communicators made by make_nccl_communicator_mpi: initialized on first use unless
+/// the program did it, and then finalized when the last of those communicators goes.
+class MpiSession {
+ public:
+  static std::shared_ptr<MpiSession> acquire(int* argc, char*** argv) {
+    static std::mutex mutex;
+    static std::weak_ptr<MpiSession> current;
+    std::lock_guard lock(mutex);
+    if (auto session = current.lock()) return session;
+    int initialized = 0, finalized = 0;
+    mpi_check(MPI_Initialized(&initialized), "MPI_Initialized");
+    mpi_check(MPI_Finalized(&finalized), "MPI_Finalized");
+    if (finalized) {
+      throw CommError(
+          "make_nccl_communicator_mpi: MPI was already finalized in this process (it is "
+          "finalized when the last communicator made here goes, if MPI was initialized here)");
+    }
+    if (!initialized) mpi_check(MPI_Init(argc, argv), "MPI_Init");
+    auto session = std::make_shared<MpiSession>(/*owns=*/!initialized);
+    current = session;
+    return session;
+  }
+
+  explicit MpiSession(bool owns) : owns_(owns) {}
+  ~MpiSession() {
+    if (!owns_) return;
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+
+ private:
+  bool owns_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_nccl_communicator_mpi(int* argc, char*** argv) {
+  auto session = MpiSession::acquire(argc, argv);
+  int rank = 0, size = 0;
+  mpi_check(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
+  mpi_check(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");
+  // The GPU is the rank's index among the ranks sharing its node.
+  MPI_Comm node = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type");
+  int local_rank = 0, local_size = 0;
+  mpi_check(MPI_Comm_rank(node, &local_rank), "MPI_Comm_rank(node)");
+  mpi_check(MPI_Comm_size(node, &local_size), "MPI_Comm_size(node)");
+  mpi_check(MPI_Comm_free(&node), "MPI_Comm_free");
+
+  const int count = visible_devices();
+  // A process that sees exactly one GPU was given its own (CUDA_VISIBLE_DEVICES per rank).
+  const int device = count == 1 ? 0 : local_rank;
+  std::string problem;
+  if (count == 0) {
+    problem = "no CUDA device is visible";
+  } else if (device >= count) {
+    problem = fmt::format("local rank {} of {} on this node has no GPU of its own ({} visible)",
+                          local_rank, local_size, count);
+  } else if (const cudaError_t status = cudaSetDevice(device); status != cudaSuccess) {
+    cudaGetLastError();
+    problem = fmt::format("cudaSetDevice({}) failed: {}", device, cudaGetErrorString(status));
+  }
+  // Every rank learns whether all have their GPU before any waits in NCCL's bootstrap.
+  const int ok = problem.empty() ? 1 : 0;
+  int all_ok = 0;
+  mpi_check(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD), "MPI_Allreduce");
+  if (!ok) {
+    throw ConfigError(
+        fmt::format("make_nccl_communicator_mpi: rank {} of {}: {}", rank, size, problem));
+  }
+  if (!all_ok) {
+    throw CommError(fmt::format(
+        "make_nccl_communicator_mpi: rank {} of {}: another rank could not select its GPU", rank,
+        size));
+  }
+
+  struct {
+    int ok = 0;
+    ncclUniqueId id{};
+  } root;
+  ncclResult_t id_status = ncclSuccess;
+  if (rank == 0) {
+    id_status = ncclGetUniqueId(&root.id);
+    root.ok = id_status == ncclSuccess ? 1 : 0;
+  }
+  mpi_check(MPI_Bcast(&root, static_cast<int>(sizeof root), MPI_BYTE, 0, MPI_COMM_WORLD),
+            "MPI_Bcast");
+  if (id_status != ncclSuccess) {
+    detail::nccl_fail(id_status, "ncclGetUniqueId(&root.id)", __FILE__, __LINE__);
+  }
+  if (!root.ok) {
+    throw CommError(fmt::format(
+        "make_nccl_communicator_mpi: rank {} of {}: rank 0 could not create the NCCL unique id",
+        rank, size));
+  }
+
+  ncclComm_t comm = nullptr;
+  SHARDSWAP_NCCL_CHECK(ncclCommInitRank(&comm, size, root.id, rank));
+  return std::make_unique<NcclCommunicator>(comm, device, std::move(session));
+}
+
+#else
+
+std::unique_ptr<Communicator> make_nccl_communicator_mpi(int*, char***) {
+  throw BackendUnavailable(
+      "make_nccl_communicator_mpi: ShardSwap was built without MPI (install an MPI such as "
+      "libopenmpi-dev and reconfigure)");
+}
+
+#endif
+
+}  // namespace shardswap

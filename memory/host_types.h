@@ -1,0 +1,32 @@
+// Host C++ types of the element types: Eigen's bfloat16 and half (round to nearest even).
+#pragma once
+
+#include <Eigen/Core>
+
+#include "memory/dtype.h"
+
+namespace shardswap {
+
+using bf16_t = Eigen::bfloat16;
+using f16_t = Eigen::half;
+
+template <class T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::f64;
+}
+template <>
+constexpr DType dtype_of<bf16_t>() {
+  return DType::bf16;
+}
+template <>
+constexpr DType dtype_of<f16_t>() {
+  return DType::f16;
+}
+
+}  // namespace shardswap

@@ -1,0 +1,208 @@
+// The CUDA backend's kernel table: the CPU backend's argument checks and messages, the per-call
+// scalars of update_scalars.h, and the launches of kernels.cu. All work is queued on the calling
+// thread's default stream (cudaStreamPerThread) of the current device; only sum_squares,
+// has_inf_or_nan and synchronize wait, and only for that stream.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include "memory/cuda/cuda_check.h"
+#include "memory/error.h"
+#include "optimizer/cuda/kernels.h"
+#include "optimizer/optimizer.h"
+#include "optimizer/update_scalars.h"
+
+namespace shardswap {
+
+namespace {
+
+using detail::Elem;
+
+Elem elem_of(DType dtype, const char* fn) {
+  switch (dtype) {
+    case DType::f32:
+      return Elem::f32;
+    case DType::bf16:
+      return Elem::bf16;
+    case DType::f16:
+      return Elem::f16;
+    default:
+      break;
+  }
+  throw ConfigError(
+      fmt::format("cuda_kernels().{}: dtype {} is not fp32, bf16 or fp16", fn, dtype_name(dtype)));
+}
+
+Elem bit16_elem_of(DType dtype, const char* fn) {
+  if (!is_bit16(dtype)) {
+    throw ConfigError(fmt::format("cuda_kernels().{}: dtype {} is not a bit16 type (bf16 or fp16)",
+                                  fn, dtype_name(dtype)));
+  }
+  return elem_of(dtype, fn);
+}
+
+// A null pointer would fault on the device and poison the context: refuse it here.
+void require_data(const void* p, const char* fn, const char* name, std::size_t count,
+                  const char* unit = "elements") {
+  if (p == nullptr) {
+    throw ConfigError(
+        fmt::format("cuda_kernels().{}: {} is null for {} {}", fn, name, count, unit));
+  }
+}
+
+void require_tensor(const void* p, const char* name, const ShardTensors& t) {
+  if (p == nullptr) {
+    throw ConfigError(
+        fmt::format("cuda_kernels().update: {} is null for a shard of {} elements", name, t.count));
+  }
+}
+
+// The reductions leave one partial result per block in pinned host memory, which kernels write
+// directly (unified addressing): no device memory outside the allocators' accounts, no second
+// pass, and the host adds the partials in block order, so a result is reproducible on a given
+// GPU model. One buffer per thread serves every device, since each call waits for its kernel.
+constexpr int kMaxBlocks = 4096;
+
+class HostScratch {
+ public:
+  HostScratch() = default;
+  HostScratch(const HostScratch&) = delete;
+  HostScratch& operator=(const HostScratch&) = delete;
+  ~HostScratch() {
+    if (data_ != nullptr) SHARDSWAP_CUDA_WARN(cudaFreeHost(data_));
+  }
+
+  double* doubles() { return static_cast<double*>(get()); }
+  int* ints() { return static_cast<int*>(get()); }
+
+ private:
+  void* get() {
+    if (data_ == nullptr) {
+      SHARDSWAP_CUDA_CHECK(cudaHostAlloc(&data_, kMaxBlocks * sizeof(double),
+                                         cudaHostAllocPortable | cudaHostAllocMapped));
+    }
+    return data_;
+  }
+  void* data_ = nullptr;
+};
+
+HostScratch& scratch() {
+  thread_local HostScratch s;
+  return s;
+}
+
+void update(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
+  const detail::UpdateLaunch launch{t.master,
+                                    t.state0,
+                                    t.state1,
+                                    t.grad,
+                                    t.param,
+                                    bit16_elem_of(t.dtype, "update"),
+                                    elem_of(t.grad_dtype, "update"),
+                                    t.count};
+  if (t.grad_dtype != t.dtype && t.grad_dtype != DType::f32) {
+    throw ConfigError(fmt::format(
+        "cuda_kernels().update: grad dtype {} does not go with param dtype {}: gradients are {} "
+        "or fp32",
+        dtype_name(t.grad_dtype), dtype_name(t.dtype), dtype_name(t.dtype)));
+  }
+  if (t.count == 0) return;
+  if (args.step < 1) {
+    throw ConfigError(fmt::format(
+        "cuda_kernels().update: step = {} must be >= 1 (the count after this update)", args.step));
+  }
+  require_tensor(t.master, "master", t);
+  require_tensor(t.grad, "grad", t);
+  require_tensor(t.param, "param", t);
+  if (config.state_slots() >= 1) require_tensor(t.state0, "state0", t);
+  if (config.state_slots() >= 2) require_tensor(t.state1, "state1", t);
+  if (config.type == OptimizerType::sgd) {
+    detail::launch_sgd(sgd_scalars(config, args), launch);
+  } else {
+    detail::launch_adam(adam_scalars(config, args), launch);
+  }
+}
+
+double sum_squares(const void* data, DType dtype, std::size_t count, double scale) {
+  const Elem e = elem_of(dtype, "sum_squares");
+  if (count == 0) return 0.0;
+  require_data(data, "sum_squares", "data", count);
+  double* partials = scratch().doubles();
+  const int blocks = detail::launch_sum_squares(data, e, count, scale, partials, kMaxBlocks);
+  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+  double sum = 0.0;
+  for (int b = 0; b < blocks; ++b) sum += partials[b];
+  return sum;
+}
+
+bool has_inf_or_nan(const void* data, DType dtype, std::size_t count) {
+  const Elem e = elem_of(dtype, "has_inf_or_nan");
+  if (count == 0) return false;
+  require_data(data, "has_inf_or_nan", "data", count);
+  int* flags = scratch().ints();
+  const int blocks = detail::launch_find_inf_or_nan(data, e, count, flags, kMaxBlocks);
+  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+  bool found = false;
+  for (int b = 0; b < blocks; ++b) found |= flags[b] != 0;
+  return found;
+}
+
+// Within one type the bits are copied unchanged, as on the CPU.
+void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::size_t count) {
+  const Elem d = elem_of(dst_dtype, "cast");
+  const Elem s = elem_of(src_dtype, "cast");
+  if (count == 0) return;
+  require_data(dst, "cast", "dst", count);
+  require_data(src, "cast", "src", count);
+  if (d == s) {
+    if (dst != src) {
+      SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * dtype_size(dst_dtype),
+                                           cudaMemcpyDeviceToDevice, cudaStreamPerThread));
+    }
+    return;
+  }
+  detail::launch_cast(dst, d, src, s, count);
+}
+
+void accumulate(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::size_t count) {
+  const Elem d = elem_of(dst_dtype, "accumulate");
+  const Elem s = elem_of(src_dtype, "accumulate");
+  if (count == 0) return;
+  require_data(dst, "accumulate", "dst", count);
+  require_data(src, "accumulate", "src", count);
+  detail::launch_accumulate(dst, d, src, s, count);
+}
+
+void fill_zero(void* dst, std::size_t bytes) {
+  if (bytes == 0) return;
+  require_data(dst, "fill_zero", "dst", bytes, "bytes");
+  SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cudaStreamPerThread));
+}
+
+void copy(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  require_data(dst, "copy", "dst", bytes, "bytes");
+  require_data(src, "copy", "src", bytes, "bytes");
+  SHARDSWAP_CUDA_CHECK(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cudaStreamPerThread));
+}
+
+void synchronize() {
+  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+}
+
+}  // namespace
+
+const OptimizerKernels& cuda_kernels() {
+  static const OptimizerKernels table{.name = "cuda",
+                                      .update = update,
+                                      .sum_squares = sum_squares,
+                                      .has_inf_or_nan = has_inf_or_nan,
+                                      .cast = cast,
+                                      .accumulate = accumulate,
+                                      .fill_zero = fill_zero,
+                                      .copy = copy,
+                                      .synchronize = synchronize};
+  return table;
+}
+
+}  // namespace shardswap

@@ -1,0 +1,436 @@
+// The CUDA optimizer kernels: one grid-stride pass per call, reading and writing 8 elements per
+// thread with 16-byte loads and stores where every pointer is 16-byte aligned (the engine's flat
+// shards are 256-byte aligned), and one element at a time for the tail and for unaligned
+// pointers. Arithmetic is fp32, in the order of the CPU backend and without contraction into
+// fused multiply-adds (the __f*_rn intrinsics), so both backends agree to float rounding.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+
+#include "memory/cuda/cuda_check.h"
+#include "optimizer/cuda/kernels.h"
+
+namespace shardswap::detail {
+
+namespace {
+
+constexpr int kThreads = 256;  // block_sum below assumes exactly this many threads per block
+constexpr int kVec = 8;        // elements per vector unit: 16 bytes of bit16, 32 bytes of fp32
+
+// --- element types: one value, or a unit of kVec values, as fp32 ---------------------------
+
+struct F32 {
+  using Storage = float;
+  __device__ static float load(const float* p, std::size_t i) { return p[i]; }
+  __device__ static void store(float* p, std::size_t i, float x) { p[i] = x; }
+  __device__ static void load_vec(const float* p, std::size_t i, float (&x)[kVec]) {
+    const float4* q = reinterpret_cast<const float4*>(p + i);
+    const float4 a = q[0];
+    const float4 b = q[1];
+    x[0] = a.x;
+    x[1] = a.y;
+    x[2] = a.z;
+    x[3] = a.w;
+    x[4] = b.x;
+    x[5] = b.y;
+    x[6] = b.z;
+    x[7] = b.w;
+  }
+  __device__ static void store_vec(float* p, std::size_t i, const float (&x)[kVec]) {
+    float4* q = reinterpret_cast<float4*>(p + i);
+    q[0] = make_float4(x[0], x[1], x[2], x[3]);
+    q[1] = make_float4(x[4], x[5], x[6], x[7]);
+  }
+};
+
+// A bit16 type through its bits; Conv converts one value (round to nearest even on the way down).
+template <class Conv>
+struct Bit16 {
+  using Storage = unsigned short;
+  __device__ static float load(const unsigned short* p, std::size_t i) {
+    return Conv::to_float(p[i]);
+  }
+  __device__ static void store(unsigned short* p, std::size_t i, float x) {
+    p[i] = Conv::from_float(x);
+  }
+  // Little-endian: the element at the lower address is the low half of each 32-bit word.
+  __device__ static void load_vec(const unsigned short* p, std::size_t i, float (&x)[kVec]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p + i);
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x[2 * k] = Conv::to_float(static_cast<unsigned short>(w[k] & 0xFFFFu));
+      x[2 * k + 1] = Conv::to_float(static_cast<unsigned short>(w[k] >> 16));
+    }
+  }
+  __device__ static void store_vec(unsigned short* p, std::size_t i, const float (&x)[kVec]) {
+    unsigned int w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[k] = static_cast<unsigned int>(Conv::from_float(x[2 * k])) |
+             (static_cast<unsigned int>(Conv::from_float(x[2 * k + 1])) << 16);
+    }
+    *reinterpret_cast<uint4*>(p + i) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+struct Bf16Conv {
+  __device__ static float to_float(unsigned short b) {
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  }
+  __device__ static unsigned short from_float(float x) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+};
+
+struct F16Conv {
+  __device__ static float to_float(unsigned short b) { return __half2float(__ushort_as_half(b)); }
+  __device__ static unsigned short from_float(float x) {
+    return __half_as_ushort(__float2half_rn(x));
+  }
+};
+
+using BF16 = Bit16<Bf16Conv>;
+using F16 = Bit16<F16Conv>;
+
+// --- the update rules on one element (formulas and order: update_scalars.h, cpu/kernels.cpp) -
+
+__device__ __forceinline__ void adam_element(const AdamScalars& s, float grad, float& p, float& m,
+                                             float& v) {
+  const float g = __fadd_rn(__fmul_rn(grad, s.grad_scale), __fmul_rn(s.l2, p));
+  p = __fsub_rn(p, __fmul_rn(s.lr_wd, p));
+  m = __fadd_rn(__fmul_rn(s.beta1, m), __fmul_rn(s.one_minus_beta1, g));
+  v = __fadd_rn(__fmul_rn(s.beta2, v), __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
+  const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), s.inv_sqrt_bc2), s.eps);
+  p = __fsub_rn(p, __fdiv_rn(__fmul_rn(s.step_size, m), denom));
+}
+
+// `buf` is read only with momentum after the first step, written only with momentum.
+__device__ __forceinline__ void sgd_element(const SgdScalars& s, float grad, float& p, float& buf) {
+  const float g = __fadd_rn(__fmul_rn(grad, s.grad_scale), __fmul_rn(s.wd, p));
+  if (!s.has_momentum) {
+    p = __fsub_rn(p, __fmul_rn(s.lr, g));
+    return;
+  }
+  buf = s.first ? g : __fadd_rn(__fmul_rn(s.momentum, buf), __fmul_rn(s.one_minus_dampening, g));
+  const float d = s.nesterov ? __fadd_rn(g, __fmul_rn(s.momentum, buf)) : buf;
+  p = __fsub_rn(p, __fmul_rn(s.lr, d));
+}
+
+// --- kernels: vector units [0, vec_units), then single elements [vec_units * kVec, count) -----
+
+__device__ __forceinline__ std::size_t thread_index() {
+  return static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ std::size_t grid_threads() {
+  return static_cast<std::size_t>(gridDim.x) * blockDim.x;
+}
+
+template <class P, class G>
+__global__ void __launch_bounds__(kThreads)
+    adam_kernel(AdamScalars s, float* __restrict__ master, float* __restrict__ m,
+                float* __restrict__ v, const typename G::Storage* __restrict__ grad,
+                typename P::Storage* __restrict__ param, std::size_t count, std::size_t vec_units) {
+  const std::size_t stride = grid_threads();
+  for (std::size_t u = thread_index(); u < vec_units; u += stride) {
+    const std::size_t i = u * kVec;
+    float p[kVec], mu[kVec], nu[kVec], g[kVec];
+    F32::load_vec(master, i, p);
+    F32::load_vec(m, i, mu);
+    F32::load_vec(v, i, nu);
+    G::load_vec(grad, i, g);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) adam_element(s, g[k], p[k], mu[k], nu[k]);
+    F32::store_vec(master, i, p);
+    F32::store_vec(m, i, mu);
+    F32::store_vec(v, i, nu);
+    P::store_vec(param, i, p);
+  }
+  for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
+    float p = master[i], mu = m[i], nu = v[i];
+    adam_element(s, G::load(grad, i), p, mu, nu);
+    master[i] = p;
+    m[i] = mu;
+    v[i] = nu;
+    P::store(param, i, p);
+  }
+}
+
+template <class P, class G>
+__global__ void __launch_bounds__(kThreads)
+    sgd_kernel(SgdScalars s, float* __restrict__ master, float* __restrict__ buf,
+               const typename G::Storage* __restrict__ grad,
+               typename P::Storage* __restrict__ param, std::size_t count, std::size_t vec_units) {
+  const bool read_buf = s.has_momentum && !s.first;
+  const std::size_t stride = grid_threads();
+  for (std::size_t u = thread_index(); u < vec_units; u += stride) {
+    const std::size_t i = u * kVec;
+    float p[kVec], b[kVec] = {}, g[kVec];
+    F32::load_vec(master, i, p);
+    if (read_buf) F32::load_vec(buf, i, b);
+    G::load_vec(grad, i, g);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) sgd_element(s, g[k], p[k], b[k]);
+    F32::store_vec(master, i, p);
+    if (s.has_momentum) F32::store_vec(buf, i, b);
+    P::store_vec(param, i, p);
+  }
+  for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
+    float p = master[i];
+    float b = read_buf ? buf[i] : 0.0f;
+    sgd_element(s, G::load(grad, i), p, b);
+    master[i] = p;
+    if (s.has_momentum) buf[i] = b;
+    P::store(param, i, p);
+  }
+}
+
+// The sum over the block of every thread's x, valid in thread 0.
+__device__ double block_sum(double x) {
+  __shared__ double warp_sums[kThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_down_sync(0xFFFFFFFFu, x, offset);
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  if (lane == 0) warp_sums[warp] = x;
+  __syncthreads();
+  x = 0.0;
+  if (warp == 0) {
+    x = lane < kThreads / 32 ? warp_sums[lane] : 0.0;
+    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_down_sync(0xFFFFFFFFu, x, offset);
+  }
+  return x;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_kernel(const typename T::Storage* __restrict__ x, std::size_t count,
+                       std::size_t vec_units, double scale, double* partials) {
+  double sum = 0.0;
+  const std::size_t stride = grid_threads();
+  for (std::size_t u = thread_index(); u < vec_units; u += stride) {
+    float f[kVec];
+    T::load_vec(x, u * kVec, f);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const double d = static_cast<double>(f[k]) * scale;
+      sum += d * d;
+    }
+  }
+  for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
+    const double d = static_cast<double>(T::load(x, i)) * scale;
+    sum += d * d;
+  }
+  sum = block_sum(sum);
+  if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+
+// bf16 and fp16 Inf/NaN upcast to fp32 Inf/NaN and finite values stay finite, so one test of the
+// fp32 exponent field serves every type.
+__device__ __forceinline__ bool non_finite(float f) {
+  return (__float_as_uint(f) & 0x7F800000u) == 0x7F800000u;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    find_inf_or_nan_kernel(const typename T::Storage* __restrict__ x, std::size_t count,
+                           std::size_t vec_units, int* flags) {
+  bool found = false;  // no early exit: overflow is the rare case
+  const std::size_t stride = grid_threads();
+  for (std::size_t u = thread_index(); u < vec_units; u += stride) {
+    float f[kVec];
+    T::load_vec(x, u * kVec, f);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) found |= non_finite(f[k]);
+  }
+  for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
+    found |= non_finite(T::load(x, i));
+  }
+  found = __syncthreads_or(found) != 0;
+  if (threadIdx.x == 0) flags[blockIdx.x] = found ? 1 : 0;
+}
+
+template <class D, class S>
+__global__ void __launch_bounds__(kThreads)
+    cast_kernel(typename D::Storage* __restrict__ dst, const typename S::Storage* __restrict__ src,
+                std::size_t count, std::size_t vec_units) {
+  const std::size_t stride = grid_threads();
+  for (std::size_t u = thread_index(); u < vec_units; u += stride) {
+    float f[kVec];
+    S::load_vec(src, u * kVec, f);
+    D::store_vec(dst, u * kVec, f);
+  }
+  for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
+    D::store(dst, i, S::load(src, i));
+  }
+}
+
+template <class D, class S>
+__global__ void __launch_bounds__(kThreads)
+    accumulate_kernel(typename D::Storage* __restrict__ dst,
+                      const typename S::Storage* __restrict__ src, std::size_t count,
+                      std::size_t vec_units) {
+  const std::size_t stride = grid_threads();
+  for (std::size_t u = thread_index(); u < vec_units; u += stride) {
+    float a[kVec], b[kVec];
+    D::load_vec(dst, u * kVec, a);
+    S::load_vec(src, u * kVec, b);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) a[k] = __fadd_rn(a[k], b[k]);
+    D::store_vec(dst, u * kVec, a);
+  }
+  for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
+    D::store(dst, i, __fadd_rn(D::load(dst, i), S::load(src, i)));
+  }
+}
+
+// --- launch helpers -----------------------------------------------------------------------
+
+// Vector units only when every pointer is 16-byte aligned; otherwise all elements go singly.
+std::size_t vector_units(std::size_t count, std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers) {
+    if (p != nullptr && reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return 0;
+  }
+  return count / kVec;
+}
+
+// Enough blocks for one loop iteration per thread, at most 8 per SM (8 x 256 threads fill an
+// SM's 2048 slots; the grid-stride loops cover the rest) and at most max_blocks.
+int grid_size(std::size_t count, std::size_t vec_units, std::size_t max_blocks) {
+  thread_local int device = -1;
+  thread_local int sms = 0;
+  int current = 0;
+  SHARDSWAP_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device) {
+    SHARDSWAP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current));
+    device = current;
+  }
+  const std::size_t items = vec_units + (count - vec_units * kVec);
+  const std::size_t wanted = (items + kThreads - 1) / kThreads;
+  return static_cast<int>(
+      std::max<std::size_t>(1, std::min({wanted, static_cast<std::size_t>(sms) * 8, max_blocks})));
+}
+
+constexpr std::size_t kNoLimit = std::size_t{1} << 30;
+
+// Calls f(T{}) with the element type of e.
+template <class F>
+void with_elem(Elem e, F&& f) {
+  switch (e) {
+    case Elem::f32:
+      f(F32{});
+      return;
+    case Elem::bf16:
+      f(BF16{});
+      return;
+    case Elem::f16:
+      f(F16{});
+      return;
+  }
+}
+// Calls f(P{}, G{}) with the param type and the gradient type of an update: the param's bit16
+// type or fp32 (backend.cpp rejects other pairs).
+template <class F>
+void with_update_types(const UpdateLaunch& t, F&& f) {
+  const auto with_grad = [&](auto param_type) {
+    if (t.grad_elem == Elem::f32) {
+      f(param_type, F32{});
+    } else {
+      f(param_type, param_type);
+    }
+  };
+  if (t.param_elem == Elem::bf16) {
+    with_grad(BF16{});
+  } else {
+    with_grad(F16{});
+  }
+}
+
+}  // namespace
+
+void launch_adam(const AdamScalars& s, const UpdateLaunch& t) {
+  with_update_types(t, [&](auto param_type, auto grad_type) {
+    using P = decltype(param_type);
+    using G = decltype(grad_type);
+    const std::size_t units =
+        vector_units(t.count, {t.master, t.state0, t.state1, t.grad, t.param});
+    adam_kernel<P, G><<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+        s, t.master, t.state0, t.state1, static_cast<const typename G::Storage*>(t.grad),
+        static_cast<typename P::Storage*>(t.param), t.count, units);
+    SHARDSWAP_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void launch_sgd(const SgdScalars& s, const UpdateLaunch& t) {
+  with_update_types(t, [&](auto param_type, auto grad_type) {
+    using P = decltype(param_type);
+    using G = decltype(grad_type);
+    float* buf = s.has_momentum ? t.state0 : nullptr;
+    const std::size_t units = vector_units(t.count, {t.master, buf, t.grad, t.param});
+    sgd_kernel<P, G><<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+        s, t.master, buf, static_cast<const typename G::Storage*>(t.grad),
+        static_cast<typename P::Storage*>(t.param), t.count, units);
+    SHARDSWAP_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+int launch_sum_squares(const void* x, Elem e, std::size_t count, double scale, double* partials,
+                       int max_blocks) {
+  int blocks = 0;
+  with_elem(e, [&](auto type) {
+    using T = decltype(type);
+    const std::size_t units = vector_units(count, {x});
+    blocks = grid_size(count, units, static_cast<std::size_t>(max_blocks));
+    sum_squares_kernel<T><<<blocks, kThreads, 0, cudaStreamPerThread>>>(
+        static_cast<const typename T::Storage*>(x), count, units, scale, partials);
+    SHARDSWAP_CUDA_CHECK(cudaGetLastError());
+  });
+  return blocks;
+}
+
+int launch_find_inf_or_nan(const void* x, Elem e, std::size_t count, int* flags, int max_blocks) {
+  int blocks = 0;
+  with_elem(e, [&](auto type) {
+    using T = decltype(type);
+    const std::size_t units = vector_units(count, {x});
+    blocks = grid_size(count, units, static_cast<std::size_t>(max_blocks));
+    find_inf_or_nan_kernel<T><<<blocks, kThreads, 0, cudaStreamPerThread>>>(
+        static_cast<const typename T::Storage*>(x), count, units, flags);
+    SHARDSWAP_CUDA_CHECK(cudaGetLastError());
+  });
+  return blocks;
+}
+
+void launch_cast(void* dst, Elem dst_e, const void* src, Elem src_e, std::size_t count) {
+  with_elem(dst_e, [&](auto dst_type) {
+    with_elem(src_e, [&](auto src_type) {
+      using D = decltype(dst_type);
+      using S = decltype(src_type);
+      const std::size_t units = vector_units(count, {dst, src});
+      cast_kernel<D, S><<<grid_size(count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+          static_cast<typename D::Storage*>(dst), static_cast<const typename S::Storage*>(src),
+          count, units);
+      SHARDSWAP_CUDA_CHECK(cudaGetLastError());
+    });
+  });
+}
+
+void launch_accumulate(void* dst, Elem dst_e, const void* src, Elem src_e, std::size_t count) {
+  with_elem(dst_e, [&](auto dst_type) {
+    with_elem(src_e, [&](auto src_type) {
+      using D = decltype(dst_type);
+      using S = decltype(src_type);
+      const std::size_t units = vector_units(count, {dst, src});
+      accumulate_kernel<D, S>
+          <<<grid_size(count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+              static_cast<typename D::Storage*>(dst), static_cast<const typename S::Storage*>(src),
+              count, units);
+      SHARDSWAP_CUDA_CHECK(cudaGetLastError());
+    });
+  });
+}
+
+}  // namespace shardswap::detail

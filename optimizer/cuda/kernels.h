@@ -1,0 +1,44 @@
+// Launchers of the CUDA optimizer kernels (kernels.cu), declared in plain C++ so that backend.cpp,
+// compiled by the host compiler, calls them while Eigen and fmt (which nvcc handles badly) stay
+// out of the .cu file. Every launch is queued on cudaStreamPerThread of the current device and
+// checked; none waits for the kernel.
+#pragma once
+
+#include <cstddef>
+
+#include "optimizer/update_scalars.h"
+
+namespace shardswap::detail {
+
+/// The element types the kernels read and write (DType without fp64).
+enum class Elem { f32, bf16, f16 };
+
+/// One shard update: `param` is bf16 or fp16, `grad` of the same type or fp32; `state0` is null
+/// for SGD without momentum (and then never touched).
+struct UpdateLaunch {
+  float* master;
+  float* state0;
+  float* state1;
+  const void* grad;
+  void* param;
+  Elem param_elem;
+  Elem grad_elem;
+  std::size_t count;  ///< > 0
+};
+
+void launch_adam(const AdamScalars& s, const UpdateLaunch& t);
+void launch_sgd(const SgdScalars& s, const UpdateLaunch& t);
+
+/// Block b writes sum over its elements of (double(x) * scale)^2 to partials[b], in memory the
+/// device can write (pinned host memory). Returns the number of blocks (<= max_blocks).
+int launch_sum_squares(const void* x, Elem e, std::size_t count, double scale, double* partials,
+                       int max_blocks);
+/// Block b writes 1 to flags[b] if one of its elements is Inf or NaN, else 0.
+int launch_find_inf_or_nan(const void* x, Elem e, std::size_t count, int* flags, int max_blocks);
+
+/// dst[i] = dst_e(float(src[i])); the two types differ.
+void launch_cast(void* dst, Elem dst_e, const void* src, Elem src_e, std::size_t count);
+/// dst[i] = dst_e(float(dst[i]) + float(src[i])).
+void launch_accumulate(void* dst, Elem dst_e, const void* src, Elem src_e, std::size_t count);
+
+}  // namespace shardswap::detail

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (device tool): configure and build with its own cmake and nvcc, run
+# the CPU and GPU suites, compute-sanitizer memcheck over the GPU suite, the NCCL/MPI smoke check,
+# and the optimizer benchmark beside PyTorch's fused AdamW. Logs and JSON go under $OUT; a short
+# table is printed last.
+#   usage: bash tools/gpu-check.sh [quick]      (quick: no sanitizer, smaller benchmark)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-$PWD/build/gpu-out}
+mkdir -p "$OUT"
+mode=${1:-full}
+status=0
+step() { echo; echo "=== $* ==="; }
+
+step "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/machine.txt" || true
+
+step "configure and build"
+cmake --preset cuda > "$OUT/build.log" 2>&1 && cmake --build --preset cuda -j 16 >> "$OUT/build.log" 2>&1
+if [ $? -ne 0 ]; then tail -60 "$OUT/build.log"; exit 1; fi
+tail -2 "$OUT/build.log"
+
+step "CPU suite"
+ctest --test-dir build/cuda -LE gpu -j 16 --output-on-failure > "$OUT/ctest-cpu.log" 2>&1 || status=1
+tail -3 "$OUT/ctest-cpu.log"
+
+step "GPU suite"
+build/cuda/tests/gpu/shardswap_gpu_tests --durations yes > "$OUT/gpu-tests.log" 2>&1 || status=1
+grep -E "compression peak|FAILED|passed|failed" "$OUT/gpu-tests.log" | tail -20
+
+if [ -x build/cuda/tools/shardswap_nccl_mpi_check ] && command -v mpirun >/dev/null; then
+  step "NCCL under mpirun (one process per GPU)"
+  ngpu=$(nvidia-smi -L | wc -l)
+  mpirun --allow-run-as-root -np "$ngpu" -x NCCL_NVLS_ENABLE build/cuda/tools/shardswap_nccl_mpi_check \
+    > "$OUT/mpi.log" 2>&1 || status=1
+  tail -4 "$OUT/mpi.log"
+fi
+
+if [ "$mode" != quick ]; then
+  step "compute-sanitizer memcheck (GPU suite without the 1B-param case)"
+  compute-sanitizer --tool memcheck --error-exitcode 3 \
+    build/cuda/tests/gpu/shardswap_gpu_tests "~*compression raises*" > "$OUT/memcheck.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+fi
+
+step "optimizer benchmark"
+sizes=64M,256M,1G
+[ "$mode" = quick ] && sizes=64M,256M
+build/cuda/tools/shardswap bench optimizer --backend cuda --sizes "$sizes" --json "$OUT/bench-shardswap.json" \
+  > "$OUT/bench.log" 2>&1 || status=1
+python3 tools/bench/torch_adamw.py --sizes "$sizes" --json "$OUT/bench-torch.json" >> "$OUT/bench.log" 2>&1 || status=1
+python3 tools/bench/summary.py "$OUT/bench-shardswap.json" "$OUT/bench-torch.json" | tee "$OUT/summary.txt"
+exit $status
