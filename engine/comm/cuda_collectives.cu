@@ -8,6 +8,7 @@
 #include <string>
 
 #include "engine/comm/communicator.h"
+#include "engine/comm/cuda_scale.h"
 #include "memory/cuda/cuda_check.h"
 #include "memory/error.h"
 
@@ -90,7 +91,35 @@ void* cuda_scratch(std::size_t bytes) {
   return scratch.ptr;
 }
 
+template <class T, class Acc>
+__global__ void scale_kernel(T* data, std::size_t count, Acc factor) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < count;
+       i += std::size_t{gridDim.x} * blockDim.x)
+    data[i] = static_cast<T>(static_cast<Acc>(data[i]) * factor);
+}
+
+template <class T, class Acc>
+void launch_scale(void* data, std::size_t count, double factor, cudaStream_t stream) {
+  const int threads = 256;
+  const auto blocks =
+      static_cast<unsigned>(std::min<std::size_t>((count + threads - 1) / threads, 4096));
+  scale_kernel<T, Acc><<<blocks, threads, 0, stream>>>(static_cast<T*>(data), count,
+                                                       static_cast<Acc>(factor));
+  SHARDSWAP_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
+
+void scale_on_stream(void* data, std::size_t count, DType dtype, double factor,
+                     cudaStream_t stream) {
+  if (count == 0) return;
+  switch (dtype) {
+    case DType::f32: launch_scale<float, float>(data, count, factor, stream); break;
+    case DType::f64: launch_scale<double, double>(data, count, factor, stream); break;
+    case DType::bf16: launch_scale<__nv_bfloat16, float>(data, count, factor, stream); break;
+    case DType::f16: launch_scale<__half, float>(data, count, factor, stream); break;
+  }
+}
 
 const CollectiveOps& cuda_collective_ops() {
   static const CollectiveOps ops{"cuda", cuda_reduce, cuda_copy, cuda_sync, cuda_scratch};

@@ -14,6 +14,7 @@
 // so a dead peer gives a CommError instead of a hang; such a communicator is aborted at the end
 // instead of destroyed.
 #include "engine/comm/nccl.h"
+#include "engine/comm/cuda_scale.h"
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -61,7 +62,7 @@ ncclRedOp_t nccl_op(ReduceOp op) {
     case ReduceOp::sum:
       return ncclSum;
     case ReduceOp::avg:
-      return ncclAvg;
+      return ncclSum;  // then scaled by 1/world_size: see average()
     case ReduceOp::max:
       return ncclMax;
   }
@@ -114,6 +115,14 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
 
+  // avg is a sum scaled by 1/world_size on the comm stream. (ncclAvg itself left the last
+  // element of an odd-sized out-of-place reduce_scatter unwritten with NCCL 2.28.3, one rank, on
+  // the H200: tests/gpu/nccl_gpu_test.cpp caught it.)
+  void average(ReduceOp op, void* data, std::size_t count, DType dtype) {
+    if (op == ReduceOp::avg && world_size_ > 1)
+      scale_on_stream(data, count, dtype, 1.0 / world_size_, stream_);
+  }
+
   void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op) override {
     const auto call = [&] {
       return fmt::format("NcclCommunicator::all_reduce(count={}, {}, {})", count, dtype_name(dtype),
@@ -125,6 +134,7 @@ class NcclCommunicator final : public Communicator {
     if (count == 0) return;
     begin(call);
     SHARDSWAP_NCCL_CHECK(ncclAllReduce(data, data, count, type, red, comm_, stream_));
+    average(op, data, count, dtype);
     end();
   }
 
@@ -149,6 +159,7 @@ class NcclCommunicator final : public Communicator {
     }
     begin(call);
     SHARDSWAP_NCCL_CHECK(ncclReduceScatter(send, recv, recv_count, type, red, comm_, stream_));
+    average(op, recv, recv_count, dtype);
     end();
   }
 
@@ -164,6 +175,7 @@ class NcclCommunicator final : public Communicator {
     if (count == 0) return;
     begin(call);
     SHARDSWAP_NCCL_CHECK(ncclReduce(data, data, count, type, red, root, comm_, stream_));
+    if (rank_ == root) average(op, data, count, dtype);
     end();
   }
 

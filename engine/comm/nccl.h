@@ -19,7 +19,7 @@ namespace shardswap {
 //   once every rank's barrier has completed on the GPU). To read a result on the host,
 //   synchronize cudaStreamPerThread.
 // - Bit16 reductions are NCCL's: it rounds to the dtype at each step of its ring or tree, in an
-//   order it chooses (avg multiplies each input by 1/world_size first), so results may differ by
+//   order it chooses (avg is that sum scaled by 1/world_size afterwards), so results may differ by
 //   rounding from the in-process backend's fp32 accumulation and are reproducible only for the
 //   same world size, topology, sizes and NCCL version. Sums of small integers are exact.
 // - Mismatched calls across ranks are not detected: they hang or corrupt, as with NCCL itself.
