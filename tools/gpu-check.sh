@@ -40,7 +40,7 @@ fi
 
 if [ "$mode" != quick ]; then
   step "compute-sanitizer memcheck (GPU suite without the 1B-param case)"
-  compute-sanitizer --tool memcheck --error-exitcode 3 \
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     build/cuda/tests/gpu/shardswap_gpu_tests "~*compression raises*" > "$OUT/memcheck.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
 fi
