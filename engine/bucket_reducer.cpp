@@ -11,11 +11,15 @@ namespace shardswap {
 BucketReducer::BucketReducer(Communicator& comm, MemorySpace& space,
                              const OptimizerKernels& kernels, DType grad_dtype, DType comm_dtype,
                              std::int64_t capacity)
-    : comm_(comm), kernels_(kernels), dtype_(grad_dtype), comm_dtype_(comm_dtype),
+    : comm_(comm),
+      kernels_(kernels),
+      dtype_(grad_dtype),
+      comm_dtype_(comm_dtype),
       capacity_(capacity) {
   const auto n = static_cast<std::size_t>(capacity);
   for (int i = 0; i < 2; ++i)
-    buckets_[i] = space.allocate(n * dtype_size(grad_dtype), Tag::grad, fmt::format("grad bucket {}", i));
+    buckets_[i] =
+        space.allocate(n * dtype_size(grad_dtype), Tag::grad, fmt::format("grad bucket {}", i));
   if (comm_dtype != grad_dtype)
     compressed_ = space.allocate(n * dtype_size(comm_dtype), Tag::comm,
                                  fmt::format("compressed bucket ({})", dtype_name(comm_dtype)));

@@ -49,8 +49,8 @@ struct Engine::Impl {
   std::map<std::string, double> weight_decay;
   std::vector<Group> groups;  // after build
   std::unique_ptr<BucketReducer> reducer;
-  Buffer compressed;  // stage 1 with compression: one reused chunk buffer
-  Buffer scalars;     // the step's global scalars, in backend memory for the collectives
+  Buffer compressed;          // stage 1 with compression: one reused chunk buffer
+  Buffer scalars;             // the step's global scalars, in backend memory for the collectives
   std::int64_t capacity = 0;  // bucket (and compressed chunk) capacity in elements
   LossScaler scaler;
   bool built = false;
@@ -324,7 +324,8 @@ void Engine::reduce_scatter_grads(Group& g) {
     for (std::size_t r = 0; r < ranks; ++r)
       kernels_.cast(chunk + r * n * wsize, wire, grads + (r * shard + k) * gsize, grad_dtype, n);
     comm_.reduce_scatter(chunk, chunk + rank * n * wsize, n, wire, ReduceOp::sum);
-    kernels_.cast(grads + (rank * shard + k) * gsize, grad_dtype, chunk + rank * n * wsize, wire, n);
+    kernels_.cast(grads + (rank * shard + k) * gsize, grad_dtype, chunk + rank * n * wsize, wire,
+                  n);
   }
 }
 

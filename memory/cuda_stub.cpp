@@ -10,6 +10,8 @@ std::unique_ptr<Allocator> make_cuda_allocator(int) {
 DeviceMemory cuda_device_memory(int) {
   throw BackendUnavailable("cuda_device_memory: ShardSwap was built without CUDA");
 }
-int cuda_device_count() { return 0; }
+int cuda_device_count() {
+  return 0;
+}
 
 }  // namespace shardswap

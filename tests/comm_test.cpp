@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "engine/comm/communicator.h"
-#include "memory/host_types.h"
 #include "memory/error.h"
+#include "memory/host_types.h"
 #include "tests/catch_compat.h"
 
 using namespace shardswap;

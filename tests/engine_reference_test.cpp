@@ -32,6 +32,6 @@ TEST_CASE("sharded SGD matches the float64 reference for every world size, stage
 
 TEST_CASE("round-robin layout order gives the same result as declaration order") {
   for (int stage : {1, 2})
-    check_against_reference(
-        {3, stage, DType::bf16, OptimizerType::adamw, LayoutOrder::round_robin}, cpu_backend());
+    check_against_reference({3, stage, DType::bf16, OptimizerType::adamw, LayoutOrder::round_robin},
+                            cpu_backend());
 }

@@ -66,9 +66,15 @@ void ResidualMlp::add_grad(Engine& engine, const std::string& name,
                            const Eigen::MatrixXf& grad) const {
   const View slot = engine.grad_slot(name);
   switch (slot.dtype()) {
-    case DType::bf16: accumulate<bf16_t>(slot, grad); break;
-    case DType::f16: accumulate<f16_t>(slot, grad); break;
-    default: accumulate<float>(slot, grad); break;
+    case DType::bf16:
+      accumulate<bf16_t>(slot, grad);
+      break;
+    case DType::f16:
+      accumulate<f16_t>(slot, grad);
+      break;
+    default:
+      accumulate<float>(slot, grad);
+      break;
   }
   engine.grad_ready(name);
 }

@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "engine/comm/communicator.h"
-#include "memory/host_types.h"
 #include "memory/error.h"
+#include "memory/host_types.h"
 
 namespace shardswap {
 
@@ -149,7 +149,9 @@ void host_reduce(DType dtype, const void* const* src, int nsrc, void* dst, std::
   reduce_into(dtype, std::vector<const void*>(src, src + nsrc), dst, count, op);
 }
 
-void host_copy(void* dst, const void* src, std::size_t n) { std::memcpy(dst, src, n); }
+void host_copy(void* dst, const void* src, std::size_t n) {
+  std::memcpy(dst, src, n);
+}
 
 void* host_scratch(std::size_t bytes) {
   thread_local std::vector<std::byte> scratch;
@@ -165,7 +167,8 @@ void check_data(const Call& c, const void* p, const char* what) {
 
 /// What the ranks of one group share.
 struct Shared {
-  Shared(int n, const CollectiveOps& o) : world_size(n), ops(o), calls(static_cast<std::size_t>(n)) {}
+  Shared(int n, const CollectiveOps& o)
+      : world_size(n), ops(o), calls(static_cast<std::size_t>(n)) {}
 
   /// Blocks until every rank has arrived. With `post`, the rank's call is published first and the
   /// last rank to arrive compares all calls; a mismatch then throws CommError on every rank.

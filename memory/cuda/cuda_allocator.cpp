@@ -23,8 +23,8 @@ class CudaAllocator final : public Allocator {
     int count = 0;
     SHARDSWAP_CUDA_CHECK(cudaGetDeviceCount(&count));
     if (device < 0 || device >= count)
-      throw ConfigError(fmt::format("make_cuda_allocator: device {} does not exist ({} devices)",
-                                    device, count));
+      throw ConfigError(
+          fmt::format("make_cuda_allocator: device {} does not exist ({} devices)", device, count));
   }
 
   Block allocate(std::size_t requested) override {
@@ -35,9 +35,10 @@ class CudaAllocator final : public Allocator {
     if (status == cudaErrorMemoryAllocation) {
       cudaGetLastError();
       const auto mem = cuda_device_memory(device_);
-      throw OutOfMemory(fmt::format("CudaAllocator::allocate: cudaMalloc of {} bytes on device {} "
-                                    "failed: {} bytes free of {}",
-                                    bytes, device_, mem.free, mem.total));
+      throw OutOfMemory(
+          fmt::format("CudaAllocator::allocate: cudaMalloc of {} bytes on device {} "
+                      "failed: {} bytes free of {}",
+                      bytes, device_, mem.free, mem.total));
     }
     SHARDSWAP_CUDA_CHECK(status);
     reserved_ += bytes;

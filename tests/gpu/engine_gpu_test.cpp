@@ -72,16 +72,17 @@ TEST_CASE("cuda: a freed buffer goes back to the device, not into a cache") {
 
 TEST_CASE("cuda: compression raises peak memory by at most one reduce bucket (10M to 1B params)") {
   const test::DeviceMemoryGuard guard;
-  for (std::int64_t params : {std::int64_t{10'000'000}, std::int64_t{100'000'000},
-                              std::int64_t{1'000'000'000}})
+  for (std::int64_t params :
+       {std::int64_t{10'000'000}, std::int64_t{100'000'000}, std::int64_t{1'000'000'000}})
     for (int stage : {1, 2}) {
       const auto p = test_support::compression_peaks(cuda_backend(), params, stage, DType::bf16, 1);
       CAPTURE(params, stage, p.off, p.on, p.bucket);
-      std::printf("compression peak: %lld params, stage %d: off %lld B, on %lld B, on-off %lld B, "
-                  "bucket %lld B\n",
-                  static_cast<long long>(params), stage, static_cast<long long>(p.off),
-                  static_cast<long long>(p.on), static_cast<long long>(p.on - p.off),
-                  static_cast<long long>(p.bucket));
+      std::printf(
+          "compression peak: %lld params, stage %d: off %lld B, on %lld B, on-off %lld B, "
+          "bucket %lld B\n",
+          static_cast<long long>(params), stage, static_cast<long long>(p.off),
+          static_cast<long long>(p.on), static_cast<long long>(p.on - p.off),
+          static_cast<long long>(p.bucket));
       REQUIRE(p.on - p.off <= p.bucket);
     }
   guard.require_returned();
@@ -101,10 +102,10 @@ TEST_CASE("cuda: out of memory in build is a typed error with the memory report 
           // A small group first (it must be freed again), then bit16 weights of twice the card.
           huge.add_param("small", {1024}, "first");
           huge.add_param("huge", {static_cast<std::int64_t>(total)}, "second");
-          const auto msg = test::message_of<OutOfMemory>(
-              [&] { huge.build([](const ParamInfo&, std::span<float> v) {
-                std::fill(v.begin(), v.end(), 0.5f);
-              }); });
+          const auto msg = test::message_of<OutOfMemory>([&] {
+            huge.build(
+                [](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.5f); });
+          });
           CAPTURE(msg);
           REQUIRE(test::contains(msg, "cudaMalloc"));
           REQUIRE(test::contains(msg, "param16"));
@@ -114,9 +115,8 @@ TEST_CASE("cuda: out of memory in build is a typed error with the memory report 
         // The device stays usable: a real engine builds and steps afterwards.
         Engine small(cfg, comm, space, cuda_kernels());
         small.add_param("w", {64, 64}, "g");
-        small.build([](const ParamInfo&, std::span<float> v) {
-          std::fill(v.begin(), v.end(), 0.25f);
-        });
+        small.build(
+            [](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.25f); });
         const View slot = small.grad_slot("w");
         std::vector<bf16_t> grad(slot.count(), bf16_t(1.0f));
         space.write<bf16_t>(slot, grad);

@@ -1,14 +1,61 @@
 // Entry point of the GPU suite. Without a CUDA device each test exits 77, which CTest reports as
 // skipped, after printing why; listing the tests (CTest discovery) always works.
+// A listener checks after every test case that the device's free memory (cudaMemGetInfo) is back
+// within 2 MiB of where it was when the test case started; the run fails otherwise.
 #define CATCH_CONFIG_RUNNER
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 
 #include "engine/comm/nccl.h"
 #include "memory/allocator.h"
 #include "tests/catch_compat.h"
+
+namespace {
+
+#if __has_include(<catch2/catch_all.hpp>)
+using ListenerBase = Catch::EventListenerBase;  // Catch2 v3
+#else
+using ListenerBase = Catch::TestEventListenerBase;  // Catch2 v2
+#endif
+
+constexpr std::int64_t kSlack = 2 * 1024 * 1024;
+bool memory_lost = false;
+std::int64_t worst_loss = 0;
+int cases_checked = 0;
+
+std::int64_t free_bytes() {
+  return static_cast<std::int64_t>(shardswap::cuda_device_memory(0).free);
+}
+
+struct DeviceMemoryListener : ListenerBase {
+  using ListenerBase::ListenerBase;
+  std::int64_t before = 0;
+  std::string name;
+  void testCaseStarting(Catch::TestCaseInfo const& info) override {
+    ListenerBase::testCaseStarting(info);
+    name = std::string(info.name);
+    before = free_bytes();
+  }
+  void testCaseEnded(Catch::TestCaseStats const& stats) override {
+    const std::int64_t lost = before - free_bytes();
+    worst_loss = std::max(worst_loss, lost);
+    ++cases_checked;
+    if (lost > kSlack) {
+      memory_lost = true;
+      std::printf("DEVICE MEMORY NOT RETURNED: '%s' left %lld bytes fewer free\n", name.c_str(),
+                  static_cast<long long>(lost));
+    }
+    ListenerBase::testCaseEnded(stats);
+  }
+};
+
+}  // namespace
+
+CATCH_REGISTER_LISTENER(DeviceMemoryListener)
 
 int main(int argc, char* argv[]) {
   bool listing = false;
@@ -24,5 +71,10 @@ int main(int argc, char* argv[]) {
     auto comms = shardswap::make_nccl_communicators({0});
     comms.at(0)->barrier();
   }
-  return Catch::Session().run(argc, argv);
+  const int status = Catch::Session().run(argc, argv);
+  if (listing) return status;
+  std::printf(
+      "device memory: checked after %d test cases; largest shortfall %lld bytes (limit %lld)\n",
+      cases_checked, static_cast<long long>(worst_loss), static_cast<long long>(kSlack));
+  return status != 0 ? status : (memory_lost ? 1 : 0);
 }

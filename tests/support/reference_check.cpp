@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "engine/comm/nccl.h"
 #include "engine/engine.h"
 #include "memory/error.h"
-#include "engine/comm/nccl.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
 
@@ -226,7 +226,8 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
     }
   };
   if (c.nccl) {
-    auto comms = make_nccl_communicators(std::vector<int>(static_cast<std::size_t>(c.world_size), 0));
+    auto comms =
+        make_nccl_communicators(std::vector<int>(static_cast<std::size_t>(c.world_size), 0));
     per_rank(0, *comms.at(0));
   } else {
     run_ranks(c.world_size, per_rank, *backend.collectives);
@@ -265,4 +266,3 @@ void check_against_reference(const Case& c, const Backend& backend) {
 }
 
 }  // namespace shardswap::test_support
-
