@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "engine/bucket_reducer.h"
+#include "engine/engine_impl.h"
 #include "engine/group.h"
 #include "memory/error.h"
 #include "optimizer/loss_scaler.h"
@@ -39,38 +40,12 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 
 }  // namespace
 
-struct Engine::Impl {
-  explicit Impl(const EngineConfig& config) : scaler(scaling_for(config)) {}
-
-  std::vector<Param> params;
-  std::vector<ParamInfo> infos;  // the declarations, as params() returns them
-  std::unordered_map<std::string, std::size_t> by_name;
-  std::vector<std::string> group_names;  // in order of first declaration
-  std::map<std::string, double> weight_decay;
-  std::vector<Group> groups;  // after build
-  std::unique_ptr<BucketReducer> reducer;
-  Buffer compressed;          // stage 1 with compression: one reused chunk buffer
-  Buffer scalars;             // the step's global scalars, in backend memory for the collectives
-  std::int64_t capacity = 0;  // bucket (and compressed chunk) capacity in elements
-  LossScaler scaler;
-  bool built = false;
-
-  Param& param(const std::string& name, const char* caller) {
-    auto it = by_name.find(name);
-    if (it == by_name.end())
-      throw ConfigError(fmt::format("Engine::{}: no param named '{}'", caller, name));
-    return params[it->second];
-  }
-  void require_built(const char* caller) const {
-    if (!built) throw Error(fmt::format("Engine::{}: call build() first", caller));
-  }
-};
 
 Engine::Engine(EngineConfig config, Communicator& comm, MemorySpace& space,
                const OptimizerKernels& kernels)
     : config_(std::move(config)), comm_(comm), space_(space), kernels_(kernels) {
   config_.validate();
-  impl_ = std::make_unique<Impl>(config_);
+  impl_ = std::make_unique<Impl>(scaling_for(config_));
 }
 
 Engine::~Engine() = default;
@@ -168,19 +143,30 @@ static std::int64_t bucket_capacity(const EngineConfig& config, const std::vecto
 MemoryPlan Engine::plan() const {
   if (impl_->params.empty()) throw ConfigError("Engine::plan: no params declared");
   auto params = impl_->params;
-  const auto groups = plan_groups(config_, impl_->group_names, params, impl_->weight_decay,
-                                  comm_.world_size(), comm_.rank());
+  const bool built = impl_->built;
+  const auto planned = plan_groups(config_, impl_->group_names, params, impl_->weight_decay,
+                                   comm_.world_size(), comm_.rank());
   const auto psize = static_cast<std::int64_t>(dtype_size(config_.dtype));
   const auto gsize = static_cast<std::int64_t>(dtype_size(config_.grad_type()));
+  const auto slots = config_.optimizer.state_slots();
   MemoryPlan plan;
   auto add = [&](Tag t, std::int64_t bytes) { plan.bytes[static_cast<std::size_t>(t)] += bytes; };
-  for (const auto& g : groups) {
+  for (std::size_t i = 0; i < planned.size(); ++i) {
+    const Group& g = planned[i];
     add(Tag::param16, g.layout.total_numel() * psize);
-    add(Tag::grad, (config_.stage == 1 ? g.layout.total_numel() : g.shard.numel()) * gsize);
-    add(Tag::master32, g.shard.numel() * 4);
-    add(Tag::optim_state, g.shard.numel() * 4 * config_.optimizer.state_slots());
+    // Before build() every group counts as active (build's default).
+    const Group* now = built ? &impl_->groups[i] : nullptr;
+    const bool active = now == nullptr || now->active;
+    const bool kept_on_device = now != nullptr && now->kept &&
+                                now->kept->policy == DeactivatePolicy::keep_device;
+    if (active)
+      add(Tag::grad, (config_.stage == 1 ? g.layout.total_numel() : g.shard.numel()) * gsize);
+    if (active || kept_on_device) {
+      add(Tag::master32, g.shard.numel() * 4);
+      add(Tag::optim_state, g.shard.numel() * 4 * slots);
+    }
   }
-  const auto capacity = bucket_capacity(config_, groups, params, comm_.world_size(), false);
+  const auto capacity = bucket_capacity(config_, planned, params, comm_.world_size(), false);
   if (config_.stage == 2) add(Tag::grad, 2 * capacity * gsize);
   add(Tag::comm, kScalarBytes);
   if (config_.compressed())
@@ -188,21 +174,24 @@ MemoryPlan Engine::plan() const {
   return plan;
 }
 
-void Engine::build(const WeightInit& init) {
+void Engine::build(const WeightInit& init, const std::optional<std::vector<std::string>>& active) {
   if (impl_->built) throw Error("Engine::build: already built");
   if (impl_->params.empty()) throw ConfigError("Engine::build: no params declared");
+  const auto& names = impl_->group_names;
+  if (active)
+    for (const auto& name : *active)
+      if (std::find(names.begin(), names.end(), name) == names.end())
+        throw ConfigError(fmt::format("Engine::build: active group '{}' is not declared", name));
   const int rank = comm_.rank();
   const DType dtype = config_.dtype, grad_dtype = config_.grad_type();
-  const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
+  const auto psize = dtype_size(dtype);
   // Everything is built into locals and moved in at the end: a failure frees it all.
   auto params = impl_->params;
-  auto groups = plan_groups(config_, impl_->group_names, params, impl_->weight_decay,
-                            comm_.world_size(), rank);
+  auto groups = plan_groups(config_, names, params, impl_->weight_decay, comm_.world_size(), rank);
   std::vector<float> values;
   std::vector<std::byte> staged;  // one param's bit16 values on the host, then uploaded
   for (auto& g : groups) {
     const auto total = static_cast<std::size_t>(g.layout.total_numel());
-    const auto shard = static_cast<std::size_t>(g.shard.numel());
     g.param16 =
         space_.allocate(total * psize, Tag::param16, fmt::format("group {} param16", g.name));
     kernels_.fill_zero(g.param16.data(), g.param16.bytes());  // padding stays zero for good
@@ -214,30 +203,12 @@ void Engine::build(const WeightInit& init) {
       staged.resize(values.size() * psize);
       cpu_kernels().cast(staged.data(), dtype, values.data(), DType::f32, values.size());
       space_.upload(g.param16_at(entry.offset, psize), staged.data(), staged.size());
+      p.weight = g.param16.view(static_cast<std::size_t>(entry.offset) * psize,
+                                static_cast<std::size_t>(p.info.numel), dtype,
+                                p.info.name + ": weight view");
     }
     // Every rank must start from the same weights, whatever its init did.
     comm_.broadcast(g.param16.data(), total, dtype, 0);
-    const bool full_grads = config_.stage == 1;
-    g.grad = space_.allocate((full_grads ? total : shard) * gsize, Tag::grad,
-                             full_grads ? fmt::format("group {} grads", g.name)
-                                        : fmt::format("group {} grad partition", g.name));
-    kernels_.fill_zero(g.grad.data(), g.grad.bytes());
-    g.master = space_.allocate(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
-    kernels_.cast(g.master.data(), DType::f32, g.param16_at(g.shard.begin, psize), dtype, shard);
-    const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
-    g.state = space_.allocate(
-        slots * shard * 4, Tag::optim_state,
-        fmt::format("group {} {} state", g.name, optimizer_type_name(config_.optimizer.type)));
-    kernels_.fill_zero(g.state.data(), g.state.bytes());
-    for (auto i : g.params) {
-      Param& p = params[i];
-      const auto& entry = g.layout.entry_of(p.index_in_group);
-      const auto n = static_cast<std::size_t>(p.info.numel);
-      const auto at = static_cast<std::size_t>(entry.offset);
-      p.weight = g.param16.view(at * psize, n, dtype, p.info.name + ": weight view");
-      if (full_grads)
-        p.full_grad = g.grad.view(at * gsize, n, grad_dtype, p.info.name + ": grad slot");
-    }
   }
   const auto capacity = bucket_capacity(config_, groups, params, comm_.world_size(), rank == 0);
   std::unique_ptr<BucketReducer> reducer;
@@ -250,7 +221,16 @@ void Engine::build(const WeightInit& init) {
         static_cast<std::size_t>(capacity) * dtype_size(config_.comm_type()), Tag::comm,
         fmt::format("compressed chunk ({})", dtype_name(config_.comm_type())));
   Buffer scalars = space_.allocate(kScalarBytes, Tag::comm, "step scalars");
-  impl_->params = std::move(params);
+  // Active state last, through the same path as activate(); params must be in place for views.
+  std::swap(impl_->params, params);
+  try {
+    for (auto& g : groups)
+      if (!active || std::find(active->begin(), active->end(), g.name) != active->end())
+        allocate_active_state(g);
+  } catch (...) {
+    std::swap(impl_->params, params);
+    throw;
+  }
   impl_->groups = std::move(groups);
   impl_->reducer = std::move(reducer);
   impl_->compressed = std::move(compressed);
@@ -267,6 +247,9 @@ View Engine::weight(const std::string& name) const {
 View Engine::grad_slot(const std::string& name) {
   impl_->require_built("grad_slot");
   Param& p = impl_->param(name, "grad_slot");
+  if (!impl_->groups[p.group].active)
+    throw StateError(fmt::format("Engine::grad_slot: '{}' belongs to frozen group '{}'", name,
+                                 p.info.group));
   if (config_.stage == 1) {
     p.slot_out = true;
     p.ready = false;
@@ -345,7 +328,8 @@ StepResult Engine::step() {
   const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
   auto& groups = impl_->groups;
   if (config_.stage == 1)
-    for (auto& g : groups) reduce_scatter_grads(g);
+    for (auto& g : groups)
+      if (g.active) reduce_scatter_grads(g);
 
   // Partitions now hold sums over ranks of loss-scaled micro-batch sums. One factor turns them
   // into the mean unscaled gradient; it is applied in registers, never to a stored copy.
@@ -355,7 +339,8 @@ StepResult Engine::step() {
       1.0 / (result.loss_scale * comm_.world_size() * config_.gradient_accumulation_steps);
   double squares = 0.0;
   for (auto& g : groups)
-    squares += kernels_.sum_squares(g.grad_partition(config_.stage, gsize), grad_dtype,
+    if (g.active)
+      squares += kernels_.sum_squares(g.grad_partition(config_.stage, gsize), grad_dtype,
                                     static_cast<std::size_t>(g.shard.numel()), unscale);
   // One all-reduce gives both the norm and the overflow flag: Inf/NaN anywhere poisons the sum.
   squares = sum_across_ranks(squares);
@@ -369,6 +354,7 @@ StepResult Engine::step() {
     args.grad_scale = static_cast<float>(unscale * result.clip_coef);
     const auto slots = config_.optimizer.state_slots();
     for (auto& g : groups) {
+      if (!g.active) continue;
       const auto shard = static_cast<std::size_t>(g.shard.numel());
       args.step = ++g.step;
       args.weight_decay = g.weight_decay;
@@ -384,6 +370,7 @@ StepResult Engine::step() {
       kernels_.update(config_.optimizer, args, t);
     }
     for (auto& g : groups) {
+      if (!g.active) continue;
       const auto shard = static_cast<std::size_t>(g.shard.numel());
       comm_.all_gather(g.param16_at(g.shard.begin, psize), g.param16.data(), shard, dtype);
     }
@@ -395,7 +382,8 @@ StepResult Engine::step() {
 void Engine::zero_grad() {
   impl_->require_built("zero_grad");
   if (impl_->reducer) impl_->reducer->discard();
-  for (auto& g : impl_->groups) kernels_.fill_zero(g.grad.data(), g.grad.bytes());
+  for (auto& g : impl_->groups)
+    if (g.active) kernels_.fill_zero(g.grad.data(), g.grad.bytes());
   for (auto& p : impl_->params) p.slot_out = p.ready = false;
 }
 
@@ -437,6 +425,7 @@ std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {
   const Param& p = impl_->param(name, "master_pieces");
   const Group& g = impl_->groups[p.group];
   std::vector<MasterPiece> pieces;
+  if (!g.active) return pieces;  // a frozen group has no master
   const float* master = g.master.as<float>();
   for (const auto& f : g.shard.fragments)
     if (f.param == p.index_in_group) {

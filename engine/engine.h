@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string_view>
 #include <span>
 #include <string>
 #include <vector>
@@ -44,6 +46,25 @@ struct StepResult {
   double grad_norm = 0.0;   ///< global norm of the averaged, unscaled gradients (Inf/NaN if so)
   double clip_coef = 1.0;   ///< applied to the gradients (1 when not clipped)
   double loss_scale = 1.0;  ///< the scale the gradients of this step carried
+};
+
+/// What deactivation does with a group's fp32 master and optimizer state.
+enum class DeactivatePolicy {
+  drop,         ///< LISA: freed; reactivation starts from the bit16 weights, zero moments, step 0
+  keep_host,    ///< moved to host memory, restored exactly on reactivation
+  keep_device,  ///< left on the device, restored exactly on reactivation
+};
+/// "drop", "keep_host", "keep_device". Throws ConfigError naming `key` otherwise.
+DeactivatePolicy deactivate_policy_from_name(std::string_view name, std::string_view key);
+const char* deactivate_policy_name(DeactivatePolicy policy);
+
+/// What one set_active() call did.
+struct SwitchReport {
+  std::vector<std::string> activated;
+  std::vector<std::string> deactivated;
+  std::int64_t bytes_freed = 0;      ///< device bytes (requested) given back
+  std::int64_t bytes_allocated = 0;  ///< device bytes (requested) newly taken
+  double seconds = 0.0;
 };
 
 /// Planned bytes per tag for this rank, computed from the declarations alone.
@@ -76,11 +97,31 @@ class Engine {
   void add_param(std::string name, std::vector<std::int64_t> shape, std::string group);
   /// Overrides the optimizer's weight decay for one group (e.g. norms and biases: 0).
   void set_group_weight_decay(const std::string& group, double weight_decay);
-  /// Bytes this rank will hold after build(), per tag.
+  /// Device bytes this rank holds, per tag: before build(), what build() will allocate; after,
+  /// what the current active set and kept-on-device states take. The stats equal it exactly
+  /// after every build and lifecycle call.
   MemoryPlan plan() const;
-  /// Allocates every buffer, fills the bit16 weights from `init` and seeds the fp32 masters
-  /// from them. On failure nothing stays allocated and the Engine can be built again.
-  void build(const WeightInit& init);
+  /// Allocates every buffer, fills the bit16 weights from `init` and seeds the fp32 masters of
+  /// the `active` groups from them (all groups when not given; the others start frozen). On
+  /// failure nothing stays allocated and the Engine can be built again.
+  void build(const WeightInit& init,
+             const std::optional<std::vector<std::string>>& active = std::nullopt);
+
+  // ---- group lifecycle (between steps; every rank makes the same calls) ----
+  /// Frozen -> active: gradient partition, fp32 master (seeded from the bit16 weights, or the
+  /// kept state restored exactly), optimizer state (zero, or restored) and step count (0, or
+  /// restored). Throws StateError if it is active; on any failure nothing changed.
+  void activate(const std::string& group);
+  /// Active -> frozen. Throws StateError if it is frozen or has gradients pending in a bucket;
+  /// PinnedMemory naming the Pins if any of its buffers is pinned (nothing changed), unless
+  /// `pins` is allow_pinned: then it proceeds and returns the bytes the Pins still hold.
+  std::size_t deactivate(const std::string& group, DeactivatePolicy policy,
+                         ReleasePolicy pins = ReleasePolicy::fail_if_pinned);
+  /// Makes exactly `groups` active: deactivates the others (under `policy`), then activates
+  /// the new ones. Names are checked before anything changes.
+  SwitchReport set_active(const std::vector<std::string>& groups, DeactivatePolicy policy);
+  bool is_active(const std::string& group) const;
+  std::vector<std::string> active_groups() const;
 
   // ---- training ----
   /// The param's bit16 weights (registered as "<name>: weight view").
@@ -121,6 +162,10 @@ class Engine {
 
  private:
   void reduce_scatter_grads(Group& g);
+  // Allocates a group's active state into `g` (all or nothing), seeded or restored.
+  void allocate_active_state(Group& g);
+  void make_grad_views(Group& g);
+  Group& group_named(const std::string& group, const char* caller);
   struct Impl;
   EngineConfig config_;
   Communicator& comm_;

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,16 @@ struct Param {
   bool ready = false;     // grad_ready called since
 };
 
+/// Optimizer state kept while a group is frozen under keep_host / keep_device.
+struct KeptState {
+  DeactivatePolicy policy = DeactivatePolicy::keep_device;
+  Buffer master;  // keep_device: the device buffers themselves; keep_host: host copies
+  Buffer state;
+  std::int64_t step = 0;
+};
+
+// Frozen: param16 only. Active: also grad, master, state and a step count. A frozen group may
+// hold `kept` state to resume from.
 struct Group {
   std::string name;
   std::vector<std::size_t> params;  // indices into the engine's params, declaration order
@@ -34,6 +45,8 @@ struct Group {
   Buffer master;   // fp32, this rank's shard
   Buffer state;    // fp32 optimizer state, state_slots x shard
   std::int64_t step = 0;
+  bool active = false;
+  std::optional<KeptState> kept;
 
   std::byte* param16_at(std::int64_t element, std::size_t elem_bytes) const {
     return param16.as<std::byte>() + element * static_cast<std::int64_t>(elem_bytes);

@@ -20,6 +20,13 @@ class ConfigError : public Error {
   using Error::Error;
 };
 
+/// A lifecycle call that does not fit the group's state (activating an active group,
+/// deactivating a frozen one, gradients for a frozen param). Nothing was changed.
+class StateError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A View was used after its buffer was freed or re-formed.
 class StaleView : public Error {
  public:

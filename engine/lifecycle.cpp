@@ -1,0 +1,201 @@
+// Group lifecycle: frozen <-> active, under drop / keep_host / keep_device, and switches of the
+// active set. Each call is all-or-nothing: new buffers are made into locals and committed at the
+// end; buffers are given back only after every check (Pins, pending gradients) has passed.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <set>
+
+#include "engine/engine_impl.h"
+
+namespace shardswap {
+
+DeactivatePolicy deactivate_policy_from_name(std::string_view name, std::string_view key) {
+  if (name == "drop") return DeactivatePolicy::drop;
+  if (name == "keep_host") return DeactivatePolicy::keep_host;
+  if (name == "keep_device") return DeactivatePolicy::keep_device;
+  throw ConfigError(fmt::format("deactivate_policy_from_name: {} = '{}': expected drop, keep_host "
+                                "or keep_device",
+                                key, name));
+}
+
+const char* deactivate_policy_name(DeactivatePolicy policy) {
+  switch (policy) {
+    case DeactivatePolicy::drop: return "drop";
+    case DeactivatePolicy::keep_host: return "keep_host";
+    case DeactivatePolicy::keep_device: return "keep_device";
+  }
+  return "?";
+}
+
+Group& Engine::group_named(const std::string& group, const char* caller) {
+  impl_->require_built(caller);
+  for (auto& g : impl_->groups)
+    if (g.name == group) return g;
+  throw ConfigError(fmt::format("Engine::{}: no group named '{}'", caller, group));
+}
+
+void Engine::make_grad_views(Group& g) {
+  if (config_.stage != 1) return;
+  const DType grad_dtype = config_.grad_type();
+  const auto gsize = dtype_size(grad_dtype);
+  for (auto i : g.params) {
+    Param& p = impl_->params[i];
+    const auto& entry = g.layout.entry_of(p.index_in_group);
+    p.full_grad = g.grad.view(static_cast<std::size_t>(entry.offset) * gsize,
+                              static_cast<std::size_t>(p.info.numel), grad_dtype,
+                              p.info.name + ": grad slot");
+  }
+}
+
+void Engine::allocate_active_state(Group& g) {
+  const DType dtype = config_.dtype, grad_dtype = config_.grad_type();
+  const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
+  const auto total = static_cast<std::size_t>(g.layout.total_numel());
+  const auto shard = static_cast<std::size_t>(g.shard.numel());
+  const bool full_grads = config_.stage == 1;
+  Buffer grad = space_.allocate((full_grads ? total : shard) * gsize, Tag::grad,
+                                full_grads ? fmt::format("group {} grads", g.name)
+                                           : fmt::format("group {} grad partition", g.name));
+  kernels_.fill_zero(grad.data(), grad.bytes());
+  Buffer master, state;
+  std::int64_t step = 0;
+  const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
+  const auto state_label =
+      fmt::format("group {} {} state", g.name, optimizer_type_name(config_.optimizer.type));
+  if (g.kept && g.kept->policy == DeactivatePolicy::keep_device) {
+    // Restored by handing the kept buffers back: no copy, and nothing can fail past this point.
+  } else {
+    master = space_.allocate(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
+    state = space_.allocate(slots * shard * 4, Tag::optim_state, state_label);
+    if (g.kept) {  // keep_host: exact copies back
+      space_.upload(master.data(), g.kept->master.data(), master.bytes());
+      space_.upload(state.data(), g.kept->state.data(), state.bytes());
+      step = g.kept->step;
+    } else {
+      kernels_.cast(master.data(), DType::f32, g.param16_at(g.shard.begin, psize), dtype, shard);
+      kernels_.fill_zero(state.data(), state.bytes());
+    }
+  }
+  // Commit.
+  if (g.kept && g.kept->policy == DeactivatePolicy::keep_device) {
+    master = std::move(g.kept->master);
+    state = std::move(g.kept->state);
+    step = g.kept->step;
+  }
+  g.kept.reset();  // keep_host copies go back to the host allocator here
+  g.grad = std::move(grad);
+  g.master = std::move(master);
+  g.state = std::move(state);
+  g.step = step;
+  g.active = true;
+  make_grad_views(g);
+}
+
+void Engine::activate(const std::string& group) {
+  Group& g = group_named(group, "activate");
+  if (g.active) throw StateError(fmt::format("Engine::activate: group '{}' is already active", group));
+  allocate_active_state(g);
+}
+
+std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy,
+                               ReleasePolicy pins) {
+  Group& g = group_named(group, "deactivate");
+  if (!g.active)
+    throw StateError(fmt::format("Engine::deactivate: group '{}' is not active", group));
+  if (impl_->reducer && impl_->reducer->open_group() == &g)
+    throw StateError(fmt::format("Engine::deactivate: group '{}' has gradients pending in a reduce "
+                                 "bucket; call step() or zero_grad() first",
+                                 group));
+  const bool keep_device = policy == DeactivatePolicy::keep_device;
+  // Check every Pin before changing anything.
+  std::vector<const Buffer*> leaving{&g.grad};
+  if (!keep_device) {
+    leaving.push_back(&g.master);
+    leaving.push_back(&g.state);
+  }
+  if (pins == ReleasePolicy::fail_if_pinned) {
+    std::string held;
+    for (const Buffer* b : leaving)
+      for (const auto& pin : b->pin_labels())
+        held += fmt::format("{}'{}' on '{}'", held.empty() ? "" : ", ", pin, b->label());
+    if (!held.empty())
+      throw PinnedMemory(fmt::format("Engine::deactivate: group '{}' is held by Pins: {}; nothing "
+                                     "was changed",
+                                     group, held));
+  }
+  std::optional<KeptState> kept;
+  if (policy == DeactivatePolicy::keep_host) {
+    if (!impl_->host)
+      impl_->host = std::make_unique<MemorySpace>(comm_.rank(), make_host_allocator());
+    KeptState k{policy, {}, {}, g.step};
+    k.master = impl_->host->allocate(g.master.bytes(), Tag::master32,
+                                     fmt::format("group {} master (kept on host)", g.name));
+    k.state = impl_->host->allocate(g.state.bytes(), Tag::optim_state,
+                                    fmt::format("group {} state (kept on host)", g.name));
+    space_.download(k.master.data(), g.master.data(), g.master.bytes());
+    space_.download(k.state.data(), g.state.data(), g.state.bytes());
+    kept = std::move(k);
+  }
+  // Commit: nothing below can fail.
+  const auto event = fmt::format("deactivate({}, {})", group, deactivate_policy_name(policy));
+  std::size_t held = 0;
+  for (auto i : g.params) impl_->params[i].full_grad = View();
+  held += g.grad.release(event, pins);
+  if (keep_device) {
+    kept = KeptState{policy, std::move(g.master), std::move(g.state), g.step};
+  } else {
+    held += g.master.release(event, pins);
+    held += g.state.release(event, pins);
+  }
+  g.kept = std::move(kept);
+  g.active = false;
+  if (policy == DeactivatePolicy::drop) g.step = 0;
+  return held;
+}
+
+SwitchReport Engine::set_active(const std::vector<std::string>& groups, DeactivatePolicy policy) {
+  impl_->require_built("set_active");
+  std::set<std::string> wanted;
+  for (const auto& name : groups) {
+    bool known = false;
+    for (const auto& g : impl_->groups) known = known || g.name == name;
+    if (!known) throw ConfigError(fmt::format("Engine::set_active: no group named '{}'", name));
+    wanted.insert(name);
+  }
+  const auto started = std::chrono::steady_clock::now();
+  const auto before = space_.stats();
+  SwitchReport report;
+  for (auto& g : impl_->groups)
+    if (g.active && !wanted.count(g.name)) {
+      deactivate(g.name, policy);
+      report.deactivated.push_back(g.name);
+    }
+  const auto between = space_.stats();
+  for (auto& g : impl_->groups)
+    if (!g.active && wanted.count(g.name)) {
+      activate(g.name);
+      report.activated.push_back(g.name);
+    }
+  const auto after = space_.stats();
+  report.bytes_freed = before.requested.current - between.requested.current;
+  report.bytes_allocated = after.requested.current - between.requested.current;
+  kernels_.synchronize();  // the time includes the device work the switch queued
+  report.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return report;
+}
+
+bool Engine::is_active(const std::string& group) const {
+  return const_cast<Engine*>(this)->group_named(group, "is_active").active;
+}
+
+std::vector<std::string> Engine::active_groups() const {
+  std::vector<std::string> out;
+  for (const auto& g : impl_->groups)
+    if (g.active) out.push_back(g.name);
+  return out;
+}
+
+}  // namespace shardswap
