@@ -1,0 +1,55 @@
+// Layer-switching schedules (config section `layer_switching`): which groups are active at each
+// step. Pure functions of the step and the config: every rank computes the same sets, and a
+// resumed run picks the schedule up where it stopped.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/config_reader.h"
+#include "engine/engine.h"
+
+namespace shardswap {
+
+struct LayerSwitchingConfig {
+  /// "none" (every group always active), "lisa", "badam" or "explicit".
+  std::string type = "none";
+  std::int64_t interval = 10;  ///< steps between switches (lisa, badam)
+  int gamma = 2;               ///< lisa: body layers active at a time
+  std::vector<std::string> layers;         ///< lisa: sampled from; badam: the blocks, in order
+  std::vector<std::string> always_active;  ///< lisa, badam: active at every step
+  std::string order = "ascending";         ///< badam: ascending, descending or random
+  std::uint64_t seed = 0;                  ///< lisa draws, badam random order
+  DeactivatePolicy policy = DeactivatePolicy::drop;
+  /// explicit: (first step, active groups), steps strictly increasing, the first one 0.
+  std::vector<std::pair<std::int64_t, std::vector<std::string>>> steps;
+};
+
+/// Reads layer_switching.{type, interval, gamma, layers, always_active, order, seed, policy,
+/// schedule: [{step, active: [...]}, ...]}. Throws ConfigError naming the key and the file.
+LayerSwitchingConfig layer_switching_from_json(ConfigReader& config);
+
+class LayerSchedule {
+ public:
+  /// Validates against the model's groups (declaration order) and throws ConfigError naming the
+  /// key (layer_switching.*) for: an unknown type, order or group name; interval < 1; gamma < 1
+  /// or larger than the number of layers; a layer both always-active and sampled; an empty
+  /// layers list (lisa, badam); explicit steps not strictly increasing or not starting at 0.
+  LayerSchedule(LayerSwitchingConfig config, std::vector<std::string> groups);
+
+  /// The active groups for step `step` (0-based), in group declaration order.
+  std::vector<std::string> active_at(std::int64_t step) const;
+  /// True if the active set may change at `step` (a switch boundary).
+  bool boundary(std::int64_t step) const;
+  bool enabled() const { return config_.type != "none"; }
+  DeactivatePolicy policy() const { return config_.policy; }
+  const LayerSwitchingConfig& config() const { return config_; }
+
+ private:
+  LayerSwitchingConfig config_;
+  std::vector<std::string> groups_;
+};
+
+}  // namespace shardswap
