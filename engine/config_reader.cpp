@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -12,16 +13,48 @@ namespace shardswap {
 
 namespace {
 
-std::vector<std::string> split(std::string_view path) {
-  std::vector<std::string> parts;
+// One step of a key path: an object key followed by zero or more list indices ("schedule[2]").
+struct PathStep {
+  std::string key;
+  std::vector<std::size_t> indices;
+};
+
+std::vector<PathStep> parse_path(std::string_view path) {
+  const auto malformed = [&](std::string_view why) -> ConfigError {
+    return ConfigError(fmt::format("ConfigReader: malformed key path '{}': {}", path, why));
+  };
+  std::vector<PathStep> steps;
   std::size_t start = 0;
   while (true) {
     const auto dot = path.find('.', start);
-    parts.emplace_back(path.substr(start, dot - start));
+    const std::string_view part = path.substr(start, dot - start);
+    const auto bracket = part.find('[');
+    PathStep step{std::string(part.substr(0, bracket)), {}};
+    if (step.key.empty()) throw malformed("a key is empty");
+    for (auto pos = bracket; pos != std::string_view::npos;) {
+      const auto close = part.find(']', pos);
+      if (close == std::string_view::npos || close == pos + 1) throw malformed("expected [index]");
+      std::size_t index = 0;
+      for (const char ch : part.substr(pos + 1, close - pos - 1)) {
+        if (ch < '0' || ch > '9') throw malformed("an index must be a non-negative integer");
+        if (index > 100'000'000) throw malformed("an index is too large");
+        index = index * 10 + static_cast<std::size_t>(ch - '0');
+      }
+      step.indices.push_back(index);
+      pos = close + 1;
+      if (pos == part.size()) break;
+      if (part[pos] != '[') throw malformed("expected '.' or '[' after ']'");
+    }
+    steps.push_back(std::move(step));
     if (dot == std::string_view::npos) break;
     start = dot + 1;
   }
-  return parts;
+  return steps;
+}
+
+bool holds_objects(const nlohmann::json& j) {
+  return j.is_array() &&
+         std::any_of(j.begin(), j.end(), [](const nlohmann::json& x) { return x.is_object(); });
 }
 
 void collect_leaves(const nlohmann::json& j, const std::string& prefix,
@@ -29,6 +62,10 @@ void collect_leaves(const nlohmann::json& j, const std::string& prefix,
   if (j.is_object() && !j.empty()) {
     for (const auto& [key, value] : j.items())
       collect_leaves(value, prefix.empty() ? key : prefix + "." + key, out);
+  } else if (holds_objects(j)) {
+    // Keys inside a list of objects can be misspelt like any other: report them one by one.
+    for (std::size_t i = 0; i < j.size(); ++i)
+      collect_leaves(j[i], fmt::format("{}[{}]", prefix, i), out);
   } else {
     out.push_back(prefix);
   }
@@ -61,11 +98,15 @@ void ConfigReader::fail(std::string_view path, const std::string& why) const {
 
 const nlohmann::json* ConfigReader::find(std::string_view path) const {
   const nlohmann::json* node = &root_;
-  for (const auto& part : split(path)) {
+  for (const auto& step : parse_path(path)) {
     if (!node->is_object()) return nullptr;
-    auto it = node->find(part);
+    auto it = node->find(step.key);
     if (it == node->end()) return nullptr;
     node = &*it;
+    for (const auto index : step.indices) {
+      if (!node->is_array() || index >= node->size()) return nullptr;
+      node = &(*node)[index];
+    }
   }
   return node;
 }
@@ -128,6 +169,35 @@ std::vector<double> ConfigReader::numbers(std::string_view path,
   return out;
 }
 
+std::vector<std::string> ConfigReader::strings(std::string_view path,
+                                               const std::vector<std::string>& fallback) {
+  const auto* node = find(path);
+  read_.emplace(path);
+  if (node == nullptr) return fallback;
+  const auto refuse = [&] {
+    fail(path, fmt::format("must be a list of strings, not {}", node->dump()));
+  };
+  if (!node->is_array()) refuse();
+  std::vector<std::string> out;
+  for (const auto& x : *node) {
+    if (!x.is_string()) refuse();
+    out.push_back(x.get<std::string>());
+  }
+  return out;
+}
+
+std::size_t ConfigReader::array_size(std::string_view path) {
+  const auto* node = find(path);
+  if (node == nullptr) {
+    read_.emplace(path);
+    return 0;
+  }
+  if (!node->is_array()) fail(path, fmt::format("must be a list, not {}", node->dump()));
+  // A list without objects is one leaf (see unread_keys): this read covers it.
+  if (!holds_objects(*node)) read_.emplace(path);
+  return node->size();
+}
+
 void ConfigReader::set(std::string_view assignment) {
   const auto eq = assignment.find('=');
   if (eq == std::string_view::npos || eq == 0)
@@ -140,14 +210,25 @@ void ConfigReader::set(std::string_view assignment) {
   } catch (const nlohmann::json::parse_error&) {
     value = text;  // a bare word: a string
   }
-  nlohmann::json* node = &root_;
-  for (const auto& part : split(path)) {
-    if (!node->is_object())
+  // Edit a copy, so a refused override leaves the config as it was. A missing key is created.
+  nlohmann::json updated = root_;
+  nlohmann::json* node = &updated;
+  for (const auto& step : parse_path(path)) {
+    if (!node->is_object() && !node->is_null())
       throw ConfigError(fmt::format("--set '{}': '{}' lies under a value that is not an object",
-                                    assignment, part));
-    node = &(*node)[part];
+                                    assignment, step.key));
+    node = &(*node)[step.key];
+    for (const auto index : step.indices) {
+      if (!node->is_array() || index >= node->size())
+        throw ConfigError(
+            fmt::format("--set '{}': {}[{}] is not an element of a list in the "
+                        "config",
+                        assignment, step.key, index));
+      node = &(*node)[index];
+    }
   }
   *node = std::move(value);
+  root_ = std::move(updated);
 }
 
 std::vector<std::string> ConfigReader::unread_keys() const {
@@ -155,12 +236,12 @@ std::vector<std::string> ConfigReader::unread_keys() const {
   collect_leaves(root_, "", leaves);
   std::vector<std::string> unread;
   for (const auto& leaf : leaves) {
-    // A leaf counts as read if it or any object above it was read (e.g. a list of betas).
+    // A leaf counts as read if it or anything above it was read: "a.b[0].c", "a.b[0]", "a.b", "a".
     bool read = false;
     for (std::string p = leaf; !p.empty() && !read;) {
       read = read_.count(p) > 0;
-      const auto dot = p.rfind('.');
-      p = dot == std::string::npos ? std::string() : p.substr(0, dot);
+      const auto cut = p.find_last_of(".[");
+      p = cut == std::string::npos ? std::string() : p.substr(0, cut);
     }
     if (!read) unread.push_back(leaf);
   }

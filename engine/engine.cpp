@@ -40,7 +40,6 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 
 }  // namespace
 
-
 Engine::Engine(EngineConfig config, Communicator& comm, MemorySpace& space,
                const OptimizerKernels& kernels)
     : config_(std::move(config)), comm_(comm), space_(space), kernels_(kernels) {
@@ -157,8 +156,8 @@ MemoryPlan Engine::plan() const {
     // Before build() every group counts as active (build's default).
     const Group* now = built ? &impl_->groups[i] : nullptr;
     const bool active = now == nullptr || now->active;
-    const bool kept_on_device = now != nullptr && now->kept &&
-                                now->kept->policy == DeactivatePolicy::keep_device;
+    const bool kept_on_device =
+        now != nullptr && now->kept && now->kept->policy == DeactivatePolicy::keep_device;
     if (active)
       add(Tag::grad, (config_.stage == 1 ? g.layout.total_numel() : g.shard.numel()) * gsize);
     if (active || kept_on_device) {
@@ -248,8 +247,8 @@ View Engine::grad_slot(const std::string& name) {
   impl_->require_built("grad_slot");
   Param& p = impl_->param(name, "grad_slot");
   if (!impl_->groups[p.group].active)
-    throw StateError(fmt::format("Engine::grad_slot: '{}' belongs to frozen group '{}'", name,
-                                 p.info.group));
+    throw StateError(
+        fmt::format("Engine::grad_slot: '{}' belongs to frozen group '{}'", name, p.info.group));
   if (config_.stage == 1) {
     p.slot_out = true;
     p.ready = false;
@@ -341,7 +340,7 @@ StepResult Engine::step() {
   for (auto& g : groups)
     if (g.active)
       squares += kernels_.sum_squares(g.grad_partition(config_.stage, gsize), grad_dtype,
-                                    static_cast<std::size_t>(g.shard.numel()), unscale);
+                                      static_cast<std::size_t>(g.shard.numel()), unscale);
   // One all-reduce gives both the norm and the overflow flag: Inf/NaN anywhere poisons the sum.
   squares = sum_across_ranks(squares);
   result.grad_norm = std::sqrt(squares);

@@ -18,9 +18,9 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <string_view>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/comm/communicator.h"
@@ -150,6 +150,9 @@ class Engine {
   std::int64_t group_step(const std::string& group) const;
   const FlatLayout& layout(const std::string& group) const;
   std::vector<MasterPiece> master_pieces(const std::string& name) const;
+  /// This rank's fp32 master shard of an active group (registered as "group G master shard").
+  /// Throws StateError for a frozen group.
+  View master(const std::string& group) const;
   /// The param's bit16 weights, copied to the host as floats.
   std::vector<float> read_weight(const std::string& name) const;
   /// Sum of `value` over ranks (a collective: every rank must call it).

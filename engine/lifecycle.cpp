@@ -15,16 +15,20 @@ DeactivatePolicy deactivate_policy_from_name(std::string_view name, std::string_
   if (name == "drop") return DeactivatePolicy::drop;
   if (name == "keep_host") return DeactivatePolicy::keep_host;
   if (name == "keep_device") return DeactivatePolicy::keep_device;
-  throw ConfigError(fmt::format("deactivate_policy_from_name: {} = '{}': expected drop, keep_host "
-                                "or keep_device",
-                                key, name));
+  throw ConfigError(
+      fmt::format("deactivate_policy_from_name: {} = '{}': expected drop, keep_host "
+                  "or keep_device",
+                  key, name));
 }
 
 const char* deactivate_policy_name(DeactivatePolicy policy) {
   switch (policy) {
-    case DeactivatePolicy::drop: return "drop";
-    case DeactivatePolicy::keep_host: return "keep_host";
-    case DeactivatePolicy::keep_device: return "keep_device";
+    case DeactivatePolicy::drop:
+      return "drop";
+    case DeactivatePolicy::keep_host:
+      return "keep_host";
+    case DeactivatePolicy::keep_device:
+      return "keep_device";
   }
   return "?";
 }
@@ -95,7 +99,8 @@ void Engine::allocate_active_state(Group& g) {
 
 void Engine::activate(const std::string& group) {
   Group& g = group_named(group, "activate");
-  if (g.active) throw StateError(fmt::format("Engine::activate: group '{}' is already active", group));
+  if (g.active)
+    throw StateError(fmt::format("Engine::activate: group '{}' is already active", group));
   allocate_active_state(g);
 }
 
@@ -105,9 +110,10 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
   if (!g.active)
     throw StateError(fmt::format("Engine::deactivate: group '{}' is not active", group));
   if (impl_->reducer && impl_->reducer->open_group() == &g)
-    throw StateError(fmt::format("Engine::deactivate: group '{}' has gradients pending in a reduce "
-                                 "bucket; call step() or zero_grad() first",
-                                 group));
+    throw StateError(
+        fmt::format("Engine::deactivate: group '{}' has gradients pending in a reduce "
+                    "bucket; call step() or zero_grad() first",
+                    group));
   const bool keep_device = policy == DeactivatePolicy::keep_device;
   // Check every Pin before changing anything.
   std::vector<const Buffer*> leaving{&g.grad};
@@ -121,9 +127,10 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
       for (const auto& pin : b->pin_labels())
         held += fmt::format("{}'{}' on '{}'", held.empty() ? "" : ", ", pin, b->label());
     if (!held.empty())
-      throw PinnedMemory(fmt::format("Engine::deactivate: group '{}' is held by Pins: {}; nothing "
-                                     "was changed",
-                                     group, held));
+      throw PinnedMemory(
+          fmt::format("Engine::deactivate: group '{}' is held by Pins: {}; nothing "
+                      "was changed",
+                      group, held));
   }
   std::optional<KeptState> kept;
   if (policy == DeactivatePolicy::keep_host) {
@@ -185,6 +192,14 @@ SwitchReport Engine::set_active(const std::vector<std::string>& groups, Deactiva
   report.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return report;
+}
+
+View Engine::master(const std::string& group) const {
+  Group& g = const_cast<Engine*>(this)->group_named(group, "master");
+  if (!g.active)
+    throw StateError(fmt::format("Engine::master: group '{}' is frozen: it has no master", group));
+  return g.master.view(0, static_cast<std::size_t>(g.shard.numel()), DType::f32,
+                       fmt::format("group {} master shard", group));
 }
 
 bool Engine::is_active(const std::string& group) const {

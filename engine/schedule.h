@@ -16,8 +16,8 @@ namespace shardswap {
 struct LayerSwitchingConfig {
   /// "none" (every group always active), "lisa", "badam" or "explicit".
   std::string type = "none";
-  std::int64_t interval = 10;  ///< steps between switches (lisa, badam)
-  int gamma = 2;               ///< lisa: body layers active at a time
+  std::int64_t interval = 10;              ///< steps between switches (lisa, badam)
+  int gamma = 2;                           ///< lisa: body layers active at a time
   std::vector<std::string> layers;         ///< lisa: sampled from; badam: the blocks, in order
   std::vector<std::string> always_active;  ///< lisa, badam: active at every step
   std::string order = "ascending";         ///< badam: ascending, descending or random

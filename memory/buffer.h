@@ -33,6 +33,8 @@ struct ViewRecord;
 struct PinRecord;
 }  // namespace detail
 
+class Pin;
+
 class View {
  public:
   View() = default;
@@ -60,6 +62,8 @@ class View {
 
   /// A View of part of this one, registered under its own label.
   View sub(std::size_t first, std::size_t count, std::string label) const;
+  /// An owning Pin on the whole buffer this View looks into. Throws StaleView if it is stale.
+  Pin pin(std::string label) const;
 
  private:
   friend class Buffer;
@@ -87,6 +91,7 @@ class Pin {
 
  private:
   friend class Buffer;
+  friend class View;
   explicit Pin(std::unique_ptr<detail::PinRecord> record);
   std::unique_ptr<detail::PinRecord> record_;
 };

@@ -182,6 +182,18 @@ View View::sub(std::size_t first, std::size_t count, std::string label) const {
   return View(std::move(record));
 }
 
+Pin View::pin(std::string label) const {
+  (void)raw();  // throws StaleView naming this View if its buffer is gone
+  auto& s = record_->storage;
+  auto record = std::make_unique<PinRecord>();
+  record->storage = s;
+  record->label = std::move(label);
+  std::lock_guard lock(s->space->mu);
+  s->pins.push_back(record.get());
+  ++s->space->stats.pins;
+  return Pin(std::move(record));
+}
+
 // ---- Pin ----------------------------------------------------------------------------------
 
 Pin::Pin() = default;

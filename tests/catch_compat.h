@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #endif
 
+#include <stdexcept>
 #include <string>
 
 namespace test {
@@ -26,6 +27,30 @@ std::string message_of(F&& f) {
 /// True if `text` contains `part`.
 inline bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
+}
+
+}  // namespace test
+
+// Catch2's assertion macros are not thread-safe: inside rank threads (run_ranks with more than
+// one rank) use these, which throw; run_ranks rethrows the first failure on the test's thread.
+#define RANK_REQUIRE(cond)                                                              \
+  do {                                                                                  \
+    if (!(cond))                                                                        \
+      throw std::runtime_error(std::string(__FILE__) + ":" + std::to_string(__LINE__) + \
+                               ": RANK_REQUIRE(" #cond ") failed");                     \
+  } while (0)
+
+namespace test {
+
+/// message_of for rank threads: throws instead of failing through Catch2.
+template <class E, class F>
+std::string rank_message_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  throw std::runtime_error("rank_message_of: expected an exception, none was thrown");
 }
 
 }  // namespace test

@@ -172,10 +172,10 @@ TEST_CASE("a stage 2 grad slot goes stale once its bucket was reduced") {
     e.grad_ready("layers.1.fc2");
     View second = e.grad_slot("layers.1.fc1");  // does not fit: the first bucket is reduced
     e.grad_ready("layers.1.fc1");
-    const auto msg = test::message_of<StaleView>([&] { (void)first.data<bf16_t>(); });
-    REQUIRE(test::contains(msg, "layers.1.fc2: grad slot"));
-    REQUIRE(test::contains(msg, "reduce of grad bucket"));
-    REQUIRE_FALSE(second.stale());
+    const auto msg = test::rank_message_of<StaleView>([&] { (void)first.data<bf16_t>(); });
+    RANK_REQUIRE(test::contains(msg, "layers.1.fc2: grad slot"));
+    RANK_REQUIRE(test::contains(msg, "reduce of grad bucket"));
+    RANK_REQUIRE(!second.stale());
     e.step();
   });
 }
@@ -213,16 +213,16 @@ TEST_CASE("fp16 overflow skips the step, leaves the weights and halves the scale
       e.grad_ready(it->name);
     }
     const StepResult r = e.step();
-    REQUIRE_FALSE(r.applied);
-    REQUIRE_FALSE(std::isfinite(r.grad_norm));
-    REQUIRE(e.loss_scale() == 512);
-    REQUIRE(e.group_step("layers.0") == 0);
+    RANK_REQUIRE(!r.applied);
+    RANK_REQUIRE(!std::isfinite(r.grad_norm));
+    RANK_REQUIRE(e.loss_scale() == 512);
+    RANK_REQUIRE(e.group_step("layers.0") == 0);
     std::vector<float> after;
     for (auto x : e.weight("layers.0.fc1").span<f16_t>()) after.push_back(static_cast<float>(x));
-    REQUIRE(after == before);
+    RANK_REQUIRE(after == before);
     backward(e, rank);  // a clean step afterwards is applied
-    REQUIRE(e.step().applied);
-    REQUIRE(e.group_step("layers.0") == 1);
+    RANK_REQUIRE(e.step().applied);
+    RANK_REQUIRE(e.group_step("layers.0") == 1);
   });
 }
 
@@ -267,6 +267,6 @@ TEST_CASE("zero_grad discards accumulated gradients") {
     backward(e, rank, 100.0f);
     e.zero_grad();
     const StepResult r = e.step();  // nothing accumulated since: a zero gradient
-    REQUIRE(r.grad_norm == 0.0);
+    RANK_REQUIRE(r.grad_norm == 0.0);
   });
 }

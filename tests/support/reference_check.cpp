@@ -109,8 +109,26 @@ EngineConfig make_config(const Case& c) {
 
 // ---- the float64 reference ----
 
+const std::vector<std::string> kGroups = {"embed", "layers.0", "layers.1", "head"};
+
+// The groups active at step t under the case's switches.
+std::vector<std::string> active_at(const Case& c, int t) {
+  if (c.switches.empty()) return kGroups;
+  std::vector<std::string> active;
+  for (const auto& [step, groups] : c.switches)
+    if (step <= t) active = groups;
+  return active;
+}
+
+bool contains(const std::vector<std::string>& v, const std::string& x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
 struct Reference {
   std::vector<std::vector<double>> master, m, v;
+  std::map<std::string, int> steps;         // each group's optimizer step count
+  std::map<std::string, bool> active;       // after the last switch
+  std::map<std::string, bool> state_valid;  // false once dropped: reseed on activation
 
   explicit Reference(DType t) {
     for (std::size_t p = 0; p < kModel.size(); ++p) {
@@ -121,13 +139,42 @@ struct Reference {
       m.emplace_back(w.size(), 0.0);
       v.emplace_back(w.size(), 0.0);
     }
+    for (const auto& g : kGroups) {
+      steps[g] = 0;
+      active[g] = false;
+      state_valid[g] = false;  // a group's first activation seeds its master from bit16
+    }
   }
 
-  void step(const Case& c, const EngineConfig& cfg, int t) {  // NOLINT: one step, as the engine
+  // Applies the active set of step t as the engine's set_active does.
+  void switch_to(const Case& c, int t) {
+    const auto wanted = active_at(c, t);
+    for (const auto& g : kGroups) {
+      const bool want = contains(wanted, g);
+      if (active[g] && !want && c.policy == DeactivatePolicy::drop) {
+        state_valid[g] = false;
+        steps[g] = 0;
+      }
+      if (!active[g] && want && !state_valid[g]) {  // fresh: master from the bit16 weights
+        for (std::size_t p = 0; p < kModel.size(); ++p)
+          if (kModel[p].group == g)
+            for (std::size_t i = 0; i < master[p].size(); ++i) {
+              master[p][i] = round16(master[p][i], c.dtype);
+              m[p][i] = v[p][i] = 0.0;
+            }
+        state_valid[g] = true;
+      }
+      active[g] = want;
+    }
+  }
+
+  void step(const Case& c, const EngineConfig& cfg, int t) {
+    switch_to(c, t);
     const double scale = c.dtype == DType::f16 ? kLossScale : 1.0;
     std::vector<std::vector<double>> g(kModel.size());
     double squares = 0.0;
     for (std::size_t p = 0; p < kModel.size(); ++p) {
+      if (!active[kModel[p].group]) continue;
       g[p].resize(master[p].size());
       for (std::size_t i = 0; i < g[p].size(); ++i) {
         double sum = 0.0;
@@ -143,15 +190,17 @@ struct Reference {
     const double norm = std::sqrt(squares);
     const double coef = norm > kClip ? kClip / (norm + 1e-6) : 1.0;
     const auto& o = cfg.optimizer;
-    const double step = t + 1;
+    for (const auto& grp : kGroups)
+      if (active[grp]) ++steps[grp];
     for (std::size_t p = 0; p < kModel.size(); ++p)
-      for (std::size_t i = 0; i < g[p].size(); ++i) {
+      for (std::size_t i = 0; i < g[p].size(); ++i) {  // empty for frozen groups
+        const double step = steps[kModel[p].group];
         double& w = master[p][i];
         double gi = g[p][i] * coef;
         if (c.optimizer == OptimizerType::sgd) {
           gi += o.weight_decay * w;
           double& buf = m[p][i];
-          buf = t == 0 ? gi : o.momentum * buf + gi;
+          buf = step == 1 ? gi : o.momentum * buf + gi;
           w -= o.lr * (gi + o.momentum * buf);  // nesterov
           continue;
         }
@@ -189,15 +238,20 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
     MemorySpace space(rank, backend.make_allocator(rank));
     Engine engine(cfg, comm, space, *backend.kernels);
     for (const auto& d : kModel) engine.add_param(d.name, d.shape, d.group);
-    engine.build([&](const ParamInfo& info, std::span<float> values) {
-      std::size_t p = 0;
-      while (kModel[p].name != info.name) ++p;
-      for (std::size_t i = 0; i < values.size(); ++i)
-        values[i] = static_cast<float>(init_value(p, static_cast<std::int64_t>(i)));
-    });
+    engine.build(
+        [&](const ParamInfo& info, std::span<float> values) {
+          std::size_t p = 0;
+          while (kModel[p].name != info.name) ++p;
+          for (std::size_t i = 0; i < values.size(); ++i)
+            values[i] = static_cast<float>(init_value(p, static_cast<std::int64_t>(i)));
+        },
+        active_at(c, 0));
     int applied = 0;
     for (int t = 0; t < kSteps; ++t) {
+      for (const auto& [step, groups] : c.switches)
+        if (step == t && t > 0) engine.set_active(groups, c.policy);
       for (std::size_t p = kModel.size(); p-- > 0;) {  // backward order
+        if (!engine.is_active(kModel[p].group)) continue;
         View slot = engine.grad_slot(kModel[p].name);
         std::vector<float> g(slot.count());
         for (std::size_t i = 0; i < g.size(); ++i)

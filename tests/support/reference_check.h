@@ -17,6 +17,11 @@ struct Case {
   bool nccl = false;  ///< one rank over an NCCL communicator instead of in-process ranks
   std::optional<DType> grad_dtype = {};  ///< fp32: gradients accumulated in fp32
   std::optional<DType> comm_dtype = {};  ///< bf16/fp16 with fp32 gradients: compression
+  /// Layer switching: (step, active groups) in increasing steps, the first at step 0 (the groups
+  /// active at build); the last entry must make every group active (the check reads masters).
+  /// Groups: embed, layers.0, layers.1, head. Empty: every group active throughout.
+  std::vector<std::pair<int, std::vector<std::string>>> switches = {};
+  DeactivatePolicy policy = DeactivatePolicy::drop;
 };
 
 /// Runs 20 steps of the engine on `backend` and REQUIREs its fp32 masters to match an unsharded

@@ -1,0 +1,273 @@
+// Group lifecycle and layer switching: activation, deactivation under drop / keep_host /
+// keep_device, the seed's LISA scenario, exact memory after every switch, errors that change
+// nothing.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/engine.h"
+#include "memory/error.h"
+#include "tests/catch_compat.h"
+#include "tests/support/reference_check.h"
+
+using namespace shardswap;
+using test_support::Case;
+
+namespace {
+
+// The seed's model: a head that is always trained and body layers switched in and out.
+void declare(Engine& e) {
+  e.add_param("embed.weight", {50, 16}, "embed");
+  for (int l = 0; l < 4; ++l) {
+    const auto g = fmt::format("layers.{}", l);
+    e.add_param(g + ".fc1", {16, 37}, g);
+    e.add_param(g + ".fc2", {37, 16}, g);
+    e.add_param(g + ".norm", {16}, g);
+  }
+  e.add_param("head.weight", {16, 50}, "head");
+}
+
+void init(const ParamInfo& p, std::span<float> v) {
+  for (std::size_t i = 0; i < v.size(); ++i)
+    v[i] = 0.5f * std::sin(0.37f * static_cast<float>(i) + static_cast<float>(p.numel % 7));
+}
+
+EngineConfig config(int stage) {
+  EngineConfig cfg;
+  cfg.stage = stage;
+  cfg.reduce_bucket_bytes = 4096;
+  cfg.optimizer.type = OptimizerType::adamw;
+  cfg.optimizer.lr = 0.01;
+  return cfg;
+}
+
+// Gradients of every active param, varied by rank and step.
+void backward(Engine& e, int rank, int step) {
+  const auto& params = e.params();
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    if (!e.is_active(it->group)) continue;
+    const View slot = e.grad_slot(it->name);
+    std::vector<bf16_t> g(slot.count());
+    for (std::size_t i = 0; i < g.size(); ++i)
+      g[i] =
+          bf16_t(0.01f * static_cast<float>((static_cast<int>(i) + 3 * rank + 7 * step) % 13 - 6));
+    e.memory().write<bf16_t>(slot, g);
+    e.grad_ready(it->name);
+  }
+}
+
+// Called from rank threads: throws (naming the tag and both figures) instead of using Catch2.
+void require_stats_equal_plan(const Engine& e) {
+  const auto stats = e.memory_stats();
+  const auto plan = e.plan();
+  for (Tag t : kAllTags)
+    if (stats.tag(t).requested.current != plan.of(t))
+      throw std::runtime_error(fmt::format("rank {}: {} holds {} bytes, the plan says {}", e.rank(),
+                                           tag_name(t), stats.tag(t).requested.current,
+                                           plan.of(t)));
+}
+
+bool report_mentions(const Engine& e, const std::string& text) {
+  for (const auto& b : e.memory().report())
+    if (b.label.find(text) != std::string::npos) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("the seed's LISA scenario keeps the head's step count and restarts body layers") {
+  // Steps 0-9: head + layers.0; 10-19: head + layers.1; 20-29: head + layers.0; drop policy.
+  for (int stage : {1, 2})
+    run_ranks(2, [&](int rank, Communicator& comm) {
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(config(stage), comm, space);
+      declare(e);
+      e.build(init, std::vector<std::string>{"head", "layers.0"});
+      require_stats_equal_plan(e);
+      for (int step = 0; step < 30; ++step) {
+        if (step == 10 || step == 20) {
+          const std::string in = step == 10 ? "layers.1" : "layers.0";
+          const std::string out = step == 10 ? "layers.0" : "layers.1";
+          const SwitchReport r = e.set_active({"head", in}, DeactivatePolicy::drop);
+          RANK_REQUIRE(r.activated == std::vector<std::string>{in});
+          RANK_REQUIRE(r.deactivated == std::vector<std::string>{out});
+          RANK_REQUIRE(r.bytes_freed == r.bytes_allocated);  // same-sized layers
+          require_stats_equal_plan(e);
+          // Nothing is left of the layer that went out but its bit16 weights.
+          RANK_REQUIRE(!report_mentions(e, "group " + out + " master"));
+          RANK_REQUIRE(!report_mentions(e, "group " + out + " grad"));
+          RANK_REQUIRE(!report_mentions(e, "group " + out + " AdamW state"));
+          RANK_REQUIRE(report_mentions(e, "group " + out + " param16"));
+          RANK_REQUIRE(e.group_step(out) == 0);
+          RANK_REQUIRE(e.group_step(in) == 0);  // drop: starts again from step 0
+        }
+        backward(e, rank, step);
+        RANK_REQUIRE(e.step().applied);
+        RANK_REQUIRE(e.group_step("head") == step + 1);  // 1 -> 30 unbroken
+      }
+      RANK_REQUIRE(e.group_step("layers.0") == 10);  // reactivated at step 20
+    });
+}
+
+TEST_CASE("switching layers matches the float64 reference under every policy and stage") {
+  // The reference drops or keeps state exactly as the policy says; the last switch reactivates
+  // everything so every master can be compared.
+  const std::vector<std::pair<int, std::vector<std::string>>> switches = {
+      {0, {"head", "layers.0"}},
+      {4, {"head", "layers.1"}},
+      {9, {"embed", "head", "layers.0"}},
+      {14, {"embed", "head", "layers.0", "layers.1"}},
+  };
+  for (DeactivatePolicy policy :
+       {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
+    for (int stage : {1, 2}) {
+      Case c{4, stage, DType::bf16, OptimizerType::adamw};
+      c.switches = switches;
+      c.policy = policy;
+      CAPTURE(deactivate_policy_name(policy));
+      test_support::check_against_reference(c, cpu_backend());
+    }
+}
+
+TEST_CASE("keep_host 100 times between steps is bitwise the same as never deactivating") {
+  auto train = [](bool cycle) {
+    std::vector<std::vector<float>> weights;
+    std::vector<float> master;
+    std::mutex mu;
+    run_ranks(2, [&](int rank, Communicator& comm) {
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(config(2), comm, space);
+      declare(e);
+      e.build(init);
+      for (int step = 0; step < 10; ++step) {
+        if (cycle)
+          for (int k = 0; k < 10; ++k) {  // 100 deactivations in all
+            e.deactivate("layers.2", DeactivatePolicy::keep_host);
+            e.activate("layers.2");
+          }
+        backward(e, rank, step);
+        e.step();
+      }
+      std::lock_guard lock(mu);
+      if (rank != 0) return;
+      for (const auto& p : e.params()) weights.push_back(e.read_weight(p.name));
+      for (const auto& piece : e.master_pieces("layers.2.fc1"))
+        master.insert(master.end(), piece.values.begin(), piece.values.end());
+    });
+    return std::make_pair(weights, master);
+  };
+  const auto steady = train(false);
+  const auto cycled = train(true);
+  REQUIRE(cycled.first == steady.first);
+  REQUIRE(cycled.second == steady.second);
+  REQUIRE(!steady.second.empty());
+}
+
+TEST_CASE("1000 switches leave exactly the bytes in use after the first") {
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config(2), comm, space);
+    declare(e);
+    e.build(init, std::vector<std::string>{"head", "layers.0", "layers.1"});
+    const DeactivatePolicy policies[] = {DeactivatePolicy::drop, DeactivatePolicy::keep_host,
+                                         DeactivatePolicy::keep_device};
+    std::int64_t after_first = -1, views_after_first = -1;
+    for (int s = 0; s < 1000; ++s) {
+      const int a = s % 4, b = (s + 1 + s / 4) % 4 == a ? (a + 1) % 4 : (s + 1 + s / 4) % 4;
+      e.set_active({"head", fmt::format("layers.{}", a), fmt::format("layers.{}", b)},
+                   DeactivatePolicy::drop);
+      if (s % 50 == 0) {  // a keep_* round trip now and then, restored before the next switch
+        const auto p = policies[(s / 50) % 3];
+        e.deactivate(fmt::format("layers.{}", a), p);
+        e.activate(fmt::format("layers.{}", a));
+      }
+      if (s % 10 == 0) {
+        backward(e, rank, s);
+        e.step();
+      }
+      require_stats_equal_plan(e);
+      if (after_first < 0) {
+        after_first = e.memory_stats().requested.current;
+        views_after_first = e.memory_stats().views;
+      }
+    }
+    e.set_active({"head", "layers.0", "layers.1"}, DeactivatePolicy::drop);
+    const auto s = e.memory_stats();
+    RANK_REQUIRE(s.requested.current == after_first);
+    RANK_REQUIRE(s.views == views_after_first);  // no alias left behind either
+  });
+}
+
+TEST_CASE("lifecycle calls that do not fit the group's state are typed errors changing nothing") {
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config(2), comm, space);
+    declare(e);
+    e.build(init, std::vector<std::string>{"head", "layers.0"});
+    const auto before = space.stats().requested.current;
+    REQUIRE(test::contains(test::message_of<StateError>([&] { e.activate("head"); }),
+                           "'head' is already active"));
+    REQUIRE(test::contains(
+        test::message_of<StateError>([&] { e.deactivate("layers.3", DeactivatePolicy::drop); }),
+        "'layers.3' is not active"));
+    REQUIRE(test::contains(test::message_of<StateError>([&] { e.grad_slot("layers.2.fc1"); }),
+                           "frozen group 'layers.2'"));
+    REQUIRE(test::contains(test::message_of<ConfigError>([&] { e.activate("layers.9"); }),
+                           "no group named 'layers.9'"));
+    REQUIRE(test::contains(test::message_of<ConfigError>([&] {
+                             e.set_active({"head", "nope"}, DeactivatePolicy::drop);
+                           }),
+                           "'nope'"));
+    // A bucket holding this group's gradients must be reduced or dropped first.
+    (void)e.grad_slot("layers.0.fc2");
+    REQUIRE(test::contains(
+        test::message_of<StateError>([&] { e.deactivate("layers.0", DeactivatePolicy::drop); }),
+        "pending"));
+    e.zero_grad();
+    REQUIRE(space.stats().requested.current == before);
+    REQUIRE(e.active_groups() == std::vector<std::string>{"layers.0", "head"});
+  });
+}
+
+TEST_CASE("deactivating a pinned group fails naming the pin, or reports what the pin holds") {
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config(1), comm, space);
+    declare(e);
+    e.build(init, std::vector<std::string>{"head", "layers.0"});
+    const auto before = space.stats();
+    Pin pin = e.master("layers.0").pin("trainer: EMA of layers.0");
+    const auto msg =
+        test::message_of<PinnedMemory>([&] { e.deactivate("layers.0", DeactivatePolicy::drop); });
+    REQUIRE(test::contains(msg, "trainer: EMA of layers.0"));
+    REQUIRE(test::contains(msg, "group layers.0 master"));
+    REQUIRE(e.is_active("layers.0"));  // nothing changed
+    REQUIRE(space.stats().requested.current == before.requested.current);
+    // Asked to proceed, it frees what it can and says what the pin still holds.
+    const auto held = e.deactivate("layers.0", DeactivatePolicy::drop, ReleasePolicy::allow_pinned);
+    REQUIRE(held == pin.bytes());
+    REQUIRE(held > 0);
+    REQUIRE(space.stats().requested.current == e.plan().total() + static_cast<std::int64_t>(held));
+    pin.reset();
+    require_stats_equal_plan(e);
+  });
+}
+
+TEST_CASE("a group built frozen holds only its bit16 weights until activated") {
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config(2), comm, space);
+    declare(e);
+    e.build(init, std::vector<std::string>{"head"});
+    require_stats_equal_plan(e);
+    RANK_REQUIRE(e.active_groups() == std::vector<std::string>{"head"});
+    RANK_REQUIRE(!report_mentions(e, "group layers.1 master"));
+    e.activate("layers.1");
+    require_stats_equal_plan(e);
+    RANK_REQUIRE(report_mentions(e, "group layers.1 master"));
+  });
+}
