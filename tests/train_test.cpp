@@ -167,3 +167,64 @@ TEST_CASE("two runs of the same config give bit-identical metrics") {
   REQUIRE(strip(first.str()) == strip(second.str()));
   REQUIRE(!first.str().empty());
 }
+
+TEST_CASE("training with a LISA schedule switches layers and drives the loss down") {
+  auto j = small_run();
+  j["steps"] = 160;
+  j["model"]["depth"] = 6;
+  j["layer_switching"] = {
+      {"type", "lisa"},
+      {"interval", 20},
+      {"gamma", 2},
+      {"layers", {"layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "layers.5"}},
+      {"always_active", {"input", "head"}},
+      {"seed", 3}};
+  std::ostringstream log, metrics;
+  const auto summary = train(load(j), log, &metrics);
+  CAPTURE(log.str());
+  REQUIRE(summary.switches >= 5);  // 7 boundaries; a draw may repeat the previous set
+  REQUIRE(summary.final_loss < 0.5 * summary.first_loss);
+  // Every step records its active set; switch events carry what went in and out.
+  std::istringstream lines(metrics.str());
+  std::string line;
+  int events = 0;
+  while (std::getline(lines, line)) {
+    const auto m = nlohmann::json::parse(line);
+    REQUIRE(m.at("active_groups").size() == 4);  // input, head and gamma = 2 layers
+    if (m.contains("switch")) {
+      ++events;
+      REQUIRE(m["switch"]["in"].size() == m["switch"]["out"].size());
+      REQUIRE(m["switch"]["bytes_freed"] == m["switch"]["bytes_allocated"]);
+    }
+  }
+  REQUIRE(events == summary.switches);
+}
+
+TEST_CASE("a bad layer_switching section is refused before anything is allocated") {
+  auto with = [](nlohmann::json section) {
+    auto j = small_run();
+    j["layer_switching"] = std::move(section);
+    return j;
+  };
+  const std::vector<std::string> body = {"layers.0", "layers.1", "layers.2"};
+  struct Bad {
+    nlohmann::json section;
+    const char* key;
+  };
+  const Bad cases[] = {
+      {{{"type", "lisa"}, {"layers", {"layers.0", "layers.9"}}}, "layers.9"},
+      {{{"type", "lisa"}, {"layers", body}, {"gamma", 4}}, "gamma"},
+      {{{"type", "lisa"}, {"layers", body}, {"interval", 0}}, "interval"},
+      {{{"type", "lisa"}, {"layers", body}, {"always_active", {"layers.1"}}}, "always_active"},
+      {{{"type", "explicit"},
+        {"schedule", {{{"step", 0}, {"active", {"head"}}}, {{"step", 0}, {"active", {"input"}}}}}},
+       "schedule"},
+      {{{"type", "lisa"}, {"layers", body}, {"policy", "keep_forever"}}, "policy"},
+  };
+  for (const auto& c : cases) {
+    const auto msg = config_error(with(c.section));
+    CAPTURE(c.key, msg);
+    REQUIRE(test::contains(msg, c.key));
+    REQUIRE(test::contains(msg, "test.json"));
+  }
+}

@@ -120,18 +120,20 @@ double ResidualMlp::train_step(Engine& engine, const Eigen::MatrixXf& x,
   // Backward, emitting each group's gradients as soon as they are known (head first).
   const float scale = static_cast<float>(engine.loss_scale());
   const Eigen::MatrixXf dy = diff * (2.0f * scale / static_cast<float>(y.size()));
-  add_grad(engine, "head.weight", dy * hs.back().transpose());
+  if (engine.is_active("head")) add_grad(engine, "head.weight", dy * hs.back().transpose());
   Eigen::MatrixXf dh = w_out.transpose() * dy;
   for (int i = depth - 1; i >= 0; --i) {
     const auto g = fmt::format("layers.{}", i);
     const Eigen::MatrixXf du =
         ((w2s[i].transpose() * dh).array() * (1.0f - as[i].array().square())).matrix();
-    add_grad(engine, g + ".fc2.weight", dh * as[i].transpose());
-    add_grad(engine, g + ".fc1.bias", du.rowwise().sum());
-    add_grad(engine, g + ".fc1.weight", du * hs[i].transpose());
+    if (engine.is_active(g)) {  // a frozen layer passes gradients through but keeps none
+      add_grad(engine, g + ".fc2.weight", dh * as[i].transpose());
+      add_grad(engine, g + ".fc1.bias", du.rowwise().sum());
+      add_grad(engine, g + ".fc1.weight", du * hs[i].transpose());
+    }
     dh += w1s[i].transpose() * du;
   }
-  add_grad(engine, "input.weight", dh * x.transpose());
+  if (engine.is_active("input")) add_grad(engine, "input.weight", dh * x.transpose());
   return loss;
 }
 

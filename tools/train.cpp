@@ -1,10 +1,12 @@
 #include "tools/train.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <mutex>
+#include <optional>
 
 #include "engine/config_json.h"
 #include "memory/error.h"
@@ -46,7 +48,20 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   t.noise = c.number("data.noise", t.noise);
   if (!(t.noise >= 0.0)) c.fail("data.noise", fmt::format("= {} must be >= 0", t.noise));
   t.log_interval = static_cast<int>(positive("logging.interval", 10, 1 << 30));
+  t.switching = layer_switching_from_json(c);
+  try {
+    LayerSchedule check(t.switching, model_groups(t.model));  // validates; nothing is allocated
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("config {}: {}", c.source(), e.what()));
+  }
   return t;
+}
+
+std::vector<std::string> model_groups(const MlpShape& shape) {
+  std::vector<std::string> groups{"input"};
+  for (int i = 0; i < shape.depth; ++i) groups.push_back(fmt::format("layers.{}", i));
+  groups.push_back("head");
+  return groups;
 }
 
 namespace {
@@ -66,7 +81,9 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
     Engine engine(config.engine, comm, space);
     ResidualMlp model(config.model);
     model.declare(engine);
-    engine.build([&](const ParamInfo& p, std::span<float> v) { model.init(p, v, config.seed); });
+    const LayerSchedule schedule(config.switching, model_groups(config.model));
+    engine.build([&](const ParamInfo& p, std::span<float> v) { model.init(p, v, config.seed); },
+                 schedule.active_at(0));
     const TeacherTask task(config.model, config.seed, config.noise);
     if (rank == 0) {
       std::int64_t params = 0;
@@ -77,6 +94,11 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
           "{}, {}\n",
           params, engine.groups().size(), config.world_size, config.engine.stage,
           dtype_name(config.engine.dtype), optimizer_type_name(config.engine.optimizer.type));
+      if (schedule.enabled())
+        log << fmt::format("layer switching: {} every {} steps, policy {}; active now: {}\n",
+                           config.switching.type, config.switching.interval,
+                           deactivate_policy_name(schedule.policy()),
+                           fmt::join(engine.active_groups(), ", "));
       if (report) *report << engine.memory_report();
     }
     Eigen::MatrixXf x, target;
@@ -85,6 +107,14 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
     auto interval_start = std::chrono::steady_clock::now();
     for (std::int64_t step = 0; step < config.steps; ++step) {
       const auto started = std::chrono::steady_clock::now();
+      // Switches happen at step boundaries, the same on every rank (the schedule is a pure
+      // function of the step).
+      std::optional<SwitchReport> switched;
+      if (step > 0 && schedule.boundary(step)) {
+        const auto wanted = schedule.active_at(step);
+        if (wanted != engine.active_groups())
+          switched = engine.set_active(wanted, schedule.policy());
+      }
       double loss = 0.0;
       for (int micro = 0; micro < config.engine.gradient_accumulation_steps; ++micro) {
         task.batch(rank, step * config.engine.gradient_accumulation_steps + micro,
@@ -104,6 +134,12 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
       if (step == 0) summary.first_loss = loss;
       summary.steps = step + 1;
       summary.skipped += r.applied ? 0 : 1;
+      summary.switches += switched ? 1 : 0;
+      if (switched)
+        log << fmt::format(
+            "switch at step {}: in [{}] out [{}], {} freed, {} allocated, {:.3f} ms\n", step,
+            fmt::join(switched->activated, ", "), fmt::join(switched->deactivated, ", "),
+            mib(switched->bytes_freed), mib(switched->bytes_allocated), switched->seconds * 1e3);
       interval_loss += loss;
       ++interval_steps;
       const MemoryStats mem = engine.memory_stats();
@@ -117,6 +153,13 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
         memory["total"] = mem.requested.current;
         memory["peak"] = mem.requested.peak;
         line["memory_bytes"] = memory;
+        line["active_groups"] = engine.active_groups();
+        if (switched)
+          line["switch"] = {{"in", switched->activated},
+                            {"out", switched->deactivated},
+                            {"bytes_freed", switched->bytes_freed},
+                            {"bytes_allocated", switched->bytes_allocated},
+                            {"seconds", switched->seconds}};
         if (!std::isfinite(r.grad_norm)) line["grad_norm"] = nullptr;  // JSON has no Inf
         *metrics << line.dump() << '\n';
       }

@@ -7,6 +7,7 @@
 
 #include "engine/config_reader.h"
 #include "engine/engine_config.h"
+#include "engine/schedule.h"
 #include "tools/residual_mlp.h"
 
 namespace shardswap {
@@ -20,10 +21,12 @@ struct TrainConfig {
   std::uint64_t seed = 1;
   double noise = 0.01;  ///< data.noise
   int log_interval = 10;
+  LayerSwitchingConfig switching;  ///< layer_switching; validated against the model's groups
 };
 
-/// Reads every key of the run (engine keys included). Keys present but not read are returned in
-/// `ignored` so the caller can warn once for each. Throws ConfigError naming key and file.
+/// Reads every key of the run (engine keys and layer_switching included) and checks the schedule
+/// against the model's groups, before anything is allocated. Throws ConfigError naming the key
+/// and the file. Keys present but never read are left in reader.unread_keys().
 TrainConfig train_config_from_json(ConfigReader& reader);
 
 struct TrainSummary {
@@ -31,7 +34,11 @@ struct TrainSummary {
   double final_loss = 0.0;  ///< mean over ranks and over the last log interval
   std::int64_t steps = 0;
   std::int64_t skipped = 0;
+  std::int64_t switches = 0;  ///< layer switches made
 };
+
+/// The group names of the built-in model, in declaration order.
+std::vector<std::string> model_groups(const MlpShape& shape);
 
 /// Runs the training. Progress lines go to `log`, one JSON object per step to `metrics` (if not
 /// null), a memory report after build to `report` (if not null).
