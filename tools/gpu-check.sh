@@ -28,7 +28,7 @@ tail -3 "$OUT/ctest-cpu.log"
 
 step "GPU suite"
 build/cuda/tests/gpu/shardswap_gpu_tests --durations yes > "$OUT/gpu-tests.log" 2>&1 || status=1
-grep -E "compression peak|FAILED|passed|failed|device memory|NOT RETURNED" "$OUT/gpu-tests.log" | tail -20
+grep -E "compression peak|soak|FAILED|passed|failed|device memory|NOT RETURNED" "$OUT/gpu-tests.log" | tail -20
 
 if [ -x build/cuda/tools/shardswap_nccl_mpi_check ] && command -v mpirun >/dev/null; then
   step "NCCL under mpirun (one process per GPU)"
@@ -39,9 +39,9 @@ if [ -x build/cuda/tools/shardswap_nccl_mpi_check ] && command -v mpirun >/dev/n
 fi
 
 if [ "$mode" != quick ]; then
-  step "compute-sanitizer memcheck (GPU suite without the 1B-param case)"
+  step "compute-sanitizer memcheck (GPU suite without the 1B-param case and the soak)"
   timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
-    build/cuda/tests/gpu/shardswap_gpu_tests "~*compression raises*" > "$OUT/memcheck.log" 2>&1 || status=1
+    build/cuda/tests/gpu/shardswap_gpu_tests "~*compression raises* ~*10000 switches*" > "$OUT/memcheck.log" 2>    build/cuda/tests/gpu/shardswap_gpu_tests "~*compression raises*" > "$OUT/memcheck.log" 2>&1 || status=11 || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
 fi
 
@@ -52,4 +52,7 @@ build/cuda/tools/shardswap bench optimizer --backend cuda --sizes "$sizes" --jso
   > "$OUT/bench.log" 2>&1 || status=1
 python3 tools/bench/torch_adamw.py --sizes "$sizes" --json "$OUT/bench-torch.json" >> "$OUT/bench.log" 2>&1 || status=1
 python3 tools/bench/summary.py "$OUT/bench-shardswap.json" "$OUT/bench-torch.json" | tee "$OUT/summary.txt"
+
+step "layer switch benchmark"
+build/cuda/tools/shardswap bench switch --backend cuda --json "$OUT/bench-switch.json" 2>&1 | tee "$OUT/bench-switch.log" || status=1
 exit $status

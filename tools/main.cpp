@@ -9,6 +9,7 @@
 
 #include "memory/error.h"
 #include "tools/bench_optimizer.h"
+#include "tools/bench_switch.h"
 #include "tools/train.h"
 
 namespace {
@@ -22,8 +23,12 @@ constexpr const char* kUsage = R"(usage:
           --metrics FILE     one JSON object per step
           --set k.path=v     overrides a config key (v is JSON, or a bare string)
           --memory-report    prints rank 0's buffers and their holders after build
+  shardswap bench switch [--backend cpu|cuda] [--layers 32] [--dim 4096] [--switches 20] [--json FILE]
+
   bench optimizer
           the fused AdamW shard update against the copy bandwidth of the same run
+  bench switch
+          the time of a layer switch against the bytes it touches over the copy bandwidth
 )";
 
 struct BadUsage : std::runtime_error {
@@ -85,6 +90,8 @@ int main(int argc, char** argv) {
     if (args[0] == "train") return train_command({args.begin() + 1, args.end()});
     if (args[0] == "bench" && args.size() > 1 && args[1] == "optimizer")
       return shardswap::bench_optimizer({args.begin() + 2, args.end()}, std::cout);
+    if (args[0] == "bench" && args.size() > 1 && args[1] == "switch")
+      return shardswap::bench_switch({args.begin() + 2, args.end()}, std::cout);
     throw BadUsage(fmt::format("unknown command '{}'", args[0]));
   } catch (const BadUsage& e) {
     std::cerr << "shardswap: " << e.what() << "\n" << kUsage;
