@@ -167,6 +167,10 @@ class Engine {
   void reduce_scatter_grads(Group& g);
   // Allocates a group's active state into `g` (all or nothing), seeded or restored.
   void allocate_active_state(Group& g);
+  // A buffer for an activating group: a recycled block of the same size and tag, or a new one.
+  Buffer take(std::size_t bytes, Tag tag, std::string label);
+  // Gives a buffer up: into the recycle list during set_active, else back to the allocator.
+  std::size_t give_up(Buffer& b, const std::string& event, ReleasePolicy pins);
   void make_grad_views(Group& g);
   Group& group_named(const std::string& group, const char* caller);
   struct Impl;

@@ -33,6 +33,13 @@ struct Engine::Impl {
   std::int64_t capacity = 0;  // bucket (and compressed chunk) capacity in elements
   LossScaler scaler;
   std::unique_ptr<MemorySpace> host;  // keep_host states; made on first use
+  // During set_active only: blocks given up by outgoing groups, handed to incoming groups of
+  // the same size and tag instead of a cudaFree + cudaMalloc pair; the rest is released when
+  // set_active returns, so nothing is cached between calls.
+  std::vector<Buffer> recycled;
+  bool recycling = false;
+  std::int64_t bytes_given_up = 0;  // by the current set_active
+  std::int64_t bytes_taken = 0;
   bool built = false;
 
   Param& param(const std::string& name, const char* caller) {

@@ -53,15 +53,37 @@ void Engine::make_grad_views(Group& g) {
   }
 }
 
+Buffer Engine::take(std::size_t bytes, Tag tag, std::string label) {
+  auto& pool = impl_->recycled;
+  auto it = std::find_if(pool.begin(), pool.end(),
+                         [&](const Buffer& b) { return b.bytes() == bytes && b.tag() == tag; });
+  impl_->bytes_taken += static_cast<std::int64_t>(bytes);
+  if (it == pool.end()) return space_.allocate(bytes, tag, std::move(label));
+  Buffer b = std::move(*it);
+  pool.erase(it);
+  b.relabel(std::move(label));
+  return b;
+}
+
+std::size_t Engine::give_up(Buffer& b, const std::string& event, ReleasePolicy pins) {
+  impl_->bytes_given_up += static_cast<std::int64_t>(b.bytes());
+  if (impl_->recycling && b.pin_labels().empty()) {
+    b.invalidate_views(event);  // its old owner's aliases die here, as on a release
+    impl_->recycled.push_back(std::move(b));
+    return 0;
+  }
+  return b.release(event, pins);
+}
+
 void Engine::allocate_active_state(Group& g) {
   const DType dtype = config_.dtype, grad_dtype = config_.grad_type();
   const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
   const auto total = static_cast<std::size_t>(g.layout.total_numel());
   const auto shard = static_cast<std::size_t>(g.shard.numel());
   const bool full_grads = config_.stage == 1;
-  Buffer grad = space_.allocate((full_grads ? total : shard) * gsize, Tag::grad,
-                                full_grads ? fmt::format("group {} grads", g.name)
-                                           : fmt::format("group {} grad partition", g.name));
+  Buffer grad = take((full_grads ? total : shard) * gsize, Tag::grad,
+                     full_grads ? fmt::format("group {} grads", g.name)
+                                : fmt::format("group {} grad partition", g.name));
   kernels_.fill_zero(grad.data(), grad.bytes());
   Buffer master, state;
   std::int64_t step = 0;
@@ -71,8 +93,8 @@ void Engine::allocate_active_state(Group& g) {
   if (g.kept && g.kept->policy == DeactivatePolicy::keep_device) {
     // Restored by handing the kept buffers back: no copy, and nothing can fail past this point.
   } else {
-    master = space_.allocate(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
-    state = space_.allocate(slots * shard * 4, Tag::optim_state, state_label);
+    master = take(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
+    state = take(slots * shard * 4, Tag::optim_state, state_label);
     if (g.kept) {  // keep_host: exact copies back
       space_.upload(master.data(), g.kept->master.data(), master.bytes());
       space_.upload(state.data(), g.kept->state.data(), state.bytes());
@@ -135,7 +157,7 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
   std::optional<KeptState> kept;
   if (policy == DeactivatePolicy::keep_host) {
     if (!impl_->host)
-      impl_->host = std::make_unique<MemorySpace>(comm_.rank(), make_host_allocator());
+      impl_->host = std::make_unique<MemorySpace>(comm_.rank(), space_.host_staging_allocator());
     KeptState k{policy, {}, {}, g.step};
     k.master = impl_->host->allocate(g.master.bytes(), Tag::master32,
                                      fmt::format("group {} master (kept on host)", g.name));
@@ -149,12 +171,12 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
   const auto event = fmt::format("deactivate({}, {})", group, deactivate_policy_name(policy));
   std::size_t held = 0;
   for (auto i : g.params) impl_->params[i].full_grad = View();
-  held += g.grad.release(event, pins);
+  held += give_up(g.grad, event, pins);
   if (keep_device) {
     kept = KeptState{policy, std::move(g.master), std::move(g.state), g.step};
   } else {
-    held += g.master.release(event, pins);
-    held += g.state.release(event, pins);
+    held += give_up(g.master, event, pins);
+    held += give_up(g.state, event, pins);
   }
   g.kept = std::move(kept);
   g.active = false;
@@ -172,22 +194,30 @@ SwitchReport Engine::set_active(const std::vector<std::string>& groups, Deactiva
     wanted.insert(name);
   }
   const auto started = std::chrono::steady_clock::now();
-  const auto before = space_.stats();
   SwitchReport report;
-  for (auto& g : impl_->groups)
-    if (g.active && !wanted.count(g.name)) {
-      deactivate(g.name, policy);
-      report.deactivated.push_back(g.name);
-    }
-  const auto between = space_.stats();
-  for (auto& g : impl_->groups)
-    if (!g.active && wanted.count(g.name)) {
-      activate(g.name);
-      report.activated.push_back(g.name);
-    }
-  const auto after = space_.stats();
-  report.bytes_freed = before.requested.current - between.requested.current;
-  report.bytes_allocated = after.requested.current - between.requested.current;
+  impl_->bytes_given_up = impl_->bytes_taken = 0;
+  impl_->recycling = true;
+  try {
+    for (auto& g : impl_->groups)
+      if (g.active && !wanted.count(g.name)) {
+        deactivate(g.name, policy);
+        report.deactivated.push_back(g.name);
+      }
+    for (auto& g : impl_->groups)
+      if (!g.active && wanted.count(g.name)) {
+        activate(g.name);
+        report.activated.push_back(g.name);
+      }
+  } catch (...) {
+    impl_->recycling = false;
+    impl_->recycled.clear();  // released (Buffer destructor)
+    throw;
+  }
+  impl_->recycling = false;
+  for (auto& b : impl_->recycled) b.release("set_active: not reused");
+  impl_->recycled.clear();
+  report.bytes_freed = impl_->bytes_given_up;
+  report.bytes_allocated = impl_->bytes_taken;
   kernels_.synchronize();  // the time includes the device work the switch queued
   report.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();

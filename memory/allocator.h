@@ -30,6 +30,9 @@ class Allocator {
   /// calling thread's work on the device).
   virtual void upload(void* device_dst, const void* host_src, std::size_t bytes) = 0;
   virtual void download(void* host_dst, const void* device_src, std::size_t bytes) = 0;
+  /// An allocator of host memory that this one's device copies to and from fastest (pinned for
+  /// CUDA, plain for the host): where state kept on the host lives.
+  virtual std::unique_ptr<Allocator> host_staging() const = 0;
 };
 
 /// Host memory, `alignment`-aligned (a power of two), rounded up to the alignment. No cache:

@@ -131,6 +131,10 @@ class Buffer {
   std::vector<std::string> view_labels() const;
   std::vector<std::string> pin_labels() const;
 
+  /// Gives the buffer a new label (reports and error messages use it from now on): used when
+  /// the engine hands a block straight from one owner to another of the same size and tag.
+  void relabel(std::string label);
+
   /// Makes every View made so far stale (they throw StaleView naming `event`) while the buffer
   /// lives on: used when its contents are repurposed (a gradient bucket reused, a re-form).
   void invalidate_views(const std::string& event);
@@ -178,6 +182,8 @@ class MemorySpace {
 
   int rank() const;
   DeviceKind device() const;
+  /// A fresh allocator of host memory this space copies to and from fastest.
+  std::unique_ptr<Allocator> host_staging_allocator() const;
 
   /// Copies between host memory and this space's memory (a View's or a Buffer's bytes).
   void upload(void* dst, const void* host_src, std::size_t bytes) const;

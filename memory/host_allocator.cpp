@@ -42,6 +42,9 @@ class HostAllocator final : public Allocator {
   void download(void* dst, const void* src, std::size_t bytes) override {
     if (bytes > 0) std::memcpy(dst, src, bytes);
   }
+  std::unique_ptr<Allocator> host_staging() const override {
+    return std::make_unique<HostAllocator>(alignment_);
+  }
 
  private:
   std::size_t alignment_;

@@ -309,6 +309,12 @@ std::vector<std::string> Buffer::pin_labels() const {
   return out;
 }
 
+void Buffer::relabel(std::string label) {
+  if (!storage_) throw Error(fmt::format("Buffer::relabel: '{}' on an empty Buffer", label));
+  std::lock_guard lock(storage_->space->mu);
+  storage_->label = std::move(label);
+}
+
 void Buffer::invalidate_views(const std::string& event) {
   if (!storage_)
     throw Error(fmt::format("Buffer::invalidate_views: '{}' on an empty Buffer", event));
@@ -443,6 +449,10 @@ DeviceKind MemorySpace::device() const {
 }  // namespace shardswap
 
 namespace shardswap {
+
+std::unique_ptr<Allocator> MemorySpace::host_staging_allocator() const {
+  return state_->allocator->host_staging();
+}
 
 void MemorySpace::upload(void* dst, const void* host_src, std::size_t bytes) const {
   state_->allocator->upload(dst, host_src, bytes);

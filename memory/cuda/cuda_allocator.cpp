@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <cstring>
 
 #include "memory/allocator.h"
 #include "memory/cuda/cuda_check.h"
@@ -16,6 +17,44 @@ namespace {
 // cudaMalloc hands out 256-byte aligned blocks in 512-byte granules (observed granularity of
 // the driver's sub-allocator for small blocks is larger; we report what we can know).
 constexpr std::size_t kGranule = 512;
+
+// Page-locked host memory (cudaHostAlloc): copies to and from the device run at the link's full
+// speed and need no staging.
+class PinnedHostAllocator final : public Allocator {
+ public:
+  Block allocate(std::size_t requested) override {
+    const std::size_t bytes = (requested + kGranule - 1) / kGranule * kGranule;
+    void* p = nullptr;
+    const cudaError_t status = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      throw OutOfMemory(
+          fmt::format("PinnedHostAllocator::allocate: cudaHostAlloc of {} bytes failed", bytes));
+    }
+    SHARDSWAP_CUDA_CHECK(status);
+    reserved_ += bytes;
+    return {p, bytes};
+  }
+  void deallocate(Block block) noexcept override {
+    SHARDSWAP_CUDA_WARN(cudaFreeHost(block.ptr));
+    reserved_ -= block.bytes;
+  }
+  std::size_t reserved_bytes() const override { return reserved_; }
+  DeviceKind device() const override { return DeviceKind::host; }
+  std::string name() const override { return "pinned host"; }
+  void upload(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+  }
+  void download(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+  }
+  std::unique_ptr<Allocator> host_staging() const override {
+    return std::make_unique<PinnedHostAllocator>();
+  }
+
+ private:
+  std::atomic<std::size_t> reserved_{0};
+};
 
 class CudaAllocator final : public Allocator {
  public:
@@ -54,6 +93,9 @@ class CudaAllocator final : public Allocator {
   std::size_t reserved_bytes() const override { return reserved_; }
   DeviceKind device() const override { return DeviceKind::cuda; }
   std::string name() const override { return fmt::format("cuda:{}", device_); }
+  std::unique_ptr<Allocator> host_staging() const override {
+    return std::make_unique<PinnedHostAllocator>();
+  }
 
   // The engine's kernels run on each thread's default stream (cudaStreamPerThread): copies go
   // there too, so they are ordered after the work that produced the data.
