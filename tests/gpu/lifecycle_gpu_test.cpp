@@ -34,8 +34,12 @@ TEST_CASE("cuda: switching layers matches the float64 reference under every poli
 }
 
 TEST_CASE("cuda: 10000 switches end with exactly the bytes and the free memory of the first") {
+  // Policies rotate every 100 switches: drop, keep_device, keep_host. The free-memory baseline is
+  // read once each has been used (after switch 300): the first use of pinned host memory (for
+  // keep_host) costs the driver device memory of its own that it keeps while the context lives
+  // (6 MiB measured on the H200, 2026-11-29); the engine's bytes are compared from switch 0.
   std::int64_t first_bytes = -1, last_bytes = -1;
-  std::size_t first_free = 0, last_free = 0;
+  std::size_t first_free = 0, warm_free = 0, last_free = 0;
   run_ranks(
       1,
       [&](int rank, Communicator& comm) {
@@ -68,6 +72,7 @@ TEST_CASE("cuda: 10000 switches end with exactly the bytes and the free memory o
             first_bytes = space.stats().requested.current;
             first_free = cuda_device_memory(0).free;
           }
+          if (s == 300) warm_free = cuda_device_memory(0).free;
         }
         // Back to the first switch's set, with nothing kept.
         e.set_active({"head", "layers.2", "layers.3"}, DeactivatePolicy::drop);
