@@ -85,7 +85,7 @@ void Engine::set_group_weight_decay(const std::string& group, double weight_deca
 }
 
 // Groups with their layouts and shards, no buffers yet.
-static std::vector<Group> plan_groups(const EngineConfig& config,
+std::vector<Group> plan_groups(const EngineConfig& config,
                                       const std::vector<std::string>& names,
                                       std::vector<Param>& params,
                                       const std::map<std::string, double>& weight_decay,

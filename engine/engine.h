@@ -21,6 +21,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "engine/comm/communicator.h"
@@ -120,6 +121,12 @@ class Engine {
   /// Makes exactly `groups` active: deactivates the others (under `policy`), then activates
   /// the new ones. Names are checked before anything changes.
   SwitchReport set_active(const std::vector<std::string>& groups, DeactivatePolicy policy);
+  /// Re-forms groups: moves each named param into the named group (new groups are created,
+  /// emptied ones disappear). Every group that changes must be frozen with no kept state. New
+  /// flat buffers are built and filled on the device, never through the host; the moved
+  /// params' weight Views are rebound (old ones raise StaleView naming the re-form) and the old
+  /// buffers are freed. Throws StateError or ConfigError before changing anything.
+  void reform(const std::vector<std::pair<std::string, std::string>>& moves);
   bool is_active(const std::string& group) const;
   std::vector<std::string> active_groups() const;
 

@@ -53,4 +53,11 @@ struct Engine::Impl {
   }
 };
 
+/// Groups with their layouts and shards (no buffers) for `names`, each holding the params whose
+/// info.group is its name; sets each param's group and index_in_group.
+std::vector<Group> plan_groups(const EngineConfig& config, const std::vector<std::string>& names,
+                               std::vector<Param>& params,
+                               const std::map<std::string, double>& weight_decay, int world_size,
+                               int rank);
+
 }  // namespace shardswap

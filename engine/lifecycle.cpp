@@ -224,6 +224,87 @@ SwitchReport Engine::set_active(const std::vector<std::string>& groups, Deactiva
   return report;
 }
 
+void Engine::reform(const std::vector<std::pair<std::string, std::string>>& moves) {
+  impl_->require_built("reform");
+  auto params = impl_->params;
+  std::set<std::string> affected;
+  std::vector<std::string> names = impl_->group_names;
+  for (const auto& [param, group] : moves) {
+    if (group.empty())
+      throw ConfigError(fmt::format("Engine::reform: '{}' needs a group name", param));
+    Param& p = impl_->param(param, "reform");
+    Param& moved = params[static_cast<std::size_t>(&p - impl_->params.data())];
+    affected.insert(moved.info.group);
+    affected.insert(group);
+    moved.info.group = group;
+    if (std::find(names.begin(), names.end(), group) == names.end()) names.push_back(group);
+  }
+  for (const auto& g : impl_->groups)
+    if (affected.count(g.name) && (g.active || g.kept))
+      throw StateError(
+          fmt::format("Engine::reform: group '{}' must be frozen with no kept state "
+                      "(deactivate it with drop first)",
+                      g.name));
+  if (impl_->reducer && impl_->reducer->open_group() != nullptr)
+    throw StateError("Engine::reform: gradients are pending in a reduce bucket");
+  std::erase_if(names, [&](const std::string& n) {
+    return std::none_of(params.begin(), params.end(),
+                        [&](const Param& p) { return p.info.group == n; });
+  });
+  auto groups =
+      plan_groups(config_, names, params, impl_->weight_decay, comm_.world_size(), comm_.rank());
+  // New flat buffers for the changed groups, filled device to device.
+  const DType dtype = config_.dtype;
+  const auto psize = dtype_size(dtype);
+  for (auto& g : groups) {
+    if (!affected.count(g.name)) continue;
+    g.param16 = space_.allocate(static_cast<std::size_t>(g.layout.total_numel()) * psize,
+                                Tag::param16, fmt::format("group {} param16", g.name));
+    kernels_.fill_zero(g.param16.data(), g.param16.bytes());
+    for (auto i : g.params) {
+      const Param& old = impl_->params[i];
+      const Group& from = impl_->groups[old.group];
+      const auto& src = from.layout.entry_of(old.index_in_group);
+      const auto& dst = g.layout.entry_of(params[i].index_in_group);
+      kernels_.copy(g.param16_at(dst.offset, psize), from.param16_at(src.offset, psize),
+                    static_cast<std::size_t>(old.info.numel) * psize);
+    }
+  }
+  // Commit: unchanged groups keep their buffers, state and Views; nothing below can fail but
+  // the Views' label allocations.
+  for (auto& g : groups) {
+    if (affected.count(g.name)) {
+      for (auto i : g.params) {
+        Param& p = params[i];
+        const auto& entry = g.layout.entry_of(p.index_in_group);
+        p.weight = g.param16.view(static_cast<std::size_t>(entry.offset) * psize,
+                                  static_cast<std::size_t>(p.info.numel), dtype,
+                                  p.info.name + ": weight view");
+      }
+      continue;
+    }
+    for (auto& old : impl_->groups)
+      if (old.name == g.name) {
+        g.param16 = std::move(old.param16);
+        g.grad = std::move(old.grad);
+        g.master = std::move(old.master);
+        g.state = std::move(old.state);
+        g.step = old.step;
+        g.active = old.active;
+        g.kept = std::move(old.kept);
+      }
+  }
+  for (auto& old : impl_->groups)
+    if (affected.count(old.name) && old.param16.valid())
+      old.param16.release(fmt::format("re-form of group {}", old.name));
+  if (impl_->reducer) impl_->reducer->discard();  // it must not remember old Group addresses
+  impl_->params = std::move(params);
+  impl_->groups = std::move(groups);
+  impl_->group_names = std::move(names);
+  for (std::size_t i = 0; i < impl_->params.size(); ++i)
+    impl_->infos[i].group = impl_->params[i].info.group;
+}
+
 View Engine::master(const std::string& group) const {
   Group& g = const_cast<Engine*>(this)->group_named(group, "master");
   if (!g.active)

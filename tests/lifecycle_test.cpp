@@ -271,3 +271,62 @@ TEST_CASE("a group built frozen holds only its bit16 weights until activated") {
     RANK_REQUIRE(report_mentions(e, "group layers.1 master"));
   });
 }
+
+TEST_CASE("re-forming frozen groups moves weights on the device and rebinds every weight view") {
+  // The seed's regrouping: the norms of the body layers leave their layers for a no-decay group.
+  for (int stage : {1, 2})
+    run_ranks(2, [&](int rank, Communicator& comm) {
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(config(stage), comm, space);
+      declare(e);
+      e.build(init);
+      for (int step = 0; step < 3; ++step) {
+        backward(e, rank, step);
+        e.step();
+      }
+      std::vector<std::vector<float>> before;
+      for (const auto& p : e.params()) before.push_back(e.read_weight(p.name));
+      const View old_norm = e.weight("layers.1.norm");
+      e.set_active({"embed", "head"}, DeactivatePolicy::drop);
+      e.reform({{"layers.0.norm", "norms"},
+                {"layers.1.norm", "norms"},
+                {"layers.2.norm", "norms"},
+                {"layers.3.norm", "norms"}});
+      e.set_group_weight_decay("norms", 0.0);
+      require_stats_equal_plan(e);
+      // Every weight is where it was, bit for bit; the old view names the re-form.
+      for (std::size_t i = 0; i < e.params().size(); ++i)
+        RANK_REQUIRE(e.read_weight(e.params()[i].name) == before[i]);
+      RANK_REQUIRE(e.params()[3].group == "norms");
+      RANK_REQUIRE(
+          test::contains(test::rank_message_of<StaleView>([&] { (void)old_norm.data<bf16_t>(); }),
+                         "re-form of group layers.1"));
+      RANK_REQUIRE(e.groups().back() == "norms");
+      // Training goes on with the new groups.
+      e.set_active({"embed", "head", "layers.0", "layers.1", "norms"}, DeactivatePolicy::drop);
+      backward(e, rank, 3);
+      RANK_REQUIRE(e.step().applied);
+      RANK_REQUIRE(e.group_step("norms") == 1);
+      require_stats_equal_plan(e);
+    });
+}
+
+TEST_CASE("re-forming an active group is refused and changes nothing") {
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config(2), comm, space);
+    declare(e);
+    e.build(init, std::vector<std::string>{"head", "layers.0"});
+    const auto groups = e.groups();
+    REQUIRE(test::contains(test::message_of<StateError>([&] {
+                             e.reform({{"layers.0.norm", "norms"}});
+                           }),
+                           "'layers.0' must be frozen"));
+    REQUIRE(test::contains(test::message_of<ConfigError>([&] {
+                             e.reform({{"layers.9.norm", "norms"}});
+                           }),
+                           "layers.9.norm"));
+    REQUIRE(e.groups() == groups);
+    REQUIRE(e.params()[3].group == "layers.0");
+  });
+}

@@ -72,7 +72,6 @@ TEST_CASE("cuda: 10000 switches end with exactly the bytes and the free memory o
             first_bytes = space.stats().requested.current;
             first_free = cuda_device_memory(0).free;
           }
-
         }
         // Back to the first switch's set, with nothing kept.
         e.set_active({"head", "layers.2", "layers.3"}, DeactivatePolicy::drop);
