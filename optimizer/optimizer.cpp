@@ -1,6 +1,7 @@
 // Optimizer names, config validation and the backend-independent scalars (state slots, clipping,
 // the per-call scalars of the fused update).
 #include "optimizer/optimizer.h"
+#include "optimizer/kernel_checks.h"
 
 #include <fmt/format.h>
 
@@ -128,5 +129,41 @@ double clip_coefficient(double total_norm, double max_norm) {
   if (max_norm > 0 && total_norm > max_norm) return max_norm / (total_norm + 1e-6);
   return 1.0;
 }
+
+namespace detail {
+
+void require_data(const void* p, const char* fn, const char* name, std::size_t count,
+                  const char* unit) {
+  if (p == nullptr)
+    throw ConfigError(fmt::format("{}: {} is null for {} {}", fn, name, count, unit));
+}
+
+bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs& args,
+                  const ShardTensors& t) {
+  if (!is_bit16(t.dtype))
+    throw ConfigError(
+        fmt::format("{}: dtype {} is not a bit16 type (bf16 or fp16)", fn, dtype_name(t.dtype)));
+  // A bf16 gradient with fp16 params (say, from a forgotten grad_dtype) is refused, not misread.
+  if (t.grad_dtype != t.dtype && t.grad_dtype != DType::f32)
+    throw ConfigError(
+        fmt::format("{}: grad dtype {} does not go with param dtype {}: gradients "
+                    "are {} or fp32",
+                    fn, dtype_name(t.grad_dtype), dtype_name(t.dtype), dtype_name(t.dtype)));
+  if (t.count == 0) return false;
+  if (args.step < 1)
+    throw ConfigError(
+        fmt::format("{}: step = {} must be >= 1 (the count after this update)", fn, args.step));
+  const auto shard = [&](const void* p, const char* name) {
+    require_data(p, fn, name, t.count, "elements of a shard");
+  };
+  shard(t.master, "master");
+  shard(t.grad, "grad");
+  shard(t.param, "param");
+  if (config.state_slots() >= 1) shard(t.state0, "state0");
+  if (config.state_slots() >= 2) shard(t.state1, "state1");
+  return true;
+}
+
+}  // namespace detail
 
 }  // namespace shardswap

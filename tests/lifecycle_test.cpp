@@ -116,12 +116,7 @@ TEST_CASE("the seed's LISA scenario keeps the head's step count and restarts bod
 TEST_CASE("switching layers matches the float64 reference under every policy and stage") {
   // The reference drops or keeps state exactly as the policy says; the last switch reactivates
   // everything so every master can be compared.
-  const std::vector<std::pair<int, std::vector<std::string>>> switches = {
-      {0, {"head", "layers.0"}},
-      {4, {"head", "layers.1"}},
-      {9, {"embed", "head", "layers.0"}},
-      {14, {"embed", "head", "layers.0", "layers.1"}},
-  };
+  const auto switches = test_support::switching_schedule();
   for (DeactivatePolicy policy :
        {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
     for (int stage : {1, 2}) {

@@ -13,6 +13,7 @@
 
 #include "memory/error.h"
 #include "memory/host_types.h"
+#include "optimizer/kernel_checks.h"
 #include "optimizer/optimizer.h"
 #include "optimizer/update_scalars.h"
 
@@ -61,21 +62,6 @@ constexpr BitsOf<T> exponent_mask() {
   if constexpr (std::is_same_v<T, float>) return 0x7F800000u;
   if constexpr (std::is_same_v<T, bf16_t>) return 0x7F80;
   return 0x7C00;
-}
-
-// Null data is refused for a non-empty range (zero elements may come with a null pointer).
-void require_data(const void* p, const char* fn, const char* name, std::size_t count,
-                  const char* unit = "elements") {
-  if (p == nullptr) {
-    throw ConfigError(fmt::format("cpu_kernels().{}: {} is null for {} {}", fn, name, count, unit));
-  }
-}
-
-void require_tensor(const void* p, const char* name, const ShardTensors& t) {
-  if (p == nullptr) {
-    throw ConfigError(
-        fmt::format("cpu_kernels().update: {} is null for a shard of {} elements", name, t.count));
-  }
 }
 
 // The fused update walks a shard in chunks small enough for their fp32 temporaries (the upcast
@@ -145,16 +131,6 @@ void sgd(const SgdScalars& s, const ShardTensors& t) {
 // Param type T, gradient type G.
 template <class T, class G>
 void update_shard(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
-  if (t.count == 0) return;
-  if (args.step < 1) {
-    throw ConfigError(fmt::format(
-        "cpu_kernels().update: step = {} must be >= 1 (the count after this update)", args.step));
-  }
-  require_tensor(t.master, "master", t);
-  require_tensor(t.grad, "grad", t);
-  require_tensor(t.param, "param", t);
-  if (config.state_slots() >= 1) require_tensor(t.state0, "state0", t);
-  if (config.state_slots() >= 2) require_tensor(t.state1, "state1", t);
   if (config.type == OptimizerType::sgd) {
     sgd<T, G>(sgd_scalars(config, args), t);
   } else {
@@ -162,21 +138,14 @@ void update_shard(const OptimizerConfig& config, const StepArgs& args, const Sha
   }
 }
 
-// Gradients are of the param's bit16 type or fp32 (a bf16 gradient with fp16 params, e.g. from a
-// forgotten grad_dtype, is refused rather than misread).
 void update(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
+  if (!detail::check_update("cpu_kernels().update", config, args, t)) return;
   with_bit16(t.dtype, "update", [&](auto param_tag) {
     with_any(t.grad_dtype, "update", [&](auto grad_tag) {
       using T = decltype(param_tag);
       using G = decltype(grad_tag);
-      if constexpr (std::is_same_v<G, T> || std::is_same_v<G, float>) {
+      if constexpr (std::is_same_v<G, T> || std::is_same_v<G, float>)
         update_shard<T, G>(config, args, t);
-      } else {
-        throw ConfigError(fmt::format(
-            "cpu_kernels().update: grad dtype {} does not go with param dtype {}: gradients are "
-            "{} or fp32",
-            dtype_name(t.grad_dtype), dtype_name(t.dtype), dtype_name(t.dtype)));
-      }
     });
   });
 }
@@ -184,7 +153,7 @@ void update(const OptimizerConfig& config, const StepArgs& args, const ShardTens
 double sum_squares(const void* data, DType dtype, std::size_t count, double scale) {
   return with_any(dtype, "sum_squares", [&](auto tag) {
     using T = decltype(tag);
-    if (count > 0) require_data(data, "sum_squares", "data", count);
+    if (count > 0) detail::require_data(data, "cpu_kernels().sum_squares", "data", count);
     const T* x = static_cast<const T*>(data);
     double sum = 0.0;  // sequential order: the same input always gives the same bits
     for (std::size_t i = 0; i < count; ++i) {
@@ -199,7 +168,7 @@ bool has_inf_or_nan(const void* data, DType dtype, std::size_t count) {
   return with_any(dtype, "has_inf_or_nan", [&](auto tag) {
     using T = decltype(tag);
     constexpr BitsOf<T> mask = exponent_mask<T>();
-    if (count > 0) require_data(data, "has_inf_or_nan", "data", count);
+    if (count > 0) detail::require_data(data, "cpu_kernels().has_inf_or_nan", "data", count);
     const T* x = static_cast<const T*>(data);
     // No early exit: a branch-free OR over the bits vectorizes, and overflow is the rare case.
     bool found = false;
@@ -218,8 +187,8 @@ void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::siz
       using D = decltype(dst_tag);
       using S = decltype(src_tag);
       if (count == 0) return;
-      require_data(dst, "cast", "dst", count);
-      require_data(src, "cast", "src", count);
+      detail::require_data(dst, "cpu_kernels().cast", "dst", count);
+      detail::require_data(src, "cpu_kernels().cast", "src", count);
       if constexpr (std::is_same_v<D, S>) {
         std::memmove(dst, src, count * sizeof(D));
       } else {
@@ -237,8 +206,8 @@ void accumulate(void* dst, DType dst_dtype, const void* src, DType src_dtype, st
       using D = decltype(dst_tag);
       using S = decltype(src_tag);
       if (count == 0) return;
-      require_data(dst, "accumulate", "dst", count);
-      require_data(src, "accumulate", "src", count);
+      detail::require_data(dst, "cpu_kernels().accumulate", "dst", count);
+      detail::require_data(src, "cpu_kernels().accumulate", "src", count);
       const auto n = static_cast<Eigen::Index>(count);
       MapT<D> out(static_cast<D*>(dst), n);
       out = (out.template cast<float>() +
@@ -251,14 +220,14 @@ void accumulate(void* dst, DType dst_dtype, const void* src, DType src_dtype, st
 // memset/memcpy with a null pointer are undefined even for zero bytes, hence the guards.
 void fill_zero(void* dst, std::size_t bytes) {
   if (bytes == 0) return;
-  require_data(dst, "fill_zero", "dst", bytes, "bytes");
+  detail::require_data(dst, "cpu_kernels().fill_zero", "dst", bytes, "bytes");
   std::memset(dst, 0, bytes);
 }
 
 void copy(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
-  require_data(dst, "copy", "dst", bytes, "bytes");
-  require_data(src, "copy", "src", bytes, "bytes");
+  detail::require_data(dst, "cpu_kernels().copy", "dst", bytes, "bytes");
+  detail::require_data(src, "cpu_kernels().copy", "src", bytes, "bytes");
   std::memcpy(dst, src, bytes);
 }
 

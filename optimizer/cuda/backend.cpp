@@ -8,6 +8,7 @@
 #include "memory/cuda/cuda_check.h"
 #include "memory/error.h"
 #include "optimizer/cuda/kernels.h"
+#include "optimizer/kernel_checks.h"
 #include "optimizer/optimizer.h"
 #include "optimizer/update_scalars.h"
 
@@ -40,21 +41,8 @@ Elem bit16_elem_of(DType dtype, const char* fn) {
   return elem_of(dtype, fn);
 }
 
-// A null pointer would fault on the device and poison the context: refuse it here.
-void require_data(const void* p, const char* fn, const char* name, std::size_t count,
-                  const char* unit = "elements") {
-  if (p == nullptr) {
-    throw ConfigError(
-        fmt::format("cuda_kernels().{}: {} is null for {} {}", fn, name, count, unit));
-  }
-}
-
-void require_tensor(const void* p, const char* name, const ShardTensors& t) {
-  if (p == nullptr) {
-    throw ConfigError(
-        fmt::format("cuda_kernels().update: {} is null for a shard of {} elements", name, t.count));
-  }
-}
+// A null pointer would fault on the device and poison the context: detail::require_data and
+// detail::check_update refuse it here.
 
 // The reductions leave one partial result per block in pinned host memory, which kernels write
 // directly (unified addressing): no device memory outside the allocators' accounts, no second
@@ -91,6 +79,7 @@ HostScratch& scratch() {
 }
 
 void update(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
+  if (!detail::check_update("cuda_kernels().update", config, args, t)) return;
   const detail::UpdateLaunch launch{t.master,
                                     t.state0,
                                     t.state1,
@@ -99,22 +88,6 @@ void update(const OptimizerConfig& config, const StepArgs& args, const ShardTens
                                     bit16_elem_of(t.dtype, "update"),
                                     elem_of(t.grad_dtype, "update"),
                                     t.count};
-  if (t.grad_dtype != t.dtype && t.grad_dtype != DType::f32) {
-    throw ConfigError(fmt::format(
-        "cuda_kernels().update: grad dtype {} does not go with param dtype {}: gradients are {} "
-        "or fp32",
-        dtype_name(t.grad_dtype), dtype_name(t.dtype), dtype_name(t.dtype)));
-  }
-  if (t.count == 0) return;
-  if (args.step < 1) {
-    throw ConfigError(fmt::format(
-        "cuda_kernels().update: step = {} must be >= 1 (the count after this update)", args.step));
-  }
-  require_tensor(t.master, "master", t);
-  require_tensor(t.grad, "grad", t);
-  require_tensor(t.param, "param", t);
-  if (config.state_slots() >= 1) require_tensor(t.state0, "state0", t);
-  if (config.state_slots() >= 2) require_tensor(t.state1, "state1", t);
   if (config.type == OptimizerType::sgd) {
     detail::launch_sgd(sgd_scalars(config, args), launch);
   } else {
@@ -125,7 +98,7 @@ void update(const OptimizerConfig& config, const StepArgs& args, const ShardTens
 double sum_squares(const void* data, DType dtype, std::size_t count, double scale) {
   const Elem e = elem_of(dtype, "sum_squares");
   if (count == 0) return 0.0;
-  require_data(data, "sum_squares", "data", count);
+  detail::require_data(data, "cuda_kernels().sum_squares", "data", count);
   double* partials = scratch().doubles();
   const int blocks = detail::launch_sum_squares(data, e, count, scale, partials, kMaxBlocks);
   SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
@@ -137,7 +110,7 @@ double sum_squares(const void* data, DType dtype, std::size_t count, double scal
 bool has_inf_or_nan(const void* data, DType dtype, std::size_t count) {
   const Elem e = elem_of(dtype, "has_inf_or_nan");
   if (count == 0) return false;
-  require_data(data, "has_inf_or_nan", "data", count);
+  detail::require_data(data, "cuda_kernels().has_inf_or_nan", "data", count);
   int* flags = scratch().ints();
   const int blocks = detail::launch_find_inf_or_nan(data, e, count, flags, kMaxBlocks);
   SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
@@ -151,8 +124,8 @@ void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::siz
   const Elem d = elem_of(dst_dtype, "cast");
   const Elem s = elem_of(src_dtype, "cast");
   if (count == 0) return;
-  require_data(dst, "cast", "dst", count);
-  require_data(src, "cast", "src", count);
+  detail::require_data(dst, "cuda_kernels().cast", "dst", count);
+  detail::require_data(src, "cuda_kernels().cast", "src", count);
   if (d == s) {
     if (dst != src) {
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * dtype_size(dst_dtype),
@@ -167,21 +140,21 @@ void accumulate(void* dst, DType dst_dtype, const void* src, DType src_dtype, st
   const Elem d = elem_of(dst_dtype, "accumulate");
   const Elem s = elem_of(src_dtype, "accumulate");
   if (count == 0) return;
-  require_data(dst, "accumulate", "dst", count);
-  require_data(src, "accumulate", "src", count);
+  detail::require_data(dst, "cuda_kernels().accumulate", "dst", count);
+  detail::require_data(src, "cuda_kernels().accumulate", "src", count);
   detail::launch_accumulate(dst, d, src, s, count);
 }
 
 void fill_zero(void* dst, std::size_t bytes) {
   if (bytes == 0) return;
-  require_data(dst, "fill_zero", "dst", bytes, "bytes");
+  detail::require_data(dst, "cuda_kernels().fill_zero", "dst", bytes, "bytes");
   SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cudaStreamPerThread));
 }
 
 void copy(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
-  require_data(dst, "copy", "dst", bytes, "bytes");
-  require_data(src, "copy", "src", bytes, "bytes");
+  detail::require_data(dst, "cuda_kernels().copy", "dst", bytes, "bytes");
+  detail::require_data(src, "cuda_kernels().copy", "src", bytes, "bytes");
   SHARDSWAP_CUDA_CHECK(
       cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cudaStreamPerThread));
 }

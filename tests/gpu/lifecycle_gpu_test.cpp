@@ -16,12 +16,7 @@ using namespace shardswap;
 using test_support::Case;
 
 TEST_CASE("cuda: switching layers matches the float64 reference under every policy") {
-  const std::vector<std::pair<int, std::vector<std::string>>> switches = {
-      {0, {"head", "layers.0"}},
-      {4, {"head", "layers.1"}},
-      {9, {"embed", "head", "layers.0"}},
-      {14, {"embed", "head", "layers.0", "layers.1"}},
-  };
+  const auto switches = test_support::switching_schedule();
   for (DeactivatePolicy policy :
        {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
     for (int stage : {1, 2}) {

@@ -24,6 +24,15 @@ struct Case {
   DeactivatePolicy policy = DeactivatePolicy::drop;
 };
 
+/// A schedule over the reference model's groups that drops, brings back and finally reactivates
+/// every group (shared by the CPU and GPU suites).
+inline std::vector<std::pair<int, std::vector<std::string>>> switching_schedule() {
+  return {{0, {"head", "layers.0"}},
+          {4, {"head", "layers.1"}},
+          {9, {"embed", "head", "layers.0"}},
+          {14, {"embed", "head", "layers.0", "layers.1"}}};
+}
+
 /// Runs 20 steps of the engine on `backend` and REQUIREs its fp32 masters to match an unsharded
 /// float64 reference (normalized error <= 1e-6), its bit16 weights to be its masters rounded, and
 /// every rank's weights to agree.
