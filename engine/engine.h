@@ -119,7 +119,10 @@ class Engine {
   std::size_t deactivate(const std::string& group, DeactivatePolicy policy,
                          ReleasePolicy pins = ReleasePolicy::fail_if_pinned);
   /// Makes exactly `groups` active: deactivates the others (under `policy`), then activates
-  /// the new ones. Names are checked before anything changes.
+  /// the new ones, handing blocks given up to incoming groups of the same size and tag. Names
+  /// are checked before anything changes; each deactivation and activation is all or nothing,
+  /// but a failure part-way (say, out of memory activating the second group) leaves the groups
+  /// handled so far in their new state, and the exception says which call failed.
   SwitchReport set_active(const std::vector<std::string>& groups, DeactivatePolicy policy);
   /// Re-forms groups: moves each named param into the named group (new groups are created,
   /// emptied ones disappear). Every group that changes must be frozen with no kept state. New
