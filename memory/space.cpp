@@ -30,6 +30,8 @@ const char* tag_name(Tag tag) {
       return "optim_state";
     case Tag::comm:
       return "comm";
+    case Tag::activation:
+      return "activation";
     case Tag::other:
       return "other";
   }

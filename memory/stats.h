@@ -11,11 +11,14 @@
 
 namespace shardswap {
 
-/// What a buffer is for. Every buffer has exactly one tag.
-enum class Tag : std::uint8_t { param16, grad, master32, optim_state, comm, other };
-inline constexpr std::size_t kTagCount = 6;
-inline constexpr std::array<Tag, kTagCount> kAllTags = {Tag::param16,     Tag::grad, Tag::master32,
-                                                        Tag::optim_state, Tag::comm, Tag::other};
+/// What a buffer is for. Every buffer has exactly one tag. `activation`: a model's forward and
+/// backward working memory (not the engine's; the built-in model allocates through the same
+/// MemorySpace so that its bytes are counted and planned too).
+enum class Tag : std::uint8_t { param16, grad, master32, optim_state, comm, activation, other };
+inline constexpr std::size_t kTagCount = 7;
+inline constexpr std::array<Tag, kTagCount> kAllTags = {
+    Tag::param16, Tag::grad, Tag::master32, Tag::optim_state, Tag::comm, Tag::activation,
+    Tag::other};
 
 const char* tag_name(Tag tag);
 
