@@ -10,12 +10,13 @@ namespace shardswap {
 
 BucketReducer::BucketReducer(Communicator& comm, MemorySpace& space,
                              const OptimizerKernels& kernels, DType grad_dtype, DType comm_dtype,
-                             std::int64_t capacity)
+                             std::int64_t capacity, bool overlap)
     : comm_(comm),
       kernels_(kernels),
       dtype_(grad_dtype),
       comm_dtype_(comm_dtype),
-      capacity_(capacity) {
+      capacity_(capacity),
+      overlap_(overlap) {
   const auto n = static_cast<std::size_t>(capacity);
   for (int i = 0; i < 2; ++i)
     buckets_[i] =
@@ -84,9 +85,13 @@ void BucketReducer::flush() {
   if (!missing.empty())
     throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
                             missing));
+  // The previous flush's results leave the comm buffer (reused below) and the bucket we are
+  // about to flip to.
+  settle();
   const auto esize = static_cast<std::int64_t>(dtype_size(dtype_));
   const auto wire_size = static_cast<std::int64_t>(dtype_size(comm_dtype_));
   auto* bucket = buckets_[current_].as<std::byte>();
+  comm_.set_deferred(overlap_);
   for (const OwnedRange& piece : owners_of(group_->layout, lo_, hi_)) {
     const std::int64_t at = piece.begin - start_;
     std::byte* data = bucket + at * esize;
@@ -96,19 +101,35 @@ void BucketReducer::flush() {
       kernels_.cast(wire, comm_dtype_, data, dtype_, count);
       data = wire;
     }
-    comm_.reduce(data, count, comm_dtype_, ReduceOp::sum, piece.rank);
-    if (piece.rank == comm_.rank()) {
-      std::byte* partition =
-          group_->grad.as<std::byte>() + (piece.begin - group_->shard.begin) * esize;
-      kernels_.accumulate(partition, dtype_, data, comm_dtype_, count);
+    try {
+      comm_.reduce(data, count, comm_dtype_, ReduceOp::sum, piece.rank);
+    } catch (...) {
+      comm_.set_deferred(false);
+      throw;
     }
+    if (piece.rank == comm_.rank())
+      owed_.push_back(
+          {group_->grad.as<std::byte>() + (piece.begin - group_->shard.begin) * esize, data, count});
   }
+  comm_.set_deferred(false);
+  in_flight_ = true;  // even with nothing owed here: the bucket is read until the reduces end
+  if (!overlap_) settle();
   ++flushes_;
   close(fmt::format("reduce of grad bucket {} (flush {})", current_, flushes_));
   current_ = 1 - current_;  // the next window fills the other bucket
 }
 
+void BucketReducer::settle() {
+  if (!in_flight_) return;
+  comm_.join();
+  in_flight_ = false;
+  for (const Owed& o : owed_)
+    kernels_.accumulate(o.partition, dtype_, o.reduced, comm_dtype_, o.count);
+  owed_.clear();
+}
+
 void BucketReducer::discard() {
+  settle();
   if (group_ != nullptr) close("zero_grad discarded the pending bucket");
   last_group_ = nullptr;
 }

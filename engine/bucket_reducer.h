@@ -8,6 +8,12 @@
 // gradients come in (backward order is usually descending), but any order is correct: a param
 // reduced twice simply accumulates.
 //
+// Overlap (zero_optimization.overlap_comm): a bucket's reduces are queued without making the
+// caller's stream wait for them, so backward fills the other bucket meanwhile. What depends on a
+// reduce -- accumulating its result into the owner's partition, and reusing its bucket or the comm
+// buffer -- is deferred to settle(), which the next flush (before it touches either buffer) and
+// finish() call. Without overlap every reduce is waited for as it is issued.
+//
 // Compression (fp32 gradients, bf16/fp16 communication): each piece is cast into one reused
 // bucket-sized comm buffer, reduced there, and accumulated back into the fp32 partition. That
 // buffer is the only extra memory, whatever the model size: the failure of a compressed copy
@@ -30,7 +36,7 @@ class BucketReducer {
   /// Allocates two buckets of `capacity` elements of `grad_dtype` (tag grad) and, when
   /// comm_dtype differs, one comm buffer of `capacity` elements of `comm_dtype` (tag comm).
   BucketReducer(Communicator& comm, MemorySpace& space, const OptimizerKernels& kernels,
-                DType grad_dtype, DType comm_dtype, std::int64_t capacity);
+                DType grad_dtype, DType comm_dtype, std::int64_t capacity, bool overlap);
 
   /// The slot for param `param` named `name` (flat entry `entry` of `group`). Reduces the open
   /// bucket first if the slot does not fit in its window.
@@ -41,12 +47,15 @@ class BucketReducer {
   /// Reduces the open bucket (if any) into the owners' partitions; its slots go stale. Throws
   /// Error naming the params whose slot was handed out but never marked ready.
   void flush();
-  /// flush(), and forget the fill direction: the next backward starts afresh.
+  /// flush() and settle(), and forget the fill direction: the next backward starts afresh.
+  /// Afterwards every reduced gradient is in its owner's partition.
   void finish() {
     flush();
+    settle();
     last_group_ = nullptr;
   }
-  /// Forgets the open bucket without reducing it; its slots go stale.
+  /// Forgets the open bucket without reducing it; its slots go stale. Buckets already reduced
+  /// are settled into their partitions first.
   void discard();
   const Group* open_group() const { return group_; }
   std::int64_t capacity() const { return capacity_; }
@@ -54,6 +63,9 @@ class BucketReducer {
  private:
   void open(Group& group, const LayoutEntry& entry);
   void close(const std::string& event);
+  /// Waits (on the caller's stream) for the reduces issued by the last flush and accumulates
+  /// their results into the owners' partitions.
+  void settle();
 
   Communicator& comm_;
   const OptimizerKernels& kernels_;
@@ -75,6 +87,15 @@ class BucketReducer {
   };
   std::vector<Pending> pending_;
   std::int64_t flushes_ = 0;
+  bool overlap_;
+  /// A reduced piece this rank owns, waiting for settle() to add it to the partition.
+  struct Owed {
+    std::byte* partition;
+    const std::byte* reduced;  // in a bucket or the comm buffer
+    std::size_t count;
+  };
+  std::vector<Owed> owed_;
+  bool in_flight_ = false;  // reduces issued by the last flush, not yet settled
 };
 
 }  // namespace shardswap

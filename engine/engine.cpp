@@ -213,7 +213,8 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
   std::unique_ptr<BucketReducer> reducer;
   if (config_.stage == 2)
     reducer = std::make_unique<BucketReducer>(comm_, space_, kernels_, grad_dtype,
-                                              config_.comm_type(), capacity);
+                                              config_.comm_type(), capacity,
+                                              config_.overlap_comm);
   Buffer compressed;
   if (config_.stage == 1 && config_.compressed())
     compressed = space_.allocate(

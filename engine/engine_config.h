@@ -32,6 +32,9 @@ struct EngineConfig {
   /// zero_optimization.reduce_bucket_size counts elements, as in DeepSpeed.)
   std::size_t reduce_bucket_bytes = std::size_t{1} << 26;
   LayoutOrder order = LayoutOrder::declaration;  ///< round_robin_gradients in DeepSpeed
+  /// Stage 2: a bucket's reduction runs alongside the backward that fills the next bucket
+  /// (zero_optimization.overlap_comm); false waits for each reduction as it is issued.
+  bool overlap_comm = true;
   /// Gradients are averaged over ranks and over this many micro-batches per step.
   int gradient_accumulation_steps = 1;
   double gradient_clipping = 0.0;  ///< max global norm; 0 turns clipping off

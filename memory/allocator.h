@@ -57,5 +57,11 @@ std::unique_ptr<Allocator> make_cuda_allocator(int device);
 DeviceMemory cuda_device_memory(int device);
 /// Number of CUDA devices usable now; 0 in a build without CUDA or on a machine without a GPU.
 int cuda_device_count();
+/// Makes `device` the calling thread's current GPU (where its kernels and copies run), e.g. for a
+/// rank thread of one process driving several GPUs. Throws ConfigError if it does not exist,
+/// BackendUnavailable in a build without CUDA.
+void cuda_set_device(int device);
+/// The calling thread's current GPU. Throws BackendUnavailable in a build without CUDA.
+int cuda_current_device();
 
 }  // namespace shardswap

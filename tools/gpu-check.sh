@@ -36,6 +36,15 @@ if [ -x build/cuda/tools/shardswap_nccl_mpi_check ] && command -v mpirun >/dev/n
   mpirun --allow-run-as-root -np "$ngpu" -x NCCL_NVLS_ENABLE build/cuda/tools/shardswap_nccl_mpi_check \
     > "$OUT/mpi.log" 2>&1 || status=1
   tail -4 "$OUT/mpi.log"
+  step "engine over NCCL under mpirun against the float64 reference ($ngpu processes)"
+  timeout 300 mpirun --allow-run-as-root -np "$ngpu" -x NCCL_NVLS_ENABLE \
+    build/cuda/tests/gpu/shardswap_mpi_engine_tests > "$OUT/mpi-engine.log" 2>&1 || status=1
+  grep -E "PASS|FAIL|passed|failed" "$OUT/mpi-engine.log" | tail -6
+  if [ "$ngpu" -ge 2 ]; then
+    step "collective bandwidth: engine against plain NCCL ($ngpu processes)"
+    timeout 300 mpirun --allow-run-as-root -np "$ngpu" -x NCCL_NVLS_ENABLE \
+      build/cuda/tools/shardswap_bench_comm --json "$OUT/bench-comm.json" 2>&1 | tee "$OUT/bench-comm.log" || status=1
+  fi
 fi
 
 if [ "$mode" != quick ]; then

@@ -42,6 +42,15 @@ class Communicator {
   /// In place: every rank's `data` receives root's.
   virtual void broadcast(void* data, std::size_t count, DType dtype, int root) = 0;
   virtual void barrier() = 0;
+
+  /// Overlap of communication with the caller's work. By default every collective orders the
+  /// caller's later work after it (on a GPU: the caller's stream waits for the collective). While
+  /// deferred, collectives still run after the caller's earlier work, but the caller's later work
+  /// does not wait for them: it may run alongside (the caller must not touch their buffers) until
+  /// join() orders it after every collective issued so far. Backends whose collectives complete
+  /// before they return (in-process ranks) need neither, hence the no-op defaults.
+  virtual void set_deferred(bool deferred) { (void)deferred; }
+  virtual void join() {}
 };
 
 /// The element work of in-process collectives on one backend's memory (host, or one GPU that all

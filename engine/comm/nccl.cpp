@@ -215,6 +215,17 @@ class NcclCommunicator final : public Communicator {
     end();
   }
 
+  void set_deferred(bool deferred) override { deferred_ = deferred; }
+
+  void join() override {
+    if (!unjoined_) return;
+    SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    // Our stream runs its collectives in order: one event after the last covers them all.
+    SHARDSWAP_CUDA_CHECK(cudaEventRecord(done_, stream_));
+    SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, done_, 0));
+    unjoined_ = false;
+  }
+
   void barrier() override {
     const auto call = [] { return std::string("NcclCommunicator::barrier()"); };
     begin(call);
@@ -261,8 +272,13 @@ class NcclCommunicator final : public Communicator {
     SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
   }
 
-  /// Orders the caller's later work after what was just queued on our stream.
+  /// Orders the caller's later work after what was just queued on our stream, unless deferred
+  /// (then join() does it).
   void end() {
+    if (deferred_) {
+      unjoined_ = true;
+      return;
+    }
     SHARDSWAP_CUDA_CHECK(cudaEventRecord(done_, stream_));
     SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, done_, 0));
   }
@@ -350,6 +366,8 @@ class NcclCommunicator final : public Communicator {
   cudaEvent_t done_ = nullptr;   // recorded on stream_
   float* barrier_scratch_ = nullptr;
   bool failed_ = false;  // NCCL reported an asynchronous error: abort instead of destroy
+  bool deferred_ = false;  // set_deferred(true): end() leaves the caller's stream unordered
+  bool unjoined_ = false;  // collectives the caller's stream has not been ordered after yet
 };
 
 /// Restores the calling thread's current GPU on scope exit.

@@ -144,4 +144,18 @@ int cuda_device_count() {
   return count;
 }
 
+void cuda_set_device(int device) {
+  const int count = cuda_device_count();
+  if (device < 0 || device >= count)
+    throw ConfigError(
+        fmt::format("cuda_set_device: CUDA device {} does not exist ({} visible)", device, count));
+  SHARDSWAP_CUDA_CHECK(cudaSetDevice(device));
+}
+
+int cuda_current_device() {
+  int device = 0;
+  SHARDSWAP_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
 }  // namespace shardswap

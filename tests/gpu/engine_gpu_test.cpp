@@ -3,6 +3,7 @@
 // device; compression's peak; out-of-memory as a typed error that leaves the engine usable.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -126,4 +127,16 @@ TEST_CASE("cuda: out of memory in build is a typed error with the memory report 
       },
       cuda_collective_ops());
   guard.require_returned();
+}
+
+TEST_CASE("cuda: on every GPU, ZeRO-1/2 over NCCL matches the float64 reference") {
+  const int world = std::min(cuda_device_count(), 8);
+  if (world < 2) {
+    WARN("only one GPU is visible: the multi-GPU engine check did not run");
+    return;
+  }
+  for (Case c : test_support::multi_gpu_cases(world)) {
+    c.nccl = true;
+    test_support::check_against_reference(c, cuda_backend());
+  }
 }

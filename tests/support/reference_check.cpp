@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/comm/nccl.h"
@@ -104,6 +105,7 @@ EngineConfig make_config(const Case& c) {
   cfg.comm_dtype = c.comm_dtype;
   cfg.loss_scale.dynamic = false;
   cfg.loss_scale.static_scale = kLossScale;
+  cfg.overlap_comm = c.overlap_comm;
   return cfg;
 }
 
@@ -222,8 +224,36 @@ struct EngineRun {
   std::vector<std::vector<int>> covered;                 // how many ranks supplied each element
   std::vector<std::vector<std::vector<float>>> weights;  // [rank][param] bit16 weights as float
   bool weights_are_rounded_master = true;
+  bool weights_agree_across_processes = true;  // mpirun: this rank's weights equal rank 0's
   int steps_applied = 0;
 };
+
+/// mpirun: every process holds only its own masters. Sums the pieces (and the coverage counts)
+/// over ranks in float64 on the device, and compares this rank's bit16 weights with rank 0's.
+void combine_across_processes(EngineRun& out, Communicator& comm, MemorySpace& space, int rank) {
+  std::vector<double> flat;
+  for (std::size_t p = 0; p < out.master.size(); ++p) {
+    flat.insert(flat.end(), out.master[p].begin(), out.master[p].end());
+    for (int k : out.covered[p]) flat.push_back(k);
+  }
+  Buffer sums = space.allocate(flat.size() * sizeof(double), Tag::other, "reference: pieces");
+  space.upload(sums.data(), flat.data(), flat.size() * sizeof(double));
+  comm.all_reduce(sums.data(), flat.size(), DType::f64, ReduceOp::sum);
+  space.download(flat.data(), sums.data(), flat.size() * sizeof(double));
+  std::size_t at = 0;
+  for (std::size_t p = 0; p < out.master.size(); ++p) {
+    for (auto& v : out.master[p]) v = flat[at++];
+    for (auto& k : out.covered[p]) k = static_cast<int>(flat[at++]);
+  }
+  std::vector<float> mine;
+  for (const auto& w : out.weights[0]) mine.insert(mine.end(), w.begin(), w.end());
+  Buffer root = space.allocate(mine.size() * sizeof(float), Tag::other, "reference: weights");
+  space.upload(root.data(), mine.data(), mine.size() * sizeof(float));
+  comm.broadcast(root.data(), mine.size(), DType::f32, 0);
+  std::vector<float> theirs(mine.size());
+  space.download(theirs.data(), root.data(), theirs.size() * sizeof(float));
+  out.weights_agree_across_processes = rank == 0 || theirs == mine;
+}
 
 EngineRun run_engine(const Case& c, const Backend& backend) {
   const EngineConfig cfg = make_config(c);
@@ -234,8 +264,19 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
   }
   out.weights.resize(static_cast<std::size_t>(c.world_size));
   std::mutex mu;
+  // One GPU per rank: the rank's own device (its thread made it current).
+  const bool gpu_per_rank = c.comm != nullptr || (c.nccl && c.world_size > 1);
   auto per_rank = [&](int rank, Communicator& comm) {
-    MemorySpace space(rank, backend.make_allocator(rank));
+    int device = 0;
+    if (c.comm != nullptr) {
+      device = -1;  // the current one
+    } else if (gpu_per_rank) {
+      device = rank;
+      cuda_set_device(device);
+    }
+    MemorySpace space(rank, gpu_per_rank ? make_cuda_allocator(device < 0 ? cuda_current_device()
+                                                                           : device)
+                                         : backend.make_allocator(rank));
     Engine engine(cfg, comm, space, *backend.kernels);
     for (const auto& d : kModel) engine.add_param(d.name, d.shape, d.group);
     engine.build(
@@ -265,7 +306,7 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
     }
     std::lock_guard lock(mu);
     out.steps_applied = applied;
-    auto& weights = out.weights[static_cast<std::size_t>(rank)];
+    auto& weights = out.weights[c.comm != nullptr ? 0 : static_cast<std::size_t>(rank)];
     for (std::size_t p = 0; p < kModel.size(); ++p) {
       std::vector<float> values = engine.read_weight(kModel[p].name);
       for (const auto& piece : engine.master_pieces(kModel[p].name))
@@ -278,11 +319,33 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
         }
       weights.push_back(std::move(values));
     }
+    if (c.comm != nullptr) combine_across_processes(out, comm, space, rank);
   };
-  if (c.nccl) {
-    auto comms =
-        make_nccl_communicators(std::vector<int>(static_cast<std::size_t>(c.world_size), 0));
+  if (c.comm != nullptr) {
+    out.weights.assign(1, {});
+    per_rank(c.comm->rank(), *c.comm);
+  } else if (c.nccl && c.world_size == 1) {
+    auto comms = make_nccl_communicators({0});
     per_rank(0, *comms.at(0));
+  } else if (c.nccl) {
+    std::vector<int> devices(static_cast<std::size_t>(c.world_size));
+    for (int r = 0; r < c.world_size; ++r) devices[static_cast<std::size_t>(r)] = r;
+    auto comms = make_nccl_communicators(devices);
+    // A rank that throws leaves its peers waiting inside NCCL: a failure here can hang, which
+    // the GPU check's timeout turns into a failure.
+    std::vector<std::exception_ptr> errors(devices.size());
+    std::vector<std::thread> threads;
+    for (int r = 0; r < c.world_size; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          per_rank(r, *comms[static_cast<std::size_t>(r)]);
+        } catch (...) {
+          errors[static_cast<std::size_t>(r)] = std::current_exception();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
   } else {
     run_ranks(c.world_size, per_rank, *backend.collectives);
   }
@@ -291,10 +354,41 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
 
 }  // namespace
 
+std::vector<Case> multi_gpu_cases(int world) {
+  std::vector<Case> cases;
+  const auto add = [&](Case c) {
+    if (world > 2) c.grad_dtype = DType::f32;
+    cases.push_back(std::move(c));
+  };
+  for (int stage : {1, 2})
+    for (DType dtype : {DType::bf16, DType::f16})
+      for (bool overlap : {true, false}) {
+        if (stage == 1 && !overlap) continue;  // overlap only changes stage 2
+        Case c{world, stage, dtype, OptimizerType::adamw};
+        c.overlap_comm = overlap;
+        add(c);
+      }
+  for (int stage : {1, 2}) {
+    Case c{world, stage, DType::bf16, OptimizerType::adam};
+    c.switches = switching_schedule();
+    c.policy = DeactivatePolicy::keep_device;
+    add(c);
+  }
+  if (world == 2) {
+    Case c{world, 2, DType::bf16, OptimizerType::adamw};
+    c.grad_dtype = DType::f32;
+    c.comm_dtype = DType::bf16;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
 void check_against_reference(const Case& c, const Backend& backend) {
   CAPTURE(backend.name, c.world_size, c.stage, dtype_name(c.dtype),
           optimizer_type_name(c.optimizer), c.order == LayoutOrder::round_robin, c.nccl,
+          c.comm != nullptr, c.overlap_comm,
           dtype_name(make_config(c).grad_type()), dtype_name(make_config(c).comm_type()));
+  if (c.comm != nullptr) REQUIRE(c.comm->world_size() == c.world_size);
   const EngineConfig cfg = make_config(c);
   Reference ref(c.dtype);
   for (int t = 0; t < kSteps; ++t) ref.step(c, cfg, t);
@@ -315,7 +409,8 @@ void check_against_reference(const Case& c, const Backend& backend) {
   REQUIRE(std::sqrt(moved / norm) > 1e-3);  // the weights really moved: the check has teeth
   REQUIRE(rel <= 1e-6);
   REQUIRE(run.weights_are_rounded_master);
-  for (int r = 1; r < c.world_size; ++r)
+  REQUIRE(run.weights_agree_across_processes);
+  for (int r = 1; r < static_cast<int>(run.weights.size()); ++r)
     REQUIRE(run.weights[static_cast<std::size_t>(r)] == run.weights[0]);
 }
 

@@ -14,7 +14,14 @@ struct Case {
   DType dtype;
   OptimizerType optimizer;
   LayoutOrder order = LayoutOrder::declaration;
-  bool nccl = false;  ///< one rank over an NCCL communicator instead of in-process ranks
+  /// NCCL instead of in-process ranks: world size 1 on the backend's GPU, or one process driving
+  /// GPUs 0..world_size-1, a thread per rank (the backend's allocator is then not used).
+  bool nccl = false;
+  /// A rank of a multi-process group (mpirun): this process runs rank comm->rank() of
+  /// world_size on the calling thread's current GPU; masters and weights are compared across
+  /// ranks through `comm` (every rank must make the same checks). Takes precedence over `nccl`.
+  Communicator* comm = nullptr;
+  bool overlap_comm = true;  ///< EngineConfig::overlap_comm
   std::optional<DType> grad_dtype = {};  ///< fp32: gradients accumulated in fp32
   std::optional<DType> comm_dtype = {};  ///< bf16/fp16 with fp32 gradients: compression
   /// Layer switching: (step, active groups) in increasing steps, the first at step 0 (the groups
@@ -32,6 +39,12 @@ inline std::vector<std::pair<int, std::vector<std::string>>> switching_schedule(
           {9, {"embed", "head", "layers.0"}},
           {14, {"embed", "head", "layers.0", "layers.1"}}};
 }
+
+/// The cases every multi-GPU mode checks (several processes, or one driving several GPUs):
+/// stages 1 and 2, bf16 and fp16, with and without overlap, layer switching, compression. Bit16
+/// sums are exact only for two ranks (NCCL rounds at each hop, the reference once), so wider
+/// worlds accumulate and reduce fp32 gradients, whose sums of these values are exact.
+std::vector<Case> multi_gpu_cases(int world_size);
 
 /// Runs 20 steps of the engine on `backend` and REQUIREs its fp32 masters to match an unsharded
 /// float64 reference (normalized error <= 1e-6), its bit16 weights to be its masters rounded, and
