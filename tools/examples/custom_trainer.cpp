@@ -249,8 +249,9 @@ void print_plan(const MemoryPlan& plan, const MemoryStats& stats) {
   std::string line;
   for (Tag t : kAllTags)
     if (plan.of(t) != 0) line += fmt::format(" {} {}", tag_name(t), plan.of(t));
-  fmt::print("  plan():{}; total {} B; stats: requested {} B, allocated {} B\n", line, plan.total(),
-             stats.requested.current, stats.allocated.current);
+  fmt::print("  plan():{}; total {} B\n", line, plan.total());
+  fmt::print("  stats: requested {} B, allocated {} B, reserved {} B\n", stats.requested.current,
+             stats.allocated.current, stats.reserved.current);
 }
 
 void run() {
@@ -301,6 +302,12 @@ void run() {
               fmt::print("before step {}: deactivate(hidden, drop) freed {} B\n", step,
                          before - engine.memory_stats().requested.current);
               print_plan(engine.plan(), engine.memory_stats());
+            }
+            try {
+              (void)master.data<float>();
+              require(false, "reading through a stale View throws StaleView");
+            } catch (const StaleView& e) {
+              if (log) fmt::print("  reading the old master View: {}\n", e.what());
             }
           }
           if (step == kThawAt) {
