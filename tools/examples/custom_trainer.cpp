@@ -65,7 +65,7 @@ struct Batch {
   std::vector<int> label;
 };
 
-// Labels are the argmax of a fixed random linear teacher: learnable, and never trivially so.
+// Labels are the argmax of a fixed random linear teacher, which a small MLP can learn.
 class Task {
  public:
   explicit Task(std::uint64_t seed) : teacher_(kClasses * kInputs) {
@@ -108,14 +108,14 @@ void declare(Engine& engine) {
   engine.add_param("fc2.bias", {kClasses}, "output");
 }
 
-// Initial weights, uniform in +-1/sqrt(fan_in), biases zero. Seeded by the name alone so every
-// rank computes the same values (build() broadcasts rank 0's anyway).
+// Initial weights, uniform in +-1/sqrt(fan_in), biases zero. Seeded by the param's name alone, so
+// every rank computes the same values (build() broadcasts rank 0's anyway).
 void init(const ParamInfo& param, std::span<float> values) {
   if (param.shape.size() == 1) {
     std::fill(values.begin(), values.end(), 0.0f);
     return;
   }
-  std::uint64_t seed = 1469598103934665603ull;  // FNV-1a of the name: portable, unlike std::hash
+  std::uint64_t seed = 1469598103934665603ull;  // FNV-1a hash of the name
   for (unsigned char c : param.name) seed = (seed ^ c) * 1099511628211ull;
   std::mt19937_64 rng(seed);
   const double bound = 1.0 / std::sqrt(static_cast<double>(param.shape[1]));
