@@ -1,0 +1,381 @@
+// A user's own trainer on the ShardSwap C++ API (docs/api.md walks through it): a two-layer MLP
+// softmax classifier written with plain loops, data made up in the program, trained by 2 ranks as
+// threads with ZeRO-2, bf16 weights, AdamW and 2 micro-batches per step. Part-way it deactivates
+// the hidden layer's group under `drop` and later activates it again.
+//
+// It checks what a user relies on and says so through its exit code: the loss falls by a clear
+// margin, and the memory stats equal Engine::plan() after build, after every lifecycle call and
+// after every step. Exit 0: every check passed; 1: a check or the run failed; 2: bad input.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/engine.h"
+#include "memory/error.h"
+
+using namespace shardswap;
+
+namespace {
+
+// The model: logits = W2 tanh(W1 x + b1) + b2, softmax cross-entropy. Two groups, one per layer.
+constexpr int kInputs = 16, kHidden = 32, kClasses = 4;
+
+// The run.
+constexpr int kRanks = 2;
+constexpr int kMicroBatches = 2;  // gradient accumulation steps
+constexpr int kBatch = 32;        // samples per rank and micro-batch
+constexpr int kEvalSamples = 512;
+constexpr int kSteps = 80;
+constexpr int kFreezeAt = 30;           // "hidden" is deactivated (drop) before this step ...
+constexpr int kThawAt = 50;             // ... and activated again before this one
+constexpr double kRequiredRatio = 0.5;  // the last evaluation loss must be below half the first
+
+/// A failed check of this program (as opposed to an error of the engine).
+struct CheckFailed : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw CheckFailed(what);
+}
+
+// The engine's central promise: after build and after every lifecycle call, each tag holds
+// exactly what plan() says (requested bytes). Nothing is cached, nothing is left behind.
+void require_stats_equal_plan(const Engine& engine, const std::string& after) {
+  const MemoryStats stats = engine.memory_stats();
+  const MemoryPlan plan = engine.plan();
+  for (Tag t : kAllTags)
+    require(stats.tag(t).requested.current == plan.of(t),
+            fmt::format("rank {}: after {}: tag {} holds {} bytes, plan() says {}", engine.rank(),
+                        after, tag_name(t), stats.tag(t).requested.current, plan.of(t)));
+}
+
+struct Batch {
+  int size = 0;
+  std::vector<double> x;  // size x kInputs, row-major
+  std::vector<int> label;
+};
+
+// Labels are the argmax of a fixed random linear teacher, which a small MLP can learn.
+class Task {
+ public:
+  explicit Task(std::uint64_t seed) : teacher_(kClasses * kInputs) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<double> normal;
+    for (auto& w : teacher_) w = normal(rng);
+  }
+
+  /// The batch of one data stream; streams are disjoint, so ranks and micro-batches see
+  /// different samples.
+  Batch sample(std::uint64_t stream, int size) const {
+    std::mt19937_64 rng(0x5eed0000 + stream);
+    std::normal_distribution<double> normal;
+    Batch b;
+    b.size = size;
+    b.x.resize(static_cast<std::size_t>(size) * kInputs);
+    for (auto& v : b.x) v = normal(rng);
+    for (int s = 0; s < size; ++s) {
+      int best = 0;
+      double best_logit = -INFINITY;
+      for (int c = 0; c < kClasses; ++c) {
+        double logit = 0.0;
+        for (int i = 0; i < kInputs; ++i) logit += teacher_[c * kInputs + i] * b.x[s * kInputs + i];
+        if (logit > best_logit) best_logit = logit, best = c;
+      }
+      b.label.push_back(best);
+    }
+    return b;
+  }
+
+ private:
+  std::vector<double> teacher_;  // kClasses x kInputs
+};
+
+// Declares the params. Every rank makes the same declarations in the same order.
+void declare(Engine& engine) {
+  engine.add_param("fc1.weight", {kHidden, kInputs}, "hidden");
+  engine.add_param("fc1.bias", {kHidden}, "hidden");
+  engine.add_param("fc2.weight", {kClasses, kHidden}, "output");
+  engine.add_param("fc2.bias", {kClasses}, "output");
+}
+
+// Initial weights, uniform in +-1/sqrt(fan_in), biases zero. Seeded by the param's name alone, so
+// every rank computes the same values (build() broadcasts rank 0's anyway).
+void init(const ParamInfo& param, std::span<float> values) {
+  if (param.shape.size() == 1) {
+    std::fill(values.begin(), values.end(), 0.0f);
+    return;
+  }
+  std::uint64_t seed = 1469598103934665603ull;  // FNV-1a hash of the name
+  for (unsigned char c : param.name) seed = (seed ^ c) * 1099511628211ull;
+  std::mt19937_64 rng(seed);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(param.shape[1]));
+  std::uniform_real_distribution<double> uniform(-bound, bound);
+  for (auto& v : values) v = static_cast<float>(uniform(rng));
+}
+
+// The weights as the engine holds them (bf16), widened to double for the loops below.
+// MemorySpace::read copies a View's elements to the host, so this works on any backend.
+struct Weights {
+  std::vector<double> w1, b1, w2, b2;
+};
+
+std::vector<double> widen(const Engine& engine, const View& v) {
+  std::vector<double> out;
+  for (bf16_t x : engine.memory().read<bf16_t>(v)) out.push_back(static_cast<double>(x));
+  return out;
+}
+
+struct WeightViews {
+  View w1, b1, w2, b2;  // registered aliases; valid for the engine's life (no re-form here)
+  Weights read(const Engine& engine) const {
+    return {widen(engine, w1), widen(engine, b1), widen(engine, w2), widen(engine, b2)};
+  }
+};
+
+// Forward pass of one batch into `hidden` (size x kHidden) and `prob` (size x kClasses); returns
+// the mean cross-entropy.
+double forward(const Weights& w, const Batch& b, float* hidden, float* prob) {
+  double loss = 0.0;
+  for (int s = 0; s < b.size; ++s) {
+    float* h = hidden + s * kHidden;
+    for (int j = 0; j < kHidden; ++j) {
+      double u = w.b1[j];
+      for (int i = 0; i < kInputs; ++i) u += w.w1[j * kInputs + i] * b.x[s * kInputs + i];
+      h[j] = static_cast<float>(std::tanh(u));
+    }
+    double logits[kClasses], top = -INFINITY;
+    for (int c = 0; c < kClasses; ++c) {
+      logits[c] = w.b2[c];
+      for (int j = 0; j < kHidden; ++j) logits[c] += w.w2[c * kHidden + j] * h[j];
+      top = std::max(top, logits[c]);
+    }
+    double sum = 0.0;
+    for (int c = 0; c < kClasses; ++c) sum += std::exp(logits[c] - top);
+    for (int c = 0; c < kClasses; ++c)
+      prob[s * kClasses + c] = static_cast<float>(std::exp(logits[c] - top) / sum);
+    loss -= logits[b.label[s]] - top - std::log(sum);
+  }
+  return loss / b.size;
+}
+
+// Adds loss_scale() times `grad` into the param's grad slot, then marks it ready. A slot is
+// added into, never overwritten: with gradient accumulation (and in a stage-2 bucket that is
+// still open) it may already hold an earlier micro-batch's gradient.
+void add_grad(Engine& engine, const std::string& name, const std::vector<double>& grad) {
+  const View slot = engine.grad_slot(name);  // bf16 here: the config keeps gradients in bf16
+  std::vector<bf16_t> values = engine.memory().read<bf16_t>(slot);
+  const double scale = engine.loss_scale();  // 1 with bf16; the fp16 dynamic scale otherwise
+  for (std::size_t i = 0; i < values.size(); ++i)
+    values[i] = bf16_t(static_cast<float>(static_cast<double>(values[i]) + scale * grad[i]));
+  engine.memory().write<bf16_t>(slot, values);
+  engine.grad_ready(name);
+}
+
+// One micro-batch: forward, then backward into the grad slots of the active groups, output layer
+// first as backward produces it. Gradients are of this micro-batch's mean loss; the engine
+// averages over ranks and micro-batches. Returns the loss.
+double train_micro_batch(Engine& engine, const WeightViews& views, const Batch& b) {
+  const Weights w = views.read(engine);
+  // The model's working memory comes from the rank's MemorySpace under Tag::activation, so the
+  // stats (and their peak) count it. It is freed when `work` goes out of scope.
+  Buffer work = engine.memory().allocate(sizeof(float) * b.size * (kHidden + kClasses),
+                                         Tag::activation, "custom_trainer activations");
+  float* hidden = work.as<float>();  // host memory: this model runs on the cpu backend
+  float* prob = hidden + b.size * kHidden;
+  const double loss = forward(w, b, hidden, prob);
+
+  std::vector<double> dw2(kClasses * kHidden, 0.0), db2(kClasses, 0.0);
+  std::vector<double> dw1(kHidden * kInputs, 0.0), db1(kHidden, 0.0);
+  for (int s = 0; s < b.size; ++s) {
+    const float* h = hidden + s * kHidden;
+    double dlogit[kClasses];
+    for (int c = 0; c < kClasses; ++c)
+      dlogit[c] = (prob[s * kClasses + c] - (c == b.label[s] ? 1.0 : 0.0)) / b.size;
+    for (int c = 0; c < kClasses; ++c) {
+      db2[c] += dlogit[c];
+      for (int j = 0; j < kHidden; ++j) dw2[c * kHidden + j] += dlogit[c] * h[j];
+    }
+    for (int j = 0; j < kHidden; ++j) {
+      double dh = 0.0;
+      for (int c = 0; c < kClasses; ++c) dh += w.w2[c * kHidden + j] * dlogit[c];
+      const double du = dh * (1.0 - static_cast<double>(h[j]) * h[j]);
+      db1[j] += du;
+      for (int i = 0; i < kInputs; ++i) dw1[j * kInputs + i] += du * b.x[s * kInputs + i];
+    }
+  }
+  if (engine.is_active("output")) {
+    add_grad(engine, "fc2.bias", db2);
+    add_grad(engine, "fc2.weight", dw2);
+  }
+  if (engine.is_active("hidden")) {  // a frozen group takes no gradients (grad_slot would throw)
+    add_grad(engine, "fc1.bias", db1);
+    add_grad(engine, "fc1.weight", dw1);
+  }
+  return loss;
+}
+
+double evaluate(const Engine& engine, const WeightViews& views, const Batch& b) {
+  std::vector<float> hidden(static_cast<std::size_t>(b.size) * kHidden);
+  std::vector<float> prob(static_cast<std::size_t>(b.size) * kClasses);
+  return forward(views.read(engine), b, hidden.data(), prob.data());
+}
+
+EngineConfig make_config() {
+  EngineConfig config;
+  config.stage = 2;
+  config.dtype = DType::bf16;
+  config.gradient_accumulation_steps = kMicroBatches;
+  // Two stage-2 buckets of this many bytes each. The default (64 MiB) would dwarf this model;
+  // it must hold the largest param (fc1.weight: 512 bf16 = 1 KiB) or it is grown to it.
+  config.reduce_bucket_bytes = 2048;
+  config.gradient_clipping = 1.0;
+  config.optimizer.type = OptimizerType::adamw;
+  config.optimizer.lr = 0.02;
+  config.optimizer.weight_decay = 0.01;
+  return config;
+}
+
+void print_plan(const MemoryPlan& plan, const MemoryStats& stats) {
+  std::string line;
+  for (Tag t : kAllTags)
+    if (plan.of(t) != 0) line += fmt::format(" {} {}", tag_name(t), plan.of(t));
+  fmt::print("  plan():{}; total {} B\n", line, plan.total());
+  fmt::print("  stats: requested {} B, allocated {} B, reserved {} B\n", stats.requested.current,
+             stats.allocated.current, stats.reserved.current);
+}
+
+void run() {
+  const Backend backend = cpu_backend();
+  const EngineConfig config = make_config();
+  const Task task(7);
+  const Batch eval = task.sample(0, kEvalSamples);
+
+  run_ranks(
+      kRanks,
+      [&](int rank, Communicator& comm) {
+        MemorySpace space(rank, backend.make_allocator(rank));
+        Engine engine(config, comm, space, *backend.kernels);
+        declare(engine);
+        const MemoryPlan planned = engine.plan();  // what build() will allocate
+        engine.build(init);
+        require_stats_equal_plan(engine, "build()");
+        require(engine.memory_stats().requested.current == planned.total(),
+                "build() allocates what plan() said before it");
+        const bool log = rank == 0;
+        if (log) {
+          fmt::print("custom_trainer: {} ranks, ZeRO-{}, {}, {}, {} micro-batches of {}\n", kRanks,
+                     config.stage, dtype_name(config.dtype),
+                     optimizer_type_name(config.optimizer.type), kMicroBatches, kBatch);
+          fmt::print("after build (rank 0):\n");
+          print_plan(engine.plan(), engine.memory_stats());
+        }
+        const WeightViews views{engine.weight("fc1.weight"), engine.weight("fc1.bias"),
+                                engine.weight("fc2.weight"), engine.weight("fc2.bias")};
+
+        const double first_eval = evaluate(engine, views, eval);
+        if (log) fmt::print("before step 0: eval loss {:.4f}\n", first_eval);
+        double last_eval = first_eval;
+        std::vector<float> frozen_w1;
+        for (int step = 0; step < kSteps; ++step) {
+          if (step == kFreezeAt) {
+            // Keep a View of the fp32 master to show what happens to aliases of freed memory.
+            const View master = engine.master("hidden");
+            const std::int64_t before = engine.memory_stats().requested.current;
+            frozen_w1 = engine.read_weight("fc1.weight");
+            const std::size_t pinned = engine.deactivate("hidden", DeactivatePolicy::drop);
+            require_stats_equal_plan(engine, "deactivate(hidden, drop)");
+            require(pinned == 0, "no Pin holds the hidden group's memory");
+            require(master.stale(), "a View of a freed buffer is stale, not dangling");
+            require(!engine.is_active("hidden") && engine.group_step("hidden") == 0,
+                    "drop leaves the group frozen with its step count reset");
+            if (log) {
+              fmt::print("before step {}: deactivate(hidden, drop) freed {} B\n", step,
+                         before - engine.memory_stats().requested.current);
+              print_plan(engine.plan(), engine.memory_stats());
+            }
+            try {
+              (void)master.data<float>();
+              require(false, "reading through a stale View throws StaleView");
+            } catch (const StaleView& e) {
+              if (log) fmt::print("  reading the old master View: {}\n", e.what());
+            }
+          }
+          if (step == kThawAt) {
+            require(engine.read_weight("fc1.weight") == frozen_w1,
+                    "a frozen group's weights do not change");
+            const std::int64_t before = engine.memory_stats().requested.current;
+            engine.activate("hidden");
+            require_stats_equal_plan(engine, "activate(hidden)");
+            require(engine.group_step("hidden") == 0, "after drop a group restarts at step 0");
+            if (log) {
+              fmt::print("before step {}: activate(hidden) took {} B\n", step,
+                         engine.memory_stats().requested.current - before);
+              print_plan(engine.plan(), engine.memory_stats());
+            }
+          }
+
+          double loss = 0.0;
+          for (int micro = 0; micro < kMicroBatches; ++micro) {
+            const auto stream =
+                1 + (static_cast<std::uint64_t>(step) * kMicroBatches + micro) * kRanks +
+                static_cast<std::uint64_t>(rank);
+            loss += train_micro_batch(engine, views, task.sample(stream, kBatch));
+          }
+          const StepResult result = engine.step();
+          require(result.applied, fmt::format("step {} was applied (no Inf/NaN)", step));
+          require_stats_equal_plan(engine, fmt::format("step {}", step));
+          // A collective: every rank calls it.
+          loss = engine.sum_across_ranks(loss / kMicroBatches) / kRanks;
+          if (log && (step % 10 == 0 || step == kFreezeAt - 1 || step == kThawAt - 1 ||
+                      step == kSteps - 1)) {
+            last_eval = evaluate(engine, views, eval);
+            fmt::print(
+                "after step {:>2}: train loss {:.4f}  eval loss {:.4f}  grad norm {:.4f}  {}\n",
+                step, loss, last_eval, result.grad_norm,
+                engine.is_active("hidden") ? "both groups" : "hidden frozen");
+          }
+        }
+        last_eval = evaluate(engine, views, eval);  // the same weights on every rank
+        require(engine.group_step("output") == kSteps, "the output group stepped every step");
+        require(engine.group_step("hidden") == kSteps - kThawAt,
+                "the hidden group counts its steps since reactivation");
+        require(last_eval < kRequiredRatio * first_eval,
+                fmt::format("the eval loss fell from {:.4f} to {:.4f}, not below {} of it",
+                            first_eval, last_eval, kRequiredRatio));
+        if (log) {
+          const MemoryStats stats = engine.memory_stats();
+          fmt::print("peak requested {} B (activation peak {} B); {} Views, {} Pins live\n",
+                     stats.requested.peak, stats.tag(Tag::activation).requested.peak, stats.views,
+                     stats.pins);
+          fmt::print("custom_trainer: PASS: eval loss {:.4f} -> {:.4f}\n", first_eval, last_eval);
+        }
+      },
+      *backend.collectives);
+}
+
+}  // namespace
+
+int main() {
+  try {
+    run();
+    return 0;
+  } catch (const CheckFailed& e) {
+    std::fprintf(stderr, "custom_trainer: CHECK FAILED: %s\n", e.what());
+  } catch (const ConfigError& e) {
+    std::fprintf(stderr, "custom_trainer: bad input: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "custom_trainer: error: %s\n", e.what());
+  }
+  return 1;
+}
