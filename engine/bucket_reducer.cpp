@@ -91,7 +91,15 @@ void BucketReducer::flush() {
   const auto esize = static_cast<std::int64_t>(dtype_size(dtype_));
   const auto wire_size = static_cast<std::int64_t>(dtype_size(comm_dtype_));
   auto* bucket = buckets_[current_].as<std::byte>();
-  comm_.set_deferred(overlap_);
+  // One reduce per owner's piece, issued as one group so that they share the links the way a
+  // reduce-scatter does (one after another, each would carry its whole piece over every link).
+  struct Piece {
+    std::byte* data;  // in the bucket, or in the comm buffer when compressed
+    std::size_t count;
+    int root;
+    std::int64_t begin;
+  };
+  std::vector<Piece> pieces;
   for (const OwnedRange& piece : owners_of(group_->layout, lo_, hi_)) {
     const std::int64_t at = piece.begin - start_;
     std::byte* data = bucket + at * esize;
@@ -101,16 +109,25 @@ void BucketReducer::flush() {
       kernels_.cast(wire, comm_dtype_, data, dtype_, count);
       data = wire;
     }
-    try {
-      comm_.reduce(data, count, comm_dtype_, ReduceOp::sum, piece.rank);
-    } catch (...) {
-      comm_.set_deferred(false);
-      throw;
-    }
-    if (piece.rank == comm_.rank())
-      owed_.push_back(
-          {group_->grad.as<std::byte>() + (piece.begin - group_->shard.begin) * esize, data, count});
+    pieces.push_back({data, count, piece.rank, piece.begin});
   }
+  comm_.set_deferred(overlap_);
+  comm_.group_start();
+  try {
+    for (const Piece& p : pieces) comm_.reduce(p.data, p.count, comm_dtype_, ReduceOp::sum, p.root);
+    comm_.group_end();
+  } catch (...) {
+    try {
+      comm_.group_end();
+    } catch (...) {  // the first error is the one to report
+    }
+    comm_.set_deferred(false);
+    throw;
+  }
+  for (const Piece& p : pieces)
+    if (p.root == comm_.rank())
+      owed_.push_back(
+          {group_->grad.as<std::byte>() + (p.begin - group_->shard.begin) * esize, p.data, p.count});
   comm_.set_deferred(false);
   in_flight_ = true;  // even with nothing owed here: the bucket is read until the reduces end
   if (!overlap_) settle();

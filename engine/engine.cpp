@@ -116,14 +116,18 @@ std::vector<Group> plan_groups(const EngineConfig& config,
   return groups;
 }
 
-// Bucket capacity in elements: the configured bytes (of gradients), grown (with a warning) to
+// Bucket capacity in elements: the configured bytes (of gradients), capped at the largest group's
+// flat size (a bucket's window never leaves one group, so more would never be used: DeepSpeed's
+// default of 5e8 elements would otherwise cost 2 GB for any model), grown (with a warning) to
 // the largest param, and to at least one element per rank for the stage-1 compressed chunks.
 static std::int64_t bucket_capacity(const EngineConfig& config, const std::vector<Group>& groups,
                                     const std::vector<Param>& params, int world_size, bool warn) {
   const auto gsize = static_cast<std::int64_t>(dtype_size(config.grad_type()));
   std::int64_t capacity = static_cast<std::int64_t>(config.reduce_bucket_bytes) / gsize;
-  std::int64_t largest = 0;
+  std::int64_t largest = 0, largest_group = 0;
   std::string largest_name;
+  for (const auto& g : groups) largest_group = std::max(largest_group, g.layout.total_numel());
+  if (largest_group > 0) capacity = std::min(capacity, largest_group);
   for (const auto& g : groups)
     for (auto i : g.params)
       if (params[i].info.numel > largest) {

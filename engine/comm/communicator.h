@@ -51,6 +51,14 @@ class Communicator {
   /// before they return (in-process ranks) need neither, hence the no-op defaults.
   virtual void set_deferred(bool deferred) { (void)deferred; }
   virtual void join() {}
+
+  /// Collectives between group_start() and group_end() may run concurrently (NCCL launches them
+  /// as one): say, reduces of a bucket's pieces to their different owners, which then share the
+  /// links the way a reduce-scatter does instead of each taking its turn. Only sum and max
+  /// inside a group; barrier() is not allowed there. Groups do not nest. A no-op where
+  /// collectives complete as they are called.
+  virtual void group_start() {}
+  virtual void group_end() {}
 };
 
 /// The element work of in-process collectives on one backend's memory (host, or one GPU that all

@@ -119,6 +119,10 @@ class NcclCommunicator final : public Communicator {
   // element of an odd-sized out-of-place reduce_scatter unwritten with NCCL 2.28.3, one rank, on
   // the H200: tests/gpu/nccl_gpu_test.cpp caught it.)
   void average(ReduceOp op, void* data, std::size_t count, DType dtype) {
+    // The scale must follow the collective on our stream; in a group the collective is only
+    // queued at group_end(), so it would run before it.
+    if (op == ReduceOp::avg && in_group_)
+      throw ConfigError("NcclCommunicator: avg inside group_start()/group_end() is not supported");
     if (op == ReduceOp::avg && world_size_ > 1)
       scale_on_stream(data, count, dtype, 1.0 / world_size_, stream_);
   }
@@ -217,6 +221,21 @@ class NcclCommunicator final : public Communicator {
 
   void set_deferred(bool deferred) override { deferred_ = deferred; }
 
+  void group_start() override {
+    if (in_group_) throw ConfigError("NcclCommunicator::group_start: groups do not nest");
+    SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    SHARDSWAP_NCCL_CHECK(ncclGroupStart());
+    in_group_ = true;
+    grouped_ = 0;
+  }
+
+  void group_end() override {
+    if (!in_group_) throw ConfigError("NcclCommunicator::group_end without group_start");
+    in_group_ = false;
+    SHARDSWAP_NCCL_CHECK(ncclGroupEnd());  // queues the group's collectives on our stream
+    if (grouped_ > 0) end();
+  }
+
   void join() override {
     if (!unjoined_) return;
     SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
@@ -228,6 +247,7 @@ class NcclCommunicator final : public Communicator {
 
   void barrier() override {
     const auto call = [] { return std::string("NcclCommunicator::barrier()"); };
+    if (in_group_) throw ConfigError(call() + ": not allowed inside group_start()/group_end()");
     begin(call);
     SHARDSWAP_NCCL_CHECK(
         ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclFloat32, ncclSum, comm_, stream_));
@@ -275,6 +295,10 @@ class NcclCommunicator final : public Communicator {
   /// Orders the caller's later work after what was just queued on our stream, unless deferred
   /// (then join() does it).
   void end() {
+    if (in_group_) {
+      ++grouped_;  // the collective is queued at group_end(), which orders the caller after it
+      return;
+    }
     if (deferred_) {
       unjoined_ = true;
       return;
@@ -367,6 +391,8 @@ class NcclCommunicator final : public Communicator {
   float* barrier_scratch_ = nullptr;
   bool failed_ = false;  // NCCL reported an asynchronous error: abort instead of destroy
   bool deferred_ = false;  // set_deferred(true): end() leaves the caller's stream unordered
+  bool in_group_ = false;  // between group_start() and group_end()
+  int grouped_ = 0;        // collectives queued in the open group
   bool unjoined_ = false;  // collectives the caller's stream has not been ordered after yet
 };
 
