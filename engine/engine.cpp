@@ -169,7 +169,9 @@ MemoryPlan Engine::plan() const {
       add(Tag::optim_state, g.shard.numel() * 4 * slots);
     }
   }
-  const auto capacity = bucket_capacity(config_, planned, params, comm_.world_size(), false);
+  // After build the buckets exist: their size stays what build chose, whatever reform does.
+  const auto capacity = built ? impl_->capacity
+                              : bucket_capacity(config_, planned, params, comm_.world_size(), false);
   if (config_.stage == 2) add(Tag::grad, 2 * capacity * gsize);
   add(Tag::comm, kScalarBytes);
   if (config_.compressed())
