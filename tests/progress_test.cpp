@@ -96,16 +96,15 @@ TEST_CASE("terminal mode redraws one line in place with a bar and the ETA") {
   // The last draw: half done, 2 s a step, 5 steps left.
   const std::string last = drawn.substr(drawn.rfind('\r'));
   REQUIRE(last ==
-          "\r[############............]  50%  step 5/10  loss 0.4  tokens/s 5345  memory 5.50 MiB  "
-          "eta 0:00:10  elapsed 0:00:10\x1b[K");
+          "\r 50% [############............] 5/10  loss 0.4  5345 tok/s  5.50 MiB  eta 0:00:10  "
+          "elapsed 0:00:10\x1b[K");
 
   progress.update(sample(10), t0 + milliseconds(20000));
   progress.finish(t0 + milliseconds(20500));
   const std::string all = out.str();
   REQUIRE(all.back() == '\n');
   REQUIRE(count(all, "\n") == 1);
-  REQUIRE(
-      test::contains(all.substr(all.rfind('\r')), "[########################] 100%  step 10/10"));
+  REQUIRE(test::contains(all.substr(all.rfind('\r')), "100% [########################] 10/10"));
   REQUIRE(test::contains(all.substr(all.rfind('\r')), "eta 0:00:00  elapsed 0:00:21"));
 }
 
@@ -118,7 +117,7 @@ TEST_CASE("terminal mode redraws at most every min_redraw_seconds, and always th
   for (int step = 1; step <= 400; ++step)
     progress.update(sample(step), t0 + milliseconds(30 * step));
   REQUIRE(count(out.str(), "\r") == 1 + 99 + 1);
-  REQUIRE(test::contains(out.str().substr(out.str().rfind('\r')), "step 400/400"));
+  REQUIRE(test::contains(out.str().substr(out.str().rfind('\r')), " 400/400 "));
 }
 
 TEST_CASE("terminal mode prints a message on its own line and redraws the bar below it") {
@@ -138,8 +137,8 @@ TEST_CASE("terminal mode prints a message on its own line and redraws the bar be
   REQUIRE(test::contains(lines[0], "\r\x1b[Keval at step 2: val_loss 0.731"));
   REQUIRE(lines[0].substr(lines[0].rfind('\r')) == "\r\x1b[Keval at step 2: val_loss 0.731");
   // Below it the bar is back, then the next update redraws it.
-  REQUIRE(lines[1].starts_with(bar + "\r["));
-  REQUIRE(test::contains(lines[1], "step 3/8"));
+  REQUIRE(lines[1].starts_with(bar + "\r 38% ["));
+  REQUIRE(test::contains(lines[1], " 3/8 "));
 }
 
 TEST_CASE("a message before any bar is a plain line") {
@@ -160,8 +159,8 @@ TEST_CASE("a bar left on its line is ended when the reporter goes away") {
   REQUIRE(count(out.str(), "\n") == 1);
 }
 
-TEST_CASE("a narrow terminal gets a shorter bar, then a cut line, never a wrapped one") {
-  for (int columns : {120, 100, 80, 60, 30}) {
+TEST_CASE("a narrow terminal loses the least useful parts first, and the line never wraps") {
+  for (int columns : {200, 120, 100, 80, 60, 30}) {
     std::ostringstream out;
     const auto t0 = Clock::time_point{};
     ProgressReporter progress(out, {.total_steps = 12345, .terminal = true, .columns = columns},
@@ -172,9 +171,31 @@ TEST_CASE("a narrow terminal gets a shorter bar, then a cut line, never a wrappe
     const std::string visible = last.substr(0, last.size() - 3);  // without "\x1b[K"
     CAPTURE(columns, visible);
     REQUIRE(static_cast<int>(visible.size()) <= columns - 1);
-    REQUIRE(test::contains(visible, "step 1235/12345"));  // the cut takes the end of the line
-    if (columns >= 120) REQUIRE(visible.starts_with("["));
+    REQUIRE(visible.starts_with(" 10% "));
+    REQUIRE(test::contains(visible, "1235/12345"));
+    REQUIRE(test::contains(visible, "eta 3:05:10"));  // 1 s a step, 11110 steps left
+    if (columns >= 120) {
+      REQUIRE(test::contains(visible, "["));
+      REQUIRE(test::contains(visible, "1235.50 MiB"));
+      REQUIRE(test::contains(visible, "elapsed 0:00:02"));
+    }
+    if (columns <= 80) REQUIRE_FALSE(test::contains(visible, "MiB"));  // memory goes first
   }
+}
+
+TEST_CASE("a part left out to fit the terminal stays out, so the line does not flicker") {
+  std::ostringstream out;
+  const auto t0 = Clock::time_point{};
+  ProgressReporter progress(out, {.total_steps = 10, .terminal = true, .columns = 100}, t0);
+  // 110 columns with every part: the memory is left out.
+  progress.update({1, 1.2345678e-05, 1.5e6, std::int64_t{81234} * 1048576}, t0 + milliseconds(500));
+  REQUIRE_FALSE(test::contains(out.str(), "MiB"));
+  REQUIRE(test::contains(out.str(), "1.50M tok/s"));
+  // Every part would fit now (93 columns); the memory still stays out.
+  progress.update({2, 2.0, 5.0, 0}, t0 + milliseconds(1000));
+  const std::string last = out.str().substr(out.str().rfind('\r'));
+  REQUIRE(test::contains(last, "loss 2  5 tok/s  eta"));
+  REQUIRE_FALSE(test::contains(last, "MiB"));
 }
 
 TEST_CASE("format_hms writes h:mm:ss rounded to the second, and a placeholder when unknown") {

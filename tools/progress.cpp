@@ -16,7 +16,7 @@ namespace {
 
 constexpr std::string_view kClearToEnd = "\x1b[K";
 constexpr int kBarWidth = 24;
-constexpr int kMinBarWidth = 8;  // narrower than this a bar says nothing; the fields win
+constexpr int kMinBarWidth = 10;
 
 double seconds_between(ProgressReporter::Clock::time_point a,
                        ProgressReporter::Clock::time_point b) {
@@ -98,23 +98,39 @@ std::string ProgressReporter::fields(const ProgressSample& s, Clock::time_point 
                      format_hms(seconds_between(start_, now)));
 }
 
-std::string ProgressReporter::bar_line(const ProgressSample& s, Clock::time_point now) const {
+std::string ProgressReporter::bar_line(const ProgressSample& s, Clock::time_point now) {
   const double done =
       std::clamp(static_cast<double>(s.step) / static_cast<double>(options_.total_steps), 0.0, 1.0);
-  const std::string text = fmt::format("{:3.0f}%  {}", done * 100.0, fields(s, now));
-  int width = kBarWidth;
-  // A line wider than the terminal wraps, and "\r" then returns only to the last row: every
-  // redraw would leave a stale row behind. So the bar shrinks first, then the text is cut.
-  const int limit = options_.columns - 1;  // the last column would wrap on some terminals
-  if (options_.columns > 0) width = std::min(width, limit - static_cast<int>(text.size()) - 3);
+  // A line wider than the terminal wraps, and "\r" then returns only to its last row: every
+  // redraw would leave a stale row behind. So on a known width the bar takes a fixed share and
+  // parts are left out, least useful first, then the line is cut. A part left out stays out for
+  // the run: a line whose fields come and go as the loss gains a digit is harder to read.
+  const int limit = options_.columns > 0 ? options_.columns - 1 : 0;  // the last column may wrap
+  const int width = limit > 0 ? std::clamp(limit / 4, kMinBarWidth, kBarWidth) : kBarWidth;
+  const auto filled = static_cast<int>(std::floor(done * width));
+  struct Part {
+    std::string text;
+    int keep;  // left out once hidden_ >= keep
+    const char* gap = "  ";
+  };
+  const Part parts[] = {
+      {fmt::format("{:3.0f}%", done * 100.0), 9, ""},
+      {fmt::format("[{}{}]", std::string(filled, '#'), std::string(width - filled, '.')), 4, " "},
+      {fmt::format("{}/{}", s.step, options_.total_steps), 8, " "},
+      {fmt::format("loss {:.5g}", s.loss), 5},
+      {fmt::format("{} tok/s", compact(s.tokens_per_s)), 2},
+      {fmt::format("{:.2f} MiB", s.memory_bytes / 1048576.0), 1},
+      {fmt::format("eta {}", format_hms(step_time_.eta(options_.total_steps - s.step))), 6},
+      {fmt::format("elapsed {}", format_hms(seconds_between(start_, now))), 3}};
   std::string line;
-  if (width >= kMinBarWidth) {
-    const auto filled = static_cast<int>(std::floor(done * width));
-    line = fmt::format("[{}{}] ", std::string(filled, '#'), std::string(width - filled, '.'));
+  for (;;) {
+    line.clear();
+    for (const auto& p : parts)
+      if (p.keep > hidden_) line += (line.empty() ? "" : p.gap) + p.text;
+    if (limit == 0 || static_cast<int>(line.size()) <= limit || hidden_ >= 7) break;
+    ++hidden_;
   }
-  line += text;
-  if (options_.columns > 0 && static_cast<int>(line.size()) > limit)
-    line.resize(static_cast<std::size_t>(std::max(limit, 0)));
+  if (limit > 0 && static_cast<int>(line.size()) > limit) line.resize(limit);
   return line;
 }
 

@@ -89,7 +89,7 @@ class ProgressReporter {
 
  private:
   void draw(Clock::time_point now);
-  std::string bar_line(const ProgressSample& sample, Clock::time_point now) const;
+  std::string bar_line(const ProgressSample& sample, Clock::time_point now);
 
   std::ostream& out_;
   ProgressOptions options_;
@@ -100,6 +100,7 @@ class ProgressReporter {
   bool last_shown_ = false;        // the last sample's line is on screen / in the log
   bool bar_on_line_ = false;       // terminal: a bar without newline is the current line
   std::string drawn_;              // terminal: that bar, to redraw after a message
+  int hidden_ = 0;                 // terminal: parts left out to fit the width (see bar_line)
   Clock::time_point last_update_;  // of the previous update, for the step time
   Clock::time_point last_draw_;
 };
