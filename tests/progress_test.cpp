@@ -96,7 +96,7 @@ TEST_CASE("terminal mode redraws one line in place with a bar and the ETA") {
   // The last draw: half done, 2 s a step, 5 steps left.
   const std::string last = drawn.substr(drawn.rfind('\r'));
   REQUIRE(last ==
-          "\r 50% [############............] 5/10  loss 0.4  5345 tok/s  5.50 MiB  eta 0:00:10  "
+          "\r 50% [############............] 5/10  loss 0.4  5345 tokens/s  5.50 MiB  eta 0:00:10  "
           "elapsed 0:00:10\x1b[K");
 
   progress.update(sample(10), t0 + milliseconds(20000));
@@ -137,7 +137,7 @@ TEST_CASE("terminal mode prints a message on its own line and redraws the bar be
   REQUIRE(test::contains(lines[0], "\r\x1b[Keval at step 2: val_loss 0.731"));
   REQUIRE(lines[0].substr(lines[0].rfind('\r')) == "\r\x1b[Keval at step 2: val_loss 0.731");
   // Below it the bar is back, then the next update redraws it.
-  REQUIRE(lines[1].starts_with(bar + "\r 38% ["));
+  REQUIRE(lines[1].starts_with(bar + "\r 37% ["));  // 3/8 = 37.5%, rounded down
   REQUIRE(test::contains(lines[1], " 3/8 "));
 }
 
@@ -187,14 +187,14 @@ TEST_CASE("a part left out to fit the terminal stays out, so the line does not f
   std::ostringstream out;
   const auto t0 = Clock::time_point{};
   ProgressReporter progress(out, {.total_steps = 10, .terminal = true, .columns = 100}, t0);
-  // 110 columns with every part: the memory is left out.
+  // 113 columns with every part: the memory is left out.
   progress.update({1, 1.2345678e-05, 1.5e6, std::int64_t{81234} * 1048576}, t0 + milliseconds(500));
   REQUIRE_FALSE(test::contains(out.str(), "MiB"));
-  REQUIRE(test::contains(out.str(), "1.50M tok/s"));
-  // Every part would fit now (93 columns); the memory still stays out.
+  REQUIRE(test::contains(out.str(), "1.50M tokens/s"));
+  // Every part would fit now (96 columns); the memory still stays out.
   progress.update({2, 2.0, 5.0, 0}, t0 + milliseconds(1000));
   const std::string last = out.str().substr(out.str().rfind('\r'));
-  REQUIRE(test::contains(last, "loss 2  5 tok/s  eta"));
+  REQUIRE(test::contains(last, "loss 2  5 tokens/s  eta"));
   REQUIRE_FALSE(test::contains(last, "MiB"));
 }
 
@@ -261,4 +261,17 @@ TEST_CASE("the reporter refuses options that cannot work, naming them") {
                            ProgressReporter p(out, {.total_steps = 5, .smoothing = 1.5});
                          }),
                          "smoothing"));
+}
+
+TEST_CASE("the throughput is shown in the unit the caller names") {
+  std::ostringstream plain, terminal;
+  const auto t0 = Clock::time_point{};
+  ProgressReporter a(plain, {.total_steps = 2, .terminal = false, .throughput_unit = "samples/s"},
+                     t0);
+  ProgressReporter b(terminal, {.total_steps = 2, .terminal = true, .throughput_unit = "samples/s"},
+                     t0);
+  for (auto* p : {&a, &b}) p->update({2, 0.5, 2345.0, 1048576}, t0 + milliseconds(100));
+  REQUIRE(test::contains(plain.str(), "  samples/s 2345  "));
+  REQUIRE(test::contains(terminal.str(), "  2345 samples/s  "));
+  REQUIRE_FALSE(test::contains(plain.str() + terminal.str(), "tokens"));
 }

@@ -91,9 +91,9 @@ ProgressReporter::~ProgressReporter() {
 }
 
 std::string ProgressReporter::fields(const ProgressSample& s, Clock::time_point now) const {
-  return fmt::format("step {}/{}  loss {:.6g}  tokens/s {}  memory {:.2f} MiB  eta {}  elapsed {}",
-                     s.step, options_.total_steps, s.loss, compact(s.tokens_per_s),
-                     s.memory_bytes / 1048576.0,
+  return fmt::format("step {}/{}  loss {:.6g}  {} {}  memory {:.2f} MiB  eta {}  elapsed {}",
+                     s.step, options_.total_steps, s.loss, options_.throughput_unit,
+                     compact(s.throughput), s.memory_bytes / 1048576.0,
                      format_hms(step_time_.eta(options_.total_steps - s.step)),
                      format_hms(seconds_between(start_, now)));
 }
@@ -114,11 +114,11 @@ std::string ProgressReporter::bar_line(const ProgressSample& s, Clock::time_poin
     const char* gap = "  ";
   };
   const Part parts[] = {
-      {fmt::format("{:3.0f}%", done * 100.0), 9, ""},
+      {fmt::format("{:3.0f}%", std::floor(done * 100.0)), 9, ""},  // 99.5% is not done
       {fmt::format("[{}{}]", std::string(filled, '#'), std::string(width - filled, '.')), 4, " "},
       {fmt::format("{}/{}", s.step, options_.total_steps), 8, " "},
       {fmt::format("loss {:.5g}", s.loss), 5},
-      {fmt::format("{} tok/s", compact(s.tokens_per_s)), 2},
+      {fmt::format("{} {}", compact(s.throughput), options_.throughput_unit), 2},
       {fmt::format("{:.2f} MiB", s.memory_bytes / 1048576.0), 1},
       {fmt::format("eta {}", format_hms(step_time_.eta(options_.total_steps - s.step))), 6},
       {fmt::format("elapsed {}", format_hms(seconds_between(start_, now))), 3}};

@@ -40,7 +40,7 @@ class StepTimeAverage {
 struct ProgressSample {
   std::int64_t step = 0;  ///< steps completed, 1..total
   double loss = 0.0;
-  double tokens_per_s = 0.0;
+  double throughput = 0.0;        ///< per second, in ProgressOptions::throughput_unit
   std::int64_t memory_bytes = 0;  ///< shown in MiB
 };
 
@@ -53,6 +53,9 @@ struct ProgressOptions {
   double min_redraw_seconds = 0.1;  ///< terminal: at most 10 redraws a second
   int columns = 0;                  ///< terminal width (terminal_columns()); 0: not shortened
   double smoothing = 0.05;          ///< StepTimeAverage weight of the ETA
+  /// What `throughput` counts: "tokens/s" for a language model, "samples/s" for the built-in
+  /// regression model, which has no tokens.
+  std::string throughput_unit = "tokens/s";
 };
 
 /// Reports progress to one stream. Not thread-safe: one thread (rank 0) calls it.
