@@ -360,3 +360,16 @@ TEST_CASE("plot draws an SVG with every series and removes its temporary files")
   REQUIRE(dir.names() == std::vector<std::string>{"run.svg"});
   REQUIRE(tmp.names().empty());
 }
+
+TEST_CASE("a series with no step, or with a series of the wrong length, is refused") {
+  MetricsSeries s;
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { gnuplot_script(s, PlotFormat::svg); }),
+                         "no step"));
+  s.steps = {1, 2, 3};
+  s.loss = {0.5, 0.4, 0.3};
+  s.memory = {{"grad", {1.0, 2.0}}};
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { gnuplot_script(s, PlotFormat::svg); }),
+                         "3 steps"));
+  s.memory[0].mib.push_back(3.0);
+  REQUIRE(test::contains(gnuplot_script(s, PlotFormat::svg), "title 'grad'"));
+}

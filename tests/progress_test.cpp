@@ -207,6 +207,7 @@ TEST_CASE("format_hms writes h:mm:ss rounded to the second, and a placeholder wh
   REQUIRE(format_hms(-1.0) == "-:--:--");
   REQUIRE(format_hms(std::nan("")) == "-:--:--");
   REQUIRE(format_hms(HUGE_VAL) == "-:--:--");
+  REQUIRE(format_hms(1e300) == ">1e14s");  // no int64 overflow
 }
 
 TEST_CASE("the step time average matches a step-by-step float64 moving average on random data") {

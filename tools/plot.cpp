@@ -195,9 +195,20 @@ bool all_positive(const MetricsSeries& s) {
   return any;
 }
 
+// A series built by hand (not by read_metrics) must still index safely.
+void check_shape(const MetricsSeries& s) {
+  if (s.steps.empty()) throw ConfigError("plot: no step to draw");
+  bool ok = s.loss.size() == s.steps.size();
+  for (const auto& m : s.memory) ok = ok && m.mib.size() == s.steps.size();
+  if (!ok)
+    throw ConfigError(
+        fmt::format("plot: every series needs one value per step ({} steps)", s.steps.size()));
+}
+
 }  // namespace
 
 void write_plot_data(const MetricsSeries& s, const std::string& folder) {
+  check_shape(s);
   const auto write = [&](const char* name, const auto& fill) {
     const auto path = fs::path(folder) / name;
     std::ofstream f(path);
@@ -222,6 +233,7 @@ void write_plot_data(const MetricsSeries& s, const std::string& folder) {
 }
 
 std::string gnuplot_script(const MetricsSeries& s, PlotFormat format) {
+  check_shape(s);
   const auto [lo, hi] = std::minmax_element(s.steps.begin(), s.steps.end());
   // One x range for both panels, so that a step sits at the same column in each.
   const double x0 = static_cast<double>(*lo) - (*lo == *hi ? 1.0 : 0.0);

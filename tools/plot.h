@@ -51,6 +51,8 @@ PlotFormat plot_format(const std::string& out_path);
 
 /// The gnuplot script for `series`. It reads ARG1 (the output file), ARG2 (the folder of the data
 /// files write_plot_data wrote) and ARG3 (the title), so no path is ever quoted into it.
+/// Both throw ConfigError for a series with no step, or with a loss or memory series whose
+/// length is not the number of steps.
 std::string gnuplot_script(const MetricsSeries& series, PlotFormat format);
 /// Writes the data files gnuplot_script reads into `folder`.
 void write_plot_data(const MetricsSeries& series, const std::string& folder);

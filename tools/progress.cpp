@@ -50,7 +50,7 @@ const ProgressOptions& checked(const ProgressOptions& o) {
 
 std::string format_hms(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0.0) return "-:--:--";
-  // Beyond ~3e14 s the count no longer fits; no run lasts that long, but the line must not lie.
+  // llround is undefined past the int64 range; an ETA from an absurd step time must not reach it.
   if (seconds > 1e14) return ">1e14s";
   const auto total = static_cast<std::int64_t>(std::llround(seconds));
   return fmt::format("{}:{:02}:{:02}", total / 3600, total / 60 % 60, total % 60);
