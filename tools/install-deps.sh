@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages ShardSwap builds against, only those missing (idempotent).
+# gnuplot-nox draws `shardswap plot`; its CLI tests need it.
 set -euo pipefail
 packages=(build-essential cmake ninja-build libeigen3-dev libspdlog-dev libfmt-dev
-          nlohmann-json3-dev catch2 libopenmpi-dev)
+          nlohmann-json3-dev catch2 libopenmpi-dev gnuplot-nox)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -10,6 +10,7 @@
 #include "memory/error.h"
 #include "tools/bench_optimizer.h"
 #include "tools/bench_switch.h"
+#include "tools/plot.h"
 #include "tools/train.h"
 
 namespace {
@@ -29,6 +30,11 @@ constexpr const char* kUsage = R"(usage:
           the fused AdamW shard update against the copy bandwidth of the same run
   bench switch
           the time of a layer switch against the bytes it touches over the copy bandwidth
+
+  shardswap plot METRICS --out FILE.png|FILE.svg
+
+  plot    draws loss and val_loss, and memory by tag (MiB), against the step from a
+          train --metrics file, layer switches marked; needs gnuplot (package gnuplot-nox)
 )";
 
 struct BadUsage : std::runtime_error {
@@ -92,6 +98,8 @@ int main(int argc, char** argv) {
       return shardswap::bench_optimizer({args.begin() + 2, args.end()}, std::cout);
     if (args[0] == "bench" && args.size() > 1 && args[1] == "switch")
       return shardswap::bench_switch({args.begin() + 2, args.end()}, std::cout);
+    if (args[0] == "plot")
+      return shardswap::plot_command({args.begin() + 1, args.end()}, std::cout);
     throw BadUsage(fmt::format("unknown command '{}'", args[0]));
   } catch (const BadUsage& e) {
     std::cerr << "shardswap: " << e.what() << "\n" << kUsage;

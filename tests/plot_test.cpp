@@ -1,0 +1,375 @@
+// `shardswap plot`: the series read from a metrics file, the errors that name the file and the
+// line, and the drawing (through gnuplot) that never leaves a half-written file behind.
+#include <fmt/format.h>
+#include <stdlib.h>
+#include <unistd.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "memory/error.h"
+#include "tests/catch_compat.h"
+#include "tools/plot.h"
+
+using namespace shardswap;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr double kMiB = 1048576.0;
+
+// A folder of the test's own, removed with its contents.
+class ScratchFolder {
+ public:
+  ScratchFolder() {
+    auto pattern = (fs::temp_directory_path() / "shardswap-plot-test-XXXXXX").string();
+    REQUIRE(mkdtemp(pattern.data()) != nullptr);
+    path_ = pattern;
+  }
+  ~ScratchFolder() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+  const fs::path& path() const { return path_; }
+  std::vector<std::string> names() const {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(path_)) names.push_back(e.path().filename());
+    return names;
+  }
+
+ private:
+  fs::path path_;
+};
+
+void write_file(const fs::path& path, const std::string& text) {
+  std::ofstream f(path);
+  f << text;
+  REQUIRE(f.good());
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// What the generator put into the file, kept apart from the JSON it wrote.
+struct Expected {
+  std::vector<std::int64_t> steps;
+  std::vector<double> loss;  // NaN: written as null or left out
+  std::vector<std::pair<std::int64_t, double>> val_loss;
+  std::vector<std::string> memory_names;
+  std::vector<std::vector<double>> memory_mib;  // per name, per line
+  std::vector<std::int64_t> switch_steps;
+};
+
+// A metrics file as `shardswap train --metrics` writes it, random values, with the cases the
+// reader must get right: null grad_norm and loss, switch events, val_loss on some steps, a tag
+// always zero (activation, and 'other' which is missing at first), an unknown tag appearing
+// midway, a line without memory_bytes, unknown keys, a blank line.
+std::pair<std::string, Expected> random_metrics(std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const auto uniform = [&](double lo, double hi) {
+    return std::uniform_real_distribution<double>(lo, hi)(rng);
+  };
+  const auto bytes = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
+  const int lines = 73;
+  const std::int64_t first_step = 101;
+  const std::int64_t param16 = bytes(1 << 20, 1 << 24);
+  Expected e;
+  e.memory_names = {"param16", "grad", "master32", "optim_state", "comm", "kv_cache", "total"};
+  e.memory_mib.assign(e.memory_names.size(), {});
+  std::string text;
+  for (int i = 0; i < lines; ++i) {
+    const std::int64_t step = first_step + i;
+    const bool overflow = uniform(0, 1) < 0.1;
+    const double loss = uniform(0.01, 5.0);
+    nlohmann::json line = {
+        {"step", step},
+        {"grad_norm", overflow ? nlohmann::json() : nlohmann::json(uniform(0.1, 9.0))},
+        {"skipped", overflow},
+        {"lr", uniform(1e-5, 1e-2)},
+        {"loss_scale", 65536.0},
+        {"tokens_per_s", uniform(1e3, 1e6)},
+        {"active_groups", {"input", "head"}},
+        {"unknown_key", {{"a", {1, 2}}}}};
+    if (i % 17 == 5)
+      line["loss"] = nullptr;
+    else if (i % 23 != 7)
+      line["loss"] = loss;
+    e.steps.push_back(step);
+    e.loss.push_back(i % 17 == 5 || i % 23 == 7 ? std::nan("") : loss);
+    if (uniform(0, 1) < 0.15) {
+      const double v = uniform(0.01, 5.0);
+      line["val_loss"] = v;
+      e.val_loss.emplace_back(step, v);
+    }
+    if (i > 0 && uniform(0, 1) < 0.08) {
+      line["switch"] = {{"in", {"layers.3"}},
+                        {"out", {"layers.1"}},
+                        {"bytes_freed", bytes(1, 1 << 20)},
+                        {"bytes_allocated", bytes(1, 1 << 20)},
+                        {"seconds", uniform(1e-4, 1e-2)}};
+      e.switch_steps.push_back(step);
+    }
+    if (i == 40) {  // no memory_bytes at all: a gap in every memory line
+      for (auto& column : e.memory_mib) column.push_back(std::nan(""));
+    } else {
+      const std::int64_t kv = i >= 30 ? bytes(1, 1 << 22) : 0;
+      const std::vector<std::int64_t> v = {param16, bytes(1, 1 << 22), bytes(1, 1 << 22),
+                                           bytes(1, 1 << 23), bytes(0, 64)};
+      nlohmann::json memory = {{"param16", v[0]},
+                               {"grad", v[1]},
+                               {"master32", v[2]},
+                               {"optim_state", v[3]},
+                               {"comm", v[4]},
+                               {"activation", 0},
+                               {"note", "not a number: tolerated, not drawn"}};
+      if (i >= 10) memory["other"] = 0;
+      if (i >= 30) memory["kv_cache"] = kv;
+      const std::int64_t total = v[0] + v[1] + v[2] + v[3] + v[4] + kv;
+      memory["total"] = total;
+      memory["peak"] = total + bytes(0, 1000);
+      line["memory_bytes"] = memory;
+      for (int k = 0; k < 5; ++k) e.memory_mib[k].push_back(v[k] / kMiB);
+      e.memory_mib[5].push_back(i >= 30 ? kv / kMiB : std::nan(""));
+      e.memory_mib[6].push_back(total / kMiB);
+    }
+    text += line.dump() + "\n";
+    if (i == 20) text += "\n";
+  }
+  return {text, e};
+}
+
+// Equal, NaN matching NaN.
+bool same(double a, double b) {
+  return (std::isnan(a) && std::isnan(b)) || a == b;
+}
+
+std::string config_error(const std::string& text) {
+  std::istringstream in(text);
+  return test::message_of<ConfigError>([&] { read_metrics(in, "bad.jsonl"); });
+}
+
+MetricsSeries sample_series() {
+  return read_metrics_file(SHARDSWAP_TEST_DIR "/data/metrics-sample.jsonl");
+}
+
+// Sets TMPDIR for the scope: plot_metrics' temporary folder is then easy to find, or to miss.
+class TmpdirOverride {
+ public:
+  explicit TmpdirOverride(const fs::path& dir) {
+    if (const char* old = getenv("TMPDIR")) old_ = old;
+    setenv("TMPDIR", dir.c_str(), 1);
+  }
+  ~TmpdirOverride() {
+    if (old_)
+      setenv("TMPDIR", old_->c_str(), 1);
+    else
+      unsetenv("TMPDIR");
+  }
+
+ private:
+  std::optional<std::string> old_;
+};
+
+}  // namespace
+
+TEST_CASE("plot reads steps, loss, val_loss, memory by tag and switches from a metrics file") {
+  for (std::uint64_t seed : {1, 2, 3}) {
+    const auto [text, e] = random_metrics(seed);
+    std::istringstream in(text);
+    const MetricsSeries s = read_metrics(in, "random.jsonl");
+    CAPTURE(seed);
+    REQUIRE(s.steps == e.steps);
+    REQUIRE(s.loss.size() == e.loss.size());
+    for (std::size_t i = 0; i < e.loss.size(); ++i) REQUIRE(same(s.loss[i], e.loss[i]));
+    REQUIRE(s.val_loss == e.val_loss);
+    REQUIRE(s.switch_steps == e.switch_steps);
+    REQUIRE_FALSE(e.switch_steps.empty());  // the seeds were picked to hold switches
+    REQUIRE(s.memory.size() == e.memory_names.size());
+    for (std::size_t k = 0; k < e.memory_names.size(); ++k) {
+      CAPTURE(e.memory_names[k]);
+      REQUIRE(s.memory[k].name == e.memory_names[k]);
+      REQUIRE(s.memory[k].mib.size() == e.steps.size());
+      for (std::size_t i = 0; i < e.steps.size(); ++i)
+        REQUIRE(same(s.memory[k].mib[i], e.memory_mib[k][i]));
+    }
+  }
+}
+
+TEST_CASE("plot reads the committed sample, its null grad_norm and switches included") {
+  const auto s = sample_series();
+  REQUIRE(s.steps.size() == 40);
+  REQUIRE(s.switch_steps == std::vector<std::int64_t>{11, 21, 31});
+  REQUIRE(s.val_loss.size() == 4);
+  REQUIRE(s.memory.back().name == "total");
+  REQUIRE(s.memory.back().mib[0] == 838296 / kMiB);  // step 1's total, from the file
+}
+
+TEST_CASE("a line with only a step is read with gaps, not refused") {
+  std::istringstream in(R"({"step": 5}
+{"step": 6, "loss": 0.5, "memory_bytes": {"grad": 2097152, "total": 3145728}})");
+  const auto s = read_metrics(in, "sparse.jsonl");
+  REQUIRE(s.steps == std::vector<std::int64_t>{5, 6});
+  REQUIRE(std::isnan(s.loss[0]));
+  REQUIRE(s.loss[1] == 0.5);
+  REQUIRE(s.memory.size() == 2);
+  REQUIRE(s.memory[0].name == "grad");
+  REQUIRE(std::isnan(s.memory[0].mib[0]));
+  REQUIRE(s.memory[0].mib[1] == 2.0);
+  REQUIRE(s.memory[1].mib[1] == 3.0);
+}
+
+TEST_CASE("a malformed metrics line is refused naming the file and the line") {
+  const std::string good = R"({"step": 1, "loss": 0.5})";
+  REQUIRE(
+      test::contains(config_error(good + "\n" + good + "\n{\"step\": 3,\n"), "bad.jsonl line 3"));
+  REQUIRE(test::contains(config_error(good + "\n[1, 2]\n"),
+                         "bad.jsonl line 2: expected a JSON object"));
+  const auto no_step = config_error(R"({"loss": 1.0})");
+  REQUIRE(test::contains(no_step, "bad.jsonl line 1"));
+  REQUIRE(test::contains(no_step, "'step'"));
+  REQUIRE(test::contains(config_error(R"({"step": 1.5})"), "'step' must be an integer"));
+  REQUIRE(test::contains(config_error(R"({"step": 1, "loss": "low"})"), "'loss'"));
+  REQUIRE(test::contains(config_error(R"({"step": 1, "val_loss": [1]})"), "'val_loss'"));
+  REQUIRE(test::contains(config_error(R"({"step": 1, "memory_bytes": 5})"), "'memory_bytes'"));
+  REQUIRE(test::contains(config_error(R"({"step": 1, "memory_bytes": {"grad": "x"}})"),
+                         "'memory_bytes.grad'"));
+  REQUIRE(test::contains(config_error(R"({"step": 1, "switch": true})"), "'switch'"));
+}
+
+TEST_CASE("a missing, unreadable or empty metrics file is refused naming it") {
+  ScratchFolder dir;
+  const auto missing = (dir / "missing.jsonl").string();
+  REQUIRE(
+      test::contains(test::message_of<ConfigError>([&] { read_metrics_file(missing); }), missing));
+  REQUIRE(
+      test::contains(test::message_of<ConfigError>([&] { read_metrics_file(dir.path().string()); }),
+                     "is a directory"));
+  write_file(dir / "empty.jsonl", "\n\n");
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([&] { read_metrics_file((dir / "empty.jsonl").string()); }),
+      "empty.jsonl' holds no step"));
+}
+
+TEST_CASE("--out must end in .png or .svg") {
+  REQUIRE(plot_format("run/loss.png") == PlotFormat::png);
+  REQUIRE(plot_format("LOSS.SVG") == PlotFormat::svg);
+  for (const char* bad : {"loss.pdf", "loss", "png", "loss.png.txt"})
+    REQUIRE(test::contains(test::message_of<ConfigError>([&] { plot_format(bad); }), "--out"));
+}
+
+TEST_CASE("the script marks every switch in both panels and draws each non-zero tag") {
+  const auto [text, e] = random_metrics(4);
+  std::istringstream in(text);
+  const auto s = read_metrics(in, "random.jsonl");
+  const std::string script = gnuplot_script(s, PlotFormat::svg);
+  for (std::int64_t step : e.switch_steps)
+    REQUIRE(test::contains(script,
+                           fmt::format("set arrow from first {0}, graph 0 to first {0}", step)));
+  // Set before the first panel and never unset: both panels show them.
+  REQUIRE_FALSE(test::contains(script, "unset arrow"));
+  for (const auto& name : e.memory_names)
+    REQUIRE(test::contains(script, fmt::format("title '{}'", name)));
+  for (const char* absent : {"title 'activation'", "title 'other'", "title 'peak'", "note"})
+    REQUIRE_FALSE(test::contains(script, absent));
+  REQUIRE(test::contains(script, "title 'val_loss'"));
+}
+
+TEST_CASE("a tag name cannot break out of the script's quotes") {
+  std::istringstream in(R"({"step": 1, "loss": 1, "memory_bytes": {"it's\n": 1048576}})");
+  const auto script = gnuplot_script(read_metrics(in, "odd.jsonl"), PlotFormat::png);
+  REQUIRE(test::contains(script, "title 'it''s '\n"));
+}
+
+TEST_CASE("a missing gnuplot is reported naming the package to install, and nothing is written") {
+  ScratchFolder dir;
+  const auto out = dir / "loss.svg";
+  PlotOptions options;
+  options.gnuplot = "shardswap-test-no-such-gnuplot";
+  const auto message =
+      test::message_of<ToolNotFound>([&] { plot_metrics(sample_series(), out, options); });
+  REQUIRE(test::contains(message, "gnuplot-nox"));
+  REQUIRE(dir.names().empty());
+}
+
+TEST_CASE("a failing gnuplot leaves an existing output as it was") {
+  ScratchFolder dir;
+  const auto out = dir / "loss.png";
+  write_file(out, "the previous plot");
+  PlotOptions options;
+  options.gnuplot = "false";  // exits 1
+  bool config_error = false;
+  try {
+    plot_metrics(sample_series(), out, options);
+    FAIL("plot_metrics did not throw");
+  } catch (const ConfigError&) {
+    config_error = true;
+  } catch (const Error& e) {
+    REQUIRE(test::contains(e.what(), "exited with status 1"));
+  }
+  REQUIRE_FALSE(config_error);  // not bad input: the CLI exits 1
+  REQUIRE(read_file(out) == "the previous plot");
+  REQUIRE(dir.names() == std::vector<std::string>{"loss.png"});
+}
+
+TEST_CASE("a gnuplot that exits 0 without drawing is an error") {
+  ScratchFolder dir;
+  PlotOptions options;
+  options.gnuplot = "true";
+  REQUIRE(test::contains(
+      test::message_of<Error>([&] { plot_metrics(sample_series(), dir / "x.svg", options); }),
+      "wrote nothing"));
+  REQUIRE(dir.names().empty());
+}
+
+TEST_CASE("--out in a folder that does not exist is bad input naming --out") {
+  ScratchFolder dir;
+  const auto out = (dir / "no/such/folder/loss.svg").string();
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { plot_metrics(sample_series(), out); }),
+                         "--out"));
+}
+
+// Runs the installed gnuplot (tools/install-deps.sh installs it).
+TEST_CASE("plot draws an SVG with every series and removes its temporary files") {
+  ScratchFolder dir, tmp;
+  const TmpdirOverride temp_here(tmp.path());
+  const auto out = dir / "run.svg";
+  const auto s = sample_series();
+  plot_metrics(s, out.string());
+  const std::string svg = read_file(out);
+  REQUIRE(svg.starts_with("<?xml"));
+  REQUIRE(test::contains(svg, "</svg>"));
+  for (const char* name : {">loss<", ">val_loss<", ">layer switch<", ">param16<", ">grad<",
+                           ">master32<", ">optim_state<", ">activation<", ">total<"})
+    REQUIRE(test::contains(svg, name));
+  REQUIRE_FALSE(test::contains(svg, ">other<"));  // zero throughout
+  REQUIRE(dir.names() == std::vector<std::string>{"run.svg"});
+  REQUIRE(tmp.names().empty());
+}
+
+TEST_CASE("a series with no step, or with a series of the wrong length, is refused") {
+  MetricsSeries s;
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { gnuplot_script(s, PlotFormat::svg); }),
+                         "no step"));
+  s.steps = {1, 2, 3};
+  s.loss = {0.5, 0.4, 0.3};
+  s.memory = {{"grad", {1.0, 2.0}}};
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { gnuplot_script(s, PlotFormat::svg); }),
+                         "3 steps"));
+  s.memory[0].mib.push_back(3.0);
+  REQUIRE(test::contains(gnuplot_script(s, PlotFormat::svg), "title 'grad'"));
+}
