@@ -1,8 +1,18 @@
+// Policy for a DeepSpeed config in ShardSwap: a key ShardSwap implements means what it means in
+// DeepSpeed; a value ShardSwap cannot honour and that would change the numbers (ZeRO-3, amsgrad)
+// is an error; a setting it cannot honour but whose result is the same (reduce_scatter false,
+// offload, logging) is a warning; "auto" takes ShardSwap's default with a warning. Unread keys of
+// ShardSwap's own sections are errors.
 #include "engine/config_json.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
+#include <optional>
+#include <string_view>
 
 #include "memory/error.h"
 
@@ -10,78 +20,414 @@ namespace shardswap {
 
 namespace {
 
-EngineConfig read(ConfigReader& c) {
-  EngineConfig cfg;
-  const bool bf16 = c.boolean("bf16.enabled", false);
+// DeepSpeed keys ShardSwap knows and does not implement, with what it does instead. A key ending
+// in '*' stands for every key it begins (one warning per such key). A leaf below a listed key
+// belongs to it: the whole sub-object is one warning.
+struct KnownKey {
+  std::string_view key;
+  std::string_view instead;
+};
+
+constexpr std::string_view kNoOffload =
+    "ShardSwap keeps params, fp32 master and optimizer state on the training device";
+constexpr std::string_view kMetrics =
+    "use `shardswap train --metrics FILE` (one JSON line per step)";
+constexpr std::string_view kNoZero3 = "a ZeRO-3 setting; ShardSwap implements stages 1 and 2";
+
+constexpr KnownKey kUnimplemented[] = {
+    {"steps_per_print", "progress lines come every logging.interval steps"},
+    {"wall_clock_breakdown", kMetrics},
+    {"memory_breakdown", "use `shardswap train --memory-report`"},
+    {"dump_state", "not implemented"},
+    {"flops_profiler", kMetrics},
+    {"tensorboard", kMetrics},
+    {"wandb", kMetrics},
+    {"csv_monitor", kMetrics},
+    {"comet", kMetrics},
+    {"comms_logger", kMetrics},
+    {"timers", kMetrics},
+    {"activation_checkpointing", "activation memory is the model's business, not the engine's"},
+    {"prescale_gradients",
+     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the update"},
+    {"gradient_predivide_factor",
+     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the update"},
+    {"sparse_gradients", "gradients are dense"},
+    {"amp", "mixed precision is bf16.enabled or fp16.enabled"},
+    {"zero_allow_untested_optimizer", "every ShardSwap optimizer is sharded"},
+    {"zero_force_ds_cpu_optimizer", kNoOffload},
+    {"disable_allgather", "updated shards are always all-gathered"},
+    {"sparse_attention", "not implemented"},
+    {"elasticity", "not implemented"},
+    {"autotuning", "not implemented"},
+    {"data_efficiency", "not implemented"},
+    {"curriculum_learning", "not implemented"},
+    {"compression_training", "not implemented"},
+    {"quantize_training", "not implemented"},
+    {"weight_quantization", "not implemented"},
+    {"progressive_layer_drop", "layer switching is configured in layer_switching"},
+    {"eigenvalue", "not implemented"},
+    {"pipeline", "ShardSwap is data-parallel only"},
+    {"hybrid_engine", "not implemented"},
+    {"aio", kNoOffload},
+    {"nebula", "not implemented"},
+    {"compile", "not implemented"},
+    {"dataloader_drop_last", "ShardSwap's built-in data is generated per step"},
+    {"seq_parallel_comm_data_type", "ShardSwap is data-parallel only"},
+    {"use_data_before_expert_parallelism", "ShardSwap is data-parallel only"},
+    {"checkpoint.tag_validation", "checkpoints are not implemented yet"},
+    {"checkpoint.load_universal", "checkpoints are not implemented yet"},
+    {"checkpoint.use_node_local_storage", "checkpoints are not implemented yet"},
+    {"checkpoint.parallel_write", "checkpoints are not implemented yet"},
+    {"optimizer.legacy_fusion", "ShardSwap's update is always one fused pass per shard"},
+    {"optimizer.params.torch_adam",
+     "ShardSwap runs its own fused kernel; the update rule is the same"},
+    {"optimizer.params.set_grad_none", "gradient buffers are owned by the engine"},
+    {"bf16.immediate_grad_update", "not implemented"},
+    {"fp16.auto_cast", "inputs are the model's business, not the engine's"},
+    {"fp16.fp16_master_weights_and_grads", "master weights are always fp32"},
+    {"zero_optimization.offload_optimizer", kNoOffload},
+    {"zero_optimization.offload_param", kNoOffload},
+    {"zero_optimization.cpu_offload", kNoOffload},
+    {"zero_optimization.cpu_offload_param", kNoOffload},
+    {"zero_optimization.cpu_offload_params", kNoOffload},
+    {"zero_optimization.cpu_offload_use_pin_memory", kNoOffload},
+    {"zero_optimization.sub_group_size", kNoZero3},
+    {"zero_optimization.stage3_*", kNoZero3},
+    {"zero_optimization.zero_hpz_partition_size", kNoZero3},
+    {"zero_optimization.zero_quantized_weights", kNoZero3},
+    {"zero_optimization.zero_quantized_nontrainable_weights", kNoZero3},
+    {"zero_optimization.zero_quantized_gradients", "gradients travel in communication_data_type"},
+    {"zero_optimization.zeropp_loco_param", "gradients travel in communication_data_type"},
+    {"zero_optimization.mics_shard_size", kNoZero3},
+    {"zero_optimization.mics_hierarchical_params_gather", kNoZero3},
+    {"zero_optimization.memory_efficient_linear", kNoZero3},
+    {"zero_optimization.module_granularity_threshold", kNoZero3},
+    {"zero_optimization.use_all_reduce_for_fetch_params", kNoZero3},
+    {"zero_optimization.pipeline_loading_checkpoint", kNoZero3},
+    {"zero_optimization.override_module_apply", kNoZero3},
+    {"zero_optimization.log_trace_cache_warnings", kNoZero3},
+    {"zero_optimization.ignore_unused_parameters", "every declared param gets a gradient slot"},
+    {"zero_optimization.legacy_stage1", "stage 1 has one implementation"},
+    {"zero_optimization.elastic_checkpoint", "checkpoints are not implemented yet"},
+    {"zero_optimization.load_from_fp32_weights", "checkpoints are not implemented yet"},
+    {"zero_optimization.use_multi_rank_bucket_allreduce",
+     "stage-2 gradients are reduce-scattered in buckets"},
+};
+
+// The known key that `leaf` is (or lies under), spelt as in the config; empty if none.
+std::string known_key_of(std::string_view leaf, const KnownKey** entry) {
+  for (const auto& k : kUnimplemented) {
+    std::string_view key = k.key;
+    if (key.back() == '*') {
+      key.remove_suffix(1);
+      if (leaf.substr(0, key.size()) != key) continue;
+      // The whole key at that level: "zero_optimization.stage3_max_live_parameters".
+      const auto end = leaf.find_first_of(".[", key.size());
+      *entry = &k;
+      return std::string(leaf.substr(0, end));
+    }
+    if (leaf == key || (leaf.size() > key.size() && leaf.substr(0, key.size()) == key &&
+                        (leaf[key.size()] == '.' || leaf[key.size()] == '['))) {
+      *entry = &k;
+      return std::string(key);
+    }
+  }
+  return {};
+}
+
+std::string did_you_mean(const ConfigReader& c, const std::string& key) {
+  const auto guess = c.closest_read_key(key);
+  return guess ? fmt::format(" (did you mean '{}'?)", *guess) : std::string();
+}
+
+// An integer key that ends up in an int: range-checked before the cast, so 1e12 is an error, not
+// a wrapped negative.
+int bounded_int(ConfigReader& c, std::string_view key, std::int64_t fallback, std::int64_t lo,
+                std::int64_t hi = INT_MAX) {
+  const auto v = c.integer(key, fallback);
+  if (v < lo || v > hi) c.fail(key, fmt::format("= {} must lie in [{}, {}]", v, lo, hi));
+  return static_cast<int>(v);
+}
+
+// A DeepSpeed bucket size in elements of `type`, as bytes.
+std::size_t bucket_bytes(ConfigReader& c, std::string_view key, DType type) {
+  constexpr std::int64_t kMaxElements = std::int64_t{1} << 40;
+  const auto elements = c.integer(key, 500'000'000);
+  if (elements < 1) c.fail(key, fmt::format("= {} must be >= 1 (it counts elements)", elements));
+  if (elements > kMaxElements)
+    c.fail(key, fmt::format("= {} elements is more than 2^40", elements));
+  return static_cast<std::size_t>(elements) * dtype_size(type);
+}
+
+// A switch whose DeepSpeed default is the only behaviour ShardSwap has: the other value is
+// accepted with a warning saying what happens instead.
+void only_default(ConfigReader& c, std::string_view key, bool shardswap_does,
+                  std::string_view instead) {
+  if (c.boolean(key, shardswap_does) != shardswap_does)
+    c.warn(key, fmt::format("= {}: not implemented; {}", !shardswap_does, instead));
+}
+
+void read_precision(ConfigReader& c, EngineConfig& cfg) {
   const bool fp16 = c.boolean("fp16.enabled", false);
-  if (bf16 && fp16) c.fail("bf16.enabled", "and fp16.enabled cannot both be true");
+  if (c.has("bf16") && c.has("bfloat16"))
+    c.fail("bfloat16", "is DeepSpeed's older name of bf16: give one of the two");
+  const std::string bf16_key = c.has("bfloat16") ? "bfloat16.enabled" : "bf16.enabled";
+  // "auto" leaves the choice to ShardSwap: bf16 (EngineConfig's default) unless fp16 is on.
+  const bool bf16 = c.boolean(bf16_key, c.is_auto(bf16_key) && !fp16);
+  if (bf16 && fp16) c.fail(bf16_key, "and fp16.enabled cannot both be true");
   if (!bf16 && !fp16)
-    c.fail("bf16.enabled", "or fp16.enabled must be true: ShardSwap trains bit16 params only");
+    c.fail(bf16_key, "or fp16.enabled must be true: ShardSwap trains bit16 params only");
   cfg.dtype = bf16 ? DType::bf16 : DType::f16;
   cfg.grad_dtype = dtype_from_name(c.string("data_types.grad_accum_dtype", dtype_name(cfg.dtype)),
                                    "data_types.grad_accum_dtype");
   cfg.comm_dtype = dtype_from_name(c.string("communication_data_type", dtype_name(cfg.grad_type())),
                                    "communication_data_type");
 
-  if (fp16) {
-    const double loss_scale = c.number("fp16.loss_scale", 0.0);
-    cfg.loss_scale.dynamic = loss_scale == 0.0;
-    cfg.loss_scale.static_scale = loss_scale;
-    const auto power = c.integer("fp16.initial_scale_power", 16);
-    if (power < 0 || power > 64)
-      c.fail("fp16.initial_scale_power", fmt::format("= {} must lie in [0, 64]", power));
-    cfg.loss_scale.initial_scale = std::ldexp(1.0, static_cast<int>(power));
-    cfg.loss_scale.window = static_cast<int>(c.integer("fp16.loss_scale_window", 1000));
-    cfg.loss_scale.hysteresis = static_cast<int>(c.integer("fp16.hysteresis", 2));
-    cfg.loss_scale.min_scale = c.number("fp16.min_loss_scale", 1.0);
+  // The fp16 section is read and checked even when bf16 is on: Hugging Face's configs carry both
+  // sections, and a bad value is a mistake whichever is enabled.
+  LossScaleConfig scale;
+  const double loss_scale = c.number("fp16.loss_scale", 0.0);
+  if (!(loss_scale >= 0.0) || !std::isfinite(loss_scale))
+    c.fail("fp16.loss_scale",
+           fmt::format("= {} must be 0 (dynamic scaling) or a finite static scale > 0", loss_scale));
+  scale.dynamic = loss_scale == 0.0;
+  if (!scale.dynamic) scale.static_scale = loss_scale;
+  scale.initial_scale = std::ldexp(1.0, bounded_int(c, "fp16.initial_scale_power", 16, 0, 64));
+  scale.window = bounded_int(c, "fp16.loss_scale_window", 1000, 1);
+  scale.hysteresis = bounded_int(c, "fp16.hysteresis", 2, 1);
+  scale.min_scale = c.number("fp16.min_loss_scale", 1.0);
+  only_default(c, "fp16.consecutive_hysteresis", false,
+               "the hysteresis is restored only when the scale grows");
+  scale.validate("fp16");
+  if (fp16) cfg.loss_scale = scale;
+}
+
+void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
+  constexpr std::string_view p = "optimizer.params.";
+  const auto key = [&](std::string_view name) { return fmt::format("{}{}", p, name); };
+  if (c.has(key("max_grad_norm")))
+    c.fail(key("max_grad_norm"), "is not an optimizer parameter: clip with gradient_clipping");
+  auto& o = cfg.optimizer;
+  o.type = optimizer_type_from_name(c.string("optimizer.type", "AdamW"), "optimizer.type");
+  o.lr = c.number(key("lr"), 1e-3);
+  o.weight_decay = c.number(key("weight_decay"), 0.0);
+  // Parameters of the other rule are not silently dropped: each gets a warning.
+  const auto not_for = [&](std::initializer_list<std::string_view> names, std::string_view rule) {
+    for (const auto name : names)
+      if (c.has(key(name))) {
+        c.warn(key(name), fmt::format("applies to {} only; ignored for {}", rule,
+                                      optimizer_type_name(o.type)));
+        c.mark_read(key(name));
+      }
+  };
+  if (o.type == OptimizerType::sgd) {
+    o.momentum = c.number(key("momentum"), 0.0);
+    o.dampening = c.number(key("dampening"), 0.0);
+    o.nesterov = c.boolean(key("nesterov"), false);
+    not_for({"betas", "eps", "adam_w_mode", "amsgrad", "bias_correction"}, "Adam and AdamW");
+    return;
   }
+  not_for({"momentum", "dampening", "nesterov"}, "SGD");
+  const auto betas = c.numbers(key("betas"), {0.9, 0.999});
+  if (betas.size() != 2) c.fail(key("betas"), "must hold two numbers");
+  o.beta1 = betas[0];
+  o.beta2 = betas[1];
+  o.eps = c.number(key("eps"), 1e-8);
+  if (c.boolean(key("amsgrad"), false))
+    c.fail(key("amsgrad"), "= true is not implemented: ShardSwap's Adam keeps no max of v");
+  if (!c.boolean(key("bias_correction"), true))
+    c.fail(key("bias_correction"), "= false is not implemented: ShardSwap's Adam always corrects");
+  // DeepSpeed runs "Adam" with decoupled decay unless adam_w_mode is false; "AdamW" always.
+  const bool explicit_mode = c.has(key("adam_w_mode")) && !c.is_auto(key("adam_w_mode"));
+  const bool adam_w_mode = c.boolean(key("adam_w_mode"), true);
+  if (o.type == OptimizerType::adamw && !adam_w_mode)
+    c.warn(key("adam_w_mode"), "= false is ignored for AdamW, as in DeepSpeed: decay stays decoupled");
+  if (o.type == OptimizerType::adam && adam_w_mode) {
+    o.type = OptimizerType::adamw;
+    if (!explicit_mode && o.weight_decay > 0)
+      c.warn("optimizer.type",
+             "= Adam decays weights decoupled (AdamW), as DeepSpeed does by default; set "
+             "optimizer.params.adam_w_mode = false for L2 decay in the gradient");
+  }
+}
 
-  cfg.optimizer.type =
-      optimizer_type_from_name(c.string("optimizer.type", "AdamW"), "optimizer.type");
-  cfg.optimizer.lr = c.number("optimizer.params.lr", 1e-3);
-  const auto betas = c.numbers("optimizer.params.betas", {0.9, 0.999});
-  if (betas.size() != 2) c.fail("optimizer.params.betas", "must hold two numbers");
-  cfg.optimizer.beta1 = betas[0];
-  cfg.optimizer.beta2 = betas[1];
-  cfg.optimizer.eps = c.number("optimizer.params.eps", 1e-8);
-  cfg.optimizer.weight_decay = c.number("optimizer.params.weight_decay", 0.0);
-  cfg.optimizer.momentum = c.number("optimizer.params.momentum", 0.0);
-  cfg.optimizer.dampening = c.number("optimizer.params.dampening", 0.0);
-  cfg.optimizer.nesterov = c.boolean("optimizer.params.nesterov", false);
-
-  cfg.gradient_clipping = c.number("gradient_clipping", 0.0);
-  const auto accumulation = c.integer("gradient_accumulation_steps", 1);
-  if (accumulation < 1)
-    c.fail("gradient_accumulation_steps", fmt::format("= {} must be >= 1", accumulation));
-  cfg.gradient_accumulation_steps = static_cast<int>(accumulation);
-
-  cfg.stage = static_cast<int>(c.integer("zero_optimization.stage", 2));
-  const auto bucket = c.integer("zero_optimization.reduce_bucket_size", 500'000'000);
-  if (bucket < 1)
-    c.fail("zero_optimization.reduce_bucket_size", fmt::format("= {} must be >= 1", bucket));
-  cfg.reduce_bucket_bytes = static_cast<std::size_t>(bucket) * dtype_size(cfg.grad_type());
+void read_zero(ConfigReader& c, EngineConfig& cfg) {
+  cfg.stage = bounded_int(c, "zero_optimization.stage", 2, INT_MIN);
+  if (cfg.stage == 3)
+    c.fail("zero_optimization.stage",
+           "= 3: ZeRO-3 (partitioned params) is not supported by ShardSwap; stages 1 and 2 are");
+  if (cfg.stage == 0)
+    c.fail("zero_optimization.stage",
+           "= 0 (no sharding) is not implemented by ShardSwap; stages 1 and 2 are");
+  cfg.reduce_bucket_bytes = bucket_bytes(c, "zero_optimization.reduce_bucket_size", cfg.grad_type());
+  cfg.allgather_bucket_bytes =
+      bucket_bytes(c, "zero_optimization.allgather_bucket_size", cfg.dtype);
+  cfg.overlap_comm = c.boolean("zero_optimization.overlap_comm", true);
+  only_default(c, "zero_optimization.contiguous_gradients", true,
+               "ShardSwap's stage-2 gradient partitions are always contiguous");
+  only_default(c, "zero_optimization.reduce_scatter", true,
+               "ShardSwap always reduce-scatters gradients (DeepSpeed would all-reduce); the "
+               "result is the same");
+  only_default(c, "zero_optimization.allgather_partitions", true,
+               "ShardSwap always all-gathers updated shards (DeepSpeed would broadcast them); the "
+               "result is the same");
   cfg.order = c.boolean("zero_optimization.round_robin_gradients", false)
                   ? LayoutOrder::round_robin
                   : LayoutOrder::declaration;
+}
+
+EngineConfig read(ConfigReader& c, const std::optional<BatchSizes>& batches) {
+  for (const char* section : {"optimizer", "optimizer.params", "scheduler", "scheduler.params",
+                              "fp16", "bf16", "bfloat16", "zero_optimization", "data_types",
+                              "shardswap"})
+    c.expect_object(section);
+  EngineConfig cfg;
+  read_precision(c, cfg);
+  read_optimizer(c, cfg);
+  cfg.gradient_clipping = c.number("gradient_clipping", 0.0);
+  if (batches)
+    cfg.gradient_accumulation_steps = batches->gradient_accumulation_steps;
+  else
+    cfg.gradient_accumulation_steps = bounded_int(c, "gradient_accumulation_steps", 1, 1);
+  read_zero(c, cfg);
   const auto alignment = c.integer("shardswap.alignment_bytes", 256);
-  if (alignment < 1)
-    c.fail("shardswap.alignment_bytes", fmt::format("= {} must be >= 1", alignment));
+  if (alignment < 1 || alignment > (std::int64_t{1} << 30))
+    c.fail("shardswap.alignment_bytes", fmt::format("= {} must lie in [1, 2^30]", alignment));
   cfg.alignment_bytes = static_cast<std::size_t>(alignment);
   cfg.validate();
   return cfg;
 }
 
-}  // namespace
-
-EngineConfig engine_config_from_json(ConfigReader& c) {
+// Errors from validators below the reader know the key but not the file: add it.
+template <class F>
+auto naming_the_file(const ConfigReader& c, F&& f) {
   try {
-    return read(c);
+    return f();
   } catch (const ConfigError& e) {
-    // Errors from validators below know the key but not the file: add it.
     const std::string what = e.what();
     if (what.find(c.source()) != std::string::npos) throw;
     throw ConfigError(fmt::format("config {}: {}", c.source(), what));
   }
+}
+
+}  // namespace
+
+EngineConfig engine_config_from_json(ConfigReader& c, const BatchSizes& batches) {
+  return naming_the_file(c, [&] { return read(c, batches); });
+}
+
+EngineConfig engine_config_from_json(ConfigReader& c) {
+  return naming_the_file(c, [&] { return read(c, std::nullopt); });
+}
+
+LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
+  return naming_the_file(c, [&] {
+    LrSchedule s;
+    s.peak_lr = optimizer_lr;
+    if (!c.has("scheduler")) return s;
+    c.expect_object("scheduler");
+    c.expect_object("scheduler.params");
+    if (!c.has("scheduler.type") || c.is_auto("scheduler.type"))
+      c.fail("scheduler.type", "is missing: WarmupLR, WarmupDecayLR or WarmupCosineLR "
+                               "(leave out the scheduler section for a constant lr)");
+    s.type = lr_schedule_type_from_name(c.string("scheduler.type", ""), "scheduler.type");
+    const auto name = lr_schedule_type_name(s.type);
+    constexpr std::string_view p = "scheduler.params.";
+    const auto key = [&](std::string_view k) { return fmt::format("{}{}", p, k); };
+    if (c.has(key("last_batch_iteration")))
+      c.fail(key("last_batch_iteration"),
+             "is not supported: the lr is a function of the update count, which a resumed run "
+             "carries itself");
+    // Parameters of the other schedules are not silently dropped: DeepSpeed refuses them.
+    const auto refuse = [&](std::initializer_list<std::string_view> names) {
+      for (const auto k : names)
+        if (c.has(key(k))) c.fail(key(k), fmt::format("is not a parameter of {}", name));
+    };
+
+    s.warmup_num_steps = c.integer(key("warmup_num_steps"), 1000);
+    if (c.has(key("warmup_num_steps")) && s.warmup_num_steps >= 0 && s.warmup_num_steps < 2)
+      c.warn(key("warmup_num_steps"),
+             fmt::format("= {}: warmup lasts 2 updates at least, as in DeepSpeed",
+                         s.warmup_num_steps));
+    s.warmup_type = warmup_curve_from_name(c.string(key("warmup_type"), "log"), key("warmup_type"));
+    if (s.type == LrScheduleType::warmup_cosine) {
+      refuse({"warmup_min_lr", "warmup_max_lr"});
+      s.warmup_min_ratio = c.number(key("warmup_min_ratio"), 0.0);
+      s.cos_min_ratio = c.number(key("cos_min_ratio"), 1e-4);
+    } else {
+      refuse({"warmup_min_ratio", "cos_min_ratio"});
+      s.warmup_min_lr = c.number(key("warmup_min_lr"), 0.0);
+      if (!c.has(key("warmup_max_lr")) && optimizer_lr != 1e-3)
+        c.warn(key("warmup_max_lr"),
+               fmt::format("is not set: ShardSwap warms up to optimizer.params.lr = {} (DeepSpeed "
+                           "would use 0.001)",
+                           optimizer_lr));
+      s.peak_lr = c.number(key("warmup_max_lr"), optimizer_lr);
+    }
+    if (s.type == LrScheduleType::warmup) {
+      refuse({"total_num_steps"});
+    } else {
+      // The run's length is the natural end of a decay; DeepSpeed has no default for it.
+      const auto total = key("total_num_steps");
+      if (!c.has(total) || c.is_auto(total)) {
+        if (!c.has("steps") || c.is_auto("steps"))
+          c.fail(total, fmt::format("is needed by {} (or a top-level `steps` to default to)", name));
+        const auto steps = c.integer("steps", 0);
+        if (c.is_auto(total))
+          c.warn(total, fmt::format("= \"auto\" (a value Hugging Face's trainer fills in): "
+                                    "ShardSwap uses the run's steps = {}",
+                                    steps));
+        s.total_num_steps = c.integer(total, steps);
+      } else {
+        s.total_num_steps = c.integer(total, 0);
+      }
+    }
+    s.validate("scheduler.params");
+    return s;
+  });
+}
+
+std::vector<std::string> config_warnings(const ConfigReader& c) {
+  std::vector<std::string> out = c.warnings();
+  std::vector<std::string> warned;
+  for (const auto& leaf : c.unread_keys()) {
+    const KnownKey* entry = nullptr;
+    const auto known = known_key_of(leaf, &entry);
+    if (!known.empty()) {
+      if (std::find(warned.begin(), warned.end(), known) != warned.end()) continue;
+      warned.push_back(known);
+      out.push_back(fmt::format("config {}: {} is a DeepSpeed setting ShardSwap does not "
+                                "implement; ignored: {}",
+                                c.source(), known, entry->instead));
+    } else {
+      out.push_back(fmt::format("config {}: {} is not a key ShardSwap knows; ignored{}",
+                                c.source(), leaf, did_you_mean(c, leaf)));
+    }
+  }
+  return out;
+}
+
+void reject_unknown_keys(const ConfigReader& c, const std::vector<std::string>& sections) {
+  std::vector<std::string> unknown;
+  for (const auto& leaf : c.unread_keys()) {
+    const KnownKey* entry = nullptr;
+    if (!known_key_of(leaf, &entry).empty()) continue;  // DeepSpeed's: a warning, not an error
+    for (const auto& section : sections) {
+      if (leaf == section) {
+        unknown.push_back(fmt::format("'{}' must be an object {{...}}", leaf));
+        break;
+      }
+      if (leaf.size() > section.size() && leaf.compare(0, section.size(), section) == 0 &&
+          (leaf[section.size()] == '.' || leaf[section.size()] == '[')) {
+        unknown.push_back(fmt::format("'{}'{}", leaf, did_you_mean(c, leaf)));
+        break;
+      }
+    }
+  }
+  if (unknown.empty()) return;
+  throw ConfigError(fmt::format(
+      "reject_unknown_keys: config {}: unknown key{} in ShardSwap's own sections: {}", c.source(),
+      unknown.size() > 1 ? "s" : "", fmt::join(unknown, ", ")));
 }
 
 }  // namespace shardswap

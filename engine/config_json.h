@@ -1,16 +1,58 @@
-// EngineConfig from a DeepSpeed-style JSON config (keys mean what they mean in DeepSpeed).
+// EngineConfig and the lr schedule from a DeepSpeed-style JSON config (keys mean what they mean in
+// DeepSpeed), and the reports on the keys ShardSwap does not read: warnings for DeepSpeed's,
+// errors for its own sections'.
 #pragma once
 
+#include <string>
+#include <vector>
+
+#include "engine/batch_sizes.h"
 #include "engine/config_reader.h"
 #include "engine/engine_config.h"
+#include "optimizer/lr_schedule.h"
 
 namespace shardswap {
 
-/// Reads optimizer.{type, params}, bf16.enabled, fp16.{enabled, loss_scale, initial_scale_power,
-/// loss_scale_window, hysteresis, min_loss_scale}, gradient_clipping,
-/// gradient_accumulation_steps, zero_optimization.{stage, reduce_bucket_size (elements, as in
-/// DeepSpeed), round_robin_gradients}, shardswap.alignment_bytes. Validates the result; throws
-/// ConfigError naming the key and the file.
+/// ShardSwap's own sections: an unread key in them is an error (reject_unknown_keys), where an
+/// unread key elsewhere, in DeepSpeed's part of the file, is a warning (config_warnings).
+inline const std::vector<std::string> kShardSwapSections = {
+    "model", "data", "layer_switching", "checkpoint", "logging", "shardswap"};
+
+/// Reads bf16.enabled (or DeepSpeed's older bfloat16.enabled), fp16.{enabled, loss_scale,
+/// initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale},
+/// optimizer.{type, params.{lr, betas, eps, weight_decay, adam_w_mode, amsgrad, bias_correction,
+/// momentum, dampening, nesterov}}, gradient_clipping, communication_data_type,
+/// data_types.grad_accum_dtype, zero_optimization.{stage, reduce_bucket_size,
+/// allgather_bucket_size (elements, as in DeepSpeed, also written as floats: 5e8), overlap_comm,
+/// contiguous_gradients, reduce_scatter, allgather_partitions, round_robin_gradients} and
+/// shardswap.alignment_bytes; the accumulation steps come from `batches`. Validates the result.
+/// Throws ConfigError naming the key and the file; settings it accepts but cannot honour
+/// exactly are recorded as warnings in the reader.
+EngineConfig engine_config_from_json(ConfigReader& config, const BatchSizes& batches);
+
+/// As above, with gradient_accumulation_steps read as written (1 when absent) and
+/// train_batch_size left alone: for tools/train.cpp until it resolves batch sizes with
+/// resolve_batch_sizes and calls the form above. Prefer that one.
 EngineConfig engine_config_from_json(ConfigReader& config);
+
+/// Reads scheduler.{type, params}: WarmupLR, WarmupDecayLR, WarmupCosineLR with DeepSpeed's
+/// parameters and defaults, except that warmup_max_lr defaults to `optimizer_lr` (DeepSpeed:
+/// 0.001; a warning says so when they differ) and total_num_steps to the run's `steps`. No
+/// scheduler section: the constant `optimizer_lr`. Throws ConfigError naming the key and file.
+LrSchedule lr_schedule_from_json(ConfigReader& config, double optimizer_lr);
+
+/// Every warning of the config, once all of it has been read, in one list for the caller to
+/// print: the reader's (values "auto", settings accepted but not honoured exactly), then one per
+/// unread key: a known DeepSpeed key ShardSwap does not implement (a whole unread sub-object such
+/// as zero_optimization.offload_optimizer counts as one key) says what ShardSwap does instead;
+/// any other unread key is named as unknown, with the likely intended key when there is one.
+/// Each message starts "config FILE: KEY".
+std::vector<std::string> config_warnings(const ConfigReader& config);
+
+/// Throws one ConfigError naming every unread key inside `sections` (normally
+/// kShardSwapSections), with the likely intended key when there is one; known DeepSpeed keys that
+/// share a section name (checkpoint.tag_validation, ...) are left to config_warnings. Call it
+/// after everything has been read.
+void reject_unknown_keys(const ConfigReader& config, const std::vector<std::string>& sections);
 
 }  // namespace shardswap

@@ -1,6 +1,7 @@
 #include "engine/config_reader.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -52,6 +53,29 @@ std::vector<PathStep> parse_path(std::string_view path) {
   return steps;
 }
 
+// Edit distance counting a swap of neighbours as one edit (optimal string alignment), for
+// suggesting the key a misspelt one was meant to be: "widht" is one edit from "width".
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
+  for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i)
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1,
+                          d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+// "a.b[0].c" -> {"a.b[0]", "c"}; "a" -> {"", "a"}.
+std::pair<std::string_view, std::string_view> split_parent(std::string_view path) {
+  const auto dot = path.rfind('.');
+  if (dot == std::string_view::npos) return {{}, path};
+  return {path.substr(0, dot), path.substr(dot + 1)};
+}
+
 bool holds_objects(const nlohmann::json& j) {
   return j.is_array() &&
          std::any_of(j.begin(), j.end(), [](const nlohmann::json& x) { return x.is_object(); });
@@ -85,10 +109,60 @@ ConfigReader ConfigReader::from_file(const std::string& path) {
   if (!in) throw ConfigError(fmt::format("ConfigReader: cannot open config file '{}'", path));
   std::stringstream text;
   text << in.rdbuf();
+  return from_text(text.str(), path);
+}
+
+ConfigReader ConfigReader::from_text(std::string_view text, std::string source) {
+  // nlohmann keeps the last of repeated keys without a word; DeepSpeed refuses them, and so do we:
+  // a repeated key usually means one of the two values is not the one the author meant.
+  struct Frame {
+    std::string path;
+    bool object;
+    std::set<std::string, std::less<>> keys;
+    std::string key;  // the last key seen in this object
+  };
+  std::vector<Frame> frames;
+  const auto child_path = [&]() -> std::string {
+    if (frames.empty()) return "";
+    const Frame& f = frames.back();
+    if (!f.object) return f.path + "[]";
+    return f.path.empty() ? f.key : f.path + "." + f.key;
+  };
+  const nlohmann::json::parser_callback_t check = [&](int, nlohmann::json::parse_event_t event,
+                                                      nlohmann::json& parsed) {
+    using E = nlohmann::json::parse_event_t;
+    if (event == E::object_start || event == E::array_start) {
+      frames.push_back(Frame{child_path(), event == E::object_start, {}, {}});
+    } else if (event == E::object_end || event == E::array_end) {
+      frames.pop_back();
+    } else if (event == E::key) {
+      Frame& f = frames.back();
+      f.key = parsed.get<std::string>();
+      if (!f.keys.insert(f.key).second)
+        throw ConfigError(fmt::format("ConfigReader: config {}: key '{}' appears twice in {}",
+                                      source, f.key,
+                                      f.path.empty() ? "the top-level object" : f.path));
+    }
+    return true;
+  };
   try {
-    return ConfigReader(nlohmann::json::parse(text.str()), path);
+    // `source` is copied, not moved: `check` may still need it while the argument is parsed.
+    auto root = nlohmann::json::parse(text.begin(), text.end(), check);
+    return ConfigReader(std::move(root), source);
   } catch (const nlohmann::json::parse_error& e) {
-    throw ConfigError(fmt::format("ConfigReader: '{}' is not valid JSON: {}", path, e.what()));
+    // e.byte counts from 1 and points at the last character read: the one that broke the parse
+    // (one past the end when the text ended early).
+    const std::size_t end = std::min<std::size_t>(e.byte == 0 ? 0 : e.byte - 1, text.size());
+    const auto before = text.substr(0, end);
+    const std::size_t line = 1 + static_cast<std::size_t>(std::count(before.begin(), before.end(), '\n'));
+    const auto newline = before.rfind('\n');
+    const std::size_t column = end - (newline == std::string_view::npos ? 0 : newline + 1) + 1;
+    // Keep nlohmann's reason, without its own prefix ("[json.exception...] parse error at ...: ").
+    std::string reason = e.what();
+    if (const auto colon = reason.find(": "); colon != std::string::npos)
+      reason = reason.substr(colon + 2);
+    throw ConfigError(fmt::format("ConfigReader: config {}:{}:{}: not valid JSON: {}", source,
+                                  line, column, reason));
   }
 }
 
@@ -115,9 +189,36 @@ bool ConfigReader::has(std::string_view path) const {
   return find(path) != nullptr;
 }
 
+bool ConfigReader::is_auto(std::string_view path) const {
+  const auto* node = find(path);
+  return node != nullptr && node->is_string() && node->get_ref<const std::string&>() == "auto";
+}
+
+void ConfigReader::expect_object(std::string_view path) const {
+  const auto* node = find(path);
+  if (node != nullptr && !node->is_object())
+    fail(path, fmt::format("must be an object {{...}}, not {}", node->dump()));
+}
+
+bool ConfigReader::read_auto(std::string_view path, const nlohmann::json* node,
+                             const std::string& fallback) {
+  read_.emplace(path);
+  if (node == nullptr || !node->is_string() || node->get_ref<const std::string&>() != "auto")
+    return false;
+  warn(path, fmt::format("= \"auto\" (a value Hugging Face's trainer fills in): ShardSwap uses its "
+                         "default, {}",
+                         fallback));
+  return true;
+}
+
+void ConfigReader::warn(std::string_view path, const std::string& why) {
+  if (!warned_.emplace(path).second) return;
+  warnings_.push_back(fmt::format("config {}: {} {}", source_, path, why));
+}
+
 double ConfigReader::number(std::string_view path, double fallback) {
   const auto* node = find(path);
-  read_.emplace(path);
+  if (read_auto(path, node, fmt::format("{}", fallback))) return fallback;
   if (node == nullptr) return fallback;
   if (!node->is_number()) fail(path, fmt::format("must be a number, not {}", node->dump()));
   return node->get<double>();
@@ -125,7 +226,7 @@ double ConfigReader::number(std::string_view path, double fallback) {
 
 std::int64_t ConfigReader::integer(std::string_view path, std::int64_t fallback) {
   const auto* node = find(path);
-  read_.emplace(path);
+  if (read_auto(path, node, fmt::format("{}", fallback))) return fallback;
   if (node == nullptr) return fallback;
   if (node->is_number_integer()) return node->get<std::int64_t>();
   if (node->is_number_float()) {
@@ -138,7 +239,7 @@ std::int64_t ConfigReader::integer(std::string_view path, std::int64_t fallback)
 
 bool ConfigReader::boolean(std::string_view path, bool fallback) {
   const auto* node = find(path);
-  read_.emplace(path);
+  if (read_auto(path, node, fmt::format("{}", fallback))) return fallback;
   if (node == nullptr) return fallback;
   if (!node->is_boolean()) fail(path, fmt::format("must be true or false, not {}", node->dump()));
   return node->get<bool>();
@@ -146,7 +247,7 @@ bool ConfigReader::boolean(std::string_view path, bool fallback) {
 
 std::string ConfigReader::string(std::string_view path, const std::string& fallback) {
   const auto* node = find(path);
-  read_.emplace(path);
+  if (read_auto(path, node, fmt::format("'{}'", fallback))) return fallback;
   if (node == nullptr) return fallback;
   if (!node->is_string()) fail(path, fmt::format("must be a string, not {}", node->dump()));
   return node->get<std::string>();
@@ -155,7 +256,7 @@ std::string ConfigReader::string(std::string_view path, const std::string& fallb
 std::vector<double> ConfigReader::numbers(std::string_view path,
                                           const std::vector<double>& fallback) {
   const auto* node = find(path);
-  read_.emplace(path);
+  if (read_auto(path, node, fmt::format("[{}]", fmt::join(fallback, ", ")))) return fallback;
   if (node == nullptr) return fallback;
   std::vector<double> out;
   if (node->is_array())
@@ -172,7 +273,7 @@ std::vector<double> ConfigReader::numbers(std::string_view path,
 std::vector<std::string> ConfigReader::strings(std::string_view path,
                                                const std::vector<std::string>& fallback) {
   const auto* node = find(path);
-  read_.emplace(path);
+  if (read_auto(path, node, fmt::format("[{}]", fmt::join(fallback, ", ")))) return fallback;
   if (node == nullptr) return fallback;
   const auto refuse = [&] {
     fail(path, fmt::format("must be a list of strings, not {}", node->dump()));
@@ -246,6 +347,23 @@ std::vector<std::string> ConfigReader::unread_keys() const {
     if (!read) unread.push_back(leaf);
   }
   return unread;
+}
+
+std::optional<std::string> ConfigReader::closest_read_key(std::string_view path) const {
+  const auto [parent, name] = split_parent(path);
+  std::optional<std::string> best;
+  // One edit for short names, two for long ones: beyond that a guess misleads more than it helps.
+  std::size_t best_distance = name.size() >= 8 ? 3 : 2;
+  for (const auto& key : read_) {
+    const auto [key_parent, key_name] = split_parent(key);
+    if (key_parent != parent || key == path) continue;
+    const auto d = edit_distance(name, key_name);
+    if (d < best_distance) {
+      best_distance = d;
+      best = key;
+    }
+  }
+  return best;
 }
 
 }  // namespace shardswap

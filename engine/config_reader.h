@@ -1,12 +1,14 @@
 // Reads a JSON config by key path ("optimizer.params.lr", "layer_switching.schedule[2].step"), with
-// typed errors that name the key and the file, and remembers which keys were read so unknown ones
-// can be reported.
+// typed errors that name the key and the file, remembers which keys were read so unknown ones can
+// be reported, and collects the warnings of reading ("auto" values, accepted-but-ignored settings)
+// in one list for the caller to print.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -18,12 +20,20 @@ class ConfigReader {
  public:
   /// `source` names where the JSON came from (a file path) in error messages.
   ConfigReader(nlohmann::json root, std::string source);
-  /// Parses a file. Throws ConfigError naming the file if it cannot be read or parsed.
+  /// Parses a file. Throws ConfigError naming the file if it cannot be read, and the file, line
+  /// and column if it is not JSON or an object repeats a key (DeepSpeed refuses those too).
   static ConfigReader from_file(const std::string& path);
+  /// Parses `text` as from_file does; `source` names it in messages.
+  static ConfigReader from_text(std::string_view text, std::string source);
 
   bool has(std::string_view path) const;
+  /// True if the key holds the string "auto", the placeholder of Hugging Face's DeepSpeed configs.
+  bool is_auto(std::string_view path) const;
+  /// Throws ConfigError naming the key if it is present and not a JSON object (a section).
+  void expect_object(std::string_view path) const;
   /// Each getter returns `fallback` when the key is absent and throws ConfigError naming the key
-  /// and the source when it is present with the wrong type.
+  /// and the source when it is present with the wrong type. A key holding "auto" also gives
+  /// `fallback` (ShardSwap's default for it) and records one warning naming the key.
   double number(std::string_view path, double fallback);
   /// Accepts integral numbers written as floats (5e8), as DeepSpeed configs do.
   std::int64_t integer(std::string_view path, std::int64_t fallback);
@@ -41,17 +51,32 @@ class ConfigReader {
   /// Missing objects on the path are created; an index ("schedule[1].step=5") must name an
   /// existing list element. A refused override changes nothing.
   void set(std::string_view assignment);
+  /// Counts the key (and everything under it) as read without reading it: for a caller that has
+  /// dealt with it otherwise, e.g. recorded a warning that it is ignored.
+  void mark_read(std::string_view path) { read_.emplace(path); }
   /// Leaf keys present in the JSON that no getter has read, in path order. A list is one leaf,
   /// unless it holds objects: then each element's keys are leaves ("schedule[0].step").
   std::vector<std::string> unread_keys() const;
+  /// A key that was read (present or not) under the same parent as `path` and is spelt within two
+  /// edits of it: the likely intended key of a misspelt one. Empty if none.
+  std::optional<std::string> closest_read_key(std::string_view path) const;
   const std::string& source() const { return source_; }
   [[noreturn]] void fail(std::string_view path, const std::string& why) const;
+  /// Records the warning "config SOURCE: PATH WHY". One warning per key: a second one for the
+  /// same path is dropped, so a caller may record a more specific warning before a getter's.
+  void warn(std::string_view path, const std::string& why);
+  /// The warnings recorded so far, in the order they were recorded.
+  const std::vector<std::string>& warnings() const { return warnings_; }
 
  private:
   const nlohmann::json* find(std::string_view path) const;
+  /// Marks `path` read; true (after recording the "auto" warning) if it holds "auto".
+  bool read_auto(std::string_view path, const nlohmann::json* node, const std::string& fallback);
   nlohmann::json root_;
   std::string source_;
   std::set<std::string, std::less<>> read_;
+  std::set<std::string, std::less<>> warned_;
+  std::vector<std::string> warnings_;
 };
 
 }  // namespace shardswap

@@ -1,0 +1,100 @@
+#include "engine/batch_sizes.h"
+
+#include <fmt/format.h>
+
+#include <optional>
+#include <string_view>
+
+#include "memory/error.h"
+
+namespace shardswap {
+
+namespace {
+
+constexpr std::string_view kMicro = "train_micro_batch_size_per_gpu";
+constexpr std::string_view kAccumulation = "gradient_accumulation_steps";
+constexpr std::string_view kTrain = "train_batch_size";
+// Bounds keep micro x accumulation x world (each below 2^20, 2^20 and 2^21) inside int64.
+constexpr std::int64_t kMaxMicro = std::int64_t{1} << 20;
+constexpr std::int64_t kMaxAccumulation = std::int64_t{1} << 20;
+constexpr std::int64_t kMaxWorld = std::int64_t{1} << 21;
+constexpr std::int64_t kMaxTrain = kMaxMicro * kMaxAccumulation * kMaxWorld;
+
+// The key's value, or nothing when it is absent or "auto" (left for the caller to warn about once
+// the value it resolves to is known).
+std::optional<std::int64_t> given(ConfigReader& c, std::string_view key, std::int64_t max) {
+  if (!c.has(key) || c.is_auto(key)) return std::nullopt;
+  const auto v = c.integer(key, 0);
+  if (v < 1) c.fail(key, fmt::format("= {} must be >= 1", v));
+  if (v > max) c.fail(key, fmt::format("= {} must be <= {}", v, max));
+  return v;
+}
+
+}  // namespace
+
+BatchSizes resolve_batch_sizes(ConfigReader& c, int world_size) {
+  if (world_size < 1 || world_size > kMaxWorld)
+    throw ConfigError(fmt::format("resolve_batch_sizes: config {}: world_size = {} must lie in "
+                                  "[1, {}]",
+                                  c.source(), world_size, kMaxWorld));
+  const std::int64_t world = world_size;
+  const auto micro = given(c, kMicro, kMaxMicro);
+  const auto accumulation = given(c, kAccumulation, kMaxAccumulation);
+  const auto train = given(c, kTrain, kMaxTrain);
+
+  std::int64_t m = micro.value_or(32), a = accumulation.value_or(1), t = 0;
+  if (train && micro && accumulation) {
+    t = *train;
+    if (t != m * a * world)
+      c.fail(kTrain, fmt::format("= {} but {} x {} x world size = {} x {} x {} = {}", t, kMicro,
+                                 kAccumulation, m, a, world, m * a * world));
+  } else if (train && micro) {
+    t = *train;
+    if (t % (m * world) != 0)
+      c.fail(kTrain, fmt::format("= {} is not a multiple of {} x world size = {} x {} = {}, so {} "
+                                 "= {} / {} is not a whole number",
+                                 t, kMicro, m, world, m * world, kAccumulation, t, m * world));
+    a = t / (m * world);
+    if (a > kMaxAccumulation)
+      c.fail(kTrain, fmt::format("= {} gives {} = {} / {} = {}, more than {}", t, kAccumulation, t,
+                                 m * world, a, kMaxAccumulation));
+  } else if (train) {
+    // With or without the accumulation (then 1), the micro batch is what is left per rank.
+    t = *train;
+    if (t % (a * world) != 0) {
+      if (accumulation)
+        c.fail(kTrain, fmt::format("= {} is not a multiple of {} x world size = {} x {} = {}, so "
+                                   "{} = {} / {} is not a whole number",
+                                   t, kAccumulation, a, world, a * world, kMicro, t, a * world));
+      c.fail(kTrain, fmt::format("= {} is not a multiple of the world size {}, so {} = {} / {} is "
+                                 "not a whole number",
+                                 t, world, kMicro, t, world));
+    }
+    m = t / (a * world);
+    if (m > kMaxMicro)
+      c.fail(kTrain, fmt::format("= {} gives {} = {} / {} = {}, more than {}", t, kMicro, t,
+                                 a * world, m, kMaxMicro));
+  } else {
+    t = m * a * world;
+  }
+
+  // "auto" keys count as read and get one warning each, now that their values are known.
+  const auto resolved = [&](std::string_view key, std::int64_t value, const std::string& how) {
+    if (!c.is_auto(key)) return;
+    c.warn(key, fmt::format("= \"auto\" (a value Hugging Face's trainer fills in): ShardSwap uses "
+                            "{}{}",
+                            value, how));
+    c.integer(key, value);  // marks it read; its own "auto" warning is dropped as a repeat
+  };
+  const bool derived_accumulation = train && micro && !accumulation;
+  const bool derived_micro = train && !micro;
+  resolved(kMicro, m,
+           derived_micro ? fmt::format(" = {} / ({} x world size {})", t, a, world) : " (default)");
+  resolved(kAccumulation, a,
+           derived_accumulation ? fmt::format(" = {} / ({} x world size {})", t, m, world)
+                                : " (default)");
+  resolved(kTrain, t, fmt::format(" = {} x {} x world size {}", m, a, world));
+  return BatchSizes{static_cast<int>(m), static_cast<int>(a), t};
+}
+
+}  // namespace shardswap

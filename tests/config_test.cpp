@@ -1,0 +1,638 @@
+// DeepSpeed-compatible JSON configs: real DeepSpeed and Hugging Face configs load with exactly the
+// expected warnings, every class of bad input is refused naming the key (and the file), batch
+// sizes resolve as DeepSpeed resolves them, and lr schedules match values computed independently.
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/batch_sizes.h"
+#include "engine/config_json.h"
+#include "memory/error.h"
+#include "optimizer/lr_schedule.h"
+#include "tests/catch_compat.h"
+#include "tools/train.h"
+
+using namespace shardswap;
+
+namespace {
+
+const std::string kConfigs = SHARDSWAP_TEST_DIR "/configs/";
+
+// |got - want| <= rel |want| + abs: lr values against float64 references (Catch's Approx is
+// spelt differently in Catch2 v2 and v3).
+bool close(double got, double want, double rel = 1e-12, double abs = 1e-15) {
+  return std::fabs(got - want) <= rel * std::fabs(want) + abs;
+}
+
+// Everything a trainer reads from a DeepSpeed config, in the order a trainer reads it.
+struct Loaded {
+  BatchSizes batches;
+  EngineConfig engine;
+  LrSchedule schedule;
+  std::vector<std::string> warnings;
+};
+
+Loaded load(ConfigReader& reader, int world_size) {
+  Loaded l;
+  l.batches = resolve_batch_sizes(reader, world_size);
+  l.engine = engine_config_from_json(reader, l.batches);
+  l.schedule = lr_schedule_from_json(reader, l.engine.optimizer.lr);
+  reject_unknown_keys(reader, kShardSwapSections);
+  l.warnings = config_warnings(reader);
+  return l;
+}
+
+Loaded load(const nlohmann::json& j, int world_size = 2) {
+  ConfigReader reader(j, "test.json");
+  return load(reader, world_size);
+}
+
+std::string error_of(const nlohmann::json& j, int world_size = 2) {
+  return test::message_of<ConfigError>([&] { load(j, world_size); });
+}
+
+// The key a warning names: "config FILE: KEY rest..." -> "KEY".
+std::string key_of(const std::string& warning, const std::string& source) {
+  const std::string head = "config " + source + ": ";
+  if (warning.rfind(head, 0) != 0) return "<no 'config FILE:' prefix: " + warning + ">";
+  const auto rest = warning.substr(head.size());
+  return rest.substr(0, rest.find(' '));
+}
+
+std::vector<std::string> keys_of(const std::vector<std::string>& warnings,
+                                 const std::string& source) {
+  std::vector<std::string> keys;
+  for (const auto& w : warnings) keys.push_back(key_of(w, source));
+  return keys;
+}
+
+// A small, valid DeepSpeed config to vary one key at a time.
+nlohmann::json base() {
+  return nlohmann::json::parse(R"({
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
+    "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7}
+  })");
+}
+
+nlohmann::json with(const char* pointer, nlohmann::json value) {
+  auto j = base();
+  j[nlohmann::json::json_pointer(pointer)] = std::move(value);
+  return j;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Real configs
+
+TEST_CASE("a Hugging Face ZeRO-2 config full of auto values loads with one warning per auto key", "[config]") {
+  auto reader = ConfigReader::from_file(kConfigs + "hf_zero2_auto.json");
+  const auto l = load(reader, 4);
+  const std::string source = kConfigs + "hf_zero2_auto.json";
+  CAPTURE(l.warnings);
+  // Each "auto" key once, in the order they are read, then each unimplemented DeepSpeed key once
+  // (offload_optimizer's two leaves are one warning).
+  const std::vector<std::string> expected = {
+      "train_micro_batch_size_per_gpu",
+      "gradient_accumulation_steps",
+      "train_batch_size",
+      "fp16.enabled",
+      "bf16.enabled",
+      "optimizer.params.lr",
+      "optimizer.params.weight_decay",
+      "optimizer.params.betas",
+      "optimizer.params.eps",
+      "gradient_clipping",
+      "scheduler.params.warmup_num_steps",
+      "scheduler.params.warmup_min_lr",
+      "scheduler.params.warmup_max_lr",
+      "scheduler.params.total_num_steps",
+      "steps_per_print",
+      "wall_clock_breakdown",
+      "zero_optimization.offload_optimizer",
+  };
+  REQUIRE(keys_of(l.warnings, source) == expected);
+  for (std::size_t i = 0; i < 14; ++i) REQUIRE(test::contains(l.warnings[i], "\"auto\""));
+  REQUIRE(test::contains(l.warnings[2], "uses 128 = 32 x 1 x world size 4"));
+  REQUIRE(test::contains(l.warnings[13], "steps = 2000"));
+  REQUIRE(test::contains(l.warnings[16], "on the training device"));
+
+  // "auto" takes ShardSwap's defaults: bf16 (fp16 not on), the optimizer's defaults.
+  REQUIRE(l.batches.micro == 32);
+  REQUIRE(l.batches.gradient_accumulation_steps == 1);
+  REQUIRE(l.batches.train_batch == 128);
+  REQUIRE(l.engine.dtype == DType::bf16);
+  REQUIRE(l.engine.optimizer.type == OptimizerType::adamw);
+  REQUIRE(l.engine.optimizer.lr == 1e-3);
+  REQUIRE(l.engine.optimizer.beta2 == 0.999);
+  REQUIRE(l.engine.gradient_clipping == 0.0);
+  REQUIRE(l.engine.stage == 2);
+  REQUIRE(l.engine.reduce_bucket_bytes == 400'000'000u);     // 2e8 bf16 elements
+  REQUIRE(l.engine.allgather_bucket_bytes == 400'000'000u);  // 2e8 bf16 elements
+  REQUIRE(l.engine.overlap_comm);
+  REQUIRE(l.schedule.type == LrScheduleType::warmup_decay);
+  REQUIRE(l.schedule.peak_lr == 1e-3);  // warmup_max_lr "auto": the optimizer's lr
+  REQUIRE(l.schedule.warmup_num_steps == 1000);
+  REQUIRE(l.schedule.total_num_steps == 2000);
+}
+
+TEST_CASE("a DeepSpeed project's fp16 ZeRO-2 config loads with exactly the expected warnings", "[config]") {
+  auto reader = ConfigReader::from_file(kConfigs + "ds_zero2_fp16.json");
+  const auto l = load(reader, 4);
+  const std::string source = kConfigs + "ds_zero2_fp16.json";
+  CAPTURE(l.warnings);
+  const std::vector<std::string> expected = {
+      "optimizer.type",                  // "Adam" with weight decay: decoupled, as in DeepSpeed
+      "zero_optimization.reduce_scatter",  // false: ShardSwap reduce-scatters anyway
+      "activation_checkpointing",          // six leaves, one warning
+      "checkpoint.tag_validation",         // DeepSpeed's key in ShardSwap's section: a warning
+      "flops_profiler",
+      "optimizer.params.torch_adam",
+      "steps_per_print",
+      "tensorboard",
+      "wall_clock_breakdown",
+      "zero_allow_untested_optimizer",
+      "zero_optimization.offload_param",
+  };
+  REQUIRE(keys_of(l.warnings, source) == expected);
+
+  REQUIRE(l.batches.micro == 8);
+  REQUIRE(l.batches.gradient_accumulation_steps == 8);  // 256 / (8 x 4)
+  REQUIRE(l.engine.gradient_accumulation_steps == 8);
+  REQUIRE(l.engine.dtype == DType::f16);
+  REQUIRE(l.engine.loss_scale.dynamic);
+  REQUIRE(l.engine.loss_scale.initial_scale == 4096.0);
+  REQUIRE(l.engine.loss_scale.window == 500);
+  REQUIRE(l.engine.optimizer.type == OptimizerType::adamw);
+  REQUIRE(l.engine.optimizer.beta2 == 0.95);
+  REQUIRE(l.engine.optimizer.weight_decay == 0.1);
+  REQUIRE(l.engine.gradient_clipping == 1.0);
+  REQUIRE(l.engine.reduce_bucket_bytes == 1'000'000'000u);
+  REQUIRE(!l.engine.overlap_comm);
+  REQUIRE(l.schedule.type == LrScheduleType::warmup_cosine);
+  REQUIRE(l.schedule.peak_lr == 2e-4);
+  REQUIRE(l.schedule.warmup_type == WarmupCurve::linear);
+}
+
+TEST_CASE("the example configs load without a single warning", "[config]") {
+  for (const char* name : {"quickstart.json", "lisa.json"}) {
+    auto reader = ConfigReader::from_file(std::string(SHARDSWAP_TEST_DIR "/../configs/") + name);
+    const auto t = train_config_from_json(reader);
+    lr_schedule_from_json(reader, t.engine.optimizer.lr);
+    reject_unknown_keys(reader, kShardSwapSections);
+    CAPTURE(name);
+    REQUIRE(config_warnings(reader).empty());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: every class is a ConfigError naming the key and the file
+
+TEST_CASE("malformed JSON is refused with the file and the line and column of the error", "[config]") {
+  const auto msg = test::message_of<ConfigError>(
+      [] { ConfigReader::from_file(kConfigs + "trailing_comma.json"); });
+  CAPTURE(msg);
+  REQUIRE(test::contains(msg, "trailing_comma.json:3:33:"));  // the '}' after the comma
+
+  // Positions on random texts: a stray character placed at a known line and column.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int lines = 1 + static_cast<int>(rng() % 6);
+    std::string text = "{\n";
+    for (int i = 0; i < lines; ++i) text += fmt::format("  \"k{}\": {},\n", i, rng() % 1000);
+    const auto indent = static_cast<std::size_t>(rng() % 5);
+    text += std::string(indent, ' ') + "@\n}";
+    const std::size_t line = lines + 2, column = indent + 1;
+    const auto m = test::message_of<ConfigError>([&] { ConfigReader::from_text(text, "r.json"); });
+    CAPTURE(text, m);
+    REQUIRE(test::contains(m, fmt::format("r.json:{}:{}:", line, column)));
+  }
+  // Text that ends early: the position is one past its last character.
+  const auto early = test::message_of<ConfigError>(
+      [] { ConfigReader::from_text("{\"a\": 1,\n \"b\": ", "e.json"); });
+  CAPTURE(early);
+  REQUIRE(test::contains(early, "e.json:2:7:"));
+}
+
+TEST_CASE("a key given twice in one object is refused naming the key and where it is", "[config]") {
+  const auto msg = test::message_of<ConfigError>(
+      [] { ConfigReader::from_file(kConfigs + "duplicate_key.json"); });
+  CAPTURE(msg);
+  REQUIRE(test::contains(msg, "duplicate_key.json"));
+  REQUIRE(test::contains(msg, "'lr' appears twice in optimizer.params"));
+  // The same key in different objects is fine.
+  ConfigReader::from_text(R"({"a": {"x": 1}, "b": {"x": 2}, "l": [{"x": 1}, {"x": 2}]})", "ok");
+}
+
+TEST_CASE("a value of the wrong type is refused naming the key", "[config]") {
+  const std::pair<nlohmann::json, const char*> cases[] = {
+      {with("/train_micro_batch_size_per_gpu", "16"), "train_micro_batch_size_per_gpu"},
+      {with("/gradient_accumulation_steps", 1.5), "gradient_accumulation_steps"},
+      {with("/bf16/enabled", 1), "bf16.enabled"},
+      {with("/bf16", true), "bf16"},
+      {with("/zero_optimization", true), "zero_optimization"},
+      {with("/optimizer/params/betas", "0.9, 0.999"), "optimizer.params.betas"},
+      {with("/zero_optimization/overlap_comm", "yes"), "zero_optimization.overlap_comm"},
+      {with("/zero_optimization/allgather_bucket_size", "big"),
+       "zero_optimization.allgather_bucket_size"},
+      {with("/gradient_clipping", nullptr), "gradient_clipping"},
+      {with("/scheduler", nlohmann::json::array()), "scheduler"},
+      {with("/scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", "ten"}}}}),
+       "scheduler.params.warmup_num_steps"},
+  };
+  for (const auto& [config, key] : cases) {
+    const auto msg = error_of(config);
+    CAPTURE(key, msg);
+    REQUIRE(test::contains(msg, key));
+    REQUIRE(test::contains(msg, "test.json"));
+  }
+}
+
+TEST_CASE("zero or negative or out-of-range values are refused naming the key", "[config]") {
+  const std::pair<nlohmann::json, const char*> cases[] = {
+      {with("/train_micro_batch_size_per_gpu", 0), "train_micro_batch_size_per_gpu"},
+      {with("/gradient_accumulation_steps", -1), "gradient_accumulation_steps"},
+      {with("/train_batch_size", 0), "train_batch_size"},
+      {with("/zero_optimization/reduce_bucket_size", 0), "zero_optimization.reduce_bucket_size"},
+      {with("/zero_optimization/reduce_bucket_size", -5e8), "zero_optimization.reduce_bucket_size"},
+      {with("/zero_optimization/allgather_bucket_size", -1),
+       "zero_optimization.allgather_bucket_size"},
+      {with("/zero_optimization/allgather_bucket_size", 16),  // 32 bytes < 256 alignment
+       "zero_optimization.allgather_bucket_size"},
+      {with("/fp16", {{"loss_scale_window", -1}}), "fp16.loss_scale_window"},
+      {with("/fp16", {{"loss_scale_window", 1e12}}), "fp16.loss_scale_window"},
+      {with("/fp16", {{"hysteresis", 0}}), "fp16.hysteresis"},
+      {with("/fp16", {{"loss_scale", -1}}), "fp16.loss_scale"},
+      {with("/fp16", {{"min_loss_scale", 0}}), "fp16.min_loss_scale"},
+      {with("/fp16", {{"initial_scale_power", 65}}), "fp16.initial_scale_power"},
+      {with("/gradient_clipping", -1.0), "gradient_clipping"},
+      {with("/optimizer/params/lr", -1e-3), "optimizer.params.lr"},
+      {with("/scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", -3}}}}),
+       "scheduler.params.warmup_num_steps"},
+      {with("/scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", -0.1}}}}),
+       "scheduler.params.warmup_max_lr"},
+      {with("/scheduler",
+            {{"type", "WarmupCosineLR"}, {"params", {{"total_num_steps", 100}, {"cos_min_ratio", 2}}}}),
+       "scheduler.params.cos_min_ratio"},
+      {with("/scheduler",
+            {{"type", "WarmupCosineLR"},
+             {"params", {{"total_num_steps", 100}, {"warmup_num_steps", 100}}}}),
+       "scheduler.params.total_num_steps"},
+      {with("/scheduler",
+            {{"type", "WarmupDecayLR"},
+             {"params", {{"total_num_steps", 50}, {"warmup_num_steps", 100}}}}),
+       "scheduler.params.total_num_steps"},
+  };
+  for (const auto& [config, key] : cases) {
+    const auto msg = error_of(config);
+    CAPTURE(key, msg);
+    REQUIRE(test::contains(msg, key));
+    REQUIRE(test::contains(msg, "test.json"));
+  }
+}
+
+TEST_CASE("ZeRO-3 and stage 0 are refused saying which stages ShardSwap supports", "[config]") {
+  for (int stage : {3, 0}) {
+    const auto msg = error_of(with("/zero_optimization/stage", stage));
+    CAPTURE(msg);
+    REQUIRE(test::contains(msg, "zero_optimization.stage"));
+    REQUIRE(test::contains(msg, "stages 1 and 2"));
+    if (stage == 3) REQUIRE(test::contains(msg, "ZeRO-3"));
+  }
+  REQUIRE(load(with("/zero_optimization/stage", 1)).engine.stage == 1);
+}
+
+TEST_CASE("settings that would change the update and cannot be honoured are refused", "[config]") {
+  const std::pair<nlohmann::json, const char*> cases[] = {
+      {with("/optimizer/params/amsgrad", true), "optimizer.params.amsgrad"},
+      {with("/optimizer/params/bias_correction", false), "optimizer.params.bias_correction"},
+      {with("/optimizer/params/max_grad_norm", 1.0), "gradient_clipping"},
+      {with("/optimizer/type", "Lamb"), "optimizer.type"},
+      {with("/scheduler", {{"type", "OneCycle"}}), "scheduler.type"},
+      {with("/scheduler", {{"params", {{"warmup_num_steps", 10}}}}), "scheduler.type"},
+      {with("/scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_type", "cosine"}}}}),
+       "scheduler.params.warmup_type"},
+      {with("/scheduler", {{"type", "WarmupLR"}, {"params", {{"total_num_steps", 10}}}}),
+       "scheduler.params.total_num_steps"},
+      {with("/scheduler",
+            {{"type", "WarmupCosineLR"},
+             {"params", {{"total_num_steps", 5000}, {"warmup_max_lr", 1e-3}}}}),
+       "scheduler.params.warmup_max_lr"},
+      {with("/scheduler", {{"type", "WarmupDecayLR"}}), "scheduler.params.total_num_steps"},
+      {with("/scheduler", {{"type", "WarmupLR"}, {"params", {{"last_batch_iteration", 100}}}}),
+       "scheduler.params.last_batch_iteration"},
+      {with("/bfloat16", {{"enabled", true}}), "bfloat16"},
+      {with("/fp16", {{"enabled", true}}), "fp16.enabled"},
+      {with("/bf16/enabled", false), "fp16.enabled"},
+  };
+  for (const auto& [config, key] : cases) {
+    const auto msg = error_of(config);
+    CAPTURE(key, msg);
+    REQUIRE(test::contains(msg, key));
+    REQUIRE(test::contains(msg, "test.json"));
+  }
+}
+
+TEST_CASE("an unknown key in ShardSwap's own sections is an error naming it", "[config]") {
+  auto j = nlohmann::json::parse(R"({
+    "train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": true},
+    "model": {"width": 64, "widht": 32},
+    "logging": {"intreval": 5},
+    "checkpoint": {"tag_validation": "Warn"}
+  })");
+  ConfigReader reader(j, "test.json");
+  train_config_from_json(reader);
+  const auto msg =
+      test::message_of<ConfigError>([&] { reject_unknown_keys(reader, kShardSwapSections); });
+  CAPTURE(msg);
+  REQUIRE(test::contains(msg, "test.json"));
+  REQUIRE(test::contains(msg, "'model.widht' (did you mean 'model.width'?)"));
+  REQUIRE(test::contains(msg, "'logging.intreval' (did you mean 'logging.interval'?)"));
+  REQUIRE(!test::contains(msg, "tag_validation"));  // DeepSpeed's key: warned, not refused
+  // A section that is not an object is named too.
+  ConfigReader scalar(nlohmann::json::parse(R"({"bf16": {"enabled": true}, "data": 3})"), "s.json");
+  train_config_from_json(scalar);
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([&] { reject_unknown_keys(scalar, kShardSwapSections); }),
+      "'data' must be an object"));
+}
+
+TEST_CASE("an unknown key outside ShardSwap's sections is one warning with the likely intended key", "[config]") {
+  auto j = base();
+  j["zero_optimization"]["reduce_bucket_sise"] = 5e8;
+  j["gradient_clippping"] = 1.0;
+  j["my_project_notes"] = {{"owner", "x"}, {"ticket", 12}};
+  const auto l = load(j);
+  CAPTURE(l.warnings);
+  REQUIRE(keys_of(l.warnings, "test.json") ==
+          std::vector<std::string>{"gradient_clippping", "my_project_notes.owner",
+                                   "my_project_notes.ticket",
+                                   "zero_optimization.reduce_bucket_sise"});
+  REQUIRE(test::contains(l.warnings[0], "did you mean 'gradient_clipping'?"));
+  REQUIRE(!test::contains(l.warnings[1], "did you mean"));
+  REQUIRE(test::contains(l.warnings[3], "did you mean 'zero_optimization.reduce_bucket_size'?"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Semantics
+
+TEST_CASE("batch sizes resolve from any two or all three or one as DeepSpeed resolves them", "[config]") {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::int64_t m = 1 + rng() % 64, a = 1 + rng() % 16, w = 1 + rng() % 8;
+    const unsigned given = 1 + rng() % 7;  // bits: micro, accumulation, train batch
+    const bool gm = given & 1, ga = given & 2, gt = given & 4;
+    if (!gm && !gt) continue;  // nothing to resolve from (covered below)
+    if (!gm && !ga && gt && a != 1) continue;  // train batch alone implies accumulation 1
+    nlohmann::json j = nlohmann::json::object();
+    if (gm) j["train_micro_batch_size_per_gpu"] = m;
+    if (ga) j["gradient_accumulation_steps"] = a;
+    if (gt) j["train_batch_size"] = m * a * w;
+    ConfigReader reader(j, "b.json");
+    const auto b = resolve_batch_sizes(reader, static_cast<int>(w));
+    CAPTURE(m, a, w, given);
+    REQUIRE(b.micro == m);
+    REQUIRE(b.gradient_accumulation_steps == (gm && !ga && !gt ? 1 : a));
+    REQUIRE(b.train_batch == b.micro * b.gradient_accumulation_steps * w);
+    REQUIRE(reader.unread_keys().empty());
+    REQUIRE(reader.warnings().empty());
+  }
+  // Neither micro nor train batch: ShardSwap's default micro batch, 32.
+  ConfigReader only_accumulation(nlohmann::json{{"gradient_accumulation_steps", 3}}, "b.json");
+  const auto b = resolve_batch_sizes(only_accumulation, 2);
+  REQUIRE((b.micro == 32 && b.gradient_accumulation_steps == 3 && b.train_batch == 192));
+}
+
+TEST_CASE("batch sizes that do not multiply out are refused showing the arithmetic", "[config]") {
+  struct Bad {
+    nlohmann::json config;
+    const char* shows;
+  };
+  const Bad cases[] = {
+      {{{"train_micro_batch_size_per_gpu", 8}, {"gradient_accumulation_steps", 2},
+        {"train_batch_size", 100}},
+       "= 100 but train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size = 8 x "
+       "2 x 4 = 64"},
+      {{{"train_micro_batch_size_per_gpu", 8}, {"train_batch_size", 100}},
+       "= 100 is not a multiple of train_micro_batch_size_per_gpu x world size = 8 x 4 = 32"},
+      {{{"gradient_accumulation_steps", 3}, {"train_batch_size", 100}},
+       "= 100 is not a multiple of gradient_accumulation_steps x world size = 3 x 4 = 12"},
+      {{{"train_batch_size", 6}},
+       "= 6 is not a multiple of the world size 4, so train_micro_batch_size_per_gpu = 6 / 4"},
+  };
+  for (const auto& c : cases) {
+    ConfigReader reader(c.config, "b.json");
+    const auto msg = test::message_of<ConfigError>([&] { resolve_batch_sizes(reader, 4); });
+    CAPTURE(msg);
+    REQUIRE(test::contains(msg, "b.json"));
+    REQUIRE(test::contains(msg, "train_batch_size"));
+    REQUIRE(test::contains(msg, c.shows));
+  }
+}
+
+TEST_CASE("DeepSpeed's Adam decays decoupled unless adam_w_mode is false", "[config]") {
+  auto adam = with("/optimizer/type", "Adam");
+  const auto decoupled = load(adam);
+  REQUIRE(decoupled.engine.optimizer.type == OptimizerType::adamw);
+  REQUIRE(keys_of(decoupled.warnings, "test.json") ==
+          std::vector<std::string>{"optimizer.type"});  // weight_decay 0.01 makes it matter
+
+  adam["optimizer"]["params"]["adam_w_mode"] = false;
+  const auto l2 = load(adam);
+  REQUIRE(l2.engine.optimizer.type == OptimizerType::adam);
+  REQUIRE(l2.warnings.empty());
+
+  auto sgd = with("/optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}, {"betas", {0.9, 0.99}}}}});
+  const auto s = load(sgd);
+  REQUIRE(s.engine.optimizer.type == OptimizerType::sgd);
+  REQUIRE(keys_of(s.warnings, "test.json") == std::vector<std::string>{"optimizer.params.betas"});
+  REQUIRE(test::contains(s.warnings[0], "applies to Adam and AdamW only"));
+}
+
+TEST_CASE("ZeRO switches ShardSwap always has on warn only when turned off", "[config]") {
+  auto j = base();
+  j["zero_optimization"].update({{"contiguous_gradients", true},
+                                 {"reduce_scatter", true},
+                                 {"allgather_partitions", true},
+                                 {"overlap_comm", false},
+                                 {"allgather_bucket_size", 3e7}});
+  const auto on = load(j);
+  REQUIRE(on.warnings.empty());
+  REQUIRE(!on.engine.overlap_comm);
+  REQUIRE(on.engine.allgather_bucket_bytes == 60'000'000u);  // 3e7 bf16 elements
+  REQUIRE(load(base()).engine.overlap_comm);                  // ShardSwap's default: on
+
+  j["zero_optimization"].update(
+      {{"contiguous_gradients", false}, {"reduce_scatter", false}, {"allgather_partitions", false}});
+  const auto off = load(j);
+  CAPTURE(off.warnings);
+  REQUIRE(keys_of(off.warnings, "test.json") ==
+          std::vector<std::string>{"zero_optimization.contiguous_gradients",
+                                   "zero_optimization.reduce_scatter",
+                                   "zero_optimization.allgather_partitions"});
+}
+
+TEST_CASE("a whole unimplemented sub-object is one warning however many leaves it has", "[config]") {
+  auto j = base();
+  j["zero_optimization"]["offload_optimizer"] = {
+      {"device", "nvme"}, {"nvme_path", "/local"}, {"pin_memory", true}, {"buffer_count", 4}};
+  j["zero_optimization"]["stage3_max_live_parameters"] = 1e9;
+  j["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto";
+  j["aio"] = {{"block_size", 1048576}, {"queue_depth", 8}};
+  const auto l = load(j);
+  CAPTURE(l.warnings);
+  REQUIRE(keys_of(l.warnings, "test.json") ==
+          std::vector<std::string>{"aio", "zero_optimization.offload_optimizer",
+                                   "zero_optimization.stage3_max_live_parameters",
+                                   "zero_optimization.stage3_prefetch_bucket_size"});
+}
+
+TEST_CASE("the constant lr without a scheduler is the optimizer's at every update", "[config]") {
+  const auto l = load(base());
+  REQUIRE(l.schedule.type == LrScheduleType::constant);
+  for (std::int64_t u : {0, 1, 7, 1000000}) REQUIRE(l.schedule.lr_at(u) == 3e-4);
+  REQUIRE_THROWS_AS(l.schedule.lr_at(-1), std::invalid_argument);
+}
+
+namespace {
+
+// How DeepSpeed drives a scheduler, written out as a loop: the lr is set at construction (the
+// schedule's start) and again after every applied update from the schedule's value at the
+// update count so far minus one. `value` is the schedule's documented formula.
+std::vector<double> stepped(double start, const std::function<double(std::int64_t)>& value,
+                            int updates) {
+  std::vector<double> lrs;
+  double lr = start;
+  for (std::int64_t iteration = 0; iteration < updates; ++iteration) {
+    lrs.push_back(lr);
+    lr = value(iteration);
+  }
+  return lrs;
+}
+
+LrSchedule schedule_of(const nlohmann::json& scheduler, double optimizer_lr = 3e-4) {
+  ConfigReader reader(nlohmann::json{{"scheduler", scheduler}}, "test.json");
+  const auto s = lr_schedule_from_json(reader, optimizer_lr);
+  REQUIRE(config_warnings(reader).empty());
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("WarmupLR matches hand-computed values and DeepSpeed's stepping", "[config]") {
+  const auto s = schedule_of({{"type", "WarmupLR"},
+                              {"params",
+                               {{"warmup_min_lr", 1e-5},
+                                {"warmup_max_lr", 1e-3},
+                                {"warmup_num_steps", 100},
+                                {"warmup_type", "log"}}}});
+  // Computed by hand: update u uses iteration max(u-1, 0); at iteration 9 the log warmup is
+  // ln 10 / ln 100 = 1/2 of the way.
+  REQUIRE(close(s.lr_at(0), 1e-5, 1e-12));
+  REQUIRE(close(s.lr_at(1), 1e-5, 1e-12));
+  REQUIRE(close(s.lr_at(2), 1e-5 + 0.99e-3 * std::log(2.0) / std::log(100.0), 1e-12));
+  REQUIRE(close(s.lr_at(10), 0.000505, 1e-12));
+  REQUIRE(close(s.lr_at(100), 1e-3, 1e-12));
+  REQUIRE(s.lr_at(5000) == 1e-3);
+
+  const auto reference = stepped(1e-5, [](std::int64_t i) {
+    return i >= 100 ? 1e-3 : 1e-5 + (1e-3 - 1e-5) * std::log1p(static_cast<double>(i)) / std::log(100.0);
+  }, 300);
+  for (int u = 0; u < 300; ++u) REQUIRE(close(s.lr_at(u), reference[u], 1e-12));
+}
+
+TEST_CASE("WarmupDecayLR matches hand-computed values and decays to warmup_min_lr", "[config]") {
+  const auto s = schedule_of({{"type", "WarmupDecayLR"},
+                              {"params",
+                               {{"warmup_max_lr", 1e-3},
+                                {"warmup_num_steps", 10},
+                                {"warmup_type", "linear"},
+                                {"total_num_steps", 110}}}});
+  const std::pair<std::int64_t, double> by_hand[] = {
+      {0, 0.0}, {5, 4e-4}, {11, 1e-3}, {12, 9.9e-4}, {60, 5.1e-4}, {110, 1e-5}, {111, 0.0},
+      {200, 0.0}};
+  for (const auto& [u, lr] : by_hand) {
+    CAPTURE(u);
+    REQUIRE(close(s.lr_at(u), lr, 0.0, 1e-15));
+  }
+  const auto reference = stepped(0.0, [](std::int64_t i) {
+    if (i < 10) return 1e-3 * static_cast<double>(i) / 10.0;
+    return 1e-3 * std::max(0.0, static_cast<double>(110 - i) / 100.0);
+  }, 150);
+  for (int u = 0; u < 150; ++u) REQUIRE(close(s.lr_at(u), reference[u], 0.0, 1e-15));
+}
+
+TEST_CASE("WarmupCosineLR matches hand-computed values and holds its floor after the end", "[config]") {
+  const auto s = schedule_of({{"type", "WarmupCosineLR"},
+                              {"params",
+                               {{"total_num_steps", 20000},
+                                {"warmup_num_steps", 500},
+                                {"warmup_type", "linear"},
+                                {"warmup_min_ratio", 0.01},
+                                {"cos_min_ratio", 0.1}}}},
+                             2e-4);
+  // By hand: update 250 is iteration 249: ratio 0.01 + 0.99 x 249/500 = 0.50302; the end of the
+  // cosine is cos_min_ratio x lr.
+  REQUIRE(close(s.lr_at(0), 2e-6, 1e-12));
+  REQUIRE(close(s.lr_at(250), 2e-4 * 0.50302, 1e-12));
+  REQUIRE(close(s.lr_at(20000), 2e-5, 1e-12));
+  REQUIRE(close(s.lr_at(25000), 2e-5, 1e-12));  // DeepSpeed's would climb again
+  const double pi = std::acos(-1.0);
+  const auto reference = stepped(2e-6, [&](std::int64_t i) {
+    if (i < 500) return 2e-4 * (0.01 + 0.99 * static_cast<double>(i) / 500.0);
+    const double x = static_cast<double>(i - 499) / 19500.0;
+    return 2e-4 * (0.1 + 0.45 * (1.0 + std::cos(pi * x)));
+  }, 20000);
+  for (int u = 0; u < 20000; u += 37) REQUIRE(close(s.lr_at(u), reference[u], 1e-12));
+  // A log warmup and the default ratios: starts at 0, reaches the optimizer's lr, ends at 1e-4 of it.
+  const auto d = schedule_of({{"type", "WarmupCosineLR"},
+                              {"params", {{"total_num_steps", 1000}, {"warmup_num_steps", 10}}}},
+                             1e-3);
+  REQUIRE(d.lr_at(0) == 0.0);
+  REQUIRE(close(d.lr_at(9), 1e-3 * std::log(9.0) / std::log(10.0), 1e-12));
+  REQUIRE(d.lr_at(10) == 1e-3);  // log warmup: ln 10 / ln 10 at iteration 9
+  REQUIRE(close(d.lr_at(1000), 1e-7, 1e-9));
+}
+
+TEST_CASE("a warmup shorter than two updates lasts two with a warning as in DeepSpeed", "[config]") {
+  auto j = base();
+  j["scheduler"] = {{"type", "WarmupLR"},
+                    {"params", {{"warmup_min_lr", 0.1}, {"warmup_max_lr", 0.5}, {"warmup_num_steps", 0}}}};
+  const auto l = load(j);
+  REQUIRE(keys_of(l.warnings, "test.json") ==
+          std::vector<std::string>{"scheduler.params.warmup_num_steps"});
+  REQUIRE(l.schedule.lr_at(0) == 0.1);
+  REQUIRE(l.schedule.lr_at(1) == 0.1);
+  REQUIRE(close(l.schedule.lr_at(2), 0.5, 1e-15));
+}
+
+TEST_CASE("warmup_max_lr defaults to the optimizer's lr with a warning where DeepSpeed differs", "[config]") {
+  auto j = base();
+  j["scheduler"] = {{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", 10}}}};
+  const auto l = load(j);
+  REQUIRE(l.schedule.peak_lr == 3e-4);
+  REQUIRE(keys_of(l.warnings, "test.json") ==
+          std::vector<std::string>{"scheduler.params.warmup_max_lr"});
+  REQUIRE(test::contains(l.warnings[0], "DeepSpeed would use 0.001"));
+}
+
+TEST_CASE("each auto key warns once however often it is read", "[config]") {
+  ConfigReader reader(nlohmann::json{{"a", "auto"}, {"b", {{"c", "auto"}}}}, "a.json");
+  REQUIRE(reader.number("a", 2.5) == 2.5);
+  REQUIRE(reader.number("a", 2.5) == 2.5);
+  REQUIRE(reader.boolean("b.c", true));
+  REQUIRE(reader.warnings().size() == 2);
+  REQUIRE(test::contains(reader.warnings()[0], "config a.json: a = \"auto\""));
+  REQUIRE(test::contains(reader.warnings()[0], "default, 2.5"));
+  REQUIRE(reader.unread_keys().empty());
+}
