@@ -260,8 +260,12 @@ void read_zero(ConfigReader& c, EngineConfig& cfg) {
     c.fail("zero_optimization.stage",
            "= 0 (no sharding) is not implemented by ShardSwap; stages 1 and 2 are");
   cfg.reduce_bucket_bytes = bucket_bytes(c, "zero_optimization.reduce_bucket_size", cfg.grad_type());
-  cfg.allgather_bucket_bytes =
-      bucket_bytes(c, "zero_optimization.allgather_bucket_size", cfg.dtype);
+  if (c.has("zero_optimization.allgather_bucket_size")) {
+    bucket_bytes(c, "zero_optimization.allgather_bucket_size", cfg.dtype);  // still validated
+    c.warn("zero_optimization.allgather_bucket_size",
+           "has no effect: ShardSwap all-gathers each group's updated shards in place, with no "
+           "gather bucket to size");
+  }
   cfg.overlap_comm = c.boolean("zero_optimization.overlap_comm", true);
   only_default(c, "zero_optimization.contiguous_gradients", true,
                "ShardSwap's stage-2 gradient partitions are always contiguous");

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <unordered_map>
@@ -143,8 +144,15 @@ static std::int64_t bucket_capacity(const EngineConfig& config, const std::vecto
   return std::max<std::int64_t>(capacity, world_size);
 }
 
-MemoryPlan Engine::plan() const {
+MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at_build) const {
   if (impl_->params.empty()) throw ConfigError("Engine::plan: no params declared");
+  if (active_at_build && impl_->built)
+    throw StateError("Engine::plan: an active set can only be assumed before build()");
+  if (active_at_build)
+    for (const auto& name : *active_at_build)
+      if (std::find(impl_->group_names.begin(), impl_->group_names.end(), name) ==
+          impl_->group_names.end())
+        throw ConfigError(fmt::format("Engine::plan: no group named '{}'", name));
   auto params = impl_->params;
   const bool built = impl_->built;
   const auto planned = plan_groups(config_, impl_->group_names, params, impl_->weight_decay,
@@ -157,9 +165,14 @@ MemoryPlan Engine::plan() const {
   for (std::size_t i = 0; i < planned.size(); ++i) {
     const Group& g = planned[i];
     add(Tag::param16, g.layout.total_numel() * psize);
-    // Before build() every group counts as active (build's default).
+    // Before build() every group counts as active (build's default), unless told otherwise.
     const Group* now = built ? &impl_->groups[i] : nullptr;
-    const bool active = now == nullptr || now->active;
+    const bool active =
+        now != nullptr ? now->active
+                       : !active_at_build || std::find(active_at_build->begin(),
+                                                       active_at_build->end(),
+                                                       impl_->group_names[i]) !=
+                                                 active_at_build->end();
     const bool kept_on_device =
         now != nullptr && now->kept && now->kept->policy == DeactivatePolicy::keep_device;
     if (active)

@@ -100,8 +100,10 @@ class Engine {
   void set_group_weight_decay(const std::string& group, double weight_decay);
   /// Device bytes this rank holds, per tag: before build(), what build() will allocate; after,
   /// what the current active set and kept-on-device states take. The stats equal it exactly
-  /// after every build and lifecycle call.
-  MemoryPlan plan() const;
+  /// after every build and lifecycle call. Before build, `active_at_build` plans
+  /// build(init, active_at_build) instead of build(init) (throws StateError after build,
+  /// ConfigError for a group that does not exist).
+  MemoryPlan plan(const std::optional<std::vector<std::string>>& active_at_build = {}) const;
   /// Allocates every buffer, fills the bit16 weights from `init` and seeds the fp32 masters of
   /// the `active` groups from them (all groups when not given; the others start frozen). On
   /// failure nothing stays allocated and the Engine can be built again.

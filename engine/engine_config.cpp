@@ -38,10 +38,6 @@ void EngineConfig::validate(std::string_view prefix) const {
     fail("zero_optimization.reduce_bucket_size",
          fmt::format("= {} bytes is smaller than the alignment ({} bytes)", reduce_bucket_bytes,
                      alignment_bytes));
-  if (allgather_bucket_bytes < alignment_bytes)
-    fail("zero_optimization.allgather_bucket_size",
-         fmt::format("= {} bytes is smaller than the alignment ({} bytes)", allgather_bucket_bytes,
-                     alignment_bytes));
   if (gradient_accumulation_steps < 1)
     fail("gradient_accumulation_steps",
          fmt::format("= {} must be >= 1", gradient_accumulation_steps));

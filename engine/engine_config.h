@@ -31,11 +31,6 @@ struct EngineConfig {
   /// Capacity of each of the two stage-2 reduce buckets, in bytes. (The JSON key
   /// zero_optimization.reduce_bucket_size counts elements, as in DeepSpeed.)
   std::size_t reduce_bucket_bytes = std::size_t{1} << 26;
-  /// Capacity of one all-gather of updated bit16 shards, in bytes. (The JSON key
-  /// zero_optimization.allgather_bucket_size counts elements of the param type, as in DeepSpeed.)
-  std::size_t allgather_bucket_bytes = std::size_t{1} << 26;
-  /// Overlap gradient reduction with the backward pass (zero_optimization.overlap_comm).
-  bool overlap_comm = true;
   LayoutOrder order = LayoutOrder::declaration;  ///< round_robin_gradients in DeepSpeed
   /// Stage 2: a bucket's reduction runs alongside the backward that fills the next bucket
   /// (zero_optimization.overlap_comm); false waits for each reduction as it is issued.

@@ -47,6 +47,29 @@ if [ -x build/cuda/tools/shardswap_nccl_mpi_check ] && command -v mpirun >/dev/n
   fi
 fi
 
+step "byte LM on the GPU: plan, then configs/gpu-300m.json (LISA, ZeRO-2 bf16)"
+bin=build/cuda/tools/shardswap
+gpu_train() {  # name, then --set overrides
+  local name=$1; shift
+  echo "--- $name"
+  timeout 300 $bin train --config configs/gpu-300m.json --metrics "$OUT/metrics-$name.jsonl" "$@" \
+    > "$OUT/train-$name.log" 2>&1 || status=1
+  grep -E "memory of rank 0 after step 1|cuBLAS|validation loss (before|after step 60)|^done|step time|failed|error" "$OUT/train-$name.log"
+}
+$bin plan --config configs/gpu-300m.json | tee "$OUT/plan-300m.txt" || status=1
+gpu_train nccl-world1
+gpu_train inproc-world4 --set world_size=4 --set shardswap.communicator=in_process
+gpu_train gemm-rate --set layer_switching.type=none --set steps=20
+ngpu=$(nvidia-smi -L | wc -l)
+if [ "$ngpu" -ge 2 ]; then
+  step "overlap of stage-2 reduction with backward ($ngpu GPUs, no layer switching)"
+  for o in false true; do
+    gpu_train "overlap-$o" --set world_size=$ngpu --set layer_switching.type=none --set steps=30 \
+      --set logging.timing=false --set zero_optimization.overlap_comm=$o
+  done
+  gpu_train overlap-world1 --set layer_switching.type=none --set steps=30 --set logging.timing=false
+fi
+
 if [ "$mode" != quick ]; then
   step "compute-sanitizer memcheck (GPU suite without the 1B-param case and the soak)"
   timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \

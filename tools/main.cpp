@@ -7,7 +7,13 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "engine/config_json.h"
 #include "memory/error.h"
+#include "tools/progress.h"
 #include "tools/bench_optimizer.h"
 #include "tools/bench_switch.h"
 #include "tools/plot.h"
@@ -17,6 +23,7 @@ namespace {
 
 constexpr const char* kUsage = R"(usage:
   shardswap train --config FILE [--metrics FILE] [--set key.path=value]... [--memory-report]
+  shardswap plan --config FILE [--set key.path=value]...
 
   shardswap bench optimizer [--backend cpu|cuda] [--sizes 64M,256M,1G] [--iters N] [--json FILE]
 
@@ -24,6 +31,7 @@ constexpr const char* kUsage = R"(usage:
           --metrics FILE     one JSON object per step
           --set k.path=v     overrides a config key (v is JSON, or a bare string)
           --memory-report    prints rank 0's buffers and their holders after build
+  plan    prints the bytes every rank will hold, by tag, before anything is allocated
   shardswap bench switch [--backend cpu|cuda] [--layers 32] [--dim 4096] [--switches 20] [--json FILE]
 
   bench optimizer
@@ -41,9 +49,25 @@ struct BadUsage : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-int train_command(const std::vector<std::string>& args) {
-  std::string config_path, metrics_path;
+/// The config of `train` and `plan`: --config FILE and --set overrides, read and checked; its
+/// warnings (DeepSpeed keys ShardSwap does not implement, "auto" values) printed once each.
+struct ConfigArgs {
+  std::string path;
   std::vector<std::string> overrides;
+};
+
+shardswap::TrainConfig load_config(const ConfigArgs& args) {
+  if (args.path.empty()) throw BadUsage("needs --config FILE");
+  auto reader = shardswap::ConfigReader::from_file(args.path);
+  for (const auto& o : args.overrides) reader.set(o);
+  auto config = shardswap::train_config_from_json(reader);
+  for (const auto& w : shardswap::config_warnings(reader)) spdlog::warn("{}", w);
+  return config;
+}
+
+int train_command(const std::vector<std::string>& args) {
+  ConfigArgs config_args;
+  std::string metrics_path;
   bool memory_report = false;
   for (std::size_t i = 0; i < args.size(); ++i) {
     const auto value = [&]() -> const std::string& {
@@ -51,36 +75,65 @@ int train_command(const std::vector<std::string>& args) {
       return args[++i];
     };
     if (args[i] == "--config")
-      config_path = value();
+      config_args.path = value();
     else if (args[i] == "--metrics")
       metrics_path = value();
     else if (args[i] == "--set")
-      overrides.push_back(value());
+      config_args.overrides.push_back(value());
     else if (args[i] == "--memory-report")
       memory_report = true;
     else
       throw BadUsage(fmt::format("unknown argument '{}'", args[i]));
   }
-  if (config_path.empty()) throw BadUsage("train needs --config FILE");
-
-  auto reader = shardswap::ConfigReader::from_file(config_path);
-  for (const auto& o : overrides) reader.set(o);
-  const auto config = shardswap::train_config_from_json(reader);
-  for (const auto& key : reader.unread_keys())
-    spdlog::warn("config {}: key '{}' is not implemented by ShardSwap and is ignored", config_path,
-                 key);
-
+  // Everything is checked before anything is written: a refused config leaves no metrics file.
+  const auto config = load_config(config_args);
   std::ofstream metrics;
   if (!metrics_path.empty()) {
     metrics.open(metrics_path);
     if (!metrics)
       throw shardswap::ConfigError(fmt::format("--metrics: cannot write '{}'", metrics_path));
   }
-  const auto summary =
-      shardswap::train(config, std::cout, metrics_path.empty() ? nullptr : &metrics,
-                       memory_report ? &std::cout : nullptr);
-  std::cout << fmt::format("done: {} steps, {} skipped; loss {:.6f} -> {:.6f}\n", summary.steps,
-                           summary.skipped, summary.first_loss, summary.final_loss);
+  const bool terminal = isatty(fileno(stdout)) != 0;
+  const shardswap::TrainOutput out{std::cout, metrics_path.empty() ? nullptr : &metrics,
+                                   memory_report ? &std::cout : nullptr, terminal,
+                                   terminal ? shardswap::terminal_columns(fileno(stdout)) : 0};
+  const auto summary = shardswap::train(config, out);
+  std::cout << fmt::format(
+      "done: {} steps, {} skipped, {} switches; loss {:.4f} -> {:.4f}; validation loss {:.4f} -> "
+      "{:.4f}; {:.0f} tokens/s; rank 0 peak {:.2f} MiB, predicted {:.2f} MiB\n",
+      summary.steps, summary.skipped, summary.switches, summary.first_loss, summary.final_loss,
+      summary.first_val_loss, summary.final_val_loss, summary.tokens_per_s,
+      summary.peak_bytes / 1048576.0, summary.predicted_bytes / 1048576.0);
+  if (config.timing) {
+    std::cout << fmt::format("step time: {:.1f}% in engine.step() (reduce, optimizer, gather)",
+                             100.0 * summary.engine_step_share);
+    if (summary.model_tflops > 0)
+      std::cout << fmt::format("; model forward+backward {:.1f} TFLOP/s of GEMM work", 
+                               summary.model_tflops);
+    if (summary.cublas_tflops > 0)
+      std::cout << fmt::format(" ({:.0f}% of cuBLAS's {:.1f} TFLOP/s in this run)",
+                               100.0 * summary.model_tflops / summary.cublas_tflops,
+                               summary.cublas_tflops);
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+int plan_command(const std::vector<std::string>& args) {
+  ConfigArgs config_args;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const auto value = [&]() -> const std::string& {
+      if (i + 1 >= args.size()) throw BadUsage(fmt::format("{} needs a value", args[i]));
+      return args[++i];
+    };
+    if (args[i] == "--config")
+      config_args.path = value();
+    else if (args[i] == "--set")
+      config_args.overrides.push_back(value());
+    else
+      throw BadUsage(fmt::format("unknown argument '{}'", args[i]));
+  }
+  shardswap::print_plan(load_config(config_args), std::cout);
   return 0;
 }
 
@@ -94,6 +147,7 @@ int main(int argc, char** argv) {
       return args.empty() ? 2 : 0;
     }
     if (args[0] == "train") return train_command({args.begin() + 1, args.end()});
+    if (args[0] == "plan") return plan_command({args.begin() + 1, args.end()});
     if (args[0] == "bench" && args.size() > 1 && args[1] == "optimizer")
       return shardswap::bench_optimizer({args.begin() + 2, args.end()}, std::cout);
     if (args[0] == "bench" && args.size() > 1 && args[1] == "switch")

@@ -4,150 +4,306 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <exception>
+#include <limits>
 #include <mutex>
 #include <optional>
+#include <thread>
 
+#include "engine/backend.h"
+#include "engine/comm/nccl.h"
 #include "engine/config_json.h"
 #include "memory/error.h"
+#include "tools/lm/text_data.h"
+#include "tools/progress.h"
 
 namespace shardswap {
 
+namespace {
+
+CommKind comm_kind_from_name(ConfigReader& c, const std::string& name) {
+  if (name == "in_process") return CommKind::in_process;
+  if (name == "nccl") return CommKind::nccl;
+  c.fail("shardswap.communicator", fmt::format("= '{}': expected in_process or nccl", name));
+}
+
+DeviceKind device_of(const std::string& backend) {
+  return backend == "cpu" ? DeviceKind::host : DeviceKind::cuda;
+}
+
+std::string mib(std::int64_t bytes) {
+  return fmt::format("{:.2f} MiB", static_cast<double>(bytes) / 1048576.0);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+}  // namespace
+
 TrainConfig train_config_from_json(ConfigReader& c) {
   TrainConfig t;
-  t.engine = engine_config_from_json(c);
   const auto positive = [&](std::string_view key, std::int64_t fallback, std::int64_t max) {
     const auto v = c.integer(key, fallback);
     if (v < 1 || v > max) c.fail(key, fmt::format("= {} must lie in [1, {}]", v, max));
     return v;
   };
   t.world_size = static_cast<int>(positive("world_size", 1, 1024));
+  t.batches = resolve_batch_sizes(c, t.world_size);
+  t.engine = engine_config_from_json(c, t.batches);
   t.steps = positive("steps", 100, std::int64_t{1} << 40);
-  t.micro_batch = static_cast<int>(positive("train_micro_batch_size_per_gpu", 32, 1 << 20));
-  if (c.has("train_batch_size")) {
-    const auto total = c.integer("train_batch_size", 0);
-    const auto expected =
-        std::int64_t{t.micro_batch} * t.engine.gradient_accumulation_steps * t.world_size;
-    if (total != expected)
-      c.fail("train_batch_size", fmt::format("= {} but train_micro_batch_size_per_gpu x "
-                                             "gradient_accumulation_steps x world_size = {}",
-                                             total, expected));
-  }
   t.seed = static_cast<std::uint64_t>(c.integer("seed", 1));
-  const auto type = c.string("model.type", "residual_mlp");
-  if (type != "residual_mlp")
-    c.fail("model.type", fmt::format("= '{}': the built-in models are: residual_mlp", type));
-  t.model.input_dim = static_cast<int>(positive("model.input_dim", t.model.input_dim, 1 << 16));
+  t.lr = lr_schedule_from_json(c, t.engine.optimizer.lr);
+
+  const auto type = c.string("model.type", "byte_lm");
+  if (type != "byte_lm")
+    c.fail("model.type", fmt::format("= '{}': the built-in model is byte_lm", type));
+  t.model.context = static_cast<int>(positive("model.context", t.model.context, 1 << 12));
   t.model.width = static_cast<int>(positive("model.width", t.model.width, 1 << 16));
-  t.model.hidden = static_cast<int>(positive("model.hidden", t.model.hidden, 1 << 16));
+  t.model.hidden = static_cast<int>(positive("model.hidden", t.model.hidden, 1 << 18));
   t.model.depth = static_cast<int>(positive("model.depth", t.model.depth, 4096));
-  t.model.output_dim = static_cast<int>(positive("model.output_dim", t.model.output_dim, 1 << 16));
-  const auto data = c.string("data.type", "teacher_regression");
-  if (data != "teacher_regression")
-    c.fail("data.type", fmt::format("= '{}': the built-in data is: teacher_regression", data));
-  t.noise = c.number("data.noise", t.noise);
-  if (!(t.noise >= 0.0)) c.fail("data.noise", fmt::format("= {} must be >= 0", t.noise));
+
+  t.data_path = c.string("data.path", t.data_path);
+  t.val_fraction = c.number("data.val_fraction", t.val_fraction);
+  // Checks the file now (exists, readable, long enough for both splits), before anything is
+  // written or allocated; train() reads it again.
+  ByteCorpus(t.data_path, t.model.context, t.val_fraction, t.seed);
+
   t.log_interval = static_cast<int>(positive("logging.interval", 10, 1 << 30));
+  t.eval_interval = static_cast<int>(positive("logging.eval_interval", 100, 1 << 30));
+  t.eval_batches = static_cast<int>(positive("logging.eval_batches", 4, 1 << 20));
+  t.timing = c.boolean("logging.timing", false);
+
+  t.backend = c.string("shardswap.backend", "cpu");
+  if (t.backend != "cpu" && t.backend != "cuda" && t.backend.rfind("cuda:", 0) != 0)
+    c.fail("shardswap.backend", fmt::format("= '{}': expected cpu, cuda or cuda:N", t.backend));
+  t.comm = comm_kind_from_name(c, c.string("shardswap.communicator", "in_process"));
+  if (t.comm == CommKind::nccl && t.backend == "cpu")
+    c.fail("shardswap.communicator", "= nccl needs shardswap.backend = cuda");
+
   t.switching = layer_switching_from_json(c);
   try {
-    LayerSchedule check(t.switching, model_groups(t.model));  // validates; nothing is allocated
+    LayerSchedule check(t.switching, byte_lm_groups(t.model));  // validates; allocates nothing
   } catch (const ConfigError& e) {
     throw ConfigError(fmt::format("config {}: {}", c.source(), e.what()));
   }
+  reject_unknown_keys(c, kShardSwapSections);
   return t;
 }
 
-std::vector<std::string> model_groups(const MlpShape& shape) {
-  std::vector<std::string> groups{"input"};
-  for (int i = 0; i < shape.depth; ++i) groups.push_back(fmt::format("layers.{}", i));
-  groups.push_back("head");
-  return groups;
+PlannedMemory plan_memory(const TrainConfig& config, int rank) {
+  // Declarations only: the group's ranks never exchange anything and the space never allocates.
+  InProcessGroup group(config.world_size);
+  MemorySpace space(rank, make_host_allocator());
+  Engine engine(config.engine, group.rank(rank), space);
+  ByteLm::declare(config.model, engine);
+  const LayerSchedule schedule(config.switching, byte_lm_groups(config.model));
+  PlannedMemory p;
+  p.engine = engine.plan(schedule.active_at(0));
+  p.activation = ByteLm::activation_bytes(config.model, config.batches.micro, config.engine.dtype,
+                                          device_of(config.backend));
+  return p;
 }
 
-namespace {
-
-std::string mib(std::int64_t bytes) {
-  return fmt::format("{:.2f} MiB", bytes / 1048576.0);
-}
-
-}  // namespace
-
-TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* metrics,
-                   std::ostream* report) {
-  TrainSummary summary;
-  std::mutex mu;  // rank 0 writes; the lock only orders its writes with the summary read
-  run_ranks(config.world_size, [&](int rank, Communicator& comm) {
-    MemorySpace space(rank, make_host_allocator());
-    Engine engine(config.engine, comm, space);
-    ResidualMlp model(config.model);
-    model.declare(engine);
-    const LayerSchedule schedule(config.switching, model_groups(config.model));
-    engine.build([&](const ParamInfo& p, std::span<float> v) { model.init(p, v, config.seed); },
-                 schedule.active_at(0));
-    const TeacherTask task(config.model, config.seed, config.noise);
-    if (rank == 0) {
-      std::int64_t params = 0;
-      for (const auto& p : engine.params()) params += p.numel;
-      std::lock_guard lock(mu);
-      log << fmt::format(
-          "shardswap train: {} params in {} groups, world size {}, ZeRO stage {}, "
-          "{}, {}\n",
-          params, engine.groups().size(), config.world_size, config.engine.stage,
-          dtype_name(config.engine.dtype), optimizer_type_name(config.engine.optimizer.type));
-      if (schedule.enabled())
-        log << fmt::format("layer switching: {} every {} steps, policy {}; active now: {}\n",
-                           config.switching.type, config.switching.interval,
-                           deactivate_policy_name(schedule.policy()),
-                           fmt::join(engine.active_groups(), ", "));
-      if (report) *report << engine.memory_report();
+void print_plan(const TrainConfig& config, std::ostream& out) {
+  const auto params = byte_lm_param_count(config.model);
+  const int n = config.world_size;
+  out << fmt::format(
+      "plan: byte_lm, {} params, world size {}, ZeRO stage {}, {}, {}, micro-batch {}, "
+      "backend {}\n",
+      params, n, config.engine.stage, dtype_name(config.engine.dtype),
+      optimizer_type_name(config.engine.optimizer.type), config.batches.micro, config.backend);
+  const int shown = std::min(n, 8);
+  std::vector<PlannedMemory> plans;
+  for (int r = 0; r < n; ++r) plans.push_back(plan_memory(config, r));
+  out << fmt::format("{:<12}", "bytes");
+  for (int r = 0; r < shown; ++r) out << fmt::format("{:>16}", fmt::format("rank {}", r));
+  out << fmt::format("{:>16}\n", "max over ranks");
+  const auto row = [&](const std::string& name, auto bytes_of) {
+    out << fmt::format("{:<12}", name);
+    std::int64_t most = 0;
+    for (int r = 0; r < n; ++r) {
+      const std::int64_t b = bytes_of(plans[static_cast<std::size_t>(r)]);
+      most = std::max(most, b);
+      if (r < shown) out << fmt::format("{:>16}", b);
     }
-    Eigen::MatrixXf x, target;
-    double interval_loss = 0.0;
+    out << fmt::format("{:>16}\n", most);
+  };
+  for (Tag t : kAllTags) {
+    if (t == Tag::activation || t == Tag::other) continue;
+    row(tag_name(t), [t](const PlannedMemory& p) { return p.engine.of(t); });
+  }
+  row("activation", [](const PlannedMemory& p) { return p.activation; });
+  row("total", [](const PlannedMemory& p) { return p.total(); });
+  // The ZeRO paper's count for bit16 params and Adam (no buckets, no padding, all groups active).
+  const double psi = static_cast<double>(params);
+  const double formula = config.engine.stage == 1 ? 4 * psi + 12 * psi / n : 2 * psi + 14 * psi / n;
+  out << fmt::format("ZeRO-{} formula, every group active, Adam: {:.0f} bytes ({})\n",
+                     config.engine.stage, formula, mib(static_cast<std::int64_t>(formula)));
+}
+
+TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
+  const ByteCorpus corpus(config.data_path, config.model.context, config.val_fraction, config.seed);
+  const Backend backend = backend_from_name(config.backend, "shardswap.backend");
+  const LayerSchedule schedule(config.switching, byte_lm_groups(config.model));
+  const PlannedMemory predicted = plan_memory(config, 0);
+  const int world = config.world_size;
+  const int micro = config.batches.micro;
+  const int accumulation = config.batches.gradient_accumulation_steps;
+  const double samples_per_step = static_cast<double>(micro) * accumulation * world;
+
+  TrainSummary summary;
+  summary.predicted_bytes = predicted.total();
+  std::mutex mu;  // rank 0 writes the outputs; the lock orders them with the summary's readers
+
+  auto per_rank = [&](int rank, Communicator& comm, std::unique_ptr<Allocator> allocator) {
+    MemorySpace space(rank, std::move(allocator));
+    Engine engine(config.engine, comm, space, *backend.kernels);
+    ByteLm::declare(config.model, engine);
+    engine.build(
+        [&](const ParamInfo& p, std::span<float> v) { ByteLm::init(config.model, p, v, config.seed); },
+        schedule.active_at(0));
+    auto model = make_byte_lm(config.model, micro, config.engine.dtype, space);
+    const auto sync = [&] { backend.kernels->synchronize(); };
+
+    // Validation: batches rank, rank + world, ... of eval_batches, summed over ranks.
+    const auto evaluate = [&] {
+      double sum = 0.0;
+      for (int b = rank; b < config.eval_batches; b += world)
+        sum += model->loss(engine, corpus.val_batch(b, micro));
+      return engine.sum_across_ranks(sum) / config.eval_batches;
+    };
+
+    std::optional<ProgressReporter> progress;
+    if (rank == 0) {
+      std::lock_guard lock(mu);
+      out.log << fmt::format(
+          "shardswap train: byte_lm {} params ({} groups), context {}, width {}, hidden {}, "
+          "depth {}; world size {} ({}, {}), ZeRO stage {}, {}, {}; batch {} = {} x {} x {}; "
+          "data {} ({} bytes train, {} validation)\n",
+          byte_lm_param_count(config.model), engine.groups().size(), config.model.context,
+          config.model.width, config.model.hidden, config.model.depth, world, backend.name,
+          config.comm == CommKind::nccl ? "nccl" : "in-process", config.engine.stage,
+          dtype_name(config.engine.dtype), optimizer_type_name(config.engine.optimizer.type),
+          config.batches.train_batch, micro, accumulation, world, corpus.path(),
+          corpus.train_size(), corpus.val_size());
+      if (schedule.enabled())
+        out.log << fmt::format("layer switching: {} every {} steps, policy {}; active now: {}\n",
+                               config.switching.type, config.switching.interval,
+                               deactivate_policy_name(schedule.policy()),
+                               fmt::join(engine.active_groups(), ", "));
+      if (out.report) *out.report << engine.memory_report();
+      progress.emplace(out.log, ProgressOptions{.total_steps = config.steps,
+                                                .terminal = out.terminal,
+                                                .interval = config.log_interval,
+                                                .columns = out.columns,
+                                                .throughput_unit = "tokens/s"});
+    }
+    const auto say = [&](const std::string& text) {
+      if (rank != 0) return;
+      std::lock_guard lock(mu);
+      progress->message(text);
+    };
+
+    if (rank == 0 && config.timing && space.device() == DeviceKind::cuda) {
+      const double rate = measure_cublas_gemm_tflops(micro, config.model.hidden,
+                                                     config.model.width, config.engine.dtype);
+      std::lock_guard lock(mu);
+      summary.cublas_tflops = rate;
+      progress->message(fmt::format("cuBLAS {} GEMM {} x {} x {}: {:.1f} TFLOP/s", 
+                                    dtype_name(config.engine.dtype), micro, config.model.hidden,
+                                    config.model.width, rate));
+    }
+    double val = evaluate();
+    say(fmt::format("validation loss before training: {:.4f}", val));
+    if (rank == 0) summary.first_val_loss = val;
+
+    std::int64_t planned = predicted.total();  // changes when a switch changes the active set
+    std::int64_t updates = 0;                  // applied optimizer steps: the lr schedule's clock
+    double interval_loss = 0.0, timed_seconds = 0.0, model_seconds = 0.0, engine_seconds = 0.0;
     int interval_steps = 0;
-    auto interval_start = std::chrono::steady_clock::now();
+    space.reset_peaks();
     for (std::int64_t step = 0; step < config.steps; ++step) {
       const auto started = std::chrono::steady_clock::now();
-      // Switches happen at step boundaries, the same on every rank (the schedule is a pure
-      // function of the step).
       std::optional<SwitchReport> switched;
       if (step > 0 && schedule.boundary(step)) {
         const auto wanted = schedule.active_at(step);
-        if (wanted != engine.active_groups())
+        if (wanted != engine.active_groups()) {
           switched = engine.set_active(wanted, schedule.policy());
+          planned = engine.plan().total() +
+                    ByteLm::activation_bytes(config.model, micro, config.engine.dtype,
+                                             space.device());
+        }
       }
+      engine.set_lr(config.lr.lr_at(updates));
       double loss = 0.0;
-      for (int micro = 0; micro < config.engine.gradient_accumulation_steps; ++micro) {
-        task.batch(rank, step * config.engine.gradient_accumulation_steps + micro,
-                   config.micro_batch, x, target);
-        loss += model.train_step(engine, x, target);
-      }
-      loss /= config.engine.gradient_accumulation_steps;
+      for (int m = 0; m < accumulation; ++m)
+        loss += model->train_step(engine, corpus.train_batch(rank, step, m, micro));
+      loss /= accumulation;
+      if (config.timing) sync();
+      const double model_s = seconds_since(started);
+      const auto stepping = std::chrono::steady_clock::now();
       const StepResult r = engine.step();
-      loss = engine.sum_across_ranks(loss) / config.world_size;
+      if (config.timing) sync();
+      const double engine_s = seconds_since(stepping);
+      if (r.applied) ++updates;
+      loss = engine.sum_across_ranks(loss) / world;
+      const bool evaluating = (step + 1) % config.eval_interval == 0 || step + 1 == config.steps;
+      if (evaluating) val = evaluate();
+      const double seconds = seconds_since(started);
+      const MemoryStats mem = engine.memory_stats();
       if (rank != 0) continue;
 
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-      const double samples = static_cast<double>(config.micro_batch) *
-                             config.engine.gradient_accumulation_steps * config.world_size;
       std::lock_guard lock(mu);
       if (step == 0) summary.first_loss = loss;
+      if (step > 0) {  // the first step carries one-off work (allocation, cuBLAS warm-up)
+        timed_seconds += seconds;
+        model_seconds += model_s;
+        engine_seconds += engine_s;
+      }
       summary.steps = step + 1;
       summary.skipped += r.applied ? 0 : 1;
       summary.switches += switched ? 1 : 0;
+      summary.peak_bytes = std::max(summary.peak_bytes, mem.requested.peak);
       if (switched)
-        log << fmt::format(
-            "switch at step {}: in [{}] out [{}], {} freed, {} allocated, {:.3f} ms\n", step,
+        progress->message(fmt::format(
+            "switch at step {}: in [{}] out [{}], {} freed, {} allocated, {:.3f} ms", step,
             fmt::join(switched->activated, ", "), fmt::join(switched->deactivated, ", "),
-            mib(switched->bytes_freed), mib(switched->bytes_allocated), switched->seconds * 1e3);
+            mib(switched->bytes_freed), mib(switched->bytes_allocated), switched->seconds * 1e3));
+      if (step == 0 || switched) {
+        const auto peak = mem.requested.peak;
+        progress->message(fmt::format(
+            "memory of rank 0 after step {}: predicted {}, measured peak {} ({:+.3f}%)", step + 1,
+            mib(planned), mib(peak), 100.0 * static_cast<double>(peak - planned) / planned));
+        space.reset_peaks();  // the next report measures from here
+      }
+      if (evaluating) {
+        progress->message(fmt::format("validation loss after step {}: {:.4f}", step + 1, val));
+        summary.final_val_loss = val;
+      }
       interval_loss += loss;
       ++interval_steps;
-      const MemoryStats mem = engine.memory_stats();
-      if (metrics) {
-        nlohmann::json line = {{"step", step + 1},           {"loss", loss},
-                               {"grad_norm", r.grad_norm},   {"clip_coef", r.clip_coef},
-                               {"loss_scale", r.loss_scale}, {"skipped", !r.applied},
-                               {"lr", engine.lr()},          {"samples_per_s", samples / seconds}};
+      if ((step + 1) % config.log_interval == 0 || step + 1 == config.steps) {
+        summary.final_loss = interval_loss / interval_steps;
+        interval_loss = 0.0;
+        interval_steps = 0;
+      }
+      const double tokens_per_s = samples_per_step / seconds;
+      if (out.metrics) {
+        nlohmann::json line = {{"step", step + 1},
+                               {"loss", loss},
+                               {"lr", engine.lr()},
+                               {"loss_scale", r.loss_scale},
+                               {"grad_norm", r.grad_norm},
+                               {"clip_coef", r.clip_coef},
+                               {"skipped", !r.applied},
+                               {"tokens_per_s", tokens_per_s},
+                               {"step_seconds", seconds}};
+        if (!std::isfinite(r.grad_norm)) line["grad_norm"] = nullptr;  // JSON has no Inf
+        if (evaluating) line["val_loss"] = val;
         nlohmann::json memory;
         for (Tag t : kAllTags) memory[tag_name(t)] = mem.tag(t).requested.current;
         memory["total"] = mem.requested.current;
@@ -160,26 +316,57 @@ TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* m
                             {"bytes_freed", switched->bytes_freed},
                             {"bytes_allocated", switched->bytes_allocated},
                             {"seconds", switched->seconds}};
-        if (!std::isfinite(r.grad_norm)) line["grad_norm"] = nullptr;  // JSON has no Inf
-        *metrics << line.dump() << '\n';
+        *out.metrics << line.dump() << '\n';
       }
-      if ((step + 1) % config.log_interval == 0 || step + 1 == config.steps) {
-        const double elapsed =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - interval_start)
-                .count();
-        summary.final_loss = interval_loss / interval_steps;
-        log << fmt::format(
-            "step {:>6}/{}  loss {:.6f}  grad_norm {:.4f}  scale {}  skipped {}  "
-            "memory {}  {:.0f} samples/s\n",
-            step + 1, config.steps, summary.final_loss, r.grad_norm, r.loss_scale, summary.skipped,
-            mib(mem.requested.current), samples * interval_steps / elapsed);
-        log.flush();
-        interval_loss = 0.0;
-        interval_steps = 0;
-        interval_start = std::chrono::steady_clock::now();
+      progress->update({.step = step + 1,
+                        .loss = loss,
+                        .throughput = tokens_per_s,
+                        .memory_bytes = mem.requested.current});
+    }
+    if (rank == 0) {
+      std::lock_guard lock(mu);
+      progress->finish();
+      if (config.steps > 1) {
+        summary.tokens_per_s = samples_per_step * static_cast<double>(config.steps - 1) / timed_seconds;
+        summary.engine_step_share = config.timing
+                                        ? engine_seconds / (engine_seconds + model_seconds)
+                                        : std::numeric_limits<double>::quiet_NaN();
+        if (config.timing && space.device() == DeviceKind::cuda && !schedule.enabled())
+          summary.model_tflops = byte_lm_step_flops(config.model, micro) * accumulation *
+                                 static_cast<double>(config.steps - 1) / model_seconds / 1e12;
       }
     }
-  });
+  };
+
+  if (config.comm == CommKind::in_process) {
+    run_ranks(world, [&](int rank, Communicator& comm) {
+      per_rank(rank, comm, backend.make_allocator(rank));
+    }, *backend.collectives);
+    return summary;
+  }
+  // One GPU per rank, a thread each. A rank that throws leaves the others waiting in NCCL; its
+  // error is printed at once so that the cause is known even if the run must then be killed.
+  std::vector<int> devices(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) devices[static_cast<std::size_t>(r)] = r;
+  auto comms = make_nccl_communicators(devices);
+  std::vector<std::exception_ptr> errors(devices.size());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        cuda_set_device(r);
+        per_rank(r, *comms[static_cast<std::size_t>(r)], make_cuda_allocator(r));
+      } catch (const std::exception& e) {
+        {
+          std::lock_guard lock(mu);
+          out.log << fmt::format("rank {} failed: {}\n", r, e.what()) << std::flush;
+        }
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
   return summary;
 }
 

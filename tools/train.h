@@ -1,48 +1,95 @@
-// `shardswap train`: a JSON-configured run of the built-in model with world_size ranks.
+// `shardswap train`: a JSON-configured run of the built-in byte-level language model
+// (tools/lm/byte_lm.h) over a text file, with world_size ranks: threads over in-process
+// collectives (cpu, or all on one GPU), or one GPU per rank over NCCL.
 #pragma once
 
 #include <cstdint>
 #include <ostream>
 #include <string>
+#include <vector>
 
+#include "engine/batch_sizes.h"
 #include "engine/config_reader.h"
 #include "engine/engine_config.h"
 #include "engine/schedule.h"
-#include "tools/residual_mlp.h"
+#include "optimizer/lr_schedule.h"
+#include "tools/lm/byte_lm.h"
 
 namespace shardswap {
 
+enum class CommKind {
+  in_process,  ///< ranks as threads over in-process collectives (host memory or one GPU)
+  nccl,        ///< one GPU per rank (GPUs 0..world_size-1), a thread each, over NCCL
+};
+
 struct TrainConfig {
   EngineConfig engine;
-  MlpShape model;
+  BatchSizes batches;
+  LrSchedule lr;
+  ByteLmShape model;
   int world_size = 1;
   std::int64_t steps = 100;
-  int micro_batch = 32;  ///< train_micro_batch_size_per_gpu
   std::uint64_t seed = 1;
-  double noise = 0.01;  ///< data.noise
+  std::string data_path = "/usr/share/common-licenses/GPL-3";
+  double val_fraction = 0.1;
   int log_interval = 10;
+  int eval_interval = 100;  ///< validation every this many steps (and before the first, after the last)
+  int eval_batches = 4;     ///< micro-batches of validation per evaluation, split over ranks
+  std::string backend = "cpu";  ///< shardswap.backend: cpu, cuda, cuda:N
+  CommKind comm = CommKind::in_process;
+  /// logging.timing: wait for the device after the model's forward/backward and after
+  /// engine.step(), so the step time splits into the two honestly (costs a little overlap).
+  bool timing = false;
   LayerSwitchingConfig switching;  ///< layer_switching; validated against the model's groups
 };
 
-/// Reads every key of the run (engine keys and layer_switching included) and checks the schedule
-/// against the model's groups, before anything is allocated. Throws ConfigError naming the key
-/// and the file. Keys present but never read are left in reader.unread_keys().
+/// Reads every key of the run and checks it (batch sizes, schedule against the model's groups,
+/// the data file exists) before anything is allocated; unknown keys in ShardSwap's own sections
+/// are errors. Throws ConfigError naming the key and the file. DeepSpeed keys that are not
+/// implemented are left for config_warnings(reader).
 TrainConfig train_config_from_json(ConfigReader& reader);
 
+/// Bytes of one rank (rank 0, or the largest over ranks) before anything is allocated.
+struct PlannedMemory {
+  MemoryPlan engine;               ///< what the engine takes for the groups active at step 0
+  std::int64_t activation = 0;     ///< the model's working memory (Tag::activation)
+  std::int64_t total() const { return engine.total() + activation; }
+};
+/// The plan of `rank` for the config (the engine's plan with the active set of step 0, plus
+/// the model's activations). Allocates nothing.
+PlannedMemory plan_memory(const TrainConfig& config, int rank);
+/// `shardswap plan`: a table of predicted bytes by tag for every rank.
+void print_plan(const TrainConfig& config, std::ostream& out);
+
 struct TrainSummary {
-  double first_loss = 0.0;  ///< mean over ranks, first step
-  double final_loss = 0.0;  ///< mean over ranks and over the last log interval
+  double first_loss = 0.0;      ///< mean over ranks, first step
+  double final_loss = 0.0;      ///< mean over ranks and over the last log interval
+  double first_val_loss = 0.0;  ///< before the first step
+  double final_val_loss = 0.0;  ///< after the last step
   std::int64_t steps = 0;
   std::int64_t skipped = 0;
   std::int64_t switches = 0;  ///< layer switches made
+  double tokens_per_s = 0.0;  ///< predicted bytes per second over all ranks, steps 2..N
+  std::int64_t predicted_bytes = 0;  ///< rank 0's plan (engine + activations), step 0's set
+  std::int64_t peak_bytes = 0;       ///< rank 0's largest requested bytes over the run
+  /// With timing: the share of step time spent in engine.step() (reduction, optimizer,
+  /// all-gather) against the model's forward and backward; NaN otherwise.
+  double engine_step_share = 0.0;
+  double model_tflops = 0.0;  ///< with timing, on cuda: GEMM TFLOP/s of forward and backward
+  /// With timing, on cuda: cuBLAS's rate for a GEMM of the model's largest shape (micro-batch x
+  /// hidden x width), measured in the same run before training.
+  double cublas_tflops = 0.0;
 };
 
-/// The group names of the built-in model, in declaration order.
-std::vector<std::string> model_groups(const MlpShape& shape);
+struct TrainOutput {
+  std::ostream& log;
+  std::ostream* metrics = nullptr;  ///< one JSON object per step
+  std::ostream* report = nullptr;   ///< rank 0's memory report after build
+  bool terminal = false;            ///< log is a terminal: a progress bar instead of lines
+  int columns = 0;                  ///< its width (0: unknown)
+};
 
-/// Runs the training. Progress lines go to `log`, one JSON object per step to `metrics` (if not
-/// null), a memory report after build to `report` (if not null).
-TrainSummary train(const TrainConfig& config, std::ostream& log, std::ostream* metrics,
-                   std::ostream* report = nullptr);
+/// Runs the training.
+TrainSummary train(const TrainConfig& config, const TrainOutput& out);
 
 }  // namespace shardswap
