@@ -48,9 +48,11 @@ constexpr KnownKey kUnimplemented[] = {
     {"timers", kMetrics},
     {"activation_checkpointing", "activation memory is the model's business, not the engine's"},
     {"prescale_gradients",
-     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the update"},
+     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the "
+     "update"},
     {"gradient_predivide_factor",
-     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the update"},
+     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the "
+     "update"},
     {"sparse_gradients", "gradients are dense"},
     {"amp", "mixed precision is bf16.enabled or fp16.enabled"},
     {"zero_allow_untested_optimizer", "every ShardSwap optimizer is sharded"},
@@ -188,8 +190,9 @@ void read_precision(ConfigReader& c, EngineConfig& cfg) {
   LossScaleConfig scale;
   const double loss_scale = c.number("fp16.loss_scale", 0.0);
   if (!(loss_scale >= 0.0) || !std::isfinite(loss_scale))
-    c.fail("fp16.loss_scale",
-           fmt::format("= {} must be 0 (dynamic scaling) or a finite static scale > 0", loss_scale));
+    c.fail(
+        "fp16.loss_scale",
+        fmt::format("= {} must be 0 (dynamic scaling) or a finite static scale > 0", loss_scale));
   scale.dynamic = loss_scale == 0.0;
   if (!scale.dynamic) scale.static_scale = loss_scale;
   scale.initial_scale = std::ldexp(1.0, bounded_int(c, "fp16.initial_scale_power", 16, 0, 64));
@@ -241,7 +244,8 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   const bool explicit_mode = c.has(key("adam_w_mode")) && !c.is_auto(key("adam_w_mode"));
   const bool adam_w_mode = c.boolean(key("adam_w_mode"), true);
   if (o.type == OptimizerType::adamw && !adam_w_mode)
-    c.warn(key("adam_w_mode"), "= false is ignored for AdamW, as in DeepSpeed: decay stays decoupled");
+    c.warn(key("adam_w_mode"),
+           "= false is ignored for AdamW, as in DeepSpeed: decay stays decoupled");
   if (o.type == OptimizerType::adam && adam_w_mode) {
     o.type = OptimizerType::adamw;
     if (!explicit_mode && o.weight_decay > 0)
@@ -259,7 +263,8 @@ void read_zero(ConfigReader& c, EngineConfig& cfg) {
   if (cfg.stage == 0)
     c.fail("zero_optimization.stage",
            "= 0 (no sharding) is not implemented by ShardSwap; stages 1 and 2 are");
-  cfg.reduce_bucket_bytes = bucket_bytes(c, "zero_optimization.reduce_bucket_size", cfg.grad_type());
+  cfg.reduce_bucket_bytes =
+      bucket_bytes(c, "zero_optimization.reduce_bucket_size", cfg.grad_type());
   cfg.allgather_bucket_bytes =
       bucket_bytes(c, "zero_optimization.allgather_bucket_size", cfg.dtype);
   cfg.overlap_comm = c.boolean("zero_optimization.overlap_comm", true);
@@ -277,9 +282,9 @@ void read_zero(ConfigReader& c, EngineConfig& cfg) {
 }
 
 EngineConfig read(ConfigReader& c, const std::optional<BatchSizes>& batches) {
-  for (const char* section : {"optimizer", "optimizer.params", "scheduler", "scheduler.params",
-                              "fp16", "bf16", "bfloat16", "zero_optimization", "data_types",
-                              "shardswap"})
+  for (const char* section :
+       {"optimizer", "optimizer.params", "scheduler", "scheduler.params", "fp16", "bf16",
+        "bfloat16", "zero_optimization", "data_types", "shardswap"})
     c.expect_object(section);
   EngineConfig cfg;
   read_precision(c, cfg);
@@ -328,8 +333,9 @@ LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
     c.expect_object("scheduler");
     c.expect_object("scheduler.params");
     if (!c.has("scheduler.type") || c.is_auto("scheduler.type"))
-      c.fail("scheduler.type", "is missing: WarmupLR, WarmupDecayLR or WarmupCosineLR "
-                               "(leave out the scheduler section for a constant lr)");
+      c.fail("scheduler.type",
+             "is missing: WarmupLR, WarmupDecayLR or WarmupCosineLR "
+             "(leave out the scheduler section for a constant lr)");
     s.type = lr_schedule_type_from_name(c.string("scheduler.type", ""), "scheduler.type");
     const auto name = lr_schedule_type_name(s.type);
     constexpr std::string_view p = "scheduler.params.";
@@ -371,7 +377,8 @@ LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
       const auto total = key("total_num_steps");
       if (!c.has(total) || c.is_auto(total)) {
         if (!c.has("steps") || c.is_auto("steps"))
-          c.fail(total, fmt::format("is needed by {} (or a top-level `steps` to default to)", name));
+          c.fail(total,
+                 fmt::format("is needed by {} (or a top-level `steps` to default to)", name));
         const auto steps = c.integer("steps", 0);
         if (c.is_auto(total))
           c.warn(total, fmt::format("= \"auto\" (a value Hugging Face's trainer fills in): "
@@ -396,12 +403,13 @@ std::vector<std::string> config_warnings(const ConfigReader& c) {
     if (!known.empty()) {
       if (std::find(warned.begin(), warned.end(), known) != warned.end()) continue;
       warned.push_back(known);
-      out.push_back(fmt::format("config {}: {} is a DeepSpeed setting ShardSwap does not "
-                                "implement; ignored: {}",
-                                c.source(), known, entry->instead));
+      out.push_back(
+          fmt::format("config {}: {} is a DeepSpeed setting ShardSwap does not "
+                      "implement; ignored: {}",
+                      c.source(), known, entry->instead));
     } else {
-      out.push_back(fmt::format("config {}: {} is not a key ShardSwap knows; ignored{}",
-                                c.source(), leaf, did_you_mean(c, leaf)));
+      out.push_back(fmt::format("config {}: {} is not a key ShardSwap knows; ignored{}", c.source(),
+                                leaf, did_you_mean(c, leaf)));
     }
   }
   return out;
@@ -425,9 +433,9 @@ void reject_unknown_keys(const ConfigReader& c, const std::vector<std::string>& 
     }
   }
   if (unknown.empty()) return;
-  throw ConfigError(fmt::format(
-      "reject_unknown_keys: config {}: unknown key{} in ShardSwap's own sections: {}", c.source(),
-      unknown.size() > 1 ? "s" : "", fmt::join(unknown, ", ")));
+  throw ConfigError(
+      fmt::format("reject_unknown_keys: config {}: unknown key{} in ShardSwap's own sections: {}",
+                  c.source(), unknown.size() > 1 ? "s" : "", fmt::join(unknown, ", ")));
 }
 
 }  // namespace shardswap
