@@ -34,9 +34,10 @@ std::optional<std::int64_t> given(ConfigReader& c, std::string_view key, std::in
 
 BatchSizes resolve_batch_sizes(ConfigReader& c, int world_size) {
   if (world_size < 1 || world_size > kMaxWorld)
-    throw ConfigError(fmt::format("resolve_batch_sizes: config {}: world_size = {} must lie in "
-                                  "[1, {}]",
-                                  c.source(), world_size, kMaxWorld));
+    throw ConfigError(
+        fmt::format("resolve_batch_sizes: config {}: world_size = {} must lie in "
+                    "[1, {}]",
+                    c.source(), world_size, kMaxWorld));
   const std::int64_t world = world_size;
   const auto micro = given(c, kMicro, kMaxMicro);
   const auto accumulation = given(c, kAccumulation, kMaxAccumulation);

@@ -9,9 +9,10 @@
 namespace shardswap {
 
 struct BatchSizes {
-  int micro = 32;                        ///< train_micro_batch_size_per_gpu: samples per rank per micro-batch
+  int micro = 32;  ///< train_micro_batch_size_per_gpu: samples per rank per micro-batch
   int gradient_accumulation_steps = 1;  ///< micro-batches per optimizer step
-  std::int64_t train_batch = 32;         ///< train_batch_size: samples per step, micro x accumulation x ranks
+  std::int64_t train_batch =
+      32;  ///< train_batch_size: samples per step, micro x accumulation x ranks
 };
 
 /// Reads train_micro_batch_size_per_gpu, gradient_accumulation_steps and train_batch_size:

@@ -48,9 +48,11 @@ constexpr KnownKey kUnimplemented[] = {
     {"timers", kMetrics},
     {"activation_checkpointing", "activation memory is the model's business, not the engine's"},
     {"prescale_gradients",
-     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the update"},
+     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the "
+     "update"},
     {"gradient_predivide_factor",
-     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the update"},
+     "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the "
+     "update"},
     {"sparse_gradients", "gradients are dense"},
     {"amp", "mixed precision is bf16.enabled or fp16.enabled"},
     {"zero_allow_untested_optimizer", "every ShardSwap optimizer is sharded"},
@@ -188,8 +190,9 @@ void read_precision(ConfigReader& c, EngineConfig& cfg) {
   LossScaleConfig scale;
   const double loss_scale = c.number("fp16.loss_scale", 0.0);
   if (!(loss_scale >= 0.0) || !std::isfinite(loss_scale))
-    c.fail("fp16.loss_scale",
-           fmt::format("= {} must be 0 (dynamic scaling) or a finite static scale > 0", loss_scale));
+    c.fail(
+        "fp16.loss_scale",
+        fmt::format("= {} must be 0 (dynamic scaling) or a finite static scale > 0", loss_scale));
   scale.dynamic = loss_scale == 0.0;
   if (!scale.dynamic) scale.static_scale = loss_scale;
   scale.initial_scale = std::ldexp(1.0, bounded_int(c, "fp16.initial_scale_power", 16, 0, 64));
@@ -241,7 +244,8 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   const bool explicit_mode = c.has(key("adam_w_mode")) && !c.is_auto(key("adam_w_mode"));
   const bool adam_w_mode = c.boolean(key("adam_w_mode"), true);
   if (o.type == OptimizerType::adamw && !adam_w_mode)
-    c.warn(key("adam_w_mode"), "= false is ignored for AdamW, as in DeepSpeed: decay stays decoupled");
+    c.warn(key("adam_w_mode"),
+           "= false is ignored for AdamW, as in DeepSpeed: decay stays decoupled");
   if (o.type == OptimizerType::adam && adam_w_mode) {
     o.type = OptimizerType::adamw;
     if (!explicit_mode && o.weight_decay > 0)
@@ -280,19 +284,16 @@ void read_zero(ConfigReader& c, EngineConfig& cfg) {
                   : LayoutOrder::declaration;
 }
 
-EngineConfig read(ConfigReader& c, const std::optional<BatchSizes>& batches) {
-  for (const char* section : {"optimizer", "optimizer.params", "scheduler", "scheduler.params",
-                              "fp16", "bf16", "bfloat16", "zero_optimization", "data_types",
-                              "shardswap"})
+EngineConfig read(ConfigReader& c, const BatchSizes& batches) {
+  for (const char* section :
+       {"optimizer", "optimizer.params", "scheduler", "scheduler.params", "fp16", "bf16",
+        "bfloat16", "zero_optimization", "data_types", "shardswap"})
     c.expect_object(section);
   EngineConfig cfg;
   read_precision(c, cfg);
   read_optimizer(c, cfg);
   cfg.gradient_clipping = c.number("gradient_clipping", 0.0);
-  if (batches)
-    cfg.gradient_accumulation_steps = batches->gradient_accumulation_steps;
-  else
-    cfg.gradient_accumulation_steps = bounded_int(c, "gradient_accumulation_steps", 1, 1);
+  cfg.gradient_accumulation_steps = batches.gradient_accumulation_steps;
   read_zero(c, cfg);
   const auto alignment = c.integer("shardswap.alignment_bytes", 256);
   if (alignment < 1 || alignment > (std::int64_t{1} << 30))
@@ -320,10 +321,6 @@ EngineConfig engine_config_from_json(ConfigReader& c, const BatchSizes& batches)
   return naming_the_file(c, [&] { return read(c, batches); });
 }
 
-EngineConfig engine_config_from_json(ConfigReader& c) {
-  return naming_the_file(c, [&] { return read(c, std::nullopt); });
-}
-
 LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
   return naming_the_file(c, [&] {
     LrSchedule s;
@@ -332,8 +329,9 @@ LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
     c.expect_object("scheduler");
     c.expect_object("scheduler.params");
     if (!c.has("scheduler.type") || c.is_auto("scheduler.type"))
-      c.fail("scheduler.type", "is missing: WarmupLR, WarmupDecayLR or WarmupCosineLR "
-                               "(leave out the scheduler section for a constant lr)");
+      c.fail("scheduler.type",
+             "is missing: WarmupLR, WarmupDecayLR or WarmupCosineLR "
+             "(leave out the scheduler section for a constant lr)");
     s.type = lr_schedule_type_from_name(c.string("scheduler.type", ""), "scheduler.type");
     const auto name = lr_schedule_type_name(s.type);
     constexpr std::string_view p = "scheduler.params.";
@@ -375,7 +373,8 @@ LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
       const auto total = key("total_num_steps");
       if (!c.has(total) || c.is_auto(total)) {
         if (!c.has("steps") || c.is_auto("steps"))
-          c.fail(total, fmt::format("is needed by {} (or a top-level `steps` to default to)", name));
+          c.fail(total,
+                 fmt::format("is needed by {} (or a top-level `steps` to default to)", name));
         const auto steps = c.integer("steps", 0);
         if (c.is_auto(total))
           c.warn(total, fmt::format("= \"auto\" (a value Hugging Face's trainer fills in): "
@@ -400,12 +399,13 @@ std::vector<std::string> config_warnings(const ConfigReader& c) {
     if (!known.empty()) {
       if (std::find(warned.begin(), warned.end(), known) != warned.end()) continue;
       warned.push_back(known);
-      out.push_back(fmt::format("config {}: {} is a DeepSpeed setting ShardSwap does not "
-                                "implement; ignored: {}",
-                                c.source(), known, entry->instead));
+      out.push_back(
+          fmt::format("config {}: {} is a DeepSpeed setting ShardSwap does not "
+                      "implement; ignored: {}",
+                      c.source(), known, entry->instead));
     } else {
-      out.push_back(fmt::format("config {}: {} is not a key ShardSwap knows; ignored{}",
-                                c.source(), leaf, did_you_mean(c, leaf)));
+      out.push_back(fmt::format("config {}: {} is not a key ShardSwap knows; ignored{}", c.source(),
+                                leaf, did_you_mean(c, leaf)));
     }
   }
   return out;
@@ -429,9 +429,9 @@ void reject_unknown_keys(const ConfigReader& c, const std::vector<std::string>& 
     }
   }
   if (unknown.empty()) return;
-  throw ConfigError(fmt::format(
-      "reject_unknown_keys: config {}: unknown key{} in ShardSwap's own sections: {}", c.source(),
-      unknown.size() > 1 ? "s" : "", fmt::join(unknown, ", ")));
+  throw ConfigError(
+      fmt::format("reject_unknown_keys: config {}: unknown key{} in ShardSwap's own sections: {}",
+                  c.source(), unknown.size() > 1 ? "s" : "", fmt::join(unknown, ", ")));
 }
 
 }  // namespace shardswap

@@ -30,11 +30,6 @@ inline const std::vector<std::string> kShardSwapSections = {
 /// exactly are recorded as warnings in the reader.
 EngineConfig engine_config_from_json(ConfigReader& config, const BatchSizes& batches);
 
-/// As above, with gradient_accumulation_steps read as written (1 when absent) and
-/// train_batch_size left alone: for tools/train.cpp until it resolves batch sizes with
-/// resolve_batch_sizes and calls the form above. Prefer that one.
-EngineConfig engine_config_from_json(ConfigReader& config);
-
 /// Reads scheduler.{type, params}: WarmupLR, WarmupDecayLR, WarmupCosineLR with DeepSpeed's
 /// parameters and defaults, except that warmup_max_lr defaults to `optimizer_lr` (DeepSpeed:
 /// 0.001; a warning says so when they differ) and total_num_steps to the run's `steps`. No

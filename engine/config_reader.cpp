@@ -61,8 +61,8 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
   for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
   for (std::size_t i = 1; i <= a.size(); ++i)
     for (std::size_t j = 1; j <= b.size(); ++j) {
-      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1,
-                          d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      d[i][j] = std::min(
+          {d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
       if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
         d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
     }
@@ -154,15 +154,16 @@ ConfigReader ConfigReader::from_text(std::string_view text, std::string source) 
     // (one past the end when the text ended early).
     const std::size_t end = std::min<std::size_t>(e.byte == 0 ? 0 : e.byte - 1, text.size());
     const auto before = text.substr(0, end);
-    const std::size_t line = 1 + static_cast<std::size_t>(std::count(before.begin(), before.end(), '\n'));
+    const std::size_t line =
+        1 + static_cast<std::size_t>(std::count(before.begin(), before.end(), '\n'));
     const auto newline = before.rfind('\n');
     const std::size_t column = end - (newline == std::string_view::npos ? 0 : newline + 1) + 1;
     // Keep nlohmann's reason, without its own prefix ("[json.exception...] parse error at ...: ").
     std::string reason = e.what();
     if (const auto colon = reason.find(": "); colon != std::string::npos)
       reason = reason.substr(colon + 2);
-    throw ConfigError(fmt::format("ConfigReader: config {}:{}:{}: not valid JSON: {}", source,
-                                  line, column, reason));
+    throw ConfigError(fmt::format("ConfigReader: config {}:{}:{}: not valid JSON: {}", source, line,
+                                  column, reason));
   }
 }
 

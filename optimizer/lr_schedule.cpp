@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
-#include <stdexcept>
 #include <string>
 
 #include "memory/error.h"
@@ -41,7 +40,8 @@ LrScheduleType lr_schedule_type_from_name(std::string_view name, std::string_vie
   throw ConfigError(fmt::format(
       "lr_schedule_type_from_name: {} = '{}'{}; ShardSwap implements WarmupLR, WarmupDecayLR "
       "and WarmupCosineLR (without a scheduler the lr is constant)",
-      key, name, deepspeed_only ? " is a DeepSpeed schedule ShardSwap does not implement" : " is unknown"));
+      key, name,
+      deepspeed_only ? " is a DeepSpeed schedule ShardSwap does not implement" : " is unknown"));
 }
 
 const char* lr_schedule_type_name(LrScheduleType type) {
@@ -61,9 +61,8 @@ const char* lr_schedule_type_name(LrScheduleType type) {
 WarmupCurve warmup_curve_from_name(std::string_view name, std::string_view key) {
   if (name == "log") return WarmupCurve::log;
   if (name == "linear") return WarmupCurve::linear;
-  throw ConfigError(
-      fmt::format("warmup_curve_from_name: {} = '{}' is unknown; expected 'log' or 'linear'", key,
-                  name));
+  throw ConfigError(fmt::format(
+      "warmup_curve_from_name: {} = '{}' is unknown; expected 'log' or 'linear'", key, name));
 }
 
 std::int64_t LrSchedule::warmup_iterations() const {
@@ -72,15 +71,15 @@ std::int64_t LrSchedule::warmup_iterations() const {
 
 double LrSchedule::lr_at(std::int64_t update) const {
   if (update < 0)
-    throw std::invalid_argument(fmt::format("LrSchedule::lr_at: update {} is negative", update));
+    throw ConfigError(fmt::format("LrSchedule::lr_at: update {} is negative", update));
   if (type == LrScheduleType::constant) return peak_lr;
   const std::int64_t iteration = std::max<std::int64_t>(update - 1, 0);
   const std::int64_t w = warmup_iterations();
   if (type == LrScheduleType::warmup_cosine) {
     double ratio;
     if (iteration < w) {
-      ratio = warmup_min_ratio +
-              (1.0 - warmup_min_ratio) * warmup_fraction(warmup_type, iteration, w);
+      ratio =
+          warmup_min_ratio + (1.0 - warmup_min_ratio) * warmup_fraction(warmup_type, iteration, w);
     } else {
       // DeepSpeed's cosine keeps turning past total_num_steps (the lr climbs again); ShardSwap
       // holds the final ratio there instead, which is what a schedule's end means.
@@ -131,10 +130,10 @@ void LrSchedule::validate(std::string_view prefix) const {
         "warmup_num_steps) = {}: after warmup the lr would drop straight to warmup_min_lr",
         prefix, total_num_steps, w));
   if (type == LrScheduleType::warmup_cosine && total_num_steps <= w)
-    throw ConfigError(fmt::format(
-        "LrSchedule::validate: {}.total_num_steps = {} must be > the warmup, max(2, "
-        "warmup_num_steps) = {}: the cosine needs steps to decay over",
-        prefix, total_num_steps, w));
+    throw ConfigError(
+        fmt::format("LrSchedule::validate: {}.total_num_steps = {} must be > the warmup, max(2, "
+                    "warmup_num_steps) = {}: the cosine needs steps to decay over",
+                    prefix, total_num_steps, w));
 }
 
 }  // namespace shardswap

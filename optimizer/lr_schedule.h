@@ -9,9 +9,9 @@
 namespace shardswap {
 
 enum class LrScheduleType {
-  constant,       ///< no scheduler: peak_lr throughout
-  warmup,         ///< DeepSpeed's WarmupLR: warm up, then hold peak_lr
-  warmup_decay,   ///< WarmupDecayLR: warm up, then fall linearly to warmup_min_lr at total_num_steps
+  constant,      ///< no scheduler: peak_lr throughout
+  warmup,        ///< DeepSpeed's WarmupLR: warm up, then hold peak_lr
+  warmup_decay,  ///< WarmupDecayLR: warm up, then fall linearly to warmup_min_lr at total_num_steps
   warmup_cosine,  ///< WarmupCosineLR: warm up, then a half cosine to cos_min_ratio * peak_lr
 };
 
@@ -43,7 +43,7 @@ struct LrSchedule {
   /// not advance its scheduler on an fp16 step skipped for overflow). DeepSpeed steps its
   /// scheduler after each update, so update k uses the schedule's value at iteration k - 1 and
   /// updates 0 and 1 both use its starting value; lr_at reproduces that sequence. Throws
-  /// std::invalid_argument for update < 0.
+  /// ConfigError for update < 0.
   double lr_at(std::int64_t update) const;
 
   /// The effective warmup length, max(2, warmup_num_steps).
