@@ -105,7 +105,7 @@ TEST_CASE("keys ShardSwap does not implement are warned about once each, known k
   REQUIRE(test::contains(warnings[0] + warnings[1], "zero_optimization.offload_optimizer"));
 }
 
-TEST_CASE("an unknown key in ShardSwap's own sections is an error naming it") {
+TEST_CASE("train refuses an unknown key in each of its own sections, naming it") {
   for (const char* section : {"model", "data", "logging", "shardswap"}) {
     auto j = small_run();
     j[section]["widht"] = 3;

@@ -70,7 +70,11 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   t.val_fraction = c.number("data.val_fraction", t.val_fraction);
   // Checks the file now (exists, readable, long enough for both splits), before anything is
   // written or allocated; train() reads it again.
-  ByteCorpus(t.data_path, t.model.context, t.val_fraction, t.seed);
+  try {
+    ByteCorpus(t.data_path, t.model.context, t.val_fraction, t.seed);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("config {}: {}", c.source(), e.what()));
+  }
 
   t.log_interval = static_cast<int>(positive("logging.interval", 10, 1 << 30));
   t.eval_interval = static_cast<int>(positive("logging.eval_interval", 100, 1 << 30));
