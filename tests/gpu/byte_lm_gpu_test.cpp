@@ -47,13 +47,14 @@ struct CublasWarmUp : ListenerBase {
 };
 
 // GEMM inputs (activations and their gradients) are rounded to the weights' type on the GPU,
-// so errors grow beyond the CPU's (which rounds only the slot): bf16 keeps 8 significant bits,
-// fp16 11. A wrong formula gives errors of order 1.
+// so errors grow beyond the CPU's (which rounds only the slot). A CPU emulation of these rounding
+// points (double math, bit16 where the GPU rounds) gave worst gradient errors of 5e-3 (bf16) and
+// 7e-4 (fp16) and loss errors of 2e-4 and 7e-6 on these shapes; a wrong formula gives order 1.
 double grad_tolerance(DType dtype) {
-  return dtype == DType::bf16 ? 3e-2 : 5e-3;
+  return dtype == DType::bf16 ? 2e-2 : 4e-3;
 }
 double loss_tolerance(DType dtype) {
-  return dtype == DType::bf16 ? 1e-2 : 2e-3;
+  return dtype == DType::bf16 ? 2e-3 : 2e-4;
 }
 
 ByteLmCheck check(const ByteLmCase& c) {

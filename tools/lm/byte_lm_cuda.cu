@@ -367,7 +367,7 @@ void with_slot_type(DType t, F&& f) {
   throw ConfigError(std::string("byte LM (cuda): gradient slot of dtype ") + dtype_name(t));
 }
 
-// Move-only owner of a cuBLAS handle on cudaStreamPerThread with a given workspace.
+// Owns a cuBLAS handle (not copyable) on cudaStreamPerThread with a given workspace.
 class CublasHandle {
  public:
   CublasHandle(void* workspace, std::size_t bytes) {
