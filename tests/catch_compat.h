@@ -3,6 +3,7 @@
 
 #if __has_include(<catch2/catch_all.hpp>)
 #include <catch2/catch_all.hpp>
+using Catch::Approx;  // Catch2 v2 has it in the global namespace
 #else
 #include <catch2/catch.hpp>
 #endif
