@@ -212,6 +212,7 @@ TEST_CASE("cuda: byte LM activation memory is exactly activation_bytes; cuBLAS's
         for (int max_batch : {64, 1000}) {
           const auto free_before = cuda_device_memory(0).free;
           auto model = make_byte_lm(shape, max_batch, DType::bf16, space);
+          const auto built = static_cast<std::int64_t>(free_before - cuda_device_memory(0).free);
           const auto planned =
               ByteLm::activation_bytes(shape, max_batch, DType::bf16, DeviceKind::cuda);
           RANK_REQUIRE(space.stats().tag(Tag::activation).requested.current == planned);
@@ -222,8 +223,11 @@ TEST_CASE("cuda: byte LM activation memory is exactly activation_bytes; cuBLAS's
           // our workspace set: 67.8 MB on an H200 (e1d46ad), about a 64 MiB default workspace.
           // It is outside every MemorySpace, so outside the plan: bounded here so that growth
           // shows, and to be removed by sharing one handle per device.
-          std::printf("byte LM max_batch %d: activation bytes %lld, device memory taken %lld\n",
-                      max_batch, static_cast<long long>(planned), static_cast<long long>(taken));
+          std::printf(
+              "byte LM max_batch %d: activation bytes %lld, device memory taken %lld after "
+              "construction, %lld after a step\n",
+              max_batch, static_cast<long long>(planned), static_cast<long long>(built),
+              static_cast<long long>(taken));
           RANK_REQUIRE(taken <= planned + (std::int64_t{72} << 20));
           model.reset();
           RANK_REQUIRE(space.stats().tag(Tag::activation).requested.current == 0);
