@@ -30,12 +30,31 @@ View BucketReducer::slot(Group& group, std::size_t param, const std::string& nam
                          const LayoutEntry& entry) {
   const bool fits = group_ == &group && entry.offset >= start_ &&
                     entry.offset + entry.numel <= start_ + capacity_;
-  if (!fits) {
+  const bool fresh = !fits;
+  if (fresh) {
     flush();
     open(group, entry);
   }
-  lo_ = std::min(lo_, entry.offset);
-  hi_ = std::max(hi_, entry.offset + entry.numel);
+  // Slots are accumulated into, and the alignment gaps between them are reduced with them: what
+  // the hull gains is zeroed now (only that: zeroing the whole capacity at every window cost a
+  // 64 MiB fill per window on the CPU). A slot inside the hull already holds zeros or gradient.
+  const auto esize = dtype_size(dtype_);
+  auto* bucket = buckets_[current_].as<std::byte>();
+  const auto zero = [&](std::int64_t from, std::int64_t to) {
+    if (to > from)
+      kernels_.fill_zero(bucket + static_cast<std::size_t>(from - start_) * esize,
+                         static_cast<std::size_t>(to - from) * esize);
+  };
+  if (fresh) {
+    zero(entry.offset, entry.offset + entry.numel);
+    lo_ = entry.offset;
+    hi_ = entry.offset + entry.numel;
+  } else {
+    zero(entry.offset, lo_);
+    zero(hi_, entry.offset + entry.numel);
+    lo_ = std::min(lo_, entry.offset);
+    hi_ = std::max(hi_, entry.offset + entry.numel);
+  }
   last_group_ = &group;
   last_offset_ = entry.offset;
   auto it = std::find_if(pending_.begin(), pending_.end(),
@@ -44,7 +63,6 @@ View BucketReducer::slot(Group& group, std::size_t param, const std::string& nam
     pending_.push_back({param, name, false});
   else
     it->ready = false;  // handed out again: more gradient is coming
-  const auto esize = dtype_size(dtype_);
   return buckets_[current_].view(static_cast<std::size_t>(entry.offset - start_) * esize,
                                  static_cast<std::size_t>(entry.numel), dtype_,
                                  fmt::format("{}: grad slot in bucket {}", name, current_));
@@ -71,10 +89,7 @@ void BucketReducer::open(Group& group, const LayoutEntry& entry) {
     start_ = std::max<std::int64_t>(0, entry.offset - slack);
   }
   group_ = &group;
-  lo_ = entry.offset;
-  hi_ = entry.offset + entry.numel;
-  // Alignment gaps between slots are reduced with the slots: they must hold zeros.
-  kernels_.fill_zero(buckets_[current_].data(), buckets_[current_].bytes());
+  lo_ = hi_ = entry.offset;  // empty; slot() zeroes what the hull gains
 }
 
 void BucketReducer::flush() {

@@ -265,7 +265,7 @@ TEST_CASE("a missing, unreadable or empty metrics file is refused naming it") {
       "empty.jsonl' holds no step"));
 }
 
-TEST_CASE("--out must end in .png or .svg") {
+TEST_CASE("plot: --out must end in .png or .svg") {
   REQUIRE(plot_format("run/loss.png") == PlotFormat::png);
   REQUIRE(plot_format("LOSS.SVG") == PlotFormat::svg);
   for (const char* bad : {"loss.pdf", "loss", "png", "loss.png.txt"})
@@ -336,7 +336,7 @@ TEST_CASE("a gnuplot that exits 0 without drawing is an error") {
   REQUIRE(dir.names().empty());
 }
 
-TEST_CASE("--out in a folder that does not exist is bad input naming --out") {
+TEST_CASE("plot: --out in a folder that does not exist is bad input naming --out") {
   ScratchFolder dir;
   const auto out = (dir / "no/such/folder/loss.svg").string();
   REQUIRE(test::contains(test::message_of<ConfigError>([&] { plot_metrics(sample_series(), out); }),

@@ -68,11 +68,17 @@ gpu_train gemm-rate --set layer_switching.type=none --set steps=20
 ngpu=$(nvidia-smi -L | wc -l)
 if [ "$ngpu" -ge 2 ]; then
   step "overlap of stage-2 reduction with backward ($ngpu GPUs, no layer switching)"
-  for o in false true; do
-    gpu_train "overlap-$o" --set world_size=$ngpu --set layer_switching.type=none --set steps=30 \
-      --set logging.timing=false --set zero_optimization.overlap_comm=$o
+  # Micro-batch 8192: GEMM-bound; 1024: reduction a larger share of the step. The fraction of
+  # reduction hidden is (t_off - t_on) / (t_off - t_world1), from the step times of these runs.
+  for mb in 8192 1024; do
+    for o in false true; do
+      gpu_train "overlap-$mb-$o" --set world_size=$ngpu --set layer_switching.type=none \
+        --set steps=40 --set logging.timing=false --set zero_optimization.overlap_comm=$o \
+        --set train_micro_batch_size_per_gpu=$mb
+    done
+    gpu_train "overlap-$mb-world1" --set layer_switching.type=none --set steps=40 \
+      --set logging.timing=false --set train_micro_batch_size_per_gpu=$mb
   done
-  gpu_train overlap-world1 --set layer_switching.type=none --set steps=30 --set logging.timing=false
 fi
 
 if [ "$mode" != quick ]; then
