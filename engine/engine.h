@@ -81,6 +81,30 @@ struct MasterPiece {
   std::vector<float> values;
 };
 
+/// One group's fp32 training state on this rank, for checkpoints: flat over this rank's shard
+/// (Shard::of(layout(group), rank())), alignment padding included.
+struct GroupTrainingState {
+  std::string group;
+  bool active = false;
+  /// Frozen with kept state: keep_host or keep_device (never drop). Unset: active, or frozen
+  /// with nothing kept.
+  std::optional<DeactivatePolicy> kept;
+  std::int64_t step = 0;
+  std::vector<float> master;  ///< shard numel values; empty when the group holds no state
+  std::vector<float> state;   ///< optimizer state: state_slots() x shard numel, slot after slot
+};
+
+/// Everything an Engine changes while it trains, as a checkpoint saves and restores it (the
+/// declarations and the config are the model, not state).
+struct TrainingState {
+  std::vector<GroupTrainingState> groups;  ///< one per group, in the order of groups()
+  LossScalerState scaler;
+  double lr = 0.0;
+  /// The bit16 weights, raw (config().dtype), one per param in declaration order; empty when
+  /// not asked for (they are the same on every rank).
+  std::vector<std::vector<std::byte>> weights;
+};
+
 struct Group;
 
 class Engine {
@@ -167,6 +191,19 @@ class Engine {
   View master(const std::string& group) const;
   /// The param's bit16 weights, copied to the host as floats.
   std::vector<float> read_weight(const std::string& name) const;
+  // ---- checkpoints (engine/checkpoint.h builds the file format on these) ----
+  /// This rank's training state: every group's master and optimizer state (active, or kept
+  /// under keep_host / keep_device), step counts, loss scaler, lr; the bit16 weights too when
+  /// `with_weights`. Throws StateError with gradients pending in a reduce bucket.
+  TrainingState training_state(bool with_weights) const;
+  /// Replaces this rank's training state with `state` (groups become active, kept or frozen as
+  /// it says; weights, masters, optimizer states, steps, scaler and lr are overwritten; pending
+  /// gradients are dropped). Every size, name and value is checked and every new buffer
+  /// allocated before anything changes: on any error (ConfigError for a state that does not fit
+  /// the declarations, StateError with gradients pending, PinnedMemory naming the Pins on a
+  /// buffer it would free, OutOfMemory) the engine is left as it was. Not a collective.
+  void restore_training_state(const TrainingState& state);
+
   /// Sum of `value` over ranks (a collective: every rank must call it).
   double sum_across_ranks(double value);
   MemorySpace& memory() const { return space_; }

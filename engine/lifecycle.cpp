@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <set>
 
 #include "engine/engine_impl.h"
@@ -303,6 +304,215 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
   impl_->group_names = std::move(names);
   for (std::size_t i = 0; i < impl_->params.size(); ++i)
     impl_->infos[i].group = impl_->params[i].info.group;
+}
+
+// ---- checkpoints ----
+
+TrainingState Engine::training_state(bool with_weights) const {
+  impl_->require_built("training_state");
+  if (impl_->reducer && impl_->reducer->open_group() != nullptr)
+    throw StateError(
+        "Engine::training_state: gradients are pending in a reduce bucket; call step() or "
+        "zero_grad() first");
+  TrainingState out;
+  const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
+  for (const auto& g : impl_->groups) {
+    GroupTrainingState s;
+    s.group = g.name;
+    s.active = g.active;
+    s.step = g.step;
+    const Buffer* master = g.active ? &g.master : nullptr;
+    const Buffer* state = g.active ? &g.state : nullptr;
+    const MemorySpace* from = &space_;
+    if (!g.active && g.kept) {
+      s.kept = g.kept->policy;
+      s.step = g.kept->step;
+      master = &g.kept->master;
+      state = &g.kept->state;
+      if (g.kept->policy == DeactivatePolicy::keep_host) from = impl_->host.get();
+    }
+    if (master != nullptr) {
+      const auto shard = static_cast<std::size_t>(g.shard.numel());
+      s.master.resize(shard);
+      s.state.resize(slots * shard);
+      from->download(s.master.data(), master->data(), shard * sizeof(float));
+      if (!s.state.empty()) from->download(s.state.data(), state->data(), s.state.size() * 4);
+    }
+    out.groups.push_back(std::move(s));
+  }
+  out.scaler = impl_->scaler.state();
+  out.lr = config_.optimizer.lr;
+  if (with_weights)
+    for (const auto& p : impl_->params) {
+      std::vector<std::byte> raw(p.weight.bytes());
+      space_.download(raw.data(), p.weight.raw(), raw.size());
+      out.weights.push_back(std::move(raw));
+    }
+  return out;
+}
+
+void Engine::restore_training_state(const TrainingState& state) {
+  impl_->require_built("restore_training_state");
+  const char* const fn = "Engine::restore_training_state";
+  if (impl_->reducer && impl_->reducer->open_group() != nullptr)
+    throw StateError(fmt::format(
+        "{}: gradients are pending in a reduce bucket; call step() or zero_grad() first", fn));
+  auto& groups = impl_->groups;
+  const auto& params = impl_->params;
+  const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
+  const auto psize = dtype_size(config_.dtype), gsize = dtype_size(config_.grad_type());
+  // Checks: nothing below them can meet bad input.
+  if (state.groups.size() != groups.size())
+    throw ConfigError(fmt::format("{}: {} groups given, the engine has {}", fn,
+                                  state.groups.size(), groups.size()));
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const auto& s = state.groups[i];
+    const Group& g = groups[i];
+    if (s.group != g.name)
+      throw ConfigError(fmt::format("{}: group {} is '{}' here, '{}' in the state", fn, i, g.name,
+                                    s.group));
+    if (s.active && s.kept)
+      throw ConfigError(fmt::format("{}: group '{}' is both active and kept", fn, g.name));
+    if (s.kept == DeactivatePolicy::drop)
+      throw ConfigError(fmt::format("{}: group '{}' is kept under drop", fn, g.name));
+    const bool holds = s.active || s.kept;
+    const auto shard = static_cast<std::size_t>(g.shard.numel());
+    if (s.master.size() != (holds ? shard : 0) || s.state.size() != (holds ? slots * shard : 0))
+      throw ConfigError(fmt::format(
+          "{}: group '{}': {} master and {} optimizer-state values given, this rank's shard "
+          "needs {} and {}",
+          fn, g.name, s.master.size(), s.state.size(), holds ? shard : 0,
+          holds ? slots * shard : 0));
+    if (s.step < 0 || (!holds && s.step != 0))
+      throw ConfigError(fmt::format("{}: group '{}': step {} does not fit its state", fn, g.name,
+                                    s.step));
+  }
+  if (state.weights.size() != params.size())
+    throw ConfigError(fmt::format("{}: {} weight arrays given for {} params", fn,
+                                  state.weights.size(), params.size()));
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (state.weights[i].size() != static_cast<std::size_t>(params[i].info.numel) * psize)
+      throw ConfigError(fmt::format("{}: '{}': {} weight bytes given, {} needed", fn,
+                                    params[i].info.name, state.weights[i].size(),
+                                    params[i].info.numel * static_cast<std::int64_t>(psize)));
+  if (!(state.lr >= 0.0) || !std::isfinite(state.lr))
+    throw ConfigError(fmt::format("{}: learning rate {} must be finite and >= 0", fn, state.lr));
+  {
+    LossScaler check = impl_->scaler;  // validates the scaler state without changing ours
+    check.restore(state.scaler);
+  }
+
+  // Buffers: a group's device master and state are reused when it has them now and needs them
+  // after (active or keep_device either side), its gradients when it stays active; anything
+  // else is allocated here, into locals, so that a failure changes nothing.
+  struct Plan {
+    Buffer grad, master, state;  // new device buffers (invalid: reuse or not needed)
+    Buffer host_master, host_state;
+    bool reuse_grad = false, reuse_device_state = false;
+    std::vector<const Buffer*> freed;  // buffers given back at commit
+  };
+  std::vector<Plan> plans(groups.size());
+  std::unique_ptr<MemorySpace> new_host;
+  MemorySpace* host = impl_->host.get();
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const auto& s = state.groups[i];
+    Group& g = groups[i];
+    Plan& p = plans[i];
+    const auto shard = static_cast<std::size_t>(g.shard.numel());
+    const auto total = static_cast<std::size_t>(g.layout.total_numel());
+    const bool has_device = g.active || (g.kept && g.kept->policy == DeactivatePolicy::keep_device);
+    const bool wants_device = s.active || s.kept == DeactivatePolicy::keep_device;
+    p.reuse_grad = g.active && s.active;
+    p.reuse_device_state = has_device && wants_device;
+    if (s.active && !p.reuse_grad)
+      p.grad = space_.allocate((config_.stage == 1 ? total : shard) * gsize, Tag::grad,
+                               config_.stage == 1 ? fmt::format("group {} grads", g.name)
+                                                  : fmt::format("group {} grad partition", g.name));
+    if (wants_device && !p.reuse_device_state) {
+      p.master = space_.allocate(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
+      p.state = space_.allocate(slots * shard * 4, Tag::optim_state,
+                                fmt::format("group {} {} state", g.name,
+                                            optimizer_type_name(config_.optimizer.type)));
+    }
+    if (s.kept == DeactivatePolicy::keep_host) {
+      if (host == nullptr) {
+        new_host = std::make_unique<MemorySpace>(comm_.rank(), space_.host_staging_allocator());
+        host = new_host.get();
+      }
+      p.host_master = host->allocate(shard * 4, Tag::master32,
+                                     fmt::format("group {} master (kept on host)", g.name));
+      p.host_state = host->allocate(slots * shard * 4, Tag::optim_state,
+                                    fmt::format("group {} state (kept on host)", g.name));
+    }
+    if (g.active && !p.reuse_grad) p.freed.push_back(&g.grad);
+    const Buffer* now_master = g.active ? &g.master : g.kept ? &g.kept->master : nullptr;
+    const Buffer* now_state = g.active ? &g.state : g.kept ? &g.kept->state : nullptr;
+    const bool now_host = g.kept && g.kept->policy == DeactivatePolicy::keep_host;
+    if (now_master != nullptr && (now_host || !p.reuse_device_state)) {
+      p.freed.push_back(now_master);
+      p.freed.push_back(now_state);
+    }
+  }
+  std::string held;
+  for (const auto& p : plans)
+    for (const Buffer* b : p.freed)
+      for (const auto& pin : b->pin_labels())
+        held += fmt::format("{}'{}' on '{}'", held.empty() ? "" : ", ", pin, b->label());
+  if (!held.empty())
+    throw PinnedMemory(fmt::format("{}: held by Pins: {}; nothing was changed", fn, held));
+
+  // Commit: copies into buffers that exist, and moves; nothing below meets bad input.
+  if (impl_->reducer) impl_->reducer->discard();
+  if (new_host) impl_->host = std::move(new_host);
+  const auto event = std::string("restore_training_state");
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const auto& s = state.groups[i];
+    Group& g = groups[i];
+    Plan& p = plans[i];
+    Buffer master, sstate, grad;
+    if (p.reuse_device_state) {
+      master = g.active ? std::move(g.master) : std::move(g.kept->master);
+      sstate = g.active ? std::move(g.state) : std::move(g.kept->state);
+    } else {
+      master = std::move(p.master);
+      sstate = std::move(p.state);
+    }
+    if (p.reuse_grad) grad = std::move(g.grad);
+    else grad = std::move(p.grad);
+    for (auto idx : g.params) impl_->params[idx].full_grad = View();
+    // What is left in the group now is given back.
+    if (g.grad.valid()) g.grad.release(event);
+    if (g.master.valid()) g.master.release(event);
+    if (g.state.valid()) g.state.release(event);
+    g.kept.reset();
+    if (s.active || s.kept == DeactivatePolicy::keep_device) {
+      space_.upload(master.data(), s.master.data(), s.master.size() * 4);
+      if (!s.state.empty()) space_.upload(sstate.data(), s.state.data(), s.state.size() * 4);
+    }
+    if (s.active) {
+      kernels_.fill_zero(grad.data(), grad.bytes());
+      g.grad = std::move(grad);
+      g.master = std::move(master);
+      g.state = std::move(sstate);
+    } else if (s.kept == DeactivatePolicy::keep_device) {
+      g.kept = KeptState{DeactivatePolicy::keep_device, std::move(master), std::move(sstate),
+                         s.step};
+    } else if (s.kept == DeactivatePolicy::keep_host) {
+      impl_->host->upload(p.host_master.data(), s.master.data(), s.master.size() * 4);
+      if (!s.state.empty())
+        impl_->host->upload(p.host_state.data(), s.state.data(), s.state.size() * 4);
+      g.kept = KeptState{DeactivatePolicy::keep_host, std::move(p.host_master),
+                         std::move(p.host_state), s.step};
+    }
+    g.active = s.active;
+    g.step = s.step;  // a kept group keeps its count too, as deactivate leaves it
+    if (g.active) make_grad_views(g);
+  }
+  for (std::size_t i = 0; i < params.size(); ++i)
+    space_.upload(params[i].weight.raw(), state.weights[i].data(), state.weights[i].size());
+  impl_->scaler.restore(state.scaler);
+  config_.optimizer.lr = state.lr;
+  for (auto& p : impl_->params) p.slot_out = p.ready = false;
 }
 
 View Engine::master(const std::string& group) const {

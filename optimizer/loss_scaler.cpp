@@ -68,4 +68,19 @@ bool LossScaler::update(bool overflow) {
   return true;
 }
 
+void LossScaler::restore(const LossScalerState& state) {
+  const bool scale_ok = std::isfinite(state.scale) && state.scale > 0 &&
+                        (config_.dynamic || state.scale == config_.static_scale);
+  if (!scale_ok || state.clean_steps < 0 || state.clean_steps >= config_.window ||
+      state.hysteresis_left < 1 || state.hysteresis_left > config_.hysteresis)
+    throw ConfigError(fmt::format(
+        "LossScaler::restore: state (scale {}, clean steps {}, hysteresis left {}) does not fit "
+        "the config ({} scaling, window {}, hysteresis {})",
+        state.scale, state.clean_steps, state.hysteresis_left,
+        config_.dynamic ? "dynamic" : "static", config_.window, config_.hysteresis));
+  scale_ = state.scale;
+  clean_steps_ = state.clean_steps;
+  hysteresis_left_ = state.hysteresis_left;
+}
+
 }  // namespace shardswap

@@ -20,6 +20,13 @@ struct LossScaleConfig {
   void validate(std::string_view prefix = "fp16") const;
 };
 
+/// A scaler's changing part, as checkpoints save and restore it.
+struct LossScalerState {
+  double scale = 1.0;
+  std::int64_t clean_steps = 0;
+  int hysteresis_left = 1;
+};
+
 class LossScaler {
  public:
   explicit LossScaler(const LossScaleConfig& config);
@@ -35,6 +42,12 @@ class LossScaler {
   std::int64_t clean_steps() const { return clean_steps_; }
   int hysteresis_left() const { return hysteresis_left_; }
   const LossScaleConfig& config() const { return config_; }
+
+  LossScalerState state() const { return {scale_, clean_steps_, hysteresis_left_}; }
+  /// Resumes from a saved state. Throws ConfigError (changing nothing) for a state this config
+  /// can never reach: a scale not finite or <= 0 (for a static scaler: not its scale), clean
+  /// steps outside [0, window), hysteresis left outside [1, hysteresis].
+  void restore(const LossScalerState& state);
 
  private:
   LossScaleConfig config_;

@@ -1,0 +1,802 @@
+// Checkpoints: exact resume across a save in the middle of a layer-switch schedule (stages 1 and
+// 2, bf16, fp16 with dynamic loss scaling, drop / keep_host / keep_device), resharding to other
+// world sizes, bad checkpoints refused with the file named and the engine unchanged, and the
+// safetensors export read back by a reader written here.
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint.h"
+#include "engine/engine.h"
+#include "memory/error.h"
+#include "partition/flat_layout.h"
+#include "tests/catch_compat.h"
+#include "tools/ckpt.h"
+
+using namespace shardswap;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Sizes chosen so that, with 64-byte alignment, params straddle shard boundaries at world sizes
+// 2, 3 and 4 and the last shards are padded.
+struct Decl {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::string group;
+};
+const std::vector<Decl> kModel = {
+    {"embed.weight", {29, 7}, "embed"},    {"layers.0.fc1", {7, 23}, "layers.0"},
+    {"layers.0.norm", {7}, "layers.0"},    {"layers.1.fc1", {7, 19}, "layers.1"},
+    {"layers.1.fc2", {19, 7}, "layers.1"}, {"layers.2.fc1", {7, 31}, "layers.2"},
+    {"layers.3.fc1", {13, 11}, "layers.3"}, {"layers.3.norm", {11}, "layers.3"},
+    {"head.weight", {7, 29}, "head"},
+};
+const std::vector<std::string> kAll = {"embed", "layers.0", "layers.1", "layers.2", "layers.3",
+                                       "head"};
+
+// Switches on both sides of the save point (after step 5): groups leave at 3 (kept or dropped
+// over the save), one comes back at 6, all at 9.
+std::vector<std::string> active_at(int step) {
+  if (step < 3) return {"embed", "layers.0", "layers.1", "head"};
+  if (step < 6) return {"layers.2", "head"};
+  if (step < 9) return {"layers.0", "layers.3", "head"};
+  return kAll;
+}
+
+constexpr int kSteps = 12;
+constexpr int kSavedAt = 5;   // steps done before the save
+constexpr int kSamples = 12;  // per step over all ranks: world 1, 2, 3, 4 split it evenly
+
+struct Setup {
+  int stage = 2;
+  DType dtype = DType::bf16;
+  std::optional<DType> grad_dtype;
+  DeactivatePolicy policy = DeactivatePolicy::keep_host;
+  double clip = 0.5;  // triggers: the norm and its reduction are part of what must resume
+};
+
+EngineConfig config_of(const Setup& s, int world) {
+  EngineConfig cfg;
+  cfg.stage = s.stage;
+  cfg.dtype = s.dtype;
+  cfg.grad_dtype = s.grad_dtype;
+  cfg.alignment_bytes = 64;
+  cfg.reduce_bucket_bytes = 1024;  // smaller than most groups: buckets cycle
+  cfg.gradient_accumulation_steps = kSamples / world;
+  cfg.gradient_clipping = s.clip;
+  cfg.optimizer.type = OptimizerType::adamw;
+  cfg.optimizer.lr = 0.01;
+  cfg.optimizer.weight_decay = 0.1;
+  // fp16: a scale that overflows at first and after every growth, so steps are skipped and the
+  // scale both halves and doubles on both sides of the save.
+  cfg.loss_scale.dynamic = true;
+  cfg.loss_scale.initial_scale = 8192.0;
+  cfg.loss_scale.window = 3;
+  cfg.loss_scale.hysteresis = 2;
+  return cfg;
+}
+
+std::uint64_t mix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A gradient with 7 significant bits and magnitude in [2^-4, 2): sums of 12 are exact in fp32.
+float grad_value(int sample, int step, std::size_t param, std::size_t i) {
+  const auto h = mix((std::uint64_t(sample) << 52) ^ (std::uint64_t(step) << 40) ^
+                     (std::uint64_t(param) << 32) ^ i);
+  const float m = 1.0f + static_cast<float>(h & 127u) / 128.0f;
+  const int e = -static_cast<int>((h >> 20) % 5);
+  return ((h >> 40) & 1 ? -1.0f : 1.0f) * std::ldexp(m, e);
+}
+
+void declare(Engine& e) {
+  for (const auto& d : kModel) e.add_param(d.name, d.shape, d.group);
+}
+
+void build(Engine& e, std::uint64_t seed) {
+  declare(e);
+  e.build(
+      [seed](const ParamInfo& p, std::span<float> v) {
+        for (std::size_t i = 0; i < v.size(); ++i)
+          v[i] = static_cast<float>(static_cast<double>(mix(seed ^ (p.numel << 20) ^ i) % 2001) /
+                                        1000.0 -
+                                    1.0);
+      },
+      active_at(0));
+}
+
+// Steps [from, to) of the schedule; rank r of `world` takes samples r*A .. r*A + A - 1.
+std::vector<StepResult> train(Engine& e, const Setup& s, int from, int to) {
+  const int world = e.world_size(), per_rank = kSamples / world;
+  std::vector<StepResult> results;
+  for (int t = from; t < to; ++t) {
+    if (active_at(t) != e.active_groups()) e.set_active(active_at(t), s.policy);
+    for (int m = 0; m < per_rank; ++m) {
+      const int sample = e.rank() * per_rank + m;
+      for (std::size_t p = kModel.size(); p-- > 0;) {
+        if (!e.is_active(kModel[p].group)) continue;
+        View slot = e.grad_slot(kModel[p].name);
+        std::vector<float> g(slot.count());
+        for (std::size_t i = 0; i < g.size(); ++i)
+          g[i] = grad_value(sample, t, p, i) * static_cast<float>(e.loss_scale());
+        cpu_kernels().accumulate(slot.raw(), slot.dtype(), g.data(), DType::f32, g.size());
+        e.grad_ready(kModel[p].name);
+      }
+      e.finish_backward();
+    }
+    results.push_back(e.step());
+  }
+  return results;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// Throws (naming what differs) unless the two states are equal bit for bit.
+void require_same_state(const TrainingState& a, const TrainingState& b, const std::string& what) {
+  const auto fail = [&](const std::string& why) {
+    throw std::runtime_error(fmt::format("{}: {}", what, why));
+  };
+  if (a.groups.size() != b.groups.size()) fail("group count");
+  for (std::size_t i = 0; i < a.groups.size(); ++i) {
+    const auto &x = a.groups[i], &y = b.groups[i];
+    if (x.active != y.active || x.kept != y.kept || x.step != y.step)
+      fail(fmt::format("group {}: activity or step ({} vs {})", x.group, x.step, y.step));
+    if (!same_bits(x.master, y.master)) fail(fmt::format("group {}: master", x.group));
+    if (!same_bits(x.state, y.state)) fail(fmt::format("group {}: optimizer state", x.group));
+  }
+  if (a.weights != b.weights) fail("bit16 weights");
+  if (a.scaler.scale != b.scaler.scale || a.scaler.clean_steps != b.scaler.clean_steps ||
+      a.scaler.hysteresis_left != b.scaler.hysteresis_left)
+    fail("loss scaler");
+  if (a.lr != b.lr) fail("lr");
+}
+
+void require_same_results(const StepResult& a, const StepResult& b, int step) {
+  if (a.applied != b.applied || std::memcmp(&a.grad_norm, &b.grad_norm, 8) != 0 ||
+      a.clip_coef != b.clip_coef || a.loss_scale != b.loss_scale)
+    throw std::runtime_error(fmt::format("step {}: step results differ (norm {} vs {})", step,
+                                         a.grad_norm, b.grad_norm));
+}
+
+void require_stats_equal_plan(const Engine& e) {
+  const auto stats = e.memory_stats();
+  const auto plan = e.plan();
+  for (Tag t : kAllTags)
+    if (stats.tag(t).requested.current != plan.of(t))
+      throw std::runtime_error(fmt::format("rank {}: {} holds {} bytes, the plan says {}",
+                                           e.rank(), tag_name(t),
+                                           stats.tag(t).requested.current, plan.of(t)));
+}
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / fmt::format("shardswap-ckpt-test-{}", name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+struct RunOutput {
+  std::vector<TrainingState> states;          // per rank, after the last step
+  std::vector<std::vector<StepResult>> steps;  // per rank
+};
+
+// Steps [0, to) straight.
+RunOutput run_straight(const Setup& s, int world, int to) {
+  RunOutput out;
+  out.states.resize(world);
+  out.steps.resize(world);
+  run_ranks(world, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(s, world), comm, space);
+    build(e, 1);
+    out.steps[rank] = train(e, s, 0, to);
+    out.states[rank] = e.training_state(true);
+  });
+  return out;
+}
+
+// Steps [0, kSavedAt) at `world`, saved into `dir`.
+void run_and_save(const Setup& s, int world, const fs::path& dir) {
+  run_ranks(world, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(s, world), comm, space);
+    build(e, 1);
+    train(e, s, 0, kSavedAt);
+    SaveOptions options;
+    options.extra = {{"step", kSavedAt}};
+    save_checkpoint(e, dir, options);
+  });
+}
+
+// A new engine (new group, memory and init) at `world`, loaded from `dir`, then steps
+// [kSavedAt, to).
+RunOutput load_and_continue(const Setup& s, int world, const fs::path& dir, int to) {
+  RunOutput out;
+  out.states.resize(world);
+  out.steps.resize(world);
+  run_ranks(world, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(s, world), comm, space);
+    build(e, 99);  // other weights: the checkpoint must replace them all
+    const LoadedCheckpoint loaded = load_checkpoint(e, dir);
+    RANK_REQUIRE(loaded.extra.at("step") == kSavedAt);
+    RANK_REQUIRE(e.active_groups() == active_at(kSavedAt - 1));
+    require_stats_equal_plan(e);
+    out.steps[rank] = train(e, s, static_cast<int>(loaded.extra.at("step")), to);
+    out.states[rank] = e.training_state(true);
+  });
+  return out;
+}
+
+std::string setup_name(const Setup& s) {
+  return fmt::format("stage{}-{}-{}", s.stage, dtype_name(s.dtype),
+                     deactivate_policy_name(s.policy));
+}
+
+void check_exact_resume(const Setup& s, int world) {
+  const auto dir = fresh_dir(setup_name(s)) / "ckpt";
+  const RunOutput straight = run_straight(s, world, kSteps);
+  run_and_save(s, world, dir);
+  const RunOutput resumed = load_and_continue(s, world, dir, kSteps);
+  for (int r = 0; r < world; ++r) {
+    require_same_state(straight.states[r], resumed.states[r], fmt::format("rank {}", r));
+    for (int t = kSavedAt; t < kSteps; ++t)
+      require_same_results(straight.steps[r][t], resumed.steps[r][t - kSavedAt], t);
+  }
+  // The run really trained: the weights moved from their init, and the fp16 runs skipped steps
+  // and changed their scale on both sides of the save.
+  const RunOutput start = run_straight(s, world, 0);
+  CHECK(start.states[0].weights != straight.states[0].weights);
+  if (s.dtype == DType::f16) {
+    const auto& st = straight.steps[0];
+    const auto skipped = [&](int a, int b) {
+      return std::count_if(st.begin() + a, st.begin() + b, [](auto& r) { return !r.applied; });
+    };
+    const auto changed = [&](int a, int b) {
+      for (int t = a + 1; t < b; ++t)
+        if (st[t].loss_scale != st[t - 1].loss_scale) return true;
+      return false;
+    };
+    CHECK(skipped(0, kSavedAt) > 0);
+    CHECK(skipped(kSavedAt, kSteps) > 0);
+    CHECK(changed(0, kSavedAt));
+    CHECK(changed(kSavedAt, kSteps));
+  }
+  fs::remove_all(dir.parent_path());
+}
+
+}  // namespace
+
+TEST_CASE("a run resumed from a checkpoint equals the straight run bit for bit, bf16") {
+  for (int stage : {1, 2})
+    for (auto policy :
+         {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device}) {
+      Setup s;
+      s.stage = stage;
+      s.policy = policy;
+      INFO(setup_name(s));
+      check_exact_resume(s, 2);
+    }
+}
+
+TEST_CASE("a run resumed from a checkpoint equals the straight run bit for bit, fp16 with "
+          "dynamic loss scaling") {
+  for (int stage : {1, 2})
+    for (auto policy :
+         {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device}) {
+      Setup s;
+      s.stage = stage;
+      s.dtype = DType::f16;
+      s.policy = policy;
+      INFO(setup_name(s));
+      check_exact_resume(s, 2);
+    }
+}
+
+TEST_CASE("a resumed run equals the straight run at world sizes 1 and 3 too") {
+  Setup s;
+  s.policy = DeactivatePolicy::keep_device;
+  check_exact_resume(s, 1);
+  s.stage = 1;
+  check_exact_resume(s, 3);
+}
+
+namespace {
+
+// Every param's full fp32 master and optimizer slots, reassembled from the ranks' shards.
+struct FullState {
+  std::map<std::string, std::vector<float>> master, m, v;
+  std::map<std::string, std::vector<float>> weights;  // bit16 widened
+  std::map<std::string, std::int64_t> step;
+};
+
+FullState assemble(const RunOutput& run, const Setup& s, int world) {
+  FullState full;
+  for (int r = 0; r < world; ++r) {
+    const auto& st = run.states[r];
+    for (std::size_t gi = 0; gi < st.groups.size(); ++gi) {
+      const auto& g = st.groups[gi];
+      full.step[g.group] = g.step;
+      if (g.master.empty()) continue;
+      std::vector<std::int64_t> numels;
+      std::vector<const Decl*> members;
+      for (const auto& d : kModel)
+        if (d.group == g.group) {
+          members.push_back(&d);
+          std::int64_t n = 1;
+          for (auto x : d.shape) n *= x;
+          numels.push_back(n);
+        }
+      LayoutOptions o;
+      o.alignment_bytes = 64;
+      o.world_size = world;
+      const auto layout = FlatLayout::build(numels, o);
+      const auto shard = Shard::of(layout, r);
+      for (const auto& f : shard.fragments) {
+        const auto& name = members[f.param]->name;
+        for (auto* map : {&full.master, &full.m, &full.v})
+          (*map)[name].resize(static_cast<std::size_t>(numels[f.param]));
+        for (std::int64_t k = 0; k < f.count; ++k) {
+          full.master[name][f.param_offset + k] = g.master[f.shard_offset + k];
+          full.m[name][f.param_offset + k] = g.state[f.shard_offset + k];
+          full.v[name][f.param_offset + k] = g.state[shard.numel() + f.shard_offset + k];
+        }
+      }
+    }
+    for (std::size_t p = 0; p < kModel.size(); ++p) {
+      std::vector<float> w(st.weights[p].size() / 2);
+      cpu_kernels().cast(w.data(), DType::f32, st.weights[p].data(), s.dtype, w.size());
+      full.weights[kModel[p].name] = w;
+    }
+  }
+  return full;
+}
+
+// Largest |a - b| / max(|a|, 1e-3) over every element of every param.
+double max_difference(const std::map<std::string, std::vector<float>>& a,
+                      const std::map<std::string, std::vector<float>>& b, bool& bitwise) {
+  double worst = 0.0;
+  REQUIRE(a.size() == b.size());
+  for (const auto& [name, x] : a) {
+    const auto& y = b.at(name);
+    REQUIRE(x.size() == y.size());
+    bitwise = bitwise && same_bits(x, y);
+    for (std::size_t i = 0; i < x.size(); ++i)
+      worst = std::max(worst, std::abs(static_cast<double>(x[i]) - y[i]) /
+                                  std::max(std::abs(static_cast<double>(x[i])), 1e-3));
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("a checkpoint saved at world size 4 continues at world sizes 1, 2 and 3 like at 4") {
+  // fp32 gradients of values whose sums are exact: the ranks' different splits of the samples
+  // and of the shards change only the order of the grad-norm partial sums (float64), so the
+  // continuations may differ from the reference in the last bits of the clip coefficient.
+  Setup s;
+  s.grad_dtype = DType::f32;
+  s.policy = DeactivatePolicy::keep_host;
+  const auto root = fresh_dir("reshard");
+  run_and_save(s, 4, root / "w4");
+  const RunOutput reference = load_and_continue(s, 4, root / "w4", kSteps);
+  const FullState ref = assemble(reference, s, 4);
+  for (int world : {1, 2, 3}) {
+    Setup here = s;
+    here.stage = world == 3 ? 1 : 2;  // the stage may change as well
+    const RunOutput run = load_and_continue(here, world, root / "w4", kSteps);
+    const FullState got = assemble(run, here, world);
+    bool bitwise = true;
+    const double master = max_difference(ref.master, got.master, bitwise);
+    const double m = max_difference(ref.m, got.m, bitwise);
+    const double v = max_difference(ref.v, got.v, bitwise);
+    const double w = max_difference(ref.weights, got.weights, bitwise);
+    std::cout << fmt::format(
+        "reshard 4 -> {}: max normalized difference master {:.3g}, exp_avg {:.3g}, "
+        "exp_avg_sq {:.3g}, bit16 weights {:.3g}; bitwise equal: {}\n",
+        world, master, m, v, w, bitwise ? "yes" : "no");
+    CHECK(master <= 1e-6);
+    CHECK(m <= 1e-5);
+    CHECK(v <= 1e-5);
+    CHECK(w <= 1.0 / 128);  // at most one bf16 rounding step apart
+    CHECK(got.step == ref.step);
+    CHECK(run.steps[0].size() == reference.steps[0].size());
+    for (std::size_t t = 0; t < run.steps[0].size(); ++t)
+      CHECK(run.steps[0][t].grad_norm == Approx(reference.steps[0][t].grad_norm).epsilon(1e-12));
+  }
+  fs::remove_all(root);
+}
+
+// ---- bad checkpoints ----
+
+namespace {
+
+struct Damaged {
+  fs::path root;
+  fs::path good;  // a valid checkpoint at world size 2
+  Damaged() {
+    root = fresh_dir("damaged");
+    good = root / "good";
+    run_and_save(Setup{}, 2, good);
+  }
+  ~Damaged() { fs::remove_all(root); }
+  fs::path copy(const std::string& name) const {
+    const fs::path to = root / name;
+    fs::remove_all(to);
+    fs::copy(good, to, fs::copy_options::recursive);
+    return to;
+  }
+};
+
+void flip_byte(const fs::path& file, std::size_t at) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x10);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.write(&c, 1);
+}
+
+// Loads `dir` into a trained world-2 engine whose state differs from the checkpoint's; returns
+// the error message after checking that the engine (state and memory) is unchanged.
+std::string load_error(const fs::path& dir, const Setup& s = Setup{}) {
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(s, 2), comm, space);
+    build(e, 7);
+    train(e, s, 0, 7);  // another active set and state than the checkpoint's
+    const TrainingState before = e.training_state(true);
+    const auto bytes = e.memory_stats().requested.current;
+    messages[rank] = test::rank_message_of<Error>([&] { load_checkpoint(e, dir); });
+    require_same_state(before, e.training_state(true), "engine after a refused load");
+    RANK_REQUIRE(e.memory_stats().requested.current == bytes);
+    train(e, s, 7, 8);  // and it still trains
+  });
+  return messages[0];
+}
+
+}  // namespace
+
+TEST_CASE("a truncated rank file is refused, naming the file, the engine unchanged") {
+  Damaged d;
+  const auto dir = d.copy("truncated");
+  const auto file = dir / "rank-00001-of-00002.bin";
+  fs::resize_file(file, fs::file_size(file) - 100);
+  const auto msg = load_error(dir);
+  CHECK(test::contains(msg, file.string()));
+  CHECK(test::contains(msg, "truncated"));
+}
+
+TEST_CASE("a flipped byte in any file is refused by its checksum, naming the file") {
+  Damaged d;
+  for (const std::string name : {"rank-00000-of-00002.bin", "weights.bin", "metadata.json"}) {
+    const auto dir = d.copy("flipped-" + name);
+    const auto file = dir / name;
+    flip_byte(file, fs::file_size(file) - 40);  // inside the data (metadata: its text)
+    const auto msg = load_error(dir);
+    INFO(msg);
+    CHECK(test::contains(msg, file.string()));
+    CHECK(test::contains(msg, "checksum mismatch"));
+  }
+}
+
+TEST_CASE("a checkpoint of another model is refused, naming the metadata file") {
+  Damaged d;
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(Setup{}, 2), comm, space);
+    for (const auto& decl : kModel)
+      e.add_param(decl.name, decl.name == "head.weight" ? std::vector<std::int64_t>{7, 30}
+                                                        : decl.shape,
+                  decl.group);
+    e.build([](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.5f); });
+    const TrainingState before = e.training_state(true);
+    messages[rank] = test::rank_message_of<ConfigError>([&] { load_checkpoint(e, d.good); });
+    require_same_state(before, e.training_state(true), "engine after a refused load");
+  });
+  INFO(messages[0]);
+  CHECK(test::contains(messages[0], (d.good / "metadata.json").string()));
+  CHECK(test::contains(messages[0], "different model"));
+  CHECK(test::contains(messages[0], "head.weight 7x29"));
+  // Another optimizer too.
+  Setup sgd;
+  std::vector<std::string> sgd_messages(1);
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    EngineConfig cfg = config_of(sgd, 1);
+    cfg.optimizer.type = OptimizerType::sgd;
+    cfg.optimizer.momentum = 0.9;
+    Engine e(cfg, comm, space);
+    build(e, 3);
+    sgd_messages[0] = test::rank_message_of<ConfigError>([&] { load_checkpoint(e, d.good); });
+  });
+  CHECK(test::contains(sgd_messages[0], "optimizer 'AdamW' saved, 'SGD' here"));
+}
+
+TEST_CASE("a checkpoint with a rank file missing is refused, naming the file") {
+  Damaged d;
+  const auto dir = d.copy("missing");
+  fs::remove(dir / "rank-00001-of-00002.bin");
+  const auto msg = load_error(dir);
+  CHECK(test::contains(msg, (dir / "rank-00001-of-00002.bin").string()));
+  CHECK(test::contains(msg, "missing"));
+}
+
+TEST_CASE("a directory that is not a checkpoint is refused, naming it") {
+  Damaged d;
+  const auto empty = d.root / "empty";
+  fs::create_directories(empty);
+  CHECK(test::contains(load_error(empty), "not a ShardSwap checkpoint"));
+  const auto other = d.root / "other";
+  fs::create_directories(other);
+  std::ofstream(other / "metadata.json") << "{\"hello\": 1}\n";
+  const auto msg = load_error(other);
+  CHECK(test::contains(msg, (other / "metadata.json").string()));
+  CHECK(test::contains(msg, "not a ShardSwap checkpoint"));
+  CHECK(test::contains(load_error(d.root / "nonexistent"), "is not a directory"));
+}
+
+namespace {
+
+// A file that reports a full disk once the whole save has written `budget` bytes.
+struct DiskFull {
+  std::mutex mu;
+  std::int64_t budget = 0;
+};
+
+class FullDiskFile : public CheckpointFile {
+ public:
+  FullDiskFile(const fs::path& path, DiskFull& disk)
+      : real_(open_checkpoint_file(path)), disk_(disk) {}
+  void write(const void* data, std::size_t bytes) override {
+    {
+      std::lock_guard lock(disk_.mu);
+      disk_.budget -= static_cast<std::int64_t>(bytes);
+      if (disk_.budget < 0) throw Error("No space left on device (simulated)");
+    }
+    real_->write(data, bytes);
+  }
+  void commit() override { real_->commit(); }
+
+ private:
+  std::unique_ptr<CheckpointFile> real_;
+  DiskFull& disk_;
+};
+
+}  // namespace
+
+TEST_CASE("a save that fills the disk fails naming the file and leaves the previous one intact") {
+  const auto root = fresh_dir("diskfull");
+  const auto previous = root / checkpoint_name(5);
+  run_and_save(Setup{}, 2, previous);
+  const auto size_of = [](const fs::path& dir) {
+    std::uintmax_t sum = 0;
+    for (const auto& f : fs::directory_iterator(dir)) sum += f.file_size();
+    return sum;
+  };
+  const auto total = size_of(previous);
+  for (std::int64_t budget : {std::int64_t{0}, std::int64_t{3000},
+                              static_cast<std::int64_t>(total) - 100}) {
+    DiskFull disk;
+    disk.budget = budget;
+    std::vector<std::string> messages(2);
+    for (const auto& target : {root / checkpoint_name(9), previous}) {  // new, and replacing
+      run_ranks(2, [&](int rank, Communicator& comm) {
+        MemorySpace space(rank, make_host_allocator());
+        Engine e(config_of(Setup{}, 2), comm, space);
+        build(e, 1);
+        train(e, Setup{}, 0, 9);
+        SaveOptions options;
+        options.open = [&](const fs::path& p) { return std::make_unique<FullDiskFile>(p, disk); };
+        messages[rank] =
+            test::rank_message_of<Error>([&] { save_checkpoint(e, target, options); });
+      });
+      INFO(messages[0] + " | " + messages[1]);
+      // The rank that hit the full disk names its file; so at least one of the two does.
+      const bool named = test::contains(messages[0], root.string() + "/step-") ||
+                         test::contains(messages[1], root.string() + "/step-");
+      CHECK(named);
+      CHECK((test::contains(messages[0], "No space left") ||
+             test::contains(messages[1], "No space left")));
+      CHECK(!fs::exists(root / checkpoint_name(9)));
+      for (const auto& entry : fs::directory_iterator(root))
+        CHECK(entry.path().filename().string().find(".tmp-") == std::string::npos);
+      // The previous checkpoint still loads and is the same bytes.
+      CHECK(size_of(previous) == total);
+      read_checkpoint_tensors(previous, true);  // verifies every checksum
+      disk.budget = budget;
+    }
+  }
+  fs::remove_all(root);
+}
+
+TEST_CASE("saving over an existing checkpoint and pruning keep the newest complete ones") {
+  const auto root = fresh_dir("prune");
+  for (int step : {2, 4, 6, 8}) run_and_save(Setup{}, 2, root / checkpoint_name(step));
+  run_and_save(Setup{}, 2, root / checkpoint_name(8));  // replaced in place
+  fs::create_directories(root / (checkpoint_name(10) + ".tmp-save"));  // an interrupted save
+  prune_checkpoints(root, 2);
+  const auto left = list_checkpoints(root);
+  REQUIRE(left.size() == 2);
+  CHECK(left[0].filename() == checkpoint_name(6));
+  CHECK(left[1].filename() == checkpoint_name(8));
+  CHECK(!fs::exists(root / (checkpoint_name(10) + ".tmp-save")));
+  CHECK(read_checkpoint_metadata(left[1]).at("extra").at("step") == kSavedAt);
+  fs::remove_all(root);
+}
+
+// ---- safetensors ----
+
+namespace {
+
+// An independent reader of the safetensors layout: 8-byte little-endian header length, a JSON
+// header {name: {dtype, shape, data_offsets}}, then the data.
+struct Tensor {
+  std::string dtype;
+  std::vector<std::int64_t> shape;
+  std::vector<double> values;
+};
+
+double half_to_double(std::uint16_t h, bool bf16) {
+  if (bf16) {
+    const std::uint32_t bits = std::uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  const int sign = h >> 15, exp = (h >> 10) & 31, frac = h & 1023;
+  double v = exp == 0 ? std::ldexp(frac, -24) : std::ldexp(1024 + frac, exp - 25);
+  return sign ? -v : v;  // no Inf/NaN in these weights
+}
+
+std::map<std::string, Tensor> read_safetensors(const fs::path& path, nlohmann::json& metadata) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)), {});
+  REQUIRE(bytes.size() >= 8);
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
+  REQUIRE((8 + n) % 8 == 0);  // the header is padded so the data starts 8-aligned
+  const auto header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + n);
+  const std::size_t data = 8 + n;
+  std::map<std::string, Tensor> out;
+  std::int64_t expected_begin = 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+  for (const auto& [name, t] : header.items()) {
+    if (name == "__metadata__") {
+      metadata = t;
+      continue;
+    }
+    Tensor x;
+    x.dtype = t.at("dtype");
+    x.shape = t.at("shape").get<std::vector<std::int64_t>>();
+    const auto begin = t.at("data_offsets")[0].get<std::int64_t>();
+    const auto end = t.at("data_offsets")[1].get<std::int64_t>();
+    ranges.emplace_back(begin, end);
+    std::int64_t count = 1;
+    for (auto e : x.shape) count *= e;
+    const int width = x.dtype == "F32" ? 4 : 2;
+    REQUIRE(end - begin == count * width);
+    REQUIRE(data + static_cast<std::size_t>(end) <= bytes.size());
+    for (std::int64_t i = 0; i < count; ++i) {
+      const unsigned char* p = bytes.data() + data + begin + i * width;
+      if (width == 4) {
+        std::uint32_t u = p[0] | p[1] << 8 | p[2] << 16 | std::uint32_t(p[3]) << 24;
+        float f;
+        std::memcpy(&f, &u, 4);
+        x.values.push_back(f);
+      } else {
+        x.values.push_back(half_to_double(std::uint16_t(p[0] | p[1] << 8), x.dtype == "BF16"));
+      }
+    }
+    out[name] = std::move(x);
+  }
+  // The data is covered without gaps or overlaps, to the end of the file.
+  std::sort(ranges.begin(), ranges.end());
+  for (const auto& [b, e] : ranges) {
+    REQUIRE(b == expected_begin);
+    expected_begin = e;
+  }
+  REQUIRE(data + static_cast<std::size_t>(expected_begin) == bytes.size());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("the safetensors export holds the checkpoint's weights and masters, as declared") {
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    Setup s;
+    s.dtype = dtype;
+    const auto root = fresh_dir("safetensors");
+    run_and_save(s, 2, root / "ckpt");
+    // The reference: the weights and masters of the same engine, read through the Engine API.
+    std::map<std::string, std::vector<float>> weights, masters;
+    run_ranks(2, [&](int rank, Communicator& comm) {
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(config_of(s, 2), comm, space);
+      build(e, 5);
+      load_checkpoint(e, root / "ckpt");
+      if (rank != 0) return;
+      for (const auto& d : kModel) weights[d.name] = e.read_weight(d.name);
+    });
+    // Masters of groups with state, from a world-1 engine that holds all of them.
+    run_ranks(1, [&](int rank, Communicator& comm) {
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(config_of(s, 1), comm, space);
+      build(e, 5);
+      load_checkpoint(e, root / "ckpt");
+      for (const auto& d : kModel) {
+        std::vector<float> m = e.read_weight(d.name);  // a group without state: its weights
+        for (const auto& piece : e.master_pieces(d.name))
+          std::copy(piece.values.begin(), piece.values.end(), m.begin() + piece.param_offset);
+        if (!e.is_active(d.group)) {
+          const auto st = e.training_state(false);
+          for (std::size_t gi = 0; gi < st.groups.size(); ++gi)
+            if (st.groups[gi].group == d.group && !st.groups[gi].master.empty()) {
+              // kept: its master lies in the group's flat shard (world 1: the whole layout)
+              const auto& layout = e.layout(d.group);
+              std::size_t index = 0;
+              for (const auto& p : e.params())
+                if (p.group == d.group) {
+                  if (p.name == d.name) break;
+                  ++index;
+                }
+              const auto off = layout.entry_of(index).offset;
+              std::copy(st.groups[gi].master.begin() + off,
+                        st.groups[gi].master.begin() + off + static_cast<std::int64_t>(m.size()),
+                        m.begin());
+            }
+        }
+        masters[d.name] = m;
+      }
+    });
+    for (bool master : {false, true}) {
+      const auto file = root / (master ? "master.safetensors" : "model.safetensors");
+      std::ostringstream log;
+      std::vector<std::string> args = {"export", (root / "ckpt").string(), "--out", file.string()};
+      if (master) args.push_back("--master");
+      REQUIRE(ckpt_command(args, log) == 0);
+      nlohmann::json meta;
+      const auto tensors = read_safetensors(file, meta);
+      REQUIRE(tensors.size() == kModel.size());
+      CHECK(meta.at("format") == "pt");
+      for (const auto& d : kModel) {
+        const auto& t = tensors.at(d.name);
+        CHECK(t.shape == d.shape);
+        CHECK(t.dtype == (master ? "F32" : dtype == DType::bf16 ? "BF16" : "F16"));
+        const auto& want = master ? masters.at(d.name) : weights.at(d.name);
+        REQUIRE(t.values.size() == want.size());
+        for (std::size_t i = 0; i < want.size(); ++i)
+          if (t.values[i] != static_cast<double>(want[i])) {
+            FAIL(fmt::format("{}[{}]: {} in the file, {} in the engine", d.name, i, t.values[i],
+                             want[i]));
+          }
+      }
+    }
+    std::ostringstream summary;
+    REQUIRE(ckpt_command({"inspect", (root / "ckpt").string()}, summary) == 0);
+    INFO(summary.str());
+    CHECK(test::contains(summary.str(), "world size 2"));
+    CHECK(test::contains(summary.str(), "layers.2"));
+    fs::remove_all(root);
+  }
+}
