@@ -65,6 +65,9 @@ done
 gpu_train nccl-world1
 gpu_train inproc-world4 --set world_size=4 --set shardswap.communicator=in_process
 gpu_train gemm-rate --set layer_switching.type=none --set steps=20
+step "checkpoints on the GPU: exact resume (LISA, keep_host), safetensors export read by Python"
+bash tools/gpu-ckpt-check.sh "$OUT" || status=1
+
 ngpu=$(nvidia-smi -L | wc -l)
 if [ "$ngpu" -ge 2 ]; then
   step "overlap of stage-2 reduction with backward ($ngpu GPUs, no layer switching)"

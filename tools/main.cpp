@@ -16,6 +16,7 @@
 #include "tools/progress.h"
 #include "tools/bench_optimizer.h"
 #include "tools/bench_switch.h"
+#include "tools/ckpt.h"
 #include "tools/plot.h"
 #include "tools/train.h"
 
@@ -40,9 +41,15 @@ constexpr const char* kUsage = R"(usage:
           the time of a layer switch against the bytes it touches over the copy bandwidth
 
   shardswap plot METRICS --out FILE.png|FILE.svg
+  shardswap ckpt export DIR --out FILE.safetensors [--master]
+  shardswap ckpt inspect DIR
 
   plot    draws loss and val_loss, and memory by tag (MiB), against the step from a
           train --metrics file, layer switches marked; needs gnuplot (package gnuplot-nox)
+  ckpt export
+          a checkpoint's bit16 weights (or with --master its fp32 masters) as safetensors
+  ckpt inspect
+          what a checkpoint holds: world size, step, groups, active set, files; checksums verified
 )";
 
 struct BadUsage : std::runtime_error {
@@ -152,6 +159,8 @@ int main(int argc, char** argv) {
       return shardswap::bench_optimizer({args.begin() + 2, args.end()}, std::cout);
     if (args[0] == "bench" && args.size() > 1 && args[1] == "switch")
       return shardswap::bench_switch({args.begin() + 2, args.end()}, std::cout);
+    if (args[0] == "ckpt")
+      return shardswap::ckpt_command({args.begin() + 1, args.end()}, std::cout);
     if (args[0] == "plot")
       return shardswap::plot_command({args.begin() + 1, args.end()}, std::cout);
     throw BadUsage(fmt::format("unknown command '{}'", args[0]));

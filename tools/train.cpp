@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "engine/backend.h"
+#include "engine/checkpoint.h"
 #include "engine/comm/nccl.h"
 #include "engine/config_json.h"
 #include "memory/error.h"
@@ -87,6 +88,23 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   t.comm = comm_kind_from_name(c, c.string("shardswap.communicator", "in_process"));
   if (t.comm == CommKind::nccl && t.backend == "cpu")
     c.fail("shardswap.communicator", "= nccl needs shardswap.backend = cuda");
+
+  t.checkpoint.dir = c.string("checkpoint.dir", "");
+  t.checkpoint.every = c.integer("checkpoint.every", 0);
+  if (t.checkpoint.every < 0) c.fail("checkpoint.every", "must be >= 0");
+  if (t.checkpoint.every > 0 && t.checkpoint.dir.empty())
+    c.fail("checkpoint.every", "needs checkpoint.dir");
+  t.checkpoint.keep = static_cast<int>(positive("checkpoint.keep", 3, 1 << 20));
+  t.checkpoint.load = c.string("checkpoint.load", "");
+  if (t.checkpoint.load == "latest" && t.checkpoint.dir.empty())
+    c.fail("checkpoint.load", "= latest needs checkpoint.dir");
+  if (!t.checkpoint.load.empty() && t.checkpoint.load != "latest") {
+    try {
+      read_checkpoint_metadata(t.checkpoint.load);  // checked now, before anything is written
+    } catch (const ConfigError& e) {
+      c.fail("checkpoint.load", e.what());
+    }
+  }
 
   t.switching = layer_switching_from_json(c);
   try {
@@ -227,10 +245,30 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
 
     std::int64_t planned = predicted.total();  // changes when a switch changes the active set
     std::int64_t updates = 0;                  // applied optimizer steps: the lr schedule's clock
+    // Resuming: the engine's state from the checkpoint; the schedule's position and the data's
+    // are pure functions of the step, so the step and the update count are all the loop needs.
+    std::int64_t start = 0;
+    std::filesystem::path resume_from = config.checkpoint.load;
+    if (config.checkpoint.load == "latest") {
+      const auto found = list_checkpoints(config.checkpoint.dir);
+      resume_from = found.empty() ? std::filesystem::path() : found.back();
+    }
+    if (!resume_from.empty()) {
+      const LoadedCheckpoint loaded = load_checkpoint(engine, resume_from);
+      start = loaded.extra.at("step").get<std::int64_t>();
+      updates = loaded.extra.at("updates").get<std::int64_t>();
+      planned = engine.plan().total() + ByteLm::activation_bytes(config.model, micro,
+                                                                 config.engine.dtype,
+                                                                 space.device());
+      say(fmt::format("resumed from {} (saved at world size {}): step {}, {} updates",
+                      resume_from.string(), loaded.world_size, start, updates));
+    } else if (config.checkpoint.load == "latest") {
+      say(fmt::format("no checkpoint under {} yet: starting at step 0", config.checkpoint.dir));
+    }
     double interval_loss = 0.0, timed_seconds = 0.0, model_seconds = 0.0, engine_seconds = 0.0;
     int interval_steps = 0;
     space.reset_peaks();
-    for (std::int64_t step = 0; step < config.steps; ++step) {
+    for (std::int64_t step = start; step < config.steps; ++step) {
       const auto started = std::chrono::steady_clock::now();
       std::optional<SwitchReport> switched;
       if (step > 0 && schedule.boundary(step)) {
@@ -259,11 +297,20 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       if (evaluating) val = evaluate();
       const double seconds = seconds_since(started);
       const MemoryStats mem = engine.memory_stats();
+      if (config.checkpoint.every > 0 &&
+          ((step + 1) % config.checkpoint.every == 0 || step + 1 == config.steps)) {
+        SaveOptions options;
+        options.extra = {{"step", step + 1}, {"updates", updates}, {"seed", config.seed}};
+        const auto path = std::filesystem::path(config.checkpoint.dir) / checkpoint_name(step + 1);
+        save_checkpoint(engine, path, options);  // collective
+        if (rank == 0) prune_checkpoints(config.checkpoint.dir, config.checkpoint.keep);
+        say(fmt::format("checkpoint saved: {}", path.string()));
+      }
       if (rank != 0) continue;
 
       std::lock_guard lock(mu);
-      if (step == 0) summary.first_loss = loss;
-      if (step > 0) {  // the first step carries one-off work (allocation, cuBLAS warm-up)
+      if (step == start) summary.first_loss = loss;
+      if (step > start) {  // the first step carries one-off work (allocation, cuBLAS warm-up)
         timed_seconds += seconds;
         model_seconds += model_s;
         engine_seconds += engine_s;
@@ -277,7 +324,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
             "switch at step {}: in [{}] out [{}], {} freed, {} allocated, {:.3f} ms", step,
             fmt::join(switched->activated, ", "), fmt::join(switched->deactivated, ", "),
             mib(switched->bytes_freed), mib(switched->bytes_allocated), switched->seconds * 1e3));
-      if (step == 0 || switched) {
+      if (step == start || switched) {
         const auto peak = mem.requested.peak;
         progress->message(fmt::format(
             "memory of rank 0 after step {}: predicted {}, measured peak {} ({:+.3f}%)", step + 1,
@@ -330,14 +377,15 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     if (rank == 0) {
       std::lock_guard lock(mu);
       progress->finish();
-      if (config.steps > 1) {
-        summary.tokens_per_s = samples_per_step * static_cast<double>(config.steps - 1) / timed_seconds;
+      const auto timed_steps = static_cast<double>(config.steps - start - 1);  // after the first
+      if (timed_steps > 0) {
+        summary.tokens_per_s = samples_per_step * timed_steps / timed_seconds;
         summary.engine_step_share = config.timing
                                         ? engine_seconds / (engine_seconds + model_seconds)
                                         : std::numeric_limits<double>::quiet_NaN();
         if (config.timing && space.device() == DeviceKind::cuda && !schedule.enabled())
           summary.model_tflops = byte_lm_step_flops(config.model, micro) * accumulation *
-                                 static_cast<double>(config.steps - 1) / model_seconds / 1e12;
+                                 timed_steps / model_seconds / 1e12;
       }
     }
   };

@@ -22,6 +22,16 @@ enum class CommKind {
   nccl,        ///< one GPU per rank (GPUs 0..world_size-1), a thread each, over NCCL
 };
 
+/// Config section `checkpoint` (docs/checkpoints.md).
+struct CheckpointConfig {
+  std::string dir;         ///< checkpoint.dir: holds step-NNNNNNNN checkpoints; "" saves none
+  std::int64_t every = 0;  ///< checkpoint.every: save after every this many steps (and the last)
+  int keep = 3;            ///< checkpoint.keep: the newest this many are kept
+  /// checkpoint.load: a checkpoint to resume from, or "latest" (the newest under dir; none
+  /// there: a fresh start); "" starts fresh.
+  std::string load;
+};
+
 struct TrainConfig {
   EngineConfig engine;
   BatchSizes batches;
@@ -41,6 +51,7 @@ struct TrainConfig {
   /// engine.step(), so the step time splits into the two honestly (costs a little overlap).
   bool timing = false;
   LayerSwitchingConfig switching;  ///< layer_switching; validated against the model's groups
+  CheckpointConfig checkpoint;
 };
 
 /// Reads every key of the run and checks it (batch sizes, schedule against the model's groups,

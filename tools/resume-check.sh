@@ -1,0 +1,50 @@
+#!/bin/sh
+# Exact resume through the CLI: N steps straight against N/2 steps, save, and N/2 more in a new
+# process resuming from the checkpoint. Every metrics line after the save point (timings aside)
+# and the final checkpoint's binary files must be identical.
+#   usage: resume-check.sh SHARDSWAP CONFIG STEPS [--set k=v]...
+set -eu
+bin=$1 config=$2 steps=$3
+shift 3
+half=$((steps / 2))
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+run() {  # dir metrics steps [more --set]
+  dir=$1 metrics=$2 n=$3
+  shift 3
+  "$bin" train --config "$config" "$@" --set steps="$n" --set checkpoint.dir="$dir" \
+    --set checkpoint.every="$half" --set checkpoint.keep=4 --metrics "$metrics" > "$dir.log" 2>&1 ||
+    { cat "$dir.log"; exit 1; }
+}
+mkdir -p "$work/straight" "$work/resumed"
+run "$work/straight" "$work/straight.jsonl" "$steps" "$@"
+run "$work/resumed" "$work/first.jsonl" "$half" "$@"
+run "$work/resumed" "$work/second.jsonl" "$steps" --set checkpoint.load=latest "$@"
+grep -h "resumed from" "$work/resumed.log"
+python3 - "$work" "$half" <<'PY'
+import json, sys
+work, half = sys.argv[1], int(sys.argv[2])
+def lines(name):
+    out = []
+    for line in open(f"{work}/{name}"):
+        m = json.loads(line)
+        for k in ("tokens_per_s", "step_seconds"):
+            m.pop(k, None)
+        if "switch" in m:
+            m["switch"].pop("seconds", None)
+        out.append(m)
+    return out
+straight = [m for m in lines("straight.jsonl") if m["step"] > half]
+resumed = lines("second.jsonl")
+assert [m["step"] for m in resumed] == [m["step"] for m in straight], "different steps"
+bad = [a["step"] for a, b in zip(straight, resumed) if a != b]
+switches = sum(1 for m in lines("straight.jsonl") if "switch" in m)
+print(f"{len(resumed)} steps after the save point compared, {switches} switches in the run, "
+      f"{len(bad)} differing" + (f": steps {bad[:5]}" if bad else ""))
+sys.exit(1 if bad else 0)
+PY
+a=$(ls -d "$work"/straight/step-* | tail -1) b=$(ls -d "$work"/resumed/step-* | tail -1)
+for f in "$a"/*.bin; do
+  cmp "$f" "$b/$(basename "$f")" || { echo "final checkpoints differ: $(basename "$f")"; exit 1; }
+done
+echo "final checkpoint files identical: $(cd "$a" && ls *.bin | tr '\n' ' ')"
