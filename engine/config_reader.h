@@ -61,6 +61,8 @@ class ConfigReader {
   /// edits of it: the likely intended key of a misspelt one. Empty if none.
   std::optional<std::string> closest_read_key(std::string_view path) const;
   const std::string& source() const { return source_; }
+  /// The whole config as read (with the --set overrides applied).
+  const nlohmann::json& json() const { return root_; }
   [[noreturn]] void fail(std::string_view path, const std::string& why) const;
   /// Records the warning "config SOURCE: PATH WHY". One warning per key: a second one for the
   /// same path is dropped, so a caller may record a more specific warning before a getter's.

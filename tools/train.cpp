@@ -113,6 +113,7 @@ TrainConfig train_config_from_json(ConfigReader& c) {
     throw ConfigError(fmt::format("config {}: {}", c.source(), e.what()));
   }
   reject_unknown_keys(c, kShardSwapSections);
+  t.source = c.json();
   return t;
 }
 
@@ -301,6 +302,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           ((step + 1) % config.checkpoint.every == 0 || step + 1 == config.steps)) {
         SaveOptions options;
         options.extra = {{"step", step + 1}, {"updates", updates}, {"seed", config.seed}};
+        options.config = config.source;
         const auto path = std::filesystem::path(config.checkpoint.dir) / checkpoint_name(step + 1);
         save_checkpoint(engine, path, options);  // collective
         if (rank == 0) prune_checkpoints(config.checkpoint.dir, config.checkpoint.keep);

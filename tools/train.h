@@ -3,6 +3,8 @@
 // collectives (cpu, or all on one GPU), or one GPU per rank over NCCL.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <ostream>
 #include <string>
@@ -51,6 +53,7 @@ struct TrainConfig {
   /// engine.step(), so the step time splits into the two honestly (costs a little overlap).
   bool timing = false;
   LayerSwitchingConfig switching;  ///< layer_switching; validated against the model's groups
+  nlohmann::json source;           ///< the config as read, recorded in checkpoints
   CheckpointConfig checkpoint;
 };
 
