@@ -248,6 +248,16 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
                       g.name));
   if (impl_->reducer && impl_->reducer->open_group() != nullptr)
     throw StateError("Engine::reform: gradients are pending in a reduce bucket");
+  // The re-formed groups' weight buffers are released at the commit: a Pin on one must stop
+  // the re-form now, before anything is allocated or rebound.
+  std::string held;
+  for (const auto& g : impl_->groups)
+    if (affected.count(g.name) && g.param16.valid())
+      for (const auto& pin : g.param16.pin_labels())
+        held += fmt::format("{}'{}' on '{}'", held.empty() ? "" : ", ", pin, g.param16.label());
+  if (!held.empty())
+    throw PinnedMemory(
+        fmt::format("Engine::reform: held by Pins: {}; nothing was changed", held));
   std::erase_if(names, [&](const std::string& n) {
     return std::none_of(params.begin(), params.end(),
                         [&](const Param& p) { return p.info.group == n; });

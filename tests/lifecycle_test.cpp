@@ -325,3 +325,35 @@ TEST_CASE("re-forming an active group is refused and changes nothing") {
     REQUIRE(e.params()[3].group == "layers.0");
   });
 }
+
+TEST_CASE("a Pin on a weight of a group to re-form refuses the re-form and changes nothing") {
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config(2), comm, space);
+    declare(e);
+    e.build(init, std::vector<std::string>{"head"});
+    const auto groups = e.groups();
+    const auto stats = e.memory_stats();
+    std::vector<std::vector<float>> before;
+    for (const auto& p : e.params()) before.push_back(e.read_weight(p.name));
+    const View norm = e.weight("layers.1.norm");
+    {
+      const Pin pin = norm.pin("user's copy of layers.1");
+      const auto msg = test::message_of<PinnedMemory>(
+          [&] { e.reform({{"layers.1.norm", "norms"}, {"layers.2.norm", "norms"}}); });
+      CAPTURE(msg);
+      REQUIRE(test::contains(msg, "user's copy of layers.1"));
+      REQUIRE(test::contains(msg, "nothing was changed"));
+      // Nothing moved: groups, bytes, weights, and the View still reads.
+      REQUIRE(e.groups() == groups);
+      REQUIRE(e.memory_stats().requested.current == stats.requested.current);
+      for (std::size_t i = 0; i < e.params().size(); ++i)
+        REQUIRE(e.read_weight(e.params()[i].name) == before[i]);
+      REQUIRE(norm.data<bf16_t>() != nullptr);
+    }
+    // Without the Pin the same re-form goes through.
+    e.reform({{"layers.1.norm", "norms"}, {"layers.2.norm", "norms"}});
+    REQUIRE(e.groups().back() == "norms");
+    require_stats_equal_plan(e);
+  });
+}
