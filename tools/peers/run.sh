@@ -55,7 +55,7 @@ if [ ! -x "$bin" ]; then
 fi
 
 python3 - "$OUT/meta.json" "$ngpu" <<'PY'
-import json, subprocess, sys, datetime, platform
+import json, os, subprocess, sys, datetime, platform
 import torch, deepspeed
 def sh(c):
     try: return subprocess.run(c, shell=True, capture_output=True, text=True).stdout.strip()
@@ -63,7 +63,7 @@ def sh(c):
 meta = {"machine": f"{sys.argv[2]} x {torch.cuda.get_device_name(0)}",
         "driver": sh("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": sh("git rev-parse --short HEAD 2>/dev/null") or "unknown",
+        "commit": os.environ.get("PEERS_COMMIT") or sh("git rev-parse --short HEAD 2>/dev/null") or "unknown",
         "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "deepspeed": deepspeed.__version__, "gpus": int(sys.argv[2])}
