@@ -65,7 +65,7 @@ def cmd_optimizer(args):
             "impl": "shardswap_fused_adamw_bf16"}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "opt.json")
-        run_cli(args, ["bench", "optimizer", "--backend", "cuda", "--sizes", args.sizes,
+        run_cli(args, ["bench", "optimizer", "--backend", args.backend, "--sizes", args.sizes,
                        "--iters", str(args.iters), "--json", out], base)
         doc = json.load(open(out))
     status = 0
@@ -141,7 +141,7 @@ def cmd_switch(args):
             "layers": args.layers, "dim": args.dim, "active": 2}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "sw.json")
-        text = run_cli(args, ["bench", "switch", "--backend", "cuda", "--layers", str(args.layers),
+        text = run_cli(args, ["bench", "switch", "--backend", args.backend, "--layers", str(args.layers),
                               "--dim", str(args.dim), "--switches", str(args.switches),
                               "--json", out], base)
         doc = json.load(open(out))
@@ -168,6 +168,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("optimizer")
     p.add_argument("--sizes", default="64M,256M")
+    p.add_argument("--backend", default="cuda", help="cpu: this folder's CPU-only check")
     p.add_argument("--iters", type=int, default=20)
     p = sub.add_parser("memory")
     p.add_argument("--context", type=int, default=16)
@@ -184,6 +185,7 @@ def main():
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--switches", type=int, default=100)
+    p.add_argument("--backend", default="cuda", help="cpu: this folder's CPU-only check")
     args = ap.parse_args()
     if not (os.path.isfile(args.bin) and os.access(args.bin, os.X_OK)):
         peerlib.fail(SCRIPT, f"{args.bin}: no shardswap binary (build build/cuda first: "
