@@ -120,12 +120,14 @@ int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
         for (DeactivatePolicy policy :
              {DeactivatePolicy::drop, DeactivatePolicy::keep_device, DeactivatePolicy::keep_host}) {
           std::vector<double> ms;
+          std::int64_t after_first = 0;  // requested bytes after the first timed switch
           for (int s = 0; s < o.switches + 2; ++s) {
             const std::vector<std::string> wanted{groups[next % o.layers],
                                                   groups[(next + 1) % o.layers]};
             next += 2;
             const SwitchReport r = engine.set_active(wanted, policy);
             if (s >= 2) ms.push_back(r.seconds * 1e3);  // two warm-up switches
+            if (s == 2) after_first = engine.memory_stats().requested.current;
           }
           std::sort(ms.begin(), ms.end());
           const double median = ms[ms.size() / 2];
@@ -149,6 +151,9 @@ int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
                           {"bytes", bytes},
                           {"bound_ms", bounded ? nlohmann::json(bound) : nlohmann::json(nullptr)},
                           {"copy_tbps", bandwidth / 1e12},
+                          {"allocated_after_1_bytes", after_first},
+                          {"allocated_after_n_bytes", stats.requested.current},
+                          {"switches", o.switches},
                           {"check", pass ? "PASS" : "FAIL"}});
         }
       },

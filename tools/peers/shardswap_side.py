@@ -151,6 +151,10 @@ def cmd_switch(args):
                           policy=row["policy"], switches=args.switches,
                           ms_per_switch=row["ms_per_switch"], bytes_touched=row["bytes"],
                           bound_ms=row["bound_ms"], copy_tbps=row["copy_tbps"],
+                          # ShardSwap's requested bytes after the first timed switch and after
+                          # the last (shardswap bench switch); no training step in between.
+                          allocated_after_1_step_bytes=row.get("allocated_after_1_bytes"),
+                          allocated_after_n_steps_bytes=row.get("allocated_after_n_bytes"),
                           check=row["check"], status="ok" if ok else "error",
                           error=None if ok else "memory stats != plan after the switches",
                           note="allocated bytes equal the plan after all switches (check)"),
