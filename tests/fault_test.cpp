@@ -20,7 +20,10 @@
 
 #include <unistd.h>
 
+#include "engine/batch_sizes.h"
 #include "engine/checkpoint.h"
+#include "engine/config_json.h"
+#include "engine/config_reader.h"
 #include "engine/engine.h"
 #include "memory/error.h"
 #include "tests/catch_compat.h"
@@ -110,16 +113,15 @@ std::string difference(const Engine& a, const Engine& b, bool compare_scaler = t
   const TrainingState sa = a.training_state(true), sb = b.training_state(true);
   for (std::size_t i = 0; i < sa.groups.size(); ++i) {
     const auto &ga = sa.groups[i], &gb = sb.groups[i];
-    if (ga.group != gb.group || ga.active != gb.active || ga.kept != gb.kept ||
-        ga.step != gb.step)
+    if (ga.group != gb.group || ga.active != gb.active || ga.kept != gb.kept || ga.step != gb.step)
       return fmt::format("group {}: active/kept/step differ (step {} vs {})", ga.group, ga.step,
                          gb.step);
     if (!same_bytes(ga.master, gb.master)) return fmt::format("group {}: master", ga.group);
     if (!same_bytes(ga.state, gb.state)) return fmt::format("group {}: optimizer state", ga.group);
   }
-  if (compare_scaler && (sa.scaler.scale != sb.scaler.scale ||
-                         sa.scaler.clean_steps != sb.scaler.clean_steps ||
-                         sa.scaler.hysteresis_left != sb.scaler.hysteresis_left))
+  if (compare_scaler &&
+      (sa.scaler.scale != sb.scaler.scale || sa.scaler.clean_steps != sb.scaler.clean_steps ||
+       sa.scaler.hysteresis_left != sb.scaler.hysteresis_left))
     return fmt::format("loss scaler: scale {} vs {}", sa.scaler.scale, sb.scaler.scale);
   if (sa.lr != sb.lr) return "lr";
   if (sa.weights != sb.weights) return "bit16 weights";
@@ -180,25 +182,33 @@ struct Operation {
 
 std::vector<Operation> operations() {
   const std::vector<std::string> next{"embed", "head", "layers.1", "layers.2"};
-  const auto ckpt = std::filesystem::temp_directory_path() /
-                    fmt::format("shardswap-fault-test-{}", ::getpid());
+  const auto ckpt =
+      std::filesystem::temp_directory_path() / fmt::format("shardswap-fault-test-{}", ::getpid());
   return {
       {"activate(layers.1) after drop", [](Engine& e) { e.activate("layers.1"); }, {"layers.1"}},
-      {"activate(layers.2) from keep_host", [](Engine& e) { e.activate("layers.2"); },
+      {"activate(layers.2) from keep_host",
+       [](Engine& e) { e.activate("layers.2"); },
        {"layers.2"}},
-      {"activate(layers.3) from keep_device", [](Engine& e) { e.activate("layers.3"); },
+      {"activate(layers.3) from keep_device",
+       [](Engine& e) { e.activate("layers.3"); },
        {"layers.3"}},
       {"deactivate(layers.0, keep_host)",
        [](Engine& e) { e.deactivate("layers.0", DeactivatePolicy::keep_host); },
        {"layers.0", "kept on host"}},
       {"set_active(embed, head, layers.1, layers.2; keep_host)",
        [next](Engine& e) { e.set_active(next, DeactivatePolicy::keep_host); },
-       {"group layers."}, true, DeactivatePolicy::keep_host},
+       {"group layers."},
+       true,
+       DeactivatePolicy::keep_host},
       {"set_active(embed, head, layers.1, layers.2; drop)",
        [next](Engine& e) { e.set_active(next, DeactivatePolicy::drop); },
-       {"group layers."}, true, DeactivatePolicy::drop},
+       {"group layers."},
+       true,
+       DeactivatePolicy::drop},
       {"reform(layers.1.norm -> norms, layers.1.fc2 -> layers.1b)",
-       [](Engine& e) { e.reform({{"layers.1.norm", "norms"}, {"layers.1.fc2", "layers.1b"}}); },
+       [](Engine& e) {
+         e.reform({{"layers.1.norm", "norms"}, {"layers.1.fc2", "layers.1b"}});
+       },
        {"param16"}},
       {"save_checkpoint",
        [ckpt](Engine& e) {
@@ -211,8 +221,9 @@ std::vector<Operation> operations() {
 
 }  // namespace
 
-TEST_CASE("an allocation failing at any point of a lifecycle call or a save leaves the engine as "
-          "before, names what failed, and training goes on") {
+TEST_CASE(
+    "an allocation failing at any point of a lifecycle call or a save leaves the engine as "
+    "before, names what failed, and training goes on") {
   int injected = 0;
   for (int stage : {1, 2}) {
     for (const Operation& op : operations()) {
@@ -277,8 +288,7 @@ TEST_CASE("an allocation failing at any point of a lifecycle call or a save leav
       }
       // Only save_checkpoint allocates nothing through the engine's allocator.
       if (op.name != "save_checkpoint") CHECK(points > 0);
-      WARN(fmt::format("stage {}: {}: {} allocation(s), each failed once", stage, op.name,
-                       points));
+      WARN(fmt::format("stage {}: {}: {} allocation(s), each failed once", stage, op.name, points));
     }
   }
   WARN(fmt::format("allocation failures injected: {}", injected));
@@ -359,8 +369,7 @@ std::vector<Outcome> on_threads(InProcessGroup& group,
       } catch (const std::exception& e) {
         o.message = e.what();
       }
-      o.seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     });
   for (auto& t : threads) t.join();
   return out;
@@ -372,11 +381,13 @@ bool contains(const std::string& s, const std::string& part) {
 
 }  // namespace
 
-TEST_CASE("a rank whose own share of a collective throws fails every other rank with CommError "
-          "naming it", "[comm]") {
+TEST_CASE(
+    "a rank whose own share of a collective throws fails every other rank with CommError "
+    "naming it",
+    "[comm]") {
   int injected = 0;
-  for (Coll c : {Coll::all_reduce, Coll::reduce_scatter, Coll::reduce, Coll::all_gather,
-                 Coll::broadcast}) {
+  for (Coll c :
+       {Coll::all_reduce, Coll::reduce_scatter, Coll::reduce, Coll::all_gather, Coll::broadcast}) {
     for (int bad = 0; bad < 3; ++bad) {
       INFO(fmt::format("{} failing on rank {}", coll_name(c), bad));
       InProcessGroup group(3, faulty_ops());
@@ -404,8 +415,10 @@ TEST_CASE("a rank whose own share of a collective throws fails every other rank 
   WARN(fmt::format("collective failures injected: {}", injected));
 }
 
-TEST_CASE("with a timeout, a rank that never arrives gives every rank CommError naming the "
-          "collective and the missing rank", "[comm]") {
+TEST_CASE(
+    "with a timeout, a rank that never arrives gives every rank CommError naming the "
+    "collective and the missing rank",
+    "[comm]") {
   int injected = 0;
   for (Coll c : {Coll::all_reduce, Coll::reduce_scatter, Coll::reduce, Coll::all_gather,
                  Coll::broadcast, Coll::barrier}) {
@@ -427,8 +440,8 @@ TEST_CASE("with a timeout, a rank that never arrives gives every rank CommError 
       const auto& o = out[static_cast<std::size_t>(r)];
       CHECK(o.comm_error);
       CHECK(contains(o.message, fmt::format("{}(", coll_name(c))));
-      CHECK(contains(o.message, fmt::format("timed out after 200 ms waiting for rank(s) {} ",
-                                            missing)));
+      CHECK(contains(o.message,
+                     fmt::format("timed out after 200 ms waiting for rank(s) {} ", missing)));
       if (r != missing) {
         CHECK(o.seconds >= 0.19);
         CHECK(o.seconds < 5.0);
@@ -521,14 +534,15 @@ std::vector<TrainingState> train(Mode mode, int stage, bool with_bad_step, float
 
 }  // namespace
 
-TEST_CASE("Inf and NaN gradients: fp16 skips and backs off, bf16 skips or fails as configured; "
-          "weights and state untouched, training goes on as if the step never came") {
+TEST_CASE(
+    "Inf and NaN gradients: fp16 skips and backs off, bf16 skips or fails as configured; "
+    "weights and state untouched, training goes on as if the step never came") {
   int injected = 0;
   for (Mode mode : {Mode::fp16, Mode::bf16_skip, Mode::bf16_error})
     for (int stage : {1, 2})
-      for (float poison : {std::numeric_limits<float>::infinity(),
-                           -std::numeric_limits<float>::infinity(),
-                           std::numeric_limits<float>::quiet_NaN()}) {
+      for (float poison :
+           {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+            std::numeric_limits<float>::quiet_NaN()}) {
         INFO(fmt::format("mode {}, stage {}, poison {}", static_cast<int>(mode), stage, poison));
         const auto faulty = train(mode, stage, true, poison, 1024);
         // The control never saw the bad step; under fp16 it starts at the backed-off scale.
@@ -559,4 +573,22 @@ TEST_CASE("shardswap.nonfinite is read from JSON, refused with a wrong value or 
   cfg.dtype = DType::f16;
   cfg.nonfinite = NonFinitePolicy::error;
   CHECK(contains(test::message_of<ConfigError>([&] { cfg.validate(); }), "shardswap.nonfinite"));
+  const auto from_json = [](const std::string& precision, const std::string& nonfinite) {
+    auto c = ConfigReader::from_text(
+        fmt::format(
+            R"({{"train_micro_batch_size_per_gpu": 2, {}: {{"enabled": true}}{}}})", precision,
+            nonfinite.empty() ? ""
+                              : fmt::format(R"(, "shardswap": {{"nonfinite": {}}})", nonfinite)),
+        "fault.json");
+    const BatchSizes batches = resolve_batch_sizes(c, 1);
+    return engine_config_from_json(c, batches);
+  };
+  CHECK(from_json(R"("bf16")", "").nonfinite == NonFinitePolicy::skip);
+  CHECK(from_json(R"("bf16")", R"("skip")").nonfinite == NonFinitePolicy::skip);
+  CHECK(from_json(R"("bf16")", R"("error")").nonfinite == NonFinitePolicy::error);
+  const auto bad = test::message_of<ConfigError>([&] { from_json(R"("bf16")", R"("abort")"); });
+  CHECK(contains(bad, "shardswap.nonfinite"));
+  CHECK(contains(bad, "fault.json"));
+  CHECK(contains(test::message_of<ConfigError>([&] { from_json(R"("fp16")", R"("error")"); }),
+                 "shardswap.nonfinite"));
 }

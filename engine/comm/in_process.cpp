@@ -348,7 +348,8 @@ class RankComm final : public Communicator {
   void reduce_chunk(DType dtype, std::size_t offset, void* dst, std::size_t count, ReduceOp op) {
     if (count == 0) return;
     const auto src = sources(offset);
-    guarded([&] { s_.ops.reduce(dtype, src.data(), static_cast<int>(src.size()), dst, count, op); });
+    guarded(
+        [&] { s_.ops.reduce(dtype, src.data(), static_cast<int>(src.size()), dst, count, op); });
   }
 
   /// Copies unless source and destination are the same memory (an in-place chunk): writing it

@@ -18,9 +18,10 @@ Block FailingAllocator::allocate(std::size_t requested) {
   if (faults_->fail_at != 0 && call == faults_->fail_at) {
     ++faults_->failures;
     faults_->failed_label = role_;
-    throw OutOfMemory(fmt::format("FailingAllocator({}): injected failure of allocation #{} ({} "
-                                  "bytes)",
-                                  role_, call, requested));
+    throw OutOfMemory(
+        fmt::format("FailingAllocator({}): injected failure of allocation #{} ({} "
+                    "bytes)",
+                    role_, call, requested));
   }
   return inner_->allocate(requested);
 }

@@ -15,10 +15,10 @@ namespace shardswap::test_support {
 /// Shared by a FailingAllocator and its host-staging allocators, so one count spans device and
 /// host allocations in the order the engine makes them.
 struct AllocationFaults {
-  std::size_t calls = 0;      ///< allocations seen since arm()
-  std::size_t fail_at = 0;    ///< 1-based call that throws; 0: none
-  std::size_t failures = 0;   ///< OutOfMemory thrown since arm()
-  std::string failed_label;   ///< which allocator failed ("host" / "host staging"), for messages
+  std::size_t calls = 0;     ///< allocations seen since arm()
+  std::size_t fail_at = 0;   ///< 1-based call that throws; 0: none
+  std::size_t failures = 0;  ///< OutOfMemory thrown since arm()
+  std::string failed_label;  ///< which allocator failed ("host" / "host staging"), for messages
 
   void arm(std::size_t nth) {
     calls = 0;
