@@ -210,6 +210,16 @@ std::vector<Operation> operations() {
          e.reform({{"layers.1.norm", "norms"}, {"layers.1.fc2", "layers.1b"}});
        },
        {"param16"}},
+      {"restore_training_state (all groups active, trained elsewhere)",
+       [](Engine& e) {
+         Faulty source(e.config().stage);  // its own allocator: only `e`'s allocations fail
+         prepare(source.engine);
+         for (const char* g : {"layers.1", "layers.2", "layers.3"}) source.engine.activate(g);
+         backward(source.engine, 5);
+         source.engine.step();
+         e.restore_training_state(source.engine.training_state(true));
+       },
+       {"group layers."}},
       {"save_checkpoint",
        [ckpt](Engine& e) {
          save_checkpoint(e, ckpt);
