@@ -545,7 +545,7 @@ std::vector<TrainingState> train(Mode mode, int stage, bool with_bad_step, float
 }  // namespace
 
 TEST_CASE(
-    "Inf and NaN gradients: fp16 skips and backs off, bf16 skips or fails as configured; "
+    "Inf and NaN gradients: fp16 skips and backs off, bf16 skips or fails as configured: "
     "weights and state untouched, training goes on as if the step never came") {
   int injected = 0;
   for (Mode mode : {Mode::fp16, Mode::bf16_skip, Mode::bf16_error})
