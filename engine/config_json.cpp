@@ -299,6 +299,15 @@ EngineConfig read(ConfigReader& c, const BatchSizes& batches) {
   if (alignment < 1 || alignment > (std::int64_t{1} << 30))
     c.fail("shardswap.alignment_bytes", fmt::format("= {} must lie in [1, 2^30]", alignment));
   cfg.alignment_bytes = static_cast<std::size_t>(alignment);
+  if (c.has("shardswap.nonfinite")) {
+    try {
+      cfg.nonfinite = nonfinite_policy_from_name(c.string("shardswap.nonfinite", "skip"),
+                                                 "shardswap.nonfinite");
+    } catch (const ConfigError&) {
+      c.fail("shardswap.nonfinite", fmt::format("= '{}': expected skip or error",
+                                                c.string("shardswap.nonfinite", "skip")));
+    }
+  }
   cfg.validate();
   return cfg;
 }

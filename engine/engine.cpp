@@ -365,6 +365,19 @@ StepResult Engine::step() {
   squares = sum_across_ranks(squares);
   result.grad_norm = std::sqrt(squares);
   const bool overflow = !std::isfinite(squares);
+  if (overflow && dtype == DType::bf16 && config_.nonfinite == NonFinitePolicy::error) {
+    // Every rank saw the same all-reduced sum, so every rank throws here. The gradients are
+    // dropped first so that a caller who catches it can go on with the next batch.
+    std::int64_t done = 0;  // the optimizer step this would have been: after the furthest group
+    for (const auto& g : groups)
+      if (g.active) done = std::max(done, g.step);
+    zero_grad();
+    throw Error(fmt::format(
+        "Engine::step: step {} (optimizer step of the active groups) has non-finite gradients "
+        "(global norm {}) under bf16 with shardswap.nonfinite = error; the step was not "
+        "applied, weights and optimizer state are unchanged, the gradients were dropped",
+        done + 1, result.grad_norm));
+  }
   result.applied = impl_->scaler.update(overflow);
   if (result.applied) {
     result.clip_coef = clip_coefficient(result.grad_norm, config_.gradient_clipping);

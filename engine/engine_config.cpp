@@ -9,6 +9,16 @@
 
 namespace shardswap {
 
+NonFinitePolicy nonfinite_policy_from_name(std::string_view name, std::string_view key) {
+  if (name == "skip") return NonFinitePolicy::skip;
+  if (name == "error") return NonFinitePolicy::error;
+  throw ConfigError(fmt::format("{} = '{}': expected skip or error", key, name));
+}
+
+const char* nonfinite_policy_name(NonFinitePolicy policy) {
+  return policy == NonFinitePolicy::error ? "error" : "skip";
+}
+
 void EngineConfig::validate(std::string_view prefix) const {
   const auto key = [&](std::string_view name) { return fmt::format("{}{}", prefix, name); };
   const auto fail = [&](std::string_view name, const std::string& why) {
@@ -43,6 +53,10 @@ void EngineConfig::validate(std::string_view prefix) const {
          fmt::format("= {} must be >= 1", gradient_accumulation_steps));
   if (!(gradient_clipping >= 0.0) || !std::isfinite(gradient_clipping))
     fail("gradient_clipping", fmt::format("= {} must be finite and >= 0", gradient_clipping));
+  if (dtype == DType::f16 && nonfinite != NonFinitePolicy::skip)
+    fail("shardswap.nonfinite",
+         "= error applies to bf16 only: under fp16 Inf/NaN gradients are the loss scaler's "
+         "overflow signal, and the step is always skipped");
   optimizer.validate(fmt::format("{}optimizer.params", prefix));
   if (dtype == DType::f16) loss_scale.validate(fmt::format("{}fp16", prefix));
 }

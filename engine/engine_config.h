@@ -12,6 +12,16 @@
 
 namespace shardswap {
 
+/// What a bf16 step does when the gradients hold Inf or NaN (fp16 always skips: overflow is
+/// the dynamic loss scaler's signal to back off).
+enum class NonFinitePolicy {
+  skip,   ///< the step is not applied (weights, masters, optimizer state untouched), as fp16
+  error,  ///< step() throws Error naming the step, after dropping the gradients
+};
+/// "skip", "error". Throws ConfigError naming `key` otherwise.
+NonFinitePolicy nonfinite_policy_from_name(std::string_view name, std::string_view key);
+const char* nonfinite_policy_name(NonFinitePolicy policy);
+
 struct EngineConfig {
   /// 1: fp32 master and optimizer state sharded, full bit16 gradients kept until the step.
   /// 2: gradients also sharded: reduced in buckets into their owners' partitions as they come.
@@ -41,6 +51,8 @@ struct EngineConfig {
   OptimizerConfig optimizer;
   /// Used when dtype is fp16; bf16 runs use a static scale of 1.
   LossScaleConfig loss_scale;
+  /// bf16 only (shardswap.nonfinite): skip the step or fail it when gradients are not finite.
+  NonFinitePolicy nonfinite = NonFinitePolicy::skip;
 
   /// Throws ConfigError naming the key (under `prefix`) of the first bad value.
   void validate(std::string_view prefix = "") const;

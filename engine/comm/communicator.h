@@ -3,6 +3,7 @@
 // counts; the in-process backend checks this and fails every rank with a CommError otherwise.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -92,8 +93,14 @@ class InProcessGroup {
   int world_size() const;
   Communicator& rank(int r);
   /// Fails every collective in progress or to come with CommError(reason). Used when one rank
-  /// throws, so the others do not wait forever.
+  /// throws, so the others do not wait forever. A rank whose own share of a collective throws
+  /// (its copy or reduction failing) aborts the group itself, naming the collective.
   void abort(const std::string& reason);
+  /// How long a rank waits at a collective for the others; zero (the default) waits forever.
+  /// When it runs out the group is aborted: the waiting ranks get CommError naming the
+  /// collective and the ranks that never arrived, and those ranks get it when they arrive.
+  /// Set it before the ranks start (it is read under the group's lock, so later is safe too).
+  void set_timeout(std::chrono::milliseconds timeout);
 
  private:
   struct State;

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -174,12 +175,17 @@ struct Shared {
   /// last rank to arrive compares all calls; a mismatch then throws CommError on every rank.
   /// Throws CommError if the group is (or becomes) aborted before the rendezvous completes.
   void rendezvous(int rank, const Call& call, bool post);
+  /// Fails every rendezvous in progress or to come with CommError(reason); the first reason
+  /// stays.
+  void abort(const std::string& reason);
 
   const int world_size;
   const CollectiveOps& ops;
   std::mutex mutex;
   std::condition_variable arrived_cv;
   int arrived = 0;
+  std::vector<char> present = std::vector<char>(static_cast<std::size_t>(world_size), 0);
+  std::chrono::milliseconds timeout{0};  // zero: wait forever
   std::uint64_t generation = 0;  // completed rendezvous; lets waiters tell "done" from "spurious"
   std::optional<std::string> abort_reason;
   std::string mismatch;  // verdict of the latest posting rendezvous; empty if the calls agree
@@ -196,8 +202,10 @@ void Shared::rendezvous(int rank, const Call& call, bool post) {
   if (abort_reason) throw aborted();
   if (post) calls[static_cast<std::size_t>(rank)] = call;
   const std::uint64_t gen = generation;
+  present[static_cast<std::size_t>(rank)] = 1;
   if (++arrived == world_size) {
     arrived = 0;
+    std::fill(present.begin(), present.end(), 0);
     ++generation;
     mismatch.clear();
     if (post) {
@@ -213,12 +221,35 @@ void Shared::rendezvous(int rank, const Call& call, bool post) {
     }
     arrived_cv.notify_all();
   } else {
-    arrived_cv.wait(lock, [&] { return generation != gen || abort_reason.has_value(); });
+    const auto done = [&] { return generation != gen || abort_reason.has_value(); };
+    if (timeout.count() > 0) {
+      if (!arrived_cv.wait_for(lock, timeout, done)) {
+        // Nobody else will: name the absent ranks once, for every rank, and release the others.
+        std::string missing;
+        for (int q = 0; q < world_size; ++q)
+          if (!present[static_cast<std::size_t>(q)])
+            missing += fmt::format("{}{}", missing.empty() ? "" : ", ", q);
+        const std::string why =
+            fmt::format("{}: timed out after {} ms waiting for rank(s) {} (rank {} waited)",
+                        call.describe(), timeout.count(), missing, rank);
+        if (!abort_reason) abort_reason = why;
+        arrived_cv.notify_all();
+        throw CommError(why);
+      }
+    } else {
+      arrived_cv.wait(lock, done);
+    }
     // A rendezvous that completed before the abort counts as done; the abort shows at the next.
     if (generation == gen) throw aborted();
   }
   // Read under the lock: the next rendezvous cannot complete (and overwrite it) without us.
   if (!mismatch.empty()) throw CommError(mismatch);
+}
+
+void Shared::abort(const std::string& reason) {
+  std::lock_guard lock(mutex);
+  if (!abort_reason) abort_reason = reason;  // the first cause is the useful one
+  arrived_cv.notify_all();
 }
 
 class RankComm final : public Communicator {
@@ -296,20 +327,35 @@ class RankComm final : public Communicator {
  private:
   // This rank's queued device work must be complete before others read its buffers.
   void open(const Call& c) {
-    s_.ops.sync();
+    current_ = c;
+    guarded([&] { s_.ops.sync(); });
     s_.rendezvous(rank_, c, /*post=*/true);
+  }
+
+  /// Runs this rank's own share of the current collective. If it throws, the others would wait
+  /// for us forever at the next rendezvous: abort the group first, naming the collective and
+  /// the cause, then let the original error go on up this rank.
+  template <class F>
+  void guarded(F&& work) {
+    try {
+      work();
+    } catch (const std::exception& e) {
+      s_.abort(fmt::format("rank {} failed in {}: {}", rank_, current_.describe(), e.what()));
+      throw;
+    }
   }
 
   void reduce_chunk(DType dtype, std::size_t offset, void* dst, std::size_t count, ReduceOp op) {
     if (count == 0) return;
     const auto src = sources(offset);
-    s_.ops.reduce(dtype, src.data(), static_cast<int>(src.size()), dst, count, op);
+    guarded(
+        [&] { s_.ops.reduce(dtype, src.data(), static_cast<int>(src.size()), dst, count, op); });
   }
 
   /// Copies unless source and destination are the same memory (an in-place chunk): writing it
   /// anyway would race with other ranks reading it.
   void copy_bytes(void* dst, const void* src, std::size_t n) {
-    if (dst != src && n > 0) s_.ops.copy(dst, src, n);
+    if (dst != src && n > 0) guarded([&] { s_.ops.copy(dst, src, n); });
   }
   void step(const Call& c) { s_.rendezvous(rank_, c, /*post=*/false); }
   const Call& call(int q) const { return s_.calls[static_cast<std::size_t>(q)]; }
@@ -336,6 +382,7 @@ class RankComm final : public Communicator {
 
   Shared& s_;
   const int rank_;
+  Call current_;  // the collective in progress on this rank, for error messages
 };
 
 }  // namespace
@@ -376,10 +423,13 @@ Communicator& InProcessGroup::rank(int r) {
 }
 
 void InProcessGroup::abort(const std::string& reason) {
+  state_->shared.abort(reason);
+}
+
+void InProcessGroup::set_timeout(std::chrono::milliseconds timeout) {
   Shared& s = state_->shared;
   std::lock_guard lock(s.mutex);
-  if (!s.abort_reason) s.abort_reason = reason;  // the first cause is the useful one
-  s.arrived_cv.notify_all();
+  s.timeout = timeout.count() > 0 ? timeout : std::chrono::milliseconds{0};
 }
 
 void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,
