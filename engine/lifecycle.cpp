@@ -2,6 +2,7 @@
 // active set. Each call is all-or-nothing: new buffers are made into locals and committed at the
 // end; buffers are given back only after every check (Pins, pending gradients) has passed.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -198,20 +199,39 @@ SwitchReport Engine::set_active(const std::vector<std::string>& groups, Deactiva
   SwitchReport report;
   impl_->bytes_given_up = impl_->bytes_taken = 0;
   impl_->recycling = true;
+  std::string call;  // the lifecycle call in progress, for the error
+  const auto cleanup = [&] {
+    impl_->recycling = false;
+    impl_->recycled.clear();  // released (Buffer destructor)
+  };
   try {
     for (auto& g : impl_->groups)
       if (g.active && !wanted.count(g.name)) {
+        call = fmt::format("deactivate('{}', {})", g.name, deactivate_policy_name(policy));
         deactivate(g.name, policy);
         report.deactivated.push_back(g.name);
       }
     for (auto& g : impl_->groups)
       if (!g.active && wanted.count(g.name)) {
+        call = fmt::format("activate('{}')", g.name);
         activate(g.name);
         report.activated.push_back(g.name);
       }
+  } catch (const Error& e) {
+    cleanup();
+    // The same error type, saying which call failed and what was done before it.
+    const std::string what = fmt::format(
+        "Engine::set_active: {} failed (deactivated so far: [{}], activated: [{}]): {}", call,
+        fmt::join(report.deactivated, ", "), fmt::join(report.activated, ", "), e.what());
+    if (dynamic_cast<const OutOfMemory*>(&e)) throw OutOfMemory(what);
+    if (dynamic_cast<const PinnedMemory*>(&e)) throw PinnedMemory(what);
+    if (dynamic_cast<const StateError*>(&e)) throw StateError(what);
+    if (dynamic_cast<const ConfigError*>(&e)) throw ConfigError(what);
+    if (dynamic_cast<const CommError*>(&e)) throw CommError(what);
+    if (dynamic_cast<const DeviceError*>(&e)) throw DeviceError(what);
+    throw;
   } catch (...) {
-    impl_->recycling = false;
-    impl_->recycled.clear();  // released (Buffer destructor)
+    cleanup();
     throw;
   }
   impl_->recycling = false;

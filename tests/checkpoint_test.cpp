@@ -3,6 +3,7 @@
 // world sizes, bad checkpoints refused with the file named and the engine unchanged, and the
 // safetensors export read back by a reader written here.
 #include <fmt/format.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -186,7 +187,9 @@ void require_stats_equal_plan(const Engine& e) {
 }
 
 fs::path fresh_dir(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("shardswap-ckpt-test-{}", name);
+  // Per process: CTest runs test cases in parallel processes, and other checkouts may run too.
+  const fs::path dir =
+      fs::temp_directory_path() / fmt::format("shardswap-ckpt-test-{}-{}", ::getpid(), name);
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
