@@ -19,7 +19,7 @@ for target in config checkpoint; do
   echo "fuzz.sh: $target for ${seconds}s on $(ls "$corpus" | wc -l) seeds"
   # -rss_limit_mb / -timeout: a config that asks for terabytes or loops forever is a finding too.
   if ! "$build/tests/fuzz/shardswap_fuzz_$target" -max_total_time="$seconds" -timeout=10 \
-      -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
+      -rss_limit_mb=2048 -print_final_stats=1 \
       -artifact_prefix="$work/$target-artifacts/" "$corpus" 2>&1 | tail -n 40; then
     status=1
   fi
