@@ -13,6 +13,9 @@ ctest --preset default -j "$jobs"
 
 cmake --preset asan
 cmake --build --preset asan -j "$jobs"
+# Its own TMPDIR: tests that use fixed names under /tmp (checkpoint_test) must not meet
+# another suite running on the same machine.
+mkdir -p build/asan/tmp
 ctest --preset asan -j "$jobs"
 
 cmake --preset fuzz
