@@ -164,6 +164,13 @@ ConfigReader ConfigReader::from_text(std::string_view text, std::string source) 
       reason = reason.substr(colon + 2);
     throw ConfigError(fmt::format("ConfigReader: config {}:{}:{}: not valid JSON: {}", source, line,
                                   column, reason));
+  } catch (const nlohmann::json::out_of_range& e) {
+    // A number beyond double's range (1e309): nlohmann reports it as out_of_range, with no
+    // position (found by tests/fuzz, corpus file crash-number-overflow.json).
+    std::string reason = e.what();
+    if (const auto bracket = reason.find("] "); bracket != std::string::npos)
+      reason = reason.substr(bracket + 2);
+    throw ConfigError(fmt::format("ConfigReader: config {}: not valid JSON: {}", source, reason));
   }
 }
 
@@ -311,6 +318,9 @@ void ConfigReader::set(std::string_view assignment) {
     value = nlohmann::json::parse(text);
   } catch (const nlohmann::json::parse_error&) {
     value = text;  // a bare word: a string
+  } catch (const nlohmann::json::out_of_range& e) {
+    // A number beyond double's range: refused, not kept as the string "1e309".
+    throw ConfigError(fmt::format("--set '{}': {}", assignment, e.what()));
   }
   // Edit a copy, so a refused override leaves the config as it was. A missing key is created.
   nlohmann::json updated = root_;

@@ -1,8 +1,24 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds ShardSwap (preset "default") and runs the whole test suite.
+# Installs what is missing, builds ShardSwap (preset "default") and runs the whole test suite;
+# then the reliability passes: the CPU suite again under ASan + UBSan (preset "asan", any report
+# fails its test), and the libFuzzer targets (preset "fuzz", clang): once over their committed
+# corpora (CTest) and for a bounded time each (tools/fuzz.sh; FUZZ_SECONDS, default 60).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install-deps.sh
+jobs="$(nproc)"
 cmake --preset default
-cmake --build --preset default -j "$(nproc)"
-ctest --preset default -j "$(nproc)"
+cmake --build --preset default -j "$jobs"
+ctest --preset default -j "$jobs"
+
+cmake --preset asan
+cmake --build --preset asan -j "$jobs"
+# Its own TMPDIR: tests that use fixed names under /tmp (checkpoint_test) must not meet
+# another suite running on the same machine.
+mkdir -p build/asan/tmp
+ctest --preset asan -j "$jobs"
+
+cmake --preset fuzz
+cmake --build --preset fuzz -j "$jobs"
+ctest --preset fuzz -j "$jobs"
+bash tools/fuzz.sh "${FUZZ_SECONDS:-60}" build/fuzz
