@@ -13,8 +13,7 @@ ctest --preset default -j "$jobs"
 
 cmake --preset asan
 cmake --build --preset asan -j "$jobs"
-# Its own TMPDIR: tests that use fixed names under /tmp (checkpoint_test) must not meet
-# another suite running on the same machine.
+# Its own TMPDIR (the asan test preset sets it): temporary files of the two passes stay apart.
 mkdir -p build/asan/tmp
 ctest --preset asan -j "$jobs"
 
