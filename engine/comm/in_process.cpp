@@ -178,6 +178,10 @@ struct Shared {
   /// Fails every rendezvous in progress or to come with CommError(reason); the first reason
   /// stays.
   void abort(const std::string& reason);
+  /// For a rank whose own share of a collective failed after the opening rendezvous: the others
+  /// may still be reading its inputs, so it must not return (and free them) before every rank
+  /// has left the collective (each leaves at its next rendezvous, which the abort fails).
+  void leave_after_failure(int rank);
 
   const int world_size;
   const CollectiveOps& ops;
@@ -188,6 +192,12 @@ struct Shared {
   std::chrono::milliseconds timeout{0};  // zero: wait forever
   std::uint64_t generation = 0;  // completed rendezvous; lets waiters tell "done" from "spurious"
   std::optional<std::string> abort_reason;
+  // Ranks that have left their collective since the abort (each counted once, however many
+  // collectives it tries afterwards).
+  std::vector<char> departed = std::vector<char>(static_cast<std::size_t>(world_size), 0);
+  int departures() const {
+    return static_cast<int>(std::count(departed.begin(), departed.end(), 1));
+  }
   std::string mismatch;  // verdict of the latest posting rendezvous; empty if the calls agree
   // calls[r] is written by rank r under the mutex before an opening rendezvous, and read by
   // every rank until the closing one; nobody writes it in between.
@@ -197,6 +207,8 @@ struct Shared {
 void Shared::rendezvous(int rank, const Call& call, bool post) {
   std::unique_lock lock(mutex);
   auto aborted = [&] {
+    departed[static_cast<std::size_t>(rank)] = 1;  // it stops touching the buffers here
+    arrived_cv.notify_all();
     return CommError(fmt::format("{}: rank {} aborted: {}", call.describe(), rank, *abort_reason));
   };
   if (abort_reason) throw aborted();
@@ -233,6 +245,7 @@ void Shared::rendezvous(int rank, const Call& call, bool post) {
             fmt::format("{}: timed out after {} ms waiting for rank(s) {} (rank {} waited)",
                         call.describe(), timeout.count(), missing, rank);
         if (!abort_reason) abort_reason = why;
+        departed[static_cast<std::size_t>(rank)] = 1;
         arrived_cv.notify_all();
         throw CommError(why);
       }
@@ -250,6 +263,13 @@ void Shared::abort(const std::string& reason) {
   std::lock_guard lock(mutex);
   if (!abort_reason) abort_reason = reason;  // the first cause is the useful one
   arrived_cv.notify_all();
+}
+
+void Shared::leave_after_failure(int rank) {
+  std::unique_lock lock(mutex);
+  departed[static_cast<std::size_t>(rank)] = 1;
+  arrived_cv.notify_all();
+  arrived_cv.wait(lock, [&] { return departures() == world_size; });
 }
 
 class RankComm final : public Communicator {
@@ -328,19 +348,22 @@ class RankComm final : public Communicator {
   // This rank's queued device work must be complete before others read its buffers.
   void open(const Call& c) {
     current_ = c;
-    guarded([&] { s_.ops.sync(); });
+    guarded([&] { s_.ops.sync(); }, /*peers_reading=*/false);
     s_.rendezvous(rank_, c, /*post=*/true);
   }
 
   /// Runs this rank's own share of the current collective. If it throws, the others would wait
   /// for us forever at the next rendezvous: abort the group first, naming the collective and
   /// the cause, then let the original error go on up this rank.
+  /// `peers_reading`: the opening rendezvous is done, so the other ranks may be reading this
+  /// rank's inputs; it then waits for them to leave before its error unwinds (and frees) them.
   template <class F>
-  void guarded(F&& work) {
+  void guarded(F&& work, bool peers_reading = true) {
     try {
       work();
     } catch (const std::exception& e) {
       s_.abort(fmt::format("rank {} failed in {}: {}", rank_, current_.describe(), e.what()));
+      if (peers_reading) s_.leave_after_failure(rank_);
       throw;
     }
   }
