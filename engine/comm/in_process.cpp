@@ -206,9 +206,13 @@ struct Shared {
 
 void Shared::rendezvous(int rank, const Call& call, bool post) {
   std::unique_lock lock(mutex);
+  // Leaving because of an abort. At a closing rendezvous (!post) every rank is inside this
+  // collective and may still be reading this rank's inputs: wait until all have left before
+  // unwinding (and freeing them). At an opening one nobody reads them yet.
   auto aborted = [&] {
-    departed[static_cast<std::size_t>(rank)] = 1;  // it stops touching the buffers here
+    departed[static_cast<std::size_t>(rank)] = 1;
     arrived_cv.notify_all();
+    if (!post) arrived_cv.wait(lock, [&] { return departures() == world_size; });
     return CommError(fmt::format("{}: rank {} aborted: {}", call.describe(), rank, *abort_reason));
   };
   if (abort_reason) throw aborted();
