@@ -2,14 +2,17 @@
 // loss and every gradient against that reference through a real Engine (bf16 and fp16 weights,
 // bit16 and fp32 gradient slots, 1 and 2 ranks, stage 1 and 2, frozen groups), its declaration,
 // init and memory, its errors, and a short training run on real text.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/backend.h"
 #include "engine/engine.h"
+#include "memory/allocator.h"
 #include "memory/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/byte_lm_reference.h"
@@ -260,6 +263,10 @@ TEST_CASE("byte LM rejects bad shapes, batches and weights of another dtype") {
   REQUIRE(test::contains(test::message_of<ConfigError>([&] { fp16_model->train_step(engine, ok); }),
                          "embed.weight"));
   REQUIRE(std::isfinite(model->train_step(engine, ok)));
+  // Without a GPU (or without CUDA in the build) the cuBLAS rate is an error, never a number.
+  REQUIRE_THROWS_AS(measure_cublas_gemm_tflops(64, 64, 64, DType::f32), ConfigError);
+  if (cuda_device_count() == 0)
+    REQUIRE_THROWS_AS(measure_cublas_gemm_tflops(64, 64, 64, DType::bf16), Error);
 }
 
 TEST_CASE(

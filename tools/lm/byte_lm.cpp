@@ -641,6 +641,16 @@ std::int64_t ByteLm::activation_bytes(const ByteLmShape& shape, int max_batch, D
   return static_cast<std::int64_t>(bytes);
 }
 
+double measure_cublas_gemm_tflops(int m, int n, int k, DType dtype) {
+  if (m < 1 || n < 1 || k < 1)
+    throw ConfigError(
+        fmt::format("measure_cublas_gemm_tflops: sizes {} x {} x {} must be positive", m, n, k));
+  if (!is_bit16(dtype))
+    throw ConfigError(
+        fmt::format("measure_cublas_gemm_tflops: dtype {} is not bf16 or fp16", dtype_name(dtype)));
+  return lm::cublas_gemm_tflops(m, n, k, dtype);
+}
+
 std::unique_ptr<ByteLm> make_byte_lm(const ByteLmShape& shape, int max_batch, DType dtype,
                                      MemorySpace& space) {
   const auto bytes = static_cast<std::size_t>(

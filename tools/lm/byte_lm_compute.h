@@ -166,16 +166,14 @@ inline CudaLayout cuda_layout(const Dims& s, int max_batch) {
   return l;
 }
 
+// Defined in byte_lm_cuda.cu, or in the stub of a build without CUDA (which throws
+// BackendUnavailable):
+
 /// The CUDA backend on the block [memory, memory + bytes) of the current device, bytes ==
-/// cuda_layout(dims, max_batch).bytes. Defined in byte_lm_cuda.cu, or in the stub of a build
-/// without CUDA (throws BackendUnavailable).
+/// cuda_layout(dims, max_batch).bytes.
 std::unique_ptr<Compute> make_cuda_compute(const Dims& dims, int max_batch, DType dtype,
                                            void* memory, std::size_t bytes);
+/// measure_cublas_gemm_tflops (byte_lm.h) once byte_lm.cpp has checked its arguments.
+double cublas_gemm_tflops(int m, int n, int k, DType dtype);
 
 }  // namespace shardswap::lm
-
-namespace shardswap {
-// Declared for users in byte_lm.h; repeated here for byte_lm_cuda.cu, which nvcc compiles
-// without the engine's C++20 headers.
-double measure_cublas_gemm_tflops(int m, int n, int k, DType dtype);
-}  // namespace shardswap

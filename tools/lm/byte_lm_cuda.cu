@@ -686,13 +686,7 @@ struct Event {
 
 }  // namespace
 
-double measure_cublas_gemm_tflops(int m, int n, int k, DType dtype) {
-  if (m < 1 || n < 1 || k < 1)
-    throw ConfigError("measure_cublas_gemm_tflops: sizes " + std::to_string(m) + " x " +
-                      std::to_string(n) + " x " + std::to_string(k) + " must be positive");
-  if (!is_bit16(dtype))
-    throw ConfigError(std::string("measure_cublas_gemm_tflops: dtype ") + dtype_name(dtype) +
-                      " is not bf16 or fp16");
+double lm::cublas_gemm_tflops(int m, int n, int k, DType dtype) {
   constexpr int kWarmup = 3, kTimed = 10;
   const auto mm = static_cast<std::size_t>(m), nn = static_cast<std::size_t>(n),
              kk = static_cast<std::size_t>(k);
