@@ -97,28 +97,30 @@ int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
       [&](int rank, Communicator& comm) {
         MemorySpace space(rank, backend.make_allocator(rank));
         const double bandwidth = copy_bandwidth(space, *backend.kernels);
-        EngineConfig cfg;
-        cfg.stage = 2;
-        cfg.optimizer.type = OptimizerType::adamw;
-        Engine engine(cfg, comm, space, *backend.kernels);
         std::vector<std::string> groups;
-        for (int l = 0; l < o.layers; ++l) {
-          groups.push_back(fmt::format("layers.{}", l));
-          for (const char* m : {"q", "k", "v", "o"})
-            engine.add_param(fmt::format("layers.{}.{}", l, m), {o.dim, o.dim}, groups.back());
-        }
-        engine.build(
-            [](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.01f); },
-            std::vector<std::string>{groups[0], groups[1]});
+        for (int l = 0; l < o.layers; ++l) groups.push_back(fmt::format("layers.{}", l));
         const double params_per_layer = 4.0 * o.dim * o.dim;
         out << fmt::format(
             "bench switch: backend {}, {} layers of 4 x {}x{} bf16, 2 active, copy {:.3f} TB/s\n",
             backend.name, o.layers, o.dim, o.dim, bandwidth / 1e12);
         out << fmt::format("{:>12} {:>10} {:>12} {:>12} {:>10} {:>6}\n", "policy", "ms/switch",
                            "bytes", "bound ms", "ms/bound", "check");
-        int next = 2;
         for (DeactivatePolicy policy :
              {DeactivatePolicy::drop, DeactivatePolicy::keep_device, DeactivatePolicy::keep_host}) {
+          // A new engine per policy, so that no policy starts with what the previous one kept
+          // (keep_device leaves every visited layer's state on the device).
+          EngineConfig cfg;
+          cfg.stage = 2;
+          cfg.optimizer.type = OptimizerType::adamw;
+          Engine engine(cfg, comm, space, *backend.kernels);
+          for (int l = 0; l < o.layers; ++l)
+            for (const char* m : {"q", "k", "v", "o"})
+              engine.add_param(fmt::format("layers.{}.{}", l, m), {o.dim, o.dim},
+                               groups[static_cast<std::size_t>(l)]);
+          engine.build(
+              [](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.01f); },
+              std::vector<std::string>{groups[0], groups[1]});
+          int next = 2;
           std::vector<double> ms;
           std::int64_t after_first = 0;  // requested bytes after the first timed switch
           for (int s = 0; s < o.switches + 2; ++s) {

@@ -9,12 +9,20 @@ flip requires_grad, deepspeed.initialize() a new engine over [head group, 2 new 
 head's master and state back into group 0 of the new ZeRO optimizer (checked bit for bit). One
 training step follows each switch (not timed) so that every engine has live optimizer state.
 
+--method destroy: engine.destroy() and nothing else. DeepSpeed 0.19.8's destroy() removes the ZeRO
+optimizer's gradient hooks but not the forward pre/post hooks DeepSpeedEngine registered on the
+model (which outlives the engine), and those closures hold the old engine, so every old engine's
+fp32 master, Adam state and gradient partitions stay allocated: the seed's symptom.
+--method destroy_clear_hooks: the same, then every forward hook left on the model's modules is
+removed (this model registers none of its own), which lets the old engine be freed.
+
 Reported: time per switch (median, first, max; synchronized), torch.cuda.memory_allocated after 1
 and after --switches switches (right after the switch and after its training step), so a leak
-across engines shows as growth.
+across engines shows as growth. If a switch fails (out of memory), the row is an error that still
+carries the switches completed and the memory after the first and the last of them.
 
-    torchrun --nproc_per_node 1 tools/peers/ds_lisa_switch.py [--layers 32] [--dim 4096]
-        [--switches 100] [--micro-batch 16] [--jsonl FILE]
+    torchrun --nproc_per_node 1 tools/peers/ds_lisa_switch.py [--method destroy_clear_hooks]
+        [--layers 32] [--dim 4096] [--switches 100] [--micro-batch 16] [--jsonl FILE]
 """
 import argparse
 import gc
@@ -24,6 +32,21 @@ import time
 import peerlib
 
 SCRIPT = "ds_lisa_switch.py"
+METHODS = {"destroy": "destroy + new engine, head state carried",
+           "destroy_clear_hooks": "destroy, clear model hooks, new engine"}
+
+
+def clear_forward_hooks(model):
+    """Removes every forward (pre) hook on the model's modules: the ones DeepSpeedEngine left."""
+    removed = 0
+    for m in model.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            removed += len(hooks)
+            hooks.clear()
+        for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                      "_forward_hooks_always_called"):
+            getattr(m, extra, {}).clear()
+    return removed
 
 
 def build(torch, layers, dim, device):
@@ -81,6 +104,8 @@ def main():
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--switches", type=int, default=100)
     ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--method", choices=("destroy", "destroy_clear_hooks"),
+                    default="destroy_clear_hooks")
     ap.add_argument("--jsonl", help="also append the JSON lines to this file")
     args = ap.parse_args()
     if args.layers < 4 or args.dim < 1 or args.switches < 1 or args.micro_batch < 1:
@@ -88,7 +113,7 @@ def main():
 
     base = {"workload": "lisa_switch", "system": "deepspeed", "script": SCRIPT,
             "layers": args.layers, "dim": args.dim, "active": 2,
-            "method": "destroy + new engine, head master and Adam state carried"}
+            "method": METHODS[args.method]}
     torch = peerlib.need_cuda(SCRIPT)
     try:
         import deepspeed
@@ -132,12 +157,15 @@ def main():
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         seconds, after_switch, after_step, carried_ok = [], [], [], True
+        hooks_removed = 0
         for s in range(args.switches):
             active = [(2 + 2 * s) % args.layers, (3 + 2 * s) % args.layers]
             torch.cuda.synchronize()
             started = time.perf_counter()
             master, state = head_state(torch, engine)
             engine.destroy()
+            if args.method == "destroy_clear_hooks":
+                hooks_removed = clear_forward_hooks(model)
             del engine
             gc.collect()
             torch.cuda.empty_cache()
@@ -160,8 +188,16 @@ def main():
             torch.cuda.synchronize()
             after_step.append(torch.cuda.memory_allocated())
     except Exception as exc:
-        peerlib.fail(SCRIPT, peerlib.exception_text(exc), dict(base, fused_adam_error=fused_error),
-                     args.jsonl)
+        partial = dict(base, fused_adam_error=fused_error, switches=len(after_step),
+                       switches_wanted=args.switches)
+        if after_step:
+            partial.update(allocated_after_1_step_bytes=after_step[0],
+                           allocated_after_n_steps_bytes=after_step[-1],
+                           ms_per_switch=sorted(seconds)[len(seconds) // 2] * 1e3,
+                           growth_per_switch_bytes=(after_step[-1] - after_step[0])
+                           / max(1, len(after_step) - 1))
+        peerlib.fail(SCRIPT, f"after {len(after_step)} switches: " + peerlib.exception_text(exc),
+                     partial, args.jsonl)
     ms = sorted(x * 1e3 for x in seconds)
     if rank == 0:
         peerlib.emit(dict(base, status="ok" if carried_ok else "error",
@@ -176,6 +212,7 @@ def main():
                           allocated_after_1_step_bytes=after_step[0],
                           allocated_after_n_steps_bytes=after_step[-1],
                           growth_bytes=after_step[-1] - after_step[0],
+                          hooks_removed_last_switch=hooks_removed,
                           peak_bytes=torch.cuda.max_memory_allocated()), args.jsonl)
     engine.destroy()
     dist.destroy_process_group()

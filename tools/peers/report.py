@@ -66,10 +66,12 @@ def main():
     p("")
     p("d. seed 004: switching 2 of 32 layers (ms per switch; allocated GiB after 1 and N switches)")
     p(f"{'system':<12} {'method':<44} {'ms':>9} {'after 1':>8} {'after N':>8} {'N':>4}")
-    for r in by("lisa_switch"):
-        p(f"{r['system']:<12} {r['method'][:44]:<44} {r['ms_per_switch']:>9.3f} "
+    # A failed switching run (out of memory) still shows how far it got, marked "failed".
+    for r in (r for r in rows if r.get("workload") == "lisa_switch" and "switches" in r):
+        failed = "" if r.get("status") == "ok" else "  failed"
+        p(f"{r['system']:<12} {r['method'][:44]:<44} {fmt(r.get('ms_per_switch'), '9.3f'):>9} "
           f"{gib(r.get('allocated_after_1_step_bytes')):>8} "
-          f"{gib(r.get('allocated_after_n_steps_bytes')):>8} {r['switches']:>4}")
+          f"{gib(r.get('allocated_after_n_steps_bytes')):>8} {r['switches']:>4}{failed}")
     errors = [r for r in rows if r.get("status") != "ok"]
     notes = [r for r in rows if r.get("fused_adam_error")]
     if notes:

@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=9.0  # the machine sets 9.0a, which DeepSpeed 0.19.8 cannot parse
 export MAX_JOBS=${MAX_JOBS:-16}
 OUT=${OUT:-$PWD/build/peers-out}
 mkdir -p "$OUT"
@@ -113,7 +113,10 @@ fi
 if want d; then
   step "d. seed 004: switching 2 of 32 layers ($SWITCHES switches)"
   run 120 shardswap-switch python3 $P/shardswap_side.py $J switch --switches "$SWITCHES"
-  run 300 deepspeed-lisa-switch torchrun --standalone --nproc_per_node 1 $P/ds_lisa_switch.py $J --switches "$SWITCHES"
+  for method in destroy destroy_clear_hooks; do
+    run 300 "deepspeed-lisa-switch-$method" torchrun --standalone --nproc_per_node 1 $P/ds_lisa_switch.py $J \
+      --method $method --switches "$SWITCHES"
+  done
 fi
 
 step "table"
