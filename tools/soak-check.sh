@@ -14,6 +14,7 @@
 # SHARDSWAP defaults to build/cuda/tools/shardswap (preset cuda). --out keeps the metrics and the
 # log there. Exit 0: all checks pass; 1: a check failed or the run failed; 2: bad usage or input.
 set -euo pipefail
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # as tools/gpu-check.sh, with communicator nccl
 usage() { sed -n '/^#   usage/,/^#   *soak-check.sh --metrics/p' "$0" | sed 's/^# *//' >&2; exit 2; }
 
 config="" metrics="" tolerance=16 bin=$(dirname "$0")/../build/cuda/tools/shardswap out=""
