@@ -362,6 +362,17 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
         memory["total"] = mem.requested.current;
         memory["peak"] = mem.requested.peak;
         line["memory_bytes"] = memory;
+        // The driver's view of the GPU (cudaMemGetInfo, the whole device: what a soak watches
+        // for leaks the engine's own counts cannot see), on the same steps as the progress
+        // lines. Rank 0's GPU is its thread's current device: the model and the allocator make
+        // it current at each call.
+        const bool sampled =
+            step == start || (step + 1) % config.log_interval == 0 || step + 1 == config.steps;
+        if (sampled && space.device() == DeviceKind::cuda) {
+          const DeviceMemory device = cuda_device_memory(cuda_current_device());
+          line["device_free_bytes"] = device.free;
+          line["device_total_bytes"] = device.total;
+        }
         line["active_groups"] = engine.active_groups();
         if (switched)
           line["switch"] = {{"in", switched->activated},
