@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 9 on the GPU machine, one device call: build (preset cuda), the GPU suite, then the
+# 10,000-step training soak (tools/soak-check.sh configs/soak.json) beside compute-sanitizer's
+# racecheck and initcheck. With two or more GPUs the soak runs alone on the last GPU while the
+# sanitizers use GPU 0, so the soak's free-memory samples see no other process. Logs under $OUT;
+# a short summary is printed last.
+#   usage: bash tools/gpu-reliability.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-$PWD/build/gpu-reliability-out}
+mkdir -p "$OUT"
+status=0
+step() { echo; echo "=== $* ==="; }
+ngpu=$(nvidia-smi -L | wc -l)
+
+step "build (preset cuda)"
+t0=$SECONDS
+{ cmake --preset cuda && cmake --build --preset cuda -j "$(nproc)"; } > "$OUT/build.log" 2>&1 \
+  || { tail -60 "$OUT/build.log"; exit 1; }
+echo "built in $((SECONDS - t0)) s"
+
+step "GPU suite ($ngpu GPUs)"
+t0=$SECONDS
+timeout 240 build/cuda/tests/gpu/shardswap_gpu_tests --durations yes > "$OUT/gpu-tests.log" 2>&1 || status=1
+grep -E "FAILED|passed|failed|NOT RETURNED|timed out" "$OUT/gpu-tests.log" | tail -12
+echo "($((SECONDS - t0)) s)"
+
+# Kernels with shared memory (racecheck's domain): optimizer reductions and the byte LM's norm /
+# softmax kernels. initcheck: the same plus the engine over in-process ranks (its buffers,
+# collectives, switches). NCCL's own kernels are left out (multi-GPU cases excluded).
+race_tests=("cuda: sum_squares*" "cuda: has_inf_or_nan*" "cuda: Adam agrees*" "cuda: AdamW agrees*"
+  "cuda: byte LM matches the float64 reference, bf16 and fp16*"
+  "cuda: byte LM gives frozen groups*")
+init_tests=("${race_tests[@]}" "cuda: cast agrees*" "cuda: accumulate agrees*"
+  "cuda: switching layers matches the float64 reference under every policy"
+  "cuda: compressed gradient communication matches the float64 reference")
+sanitize() {  # tool, then test specs
+  local tool=$1; shift
+  CUDA_VISIBLE_DEVICES=0 timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+    --print-limit 20 build/cuda/tests/gpu/shardswap_gpu_tests "$@" > "$OUT/$tool.log" 2>&1
+  local rc=$?
+  echo "$tool: exit $rc; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1);" \
+    "$(grep -E "test cases" "$OUT/$tool.log" | tail -1)"
+  [ $rc -eq 0 ] || status=1
+}
+soak() {
+  local dev=$(( ngpu - 1 ))
+  CUDA_VISIBLE_DEVICES=$dev bash tools/soak-check.sh configs/soak.json --out "$OUT/soak" \
+    > "$OUT/soak.log" 2>&1
+}
+
+step "soak (GPU $((ngpu - 1))) beside racecheck and initcheck (GPU 0)"
+t0=$SECONDS
+if [ "$ngpu" -ge 2 ]; then
+  soak & soak_pid=$!
+  sanitize racecheck "${race_tests[@]}"
+  sanitize initcheck "${init_tests[@]}"
+  wait $soak_pid; soak_rc=$?
+else
+  soak; soak_rc=$?
+  sanitize racecheck "${race_tests[@]}"
+  sanitize initcheck "${init_tests[@]}"
+fi
+echo "soak: exit $soak_rc"; tail -25 "$OUT/soak.log"
+[ $soak_rc -eq 0 ] || status=1
+echo "($((SECONDS - t0)) s)"
+exit $status
