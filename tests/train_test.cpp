@@ -303,7 +303,7 @@ TEST_CASE("shardswap.comm_timeout_s is read in seconds; negative and non-numbers
   j["shardswap"]["comm_timeout_s"] = 0;
   REQUIRE(load(j).comm_timeout == std::chrono::milliseconds(0));
   for (const nlohmann::json& bad : {nlohmann::json(-1), nlohmann::json(-0.5), nlohmann::json("60"),
-                                   nlohmann::json(true), nlohmann::json(1e300)}) {
+                                    nlohmann::json(true), nlohmann::json(1e300)}) {
     j["shardswap"]["comm_timeout_s"] = bad;
     const auto msg = config_error(j);
     CAPTURE(bad.dump(), msg);
@@ -325,8 +325,9 @@ std::vector<double> random_values(int r, std::size_t n) {
 
 }  // namespace
 
-TEST_CASE("with shardswap.comm_timeout_s, an in-process rank that never arrives fails the others "
-          "with CommError instead of a hang") {
+TEST_CASE(
+    "with shardswap.comm_timeout_s, an in-process rank that never arrives fails the others "
+    "with CommError instead of a hang") {
   auto j = small_run();
   j["world_size"] = 3;
   j["shardswap"]["comm_timeout_s"] = 0.2;
