@@ -3,8 +3,14 @@
 // the file.
 #include <nlohmann/json.hpp>
 
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <random>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "engine/config_json.h"
 #include "memory/error.h"
@@ -283,4 +289,127 @@ TEST_CASE("the plan names every tag and the activations of every rank") {
                            "total", "rank 2", "ZeRO-2 formula"})
     REQUIRE(test::contains(out.str(), word));
   REQUIRE(plan_memory(load(j), 0).activation > 0);
+}
+
+TEST_CASE("shardswap.comm_timeout_s is read in seconds; negative and non-numbers are refused") {
+  REQUIRE(load(small_run()).comm_timeout == std::chrono::milliseconds(0));  // absent: forever
+  auto j = small_run();
+  j["shardswap"]["comm_timeout_s"] = 1.5;
+  REQUIRE(load(j).comm_timeout == std::chrono::milliseconds(1500));
+  j["shardswap"]["comm_timeout_s"] = 600;  // an integer is a number too
+  REQUIRE(load(j).comm_timeout == std::chrono::milliseconds(600000));
+  j["shardswap"]["comm_timeout_s"] = 0.0001;  // rounded up: never 0, which would wait forever
+  REQUIRE(load(j).comm_timeout == std::chrono::milliseconds(1));
+  j["shardswap"]["comm_timeout_s"] = 0;
+  REQUIRE(load(j).comm_timeout == std::chrono::milliseconds(0));
+  for (const nlohmann::json& bad : {nlohmann::json(-1), nlohmann::json(-0.5), nlohmann::json("60"),
+                                    nlohmann::json(true), nlohmann::json(1e300)}) {
+    j["shardswap"]["comm_timeout_s"] = bad;
+    const auto msg = config_error(j);
+    CAPTURE(bad.dump(), msg);
+    REQUIRE(test::contains(msg, "shardswap.comm_timeout_s"));
+    REQUIRE(test::contains(msg, "test.json"));
+  }
+}
+
+namespace {
+
+/// Random doubles in [-1, 1): rank r's data in a timeout test.
+std::vector<double> random_values(int r, std::size_t n) {
+  std::mt19937_64 rng(static_cast<std::uint64_t>(1000 + r));
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  std::vector<double> v(n);
+  for (double& x : v) x = dist(rng);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "with shardswap.comm_timeout_s, an in-process rank that never arrives fails the others "
+    "with CommError instead of a hang") {
+  auto j = small_run();
+  j["world_size"] = 3;
+  j["shardswap"]["comm_timeout_s"] = 0.2;
+  const TrainConfig config = load(j);
+  std::mutex mutex;
+  std::vector<std::string> errors(3);
+  std::vector<double> seconds(3, 0.0);
+  const auto msg = test::message_of<CommError>([&] {
+    run_in_process_ranks(config, host_collective_ops(), [&](int rank, Communicator& comm) {
+      // Rank 2 arrives 1 s late: long after the timeout (without one, the call would succeed
+      // and the test fail instead of hanging).
+      if (rank == 2) std::this_thread::sleep_for(std::chrono::seconds(1));
+      auto data = random_values(rank, 1000);
+      const auto started = std::chrono::steady_clock::now();
+      try {
+        comm.all_reduce(data.data(), data.size(), DType::f64, ReduceOp::sum);
+      } catch (const CommError& e) {
+        std::lock_guard lock(mutex);
+        errors[static_cast<std::size_t>(rank)] = e.what();
+        seconds[static_cast<std::size_t>(rank)] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+        throw;
+      }
+    });
+  });
+  CAPTURE(msg, errors[0], errors[1], errors[2], seconds[0], seconds[1]);
+  for (int r = 0; r < 3; ++r) {  // every rank: the collective, the timeout, the absentee
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    REQUIRE(test::contains(e, "all_reduce(count=1000, fp64, sum)"));
+    REQUIRE(test::contains(e, "timed out after 200 ms waiting for rank(s) 2 "));
+  }
+  for (int r = 0; r < 2; ++r) {  // the waiting ranks gave up on time
+    REQUIRE(seconds[static_cast<std::size_t>(r)] >= 0.19);
+    REQUIRE(seconds[static_cast<std::size_t>(r)] < 0.9);
+  }
+  REQUIRE(test::contains(msg, "timed out after 200 ms"));
+}
+
+TEST_CASE("shardswap.comm_timeout_s does not disturb in-process collectives that complete") {
+  auto j = small_run();
+  j["world_size"] = 3;
+  j["shardswap"]["comm_timeout_s"] = 30;
+  const TrainConfig config = load(j);
+  constexpr std::size_t n = 999;
+  std::vector<std::vector<double>> results(3);
+  run_in_process_ranks(config, host_collective_ops(), [&](int rank, Communicator& comm) {
+    auto data = random_values(rank, n);
+    for (int round = 0; round < 20; ++round) {
+      // A late rank within the timeout is waited for.
+      if (round == 5 && rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      comm.barrier();
+    }
+    comm.all_reduce(data.data(), n, DType::f64, ReduceOp::sum);
+    results[static_cast<std::size_t>(rank)] = data;
+  });
+  // The float64 reference, summed in rank order as the in-process backend does: bit-identical.
+  std::vector<double> want = random_values(0, n);
+  for (int r = 1; r < 3; ++r) {
+    const auto v = random_values(r, n);
+    for (std::size_t i = 0; i < n; ++i) want[i] += v[i];
+  }
+  for (int r = 0; r < 3; ++r) REQUIRE(results[static_cast<std::size_t>(r)] == want);
+}
+
+TEST_CASE("a training run with shardswap.comm_timeout_s gives the metrics of one without") {
+  auto j = small_run();
+  j["steps"] = 12;
+  std::ostringstream log1, log2, without, with;
+  run(load(j), log1, &without);
+  j["shardswap"]["comm_timeout_s"] = 120;
+  run(load(j), log2, &with);
+  auto strip = [](const std::string& text) {  // timings differ; every other field must not
+    std::istringstream in(text);
+    std::string line, out;
+    while (std::getline(in, line)) {
+      auto m = nlohmann::json::parse(line);
+      m.erase("tokens_per_s");
+      m.erase("step_seconds");
+      out += m.dump() + "\n";
+    }
+    return out;
+  };
+  REQUIRE(!without.str().empty());
+  REQUIRE(strip(with.str()) == strip(without.str()));
 }

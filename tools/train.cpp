@@ -88,6 +88,14 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   t.comm = comm_kind_from_name(c, c.string("shardswap.communicator", "in_process"));
   if (t.comm == CommKind::nccl && t.backend == "cpu")
     c.fail("shardswap.communicator", "= nccl needs shardswap.backend = cuda");
+  constexpr double kMaxCommTimeoutS = 1e7;  // 115 days: anything longer is a mistake
+  const double timeout_s = c.number("shardswap.comm_timeout_s", 0.0);
+  if (!(timeout_s >= 0.0 && timeout_s <= kMaxCommTimeoutS))
+    c.fail("shardswap.comm_timeout_s",
+           fmt::format("= {} must lie in [0, {:g}] seconds (0 or absent waits forever)", timeout_s,
+                       kMaxCommTimeoutS));
+  // Rounded up, so that a small positive timeout never becomes 0 (forever).
+  t.comm_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(timeout_s * 1e3)));
 
   t.checkpoint.dir = c.string("checkpoint.dir", "");
   t.checkpoint.every = c.integer("checkpoint.every", 0);
@@ -166,6 +174,45 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
   const double formula = config.engine.stage == 1 ? 4 * psi + 12 * psi / n : 2 * psi + 14 * psi / n;
   out << fmt::format("ZeRO-{} formula, every group active, Adam: {:.0f} bytes ({})\n",
                      config.engine.stage, formula, mib(static_cast<std::int64_t>(formula)));
+}
+
+void run_in_process_ranks(const TrainConfig& config, const CollectiveOps& ops,
+                          const std::function<void(int rank, Communicator& comm)>& fn) {
+  // run_ranks, with the group's timeout set before any rank starts.
+  const int world = config.world_size;
+  InProcessGroup group(world, ops);
+  group.set_timeout(config.comm_timeout);
+  std::mutex mutex;
+  std::exception_ptr first;
+  const auto run = [&](int r) {
+    try {
+      fn(r, group.rank(r));
+    } catch (...) {
+      std::string what = "unknown exception";
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      {
+        std::lock_guard lock(mutex);
+        if (first) return;  // most likely the CommError of the abort below
+        first = std::current_exception();
+      }
+      group.abort(fmt::format("rank {} failed: {}", r, what));
+    }
+  };
+  std::vector<std::thread> threads;
+  try {
+    for (int r = 0; r < world; ++r) threads.emplace_back(run, r);
+  } catch (const std::exception& e) {
+    group.abort(fmt::format("could not start {} rank threads: {}", world, e.what()));
+    for (auto& t : threads) t.join();
+    throw;
+  }
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
 }
 
 TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
@@ -404,16 +451,17 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   };
 
   if (config.comm == CommKind::in_process) {
-    run_ranks(world, [&](int rank, Communicator& comm) {
+    run_in_process_ranks(config, *backend.collectives, [&](int rank, Communicator& comm) {
       per_rank(rank, comm, backend.make_allocator(rank));
-    }, *backend.collectives);
+    });
     return summary;
   }
-  // One GPU per rank, a thread each. A rank that throws leaves the others waiting in NCCL; its
-  // error is printed at once so that the cause is known even if the run must then be killed.
+  // One GPU per rank, a thread each. A rank that throws leaves the others waiting in NCCL (until
+  // shardswap.comm_timeout_s runs out, where it is set); its error is printed at once so that
+  // the cause is known even if the run must then be killed.
   std::vector<int> devices(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) devices[static_cast<std::size_t>(r)] = r;
-  auto comms = make_nccl_communicators(devices);
+  auto comms = make_nccl_communicators(devices, config.comm_timeout);
   std::vector<std::exception_ptr> errors(devices.size());
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r)
@@ -421,6 +469,8 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       try {
         cuda_set_device(r);
         per_rank(r, *comms[static_cast<std::size_t>(r)], make_cuda_allocator(r));
+        // A collective the watchdog aborted at the very end left garbage in what was read last.
+        comms[static_cast<std::size_t>(r)]->check();
       } catch (const std::exception& e) {
         {
           std::lock_guard lock(mu);

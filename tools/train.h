@@ -5,12 +5,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "engine/batch_sizes.h"
+#include "engine/comm/communicator.h"
 #include "engine/config_reader.h"
 #include "engine/engine_config.h"
 #include "engine/schedule.h"
@@ -49,6 +52,10 @@ struct TrainConfig {
   int eval_batches = 4;     ///< micro-batches of validation per evaluation, split over ranks
   std::string backend = "cpu";  ///< shardswap.backend: cpu, cuda, cuda:N
   CommKind comm = CommKind::in_process;
+  /// shardswap.comm_timeout_s: how long a rank waits in a collective for the others before every
+  /// rank fails with a CommError naming it (in-process ranks: InProcessGroup::set_timeout; NCCL:
+  /// the communicators' watchdog); zero waits forever.
+  std::chrono::milliseconds comm_timeout{0};
   /// logging.timing: wait for the device after the model's forward/backward and after
   /// engine.step(), so the step time splits into the two honestly (costs a little overlap).
   bool timing = false;
@@ -105,5 +112,11 @@ struct TrainOutput {
 
 /// Runs the training.
 TrainSummary train(const TrainConfig& config, const TrainOutput& out);
+
+/// What train() runs its in-process ranks with: fn(rank, comm) on config.world_size threads over
+/// one InProcessGroup on `ops`, with config.comm_timeout applied. As run_ranks: a rank that
+/// throws aborts the group, and the first failure is rethrown once every thread has joined.
+void run_in_process_ranks(const TrainConfig& config, const CollectiveOps& ops,
+                          const std::function<void(int rank, Communicator& comm)>& fn);
 
 }  // namespace shardswap

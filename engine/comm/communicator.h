@@ -44,6 +44,14 @@ class Communicator {
   virtual void broadcast(void* data, std::size_t count, DType dtype, int root) = 0;
   virtual void barrier() = 0;
 
+  /// Throws CommError if this rank's communicator has failed (a timeout, a peer's error that
+  /// the backend detected); does nothing otherwise, and never waits for the other ranks. Where
+  /// collectives complete asynchronously (NCCL) a failure can be found after a collective was
+  /// issued and its wait on the device returned, with garbage in its buffers: call it after
+  /// reading a collective's result on the host, before trusting the value. Every collective
+  /// checks it on entry too. In-process collectives fail as they are called, hence the no-op.
+  virtual void check() {}
+
   /// Overlap of communication with the caller's work. By default every collective orders the
   /// caller's later work after it (on a GPU: the caller's stream waits for the collective). While
   /// deferred, collectives still run after the caller's earlier work, but the caller's later work

@@ -4,11 +4,12 @@
 
 namespace shardswap {
 
-std::unique_ptr<Communicator> make_nccl_communicator_mpi(int*, char***) {
+std::unique_ptr<Communicator> make_nccl_communicator_mpi(int*, char***, CommTimeout) {
   throw BackendUnavailable("make_nccl_communicator_mpi: ShardSwap was built without CUDA/NCCL");
 }
 
-std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(const std::vector<int>&) {
+std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(const std::vector<int>&,
+                                                                   CommTimeout) {
   throw BackendUnavailable("make_nccl_communicators: ShardSwap was built without CUDA/NCCL");
 }
 

@@ -8,14 +8,20 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -526,4 +532,263 @@ TEST_CASE("nccl: on every GPU, barriers between collectives keep them in step") 
     }
     comm.barrier();
   });
+}
+
+// ---- The timeout: a watchdog per communicator ----
+
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+using std::chrono::steady_clock;
+
+double seconds_since(steady_clock::time_point t) {
+  return std::chrono::duration<double>(steady_clock::now() - t).count();
+}
+
+/// Runs fn on its own thread and waits at most `limit` for it, so that a test of hangs cannot
+/// hang: past the limit the process exits with a message (a stuck thread cannot be stopped, and
+/// unwinding would free what it still uses).
+void within(seconds limit, const std::string& what, const std::function<void()>& fn) {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+  std::thread worker([&] {
+    try {
+      fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard lock(mutex);
+    done = true;
+    cv.notify_all();
+  });
+  {
+    std::unique_lock lock(mutex);
+    if (!cv.wait_for(lock, limit, [&] { return done; })) {
+      std::fprintf(stderr, "FATAL: %s did not finish within %lld s: it hangs\n", what.c_str(),
+                   static_cast<long long>(limit.count()));
+      std::fflush(stderr);
+      std::_Exit(3);
+    }
+  }
+  worker.join();
+  if (error) std::rethrow_exception(error);
+}
+
+/// Rank r's random floats in [-1, 1) for test `seed`.
+std::vector<float> random_floats(int seed, int r, std::size_t n) {
+  std::mt19937 rng(static_cast<std::uint32_t>(seed * 1000 + r));
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "nccl: with a timeout, a rank whose peer skips an all_reduce gets CommError naming it, "
+    "and nothing hangs") {
+  if (!several_gpus()) return;
+  constexpr std::size_t n = (1 << 20) + 5;
+  const milliseconds timeout(2000);
+  struct Seen {
+    std::vector<std::string> problems;  // anything unexpected
+    std::string error;                  // rank 0: check()'s CommError after the stuck all_reduce
+    std::string later;                  // rank 0: a later all_reduce's CommError
+    double seconds = -1.0;              // rank 0: from issuing the stuck all_reduce to the error
+  };
+  std::vector<Seen> seen(2);
+  double destroy_seconds = -1.0;
+  within(seconds(120), "the skipped all_reduce test", [&] {
+    auto comms = make_nccl_communicators({0, 1}, timeout);
+    std::atomic<bool> rank0_done{false};
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        Seen& s = seen[static_cast<std::size_t>(r)];
+        try {
+          if (cudaSetDevice(r) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
+          auto allocator = make_cuda_allocator(r);
+          Communicator& comm = *comms[static_cast<std::size_t>(r)];
+          DeviceArray d(*allocator, n * sizeof(float));
+          // One all_reduce both make (and NCCL connects for): a sum of two floats rounds once,
+          // so it equals the float64 sum rounded to float.
+          const auto a = random_floats(1, 0, n), b = random_floats(1, 1, n);
+          d.upload(r == 0 ? a : b);
+          comm.all_reduce(d.data(), n, DType::f32, ReduceOp::sum);
+          const auto got = d.download<float>(n);
+          for (std::size_t i = 0; i < n; ++i) {
+            const float want = static_cast<float>(static_cast<double>(a[i]) + b[i]);
+            if (got[i] != want) {
+              s.problems.push_back(
+                  fmt::format("the shared all_reduce: element {} is {}, not {}", i, got[i], want));
+              break;
+            }
+          }
+          if (r == 1) {
+            // Alive but never joins the next all_reduce; keeps its buffers until rank 0 is done.
+            const auto start = steady_clock::now();
+            while (!rank0_done && seconds_since(start) < 60)
+              std::this_thread::sleep_for(milliseconds(10));
+            return;
+          }
+          const auto start = steady_clock::now();
+          comm.all_reduce(d.data(), n, DType::f32, ReduceOp::sum);  // rank 1 never joins
+          // The engine's kind of host wait: it returns once the watchdog has aborted the
+          // communicator (its kernel ends), not forever later.
+          const cudaError_t synced = cudaStreamSynchronize(cudaStreamPerThread);
+          if (synced != cudaSuccess)
+            s.problems.push_back(fmt::format("cudaStreamSynchronize after the abort: {}",
+                                             cudaGetErrorString(synced)));
+          try {
+            comm.check();
+            s.problems.push_back("check() did not throw after the stuck all_reduce");
+          } catch (const CommError& e) {
+            s.error = e.what();
+            s.seconds = seconds_since(start);
+          }
+          try {
+            comm.all_reduce(d.data(), n, DType::f32, ReduceOp::sum);
+            s.problems.push_back("an all_reduce after the abort did not throw");
+          } catch (const CommError& e) {
+            s.later = e.what();
+          }
+        } catch (const std::exception& e) {
+          s.problems.push_back(fmt::format("threw: {}", e.what()));
+        }
+        if (r == 0) rank0_done = true;
+      });
+    }
+    for (auto& t : threads) t.join();
+    const auto start = steady_clock::now();
+    comms.clear();  // rank 0's was aborted by its watchdog, rank 1's is idle
+    destroy_seconds = seconds_since(start);
+  });
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    for (const auto& line : seen[static_cast<std::size_t>(r)].problems) UNSCOPED_INFO(line);
+    CHECK(seen[static_cast<std::size_t>(r)].problems.empty());
+  }
+  const Seen& s = seen[0];
+  CAPTURE(s.error, s.later, s.seconds, destroy_seconds);
+  CHECK(test::contains(s.error, "NcclCommunicator::check(): "));
+  CHECK(test::contains(s.error, "rank 0 of 2 on device 0"));
+  CHECK(test::contains(s.error, fmt::format("all_reduce(count={}, fp32, sum)", n)));
+  CHECK(test::contains(s.error, "timeout of 2000 ms"));
+  CHECK(test::contains(s.later,
+                       fmt::format("NcclCommunicator::all_reduce(count={}, fp32, sum): ", n)));
+  CHECK(test::contains(s.later, "timeout of 2000 ms"));
+  CHECK(s.seconds >= 1.9);  // not before the timeout
+  CHECK(s.seconds < 30.0);  // and soon after it
+  CHECK(destroy_seconds < 30.0);
+  WARN(
+      fmt::format("stuck all_reduce: CommError after {:.2f} s (timeout 2 s); communicators "
+                  "destroyed in {:.3f} s",
+                  s.seconds, destroy_seconds));
+}
+
+TEST_CASE("nccl: with a timeout, collectives that complete give bit-identical results to none") {
+  const int world = std::min(cuda_device_count(), 8);
+  std::vector<int> devices;
+  for (int d = 0; d < world; ++d) devices.push_back(d);
+  constexpr std::size_t n = 4099;  // odd, so that chunks are uneven
+  constexpr int kRepeats = 200;    // enough to reuse the watchdog's events many times over
+  struct Run {
+    std::vector<std::vector<std::vector<float>>> outputs;  // [rank][collective]
+    std::vector<std::string> problems;
+    double seconds = 0.0;  // rank 0's kRepeats all_reduces
+  };
+  const auto run = [&](milliseconds timeout) {
+    Run out;
+    out.outputs.resize(static_cast<std::size_t>(world));
+    auto comms = make_nccl_communicators(devices, timeout);
+    std::mutex mutex;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        auto& mine = out.outputs[static_cast<std::size_t>(r)];
+        try {
+          if (cudaSetDevice(r) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
+          auto allocator = make_cuda_allocator(r);
+          Communicator& comm = *comms[static_cast<std::size_t>(r)];
+          const auto w = static_cast<std::size_t>(world);
+          DeviceArray d(*allocator, w * n * sizeof(float));
+          const auto start = steady_clock::now();
+          for (int k = 0; k < kRepeats; ++k) {
+            d.upload(random_floats(k, r, n));
+            comm.all_reduce(d.data(), n, DType::f32, ReduceOp::sum);
+            if (k % 50 == 0) mine.push_back(d.download<float>(n));
+          }
+          mine.push_back(d.download<float>(n));
+          if (r == 0) out.seconds = seconds_since(start);
+          d.upload(random_floats(kRepeats + 1, r, w * n));
+          comm.reduce_scatter(d.data(), d.data() + r * n * sizeof(float), n, DType::f32,
+                              ReduceOp::avg);
+          mine.push_back(d.download<float>(n, static_cast<std::size_t>(r) * n));
+          d.upload(random_floats(kRepeats + 2, r, n), static_cast<std::size_t>(r) * n);
+          comm.all_gather(d.data() + r * n * sizeof(float), d.data(), n, DType::f32);
+          mine.push_back(d.download<float>(w * n));
+          // A group of reduces to every root (one watched entry), deferred work and a barrier.
+          d.upload(random_floats(kRepeats + 3, r, w * n));
+          comm.group_start();
+          for (int q = 0; q < world; ++q)
+            comm.reduce(d.data() + q * n * sizeof(float), n, DType::f32, ReduceOp::sum, q);
+          comm.group_end();
+          mine.push_back(d.download<float>(n, static_cast<std::size_t>(r) * n));
+          comm.set_deferred(true);
+          d.upload(random_floats(kRepeats + 4, r, n));
+          comm.broadcast(d.data(), n, DType::f32, world - 1);
+          comm.join();
+          comm.set_deferred(false);
+          mine.push_back(d.download<float>(n));
+          comm.barrier();
+          comm.check();
+        } catch (const std::exception& e) {
+          std::lock_guard lock(mutex);
+          out.problems.push_back(fmt::format("rank {} threw: {}", r, e.what()));
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  };
+  Run without, with;
+  within(seconds(300), "the bit-identical timeout test", [&] {
+    without = run(milliseconds(0));
+    with = run(milliseconds(30000));
+  });
+  for (const auto& line : without.problems) UNSCOPED_INFO("without a timeout: " << line);
+  for (const auto& line : with.problems) UNSCOPED_INFO("with a timeout: " << line);
+  REQUIRE(without.problems.empty());
+  REQUIRE(with.problems.empty());
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << " of " << world);
+    const auto& a = without.outputs[static_cast<std::size_t>(r)];
+    const auto& b = with.outputs[static_cast<std::size_t>(r)];
+    REQUIRE(a.size() == b.size());
+    for (std::size_t c = 0; c < a.size(); ++c) {
+      INFO("output " << c);
+      CHECK(a[c] == b[c]);
+    }
+  }
+  // Results are right, not only alike: the first all_reduce against float64.
+  std::vector<double> want(n, 0.0);
+  for (int r = 0; r < world; ++r) {
+    const auto v = random_floats(0, r, n);
+    for (std::size_t i = 0; i < n; ++i) want[i] += v[i];
+  }
+  Findings f;
+  f.compare(
+      "all_reduce(count=4099, fp32, sum)", without.outputs[0][0],
+      [&](std::size_t i) { return want[i]; },
+      4.0 * world * world * std::numeric_limits<float>::epsilon());
+  for (const auto& line : f.lines()) UNSCOPED_INFO(line);
+  CHECK(f.lines().empty());
+  WARN(
+      fmt::format("{} all_reduces of {} floats on {} GPU(s), each uploaded first: {:.3f} s "
+                  "without a timeout, {:.3f} s with one",
+                  kRepeats, n, world, without.seconds, with.seconds));
 }
