@@ -337,6 +337,9 @@ double Engine::sum_across_ranks(double value) {
   space_.upload(scalar, &value, sizeof value);
   comm_.all_reduce(scalar, 1, DType::f64, ReduceOp::sum);
   space_.download(&value, scalar, sizeof value);
+  // After a timed-out collective was aborted the download returns whatever the buffer held:
+  // the communicator says so here, before the value steers a step.
+  comm_.check();
   return value;
 }
 
