@@ -27,11 +27,7 @@ using test_support::ByteLmCheck;
 
 namespace {
 
-#if __has_include(<catch2/catch_all.hpp>)
-using ListenerBase = Catch::EventListenerBase;  // Catch2 v3
-#else
-using ListenerBase = Catch::TestEventListenerBase;  // Catch2 v2
-#endif
+using test::ListenerBase;
 
 // cuBLAS loads its kernels into device memory on first use and keeps them until the process
 // ends (as NCCL does, which main.cpp warms up): load them before the first test case, so that
