@@ -162,15 +162,7 @@ TEST_CASE("byte LM init is a pure function of seed and name with the documented 
 }
 
 TEST_CASE("byte LM on the CPU matches the float64 reference: bf16 and fp16 weights, 1 rank") {
-  for (int stage : {1, 2})
-    for (DType dtype : {DType::bf16, DType::f16})
-      for (std::optional<DType> grad : {std::optional<DType>{}, std::optional<DType>{DType::f32}}) {
-        ByteLmCase c;
-        c.stage = stage;
-        c.dtype = dtype;
-        c.grad_dtype = grad;
-        require_matches(c);
-      }
+  for (const ByteLmCase& c : test_support::byte_lm_one_rank_dtype_cases()) require_matches(c);
 }
 
 TEST_CASE("byte LM on the CPU matches the float64 reference with 2 ranks, stage 1 and 2") {

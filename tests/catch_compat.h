@@ -30,6 +30,14 @@ inline bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
+/// The base of an event listener (CATCH_REGISTER_LISTENER). Catch2 v2 declares it only where
+/// CATCH_CONFIG_EXTERNAL_INTERFACES (or CATCH_CONFIG_RUNNER) is defined before this include.
+#if __has_include(<catch2/catch_all.hpp>)
+using ListenerBase = Catch::EventListenerBase;  // Catch2 v3
+#elif defined(CATCH_CONFIG_EXTERNAL_INTERFACES)
+using ListenerBase = Catch::TestEventListenerBase;  // Catch2 v2
+#endif
+
 }  // namespace test
 
 // Catch2's assertion macros are not thread-safe: inside rank threads (run_ranks with more than

@@ -3,7 +3,6 @@
 // world sizes, bad checkpoints refused with the file named and the engine unchanged, and the
 // safetensors export read back by a reader written here.
 #include <fmt/format.h>
-#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -23,9 +22,11 @@
 #include "memory/error.h"
 #include "partition/flat_layout.h"
 #include "tests/catch_compat.h"
+#include "tests/support/scratch_folder.h"
 #include "tools/ckpt.h"
 
 using namespace shardswap;
+using test_support::ScratchFolder;
 namespace fs = std::filesystem;
 
 namespace {
@@ -186,13 +187,9 @@ void require_stats_equal_plan(const Engine& e) {
                                            stats.tag(t).requested.current, plan.of(t)));
 }
 
-fs::path fresh_dir(const std::string& name) {
-  // Per process: CTest runs test cases in parallel processes, and other checkouts may run too.
-  const fs::path dir =
-      fs::temp_directory_path() / fmt::format("shardswap-ckpt-test-{}-{}", ::getpid(), name);
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
+// The folder a test saves into, removed when the test leaves it, passing or failing.
+ScratchFolder scratch(const std::string& name) {
+  return ScratchFolder("shardswap-ckpt-test-" + name);
 }
 
 struct RunOutput {
@@ -254,7 +251,8 @@ std::string setup_name(const Setup& s) {
 }
 
 void check_exact_resume(const Setup& s, int world) {
-  const auto dir = fresh_dir(setup_name(s)) / "ckpt";
+  const ScratchFolder folder = scratch(setup_name(s));
+  const auto dir = folder / "ckpt";
   const RunOutput straight = run_straight(s, world, kSteps);
   run_and_save(s, world, dir);
   const RunOutput resumed = load_and_continue(s, world, dir, kSteps);
@@ -282,7 +280,6 @@ void check_exact_resume(const Setup& s, int world) {
     CHECK(changed(0, kSavedAt));
     CHECK(changed(kSavedAt, kSteps));
   }
-  fs::remove_all(dir.parent_path());
 }
 
 }  // namespace
@@ -397,7 +394,8 @@ TEST_CASE("a checkpoint saved at world size 4 continues at world sizes 1, 2 and 
   Setup s;
   s.grad_dtype = DType::f32;
   s.policy = DeactivatePolicy::keep_host;
-  const auto root = fresh_dir("reshard");
+  const ScratchFolder folder = scratch("reshard");
+  const auto& root = folder.path();
   run_and_save(s, 4, root / "w4");
   const RunOutput reference = load_and_continue(s, 4, root / "w4", kSteps);
   const FullState ref = assemble(reference, s, 4);
@@ -424,7 +422,6 @@ TEST_CASE("a checkpoint saved at world size 4 continues at world sizes 1, 2 and 
     for (std::size_t t = 0; t < run.steps[0].size(); ++t)
       CHECK(run.steps[0][t].grad_norm == Approx(reference.steps[0][t].grad_norm).epsilon(1e-12));
   }
-  fs::remove_all(root);
 }
 
 // ---- bad checkpoints ----
@@ -432,14 +429,10 @@ TEST_CASE("a checkpoint saved at world size 4 continues at world sizes 1, 2 and 
 namespace {
 
 struct Damaged {
-  fs::path root;
-  fs::path good;  // a valid checkpoint at world size 2
-  Damaged() {
-    root = fresh_dir("damaged");
-    good = root / "good";
-    run_and_save(Setup{}, 2, good);
-  }
-  ~Damaged() { fs::remove_all(root); }
+  const ScratchFolder folder = scratch("damaged");
+  const fs::path root = folder.path();
+  const fs::path good = root / "good";  // a valid checkpoint at world size 2
+  Damaged() { run_and_save(Setup{}, 2, good); }
   fs::path copy(const std::string& name) const {
     const fs::path to = root / name;
     fs::remove_all(to);
@@ -589,7 +582,8 @@ class FullDiskFile : public CheckpointFile {
 }  // namespace
 
 TEST_CASE("a save that fills the disk fails naming the file and leaves the previous one intact") {
-  const auto root = fresh_dir("diskfull");
+  const ScratchFolder folder = scratch("diskfull");
+  const auto& root = folder.path();
   const auto previous = root / checkpoint_name(5);
   run_and_save(Setup{}, 2, previous);
   const auto size_of = [](const fs::path& dir) {
@@ -630,11 +624,11 @@ TEST_CASE("a save that fills the disk fails naming the file and leaves the previ
       disk.budget = budget;
     }
   }
-  fs::remove_all(root);
 }
 
 TEST_CASE("saving over an existing checkpoint and pruning keep the newest complete ones") {
-  const auto root = fresh_dir("prune");
+  const ScratchFolder folder = scratch("prune");
+  const auto& root = folder.path();
   for (int step : {2, 4, 6, 8}) run_and_save(Setup{}, 2, root / checkpoint_name(step));
   run_and_save(Setup{}, 2, root / checkpoint_name(8));  // replaced in place
   fs::create_directories(root / (checkpoint_name(10) + ".tmp-save"));  // an interrupted save
@@ -645,7 +639,6 @@ TEST_CASE("saving over an existing checkpoint and pruning keep the newest comple
   CHECK(left[1].filename() == checkpoint_name(8));
   CHECK(!fs::exists(root / (checkpoint_name(10) + ".tmp-save")));
   CHECK(read_checkpoint_metadata(left[1]).at("extra").at("step") == kSavedAt);
-  fs::remove_all(root);
 }
 
 // ---- safetensors ----
@@ -729,7 +722,8 @@ TEST_CASE("the safetensors export holds the checkpoint's weights and masters, as
   for (DType dtype : {DType::bf16, DType::f16}) {
     Setup s;
     s.dtype = dtype;
-    const auto root = fresh_dir("safetensors");
+    const ScratchFolder folder = scratch("safetensors");
+    const auto& root = folder.path();
     run_and_save(s, 2, root / "ckpt");
     // The reference: the weights and masters of the same engine, read through the Engine API.
     std::map<std::string, std::vector<float>> weights, masters;
@@ -800,6 +794,5 @@ TEST_CASE("the safetensors export holds the checkpoint's weights and masters, as
     INFO(summary.str());
     CHECK(test::contains(summary.str(), "world size 2"));
     CHECK(test::contains(summary.str(), "layers.2"));
-    fs::remove_all(root);
   }
 }

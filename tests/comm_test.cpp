@@ -24,8 +24,10 @@
 #include "memory/error.h"
 #include "memory/host_types.h"
 #include "tests/catch_compat.h"
+#include "tests/support/typed_values.h"
 
 using namespace shardswap;
+using test_support::to_double;
 
 namespace {
 
@@ -38,15 +40,6 @@ const std::size_t kChunks[] = {0, 1, 3, 7, 300};
 
 template <class T>
 using PerRank = std::vector<std::vector<T>>;
-
-template <class T>
-double to_double(T x) {
-  if constexpr (std::is_same_v<T, double>) {
-    return x;
-  } else {
-    return static_cast<double>(static_cast<float>(x));
-  }
-}
 
 /// Rounds once to T (bit16 types round to nearest even). The values used here make the float
 /// step on the way to bit16 exact, so this is a single rounding.

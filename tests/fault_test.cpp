@@ -28,25 +28,16 @@
 #include "memory/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/failing_allocator.h"
+#include "tests/support/small_models.h"
 
 using namespace shardswap;
 using test_support::AllocationFaults;
+using test_support::declare_small_lisa_model;
 using test_support::FailingAllocator;
 
 namespace {
 
-// ---- a small LISA model: embed and head always trained, four body layers switched ----
-
-void declare(Engine& e) {
-  e.add_param("embed.weight", {50, 16}, "embed");
-  for (int l = 0; l < 4; ++l) {
-    const auto g = fmt::format("layers.{}", l);
-    e.add_param(g + ".fc1", {16, 37}, g);
-    e.add_param(g + ".fc2", {37, 16}, g);
-    e.add_param(g + ".norm", {16}, g);
-  }
-  e.add_param("head.weight", {16, 50}, "head");
-}
+// ---- a small LISA model (tests/support/small_models.h) from random weights ----
 
 void random_init(const ParamInfo& p, std::span<float> v) {
   std::mt19937 rng(static_cast<unsigned>(std::hash<std::string>{}(p.name)));
@@ -55,12 +46,8 @@ void random_init(const ParamInfo& p, std::span<float> v) {
 }
 
 EngineConfig make_config(int stage, DType dtype = DType::bf16) {
-  EngineConfig cfg;
-  cfg.stage = stage;
+  EngineConfig cfg = test_support::small_lisa_config(stage);
   cfg.dtype = dtype;
-  cfg.reduce_bucket_bytes = 4096;
-  cfg.optimizer.type = OptimizerType::adamw;
-  cfg.optimizer.lr = 0.01;
   cfg.gradient_clipping = 1.0;
   return cfg;
 }
@@ -159,7 +146,7 @@ struct Faulty {
 
 // The state every operation starts from: trained, with one group frozen under each policy.
 void prepare(Engine& e) {
-  declare(e);
+  declare_small_lisa_model(e);
   e.build(random_init);
   for (unsigned s = 0; s < 2; ++s) {
     backward(e, s);
@@ -477,7 +464,7 @@ TEST_CASE("an engine rank that never steps fails the other's step with CommError
   const auto out = on_threads(group, [&](int r, Communicator& comm) {
     MemorySpace space(r, make_host_allocator());
     Engine e(make_config(2), comm, space);
-    declare(e);
+    declare_small_lisa_model(e);
     e.build(random_init);
     backward(e, 1);
     if (r == 0) e.step();  // rank 1 drops out after its backward
@@ -506,7 +493,7 @@ std::vector<TrainingState> train(Mode mode, int stage, bool with_bad_step, float
     cfg.loss_scale.hysteresis = 1;
     if (mode == Mode::bf16_error) cfg.nonfinite = NonFinitePolicy::error;
     Engine e(cfg, comm, space);
-    declare(e);
+    declare_small_lisa_model(e);
     e.build(random_init);
     for (unsigned s = 0; s < 2; ++s) {
       backward(e, s);

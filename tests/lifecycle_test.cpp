@@ -13,36 +13,18 @@
 #include "memory/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
+#include "tests/support/small_models.h"
 
 using namespace shardswap;
 using test_support::Case;
+using test_support::declare_small_lisa_model;  // the seed's model
+using test_support::small_lisa_config;
 
 namespace {
-
-// The seed's model: a head that is always trained and body layers switched in and out.
-void declare(Engine& e) {
-  e.add_param("embed.weight", {50, 16}, "embed");
-  for (int l = 0; l < 4; ++l) {
-    const auto g = fmt::format("layers.{}", l);
-    e.add_param(g + ".fc1", {16, 37}, g);
-    e.add_param(g + ".fc2", {37, 16}, g);
-    e.add_param(g + ".norm", {16}, g);
-  }
-  e.add_param("head.weight", {16, 50}, "head");
-}
 
 void init(const ParamInfo& p, std::span<float> v) {
   for (std::size_t i = 0; i < v.size(); ++i)
     v[i] = 0.5f * std::sin(0.37f * static_cast<float>(i) + static_cast<float>(p.numel % 7));
-}
-
-EngineConfig config(int stage) {
-  EngineConfig cfg;
-  cfg.stage = stage;
-  cfg.reduce_bucket_bytes = 4096;
-  cfg.optimizer.type = OptimizerType::adamw;
-  cfg.optimizer.lr = 0.01;
-  return cfg;
 }
 
 // Gradients of every active param, varied by rank and step.
@@ -84,8 +66,8 @@ TEST_CASE("the seed's LISA scenario keeps the head's step count and restarts bod
   for (int stage : {1, 2})
     run_ranks(2, [&](int rank, Communicator& comm) {
       MemorySpace space(rank, make_host_allocator());
-      Engine e(config(stage), comm, space);
-      declare(e);
+      Engine e(small_lisa_config(stage), comm, space);
+      declare_small_lisa_model(e);
       e.build(init, std::vector<std::string>{"head", "layers.0"});
       require_stats_equal_plan(e);
       for (int step = 0; step < 30; ++step) {
@@ -135,8 +117,8 @@ TEST_CASE("keep_host 100 times between steps is bitwise the same as never deacti
     std::mutex mu;
     run_ranks(2, [&](int rank, Communicator& comm) {
       MemorySpace space(rank, make_host_allocator());
-      Engine e(config(2), comm, space);
-      declare(e);
+      Engine e(small_lisa_config(2), comm, space);
+      declare_small_lisa_model(e);
       e.build(init);
       for (int step = 0; step < 10; ++step) {
         if (cycle)
@@ -165,8 +147,8 @@ TEST_CASE("keep_host 100 times between steps is bitwise the same as never deacti
 TEST_CASE("1000 switches leave exactly the bytes in use after the first") {
   run_ranks(2, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, make_host_allocator());
-    Engine e(config(2), comm, space);
-    declare(e);
+    Engine e(small_lisa_config(2), comm, space);
+    declare_small_lisa_model(e);
     e.build(init, std::vector<std::string>{"head", "layers.0", "layers.1"});
     const DeactivatePolicy policies[] = {DeactivatePolicy::drop, DeactivatePolicy::keep_host,
                                          DeactivatePolicy::keep_device};
@@ -200,8 +182,8 @@ TEST_CASE("1000 switches leave exactly the bytes in use after the first") {
 TEST_CASE("lifecycle calls that do not fit the group's state are typed errors changing nothing") {
   run_ranks(1, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, make_host_allocator());
-    Engine e(config(2), comm, space);
-    declare(e);
+    Engine e(small_lisa_config(2), comm, space);
+    declare_small_lisa_model(e);
     e.build(init, std::vector<std::string>{"head", "layers.0"});
     const auto before = space.stats().requested.current;
     REQUIRE(test::contains(test::message_of<StateError>([&] { e.activate("head"); }),
@@ -231,8 +213,8 @@ TEST_CASE("lifecycle calls that do not fit the group's state are typed errors ch
 TEST_CASE("deactivating a pinned group fails naming the pin, or reports what the pin holds") {
   run_ranks(1, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, make_host_allocator());
-    Engine e(config(1), comm, space);
-    declare(e);
+    Engine e(small_lisa_config(1), comm, space);
+    declare_small_lisa_model(e);
     e.build(init, std::vector<std::string>{"head", "layers.0"});
     const auto before = space.stats();
     Pin pin = e.master("layers.0").pin("trainer: EMA of layers.0");
@@ -255,8 +237,8 @@ TEST_CASE("deactivating a pinned group fails naming the pin, or reports what the
 TEST_CASE("a group built frozen holds only its bit16 weights until activated") {
   run_ranks(2, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, make_host_allocator());
-    Engine e(config(2), comm, space);
-    declare(e);
+    Engine e(small_lisa_config(2), comm, space);
+    declare_small_lisa_model(e);
     e.build(init, std::vector<std::string>{"head"});
     require_stats_equal_plan(e);
     RANK_REQUIRE(e.active_groups() == std::vector<std::string>{"head"});
@@ -272,8 +254,8 @@ TEST_CASE("re-forming frozen groups moves weights on the device and rebinds ever
   for (int stage : {1, 2})
     run_ranks(2, [&](int rank, Communicator& comm) {
       MemorySpace space(rank, make_host_allocator());
-      Engine e(config(stage), comm, space);
-      declare(e);
+      Engine e(small_lisa_config(stage), comm, space);
+      declare_small_lisa_model(e);
       e.build(init);
       for (int step = 0; step < 3; ++step) {
         backward(e, rank, step);
@@ -309,8 +291,8 @@ TEST_CASE("re-forming frozen groups moves weights on the device and rebinds ever
 TEST_CASE("re-forming an active group is refused and changes nothing") {
   run_ranks(1, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, make_host_allocator());
-    Engine e(config(2), comm, space);
-    declare(e);
+    Engine e(small_lisa_config(2), comm, space);
+    declare_small_lisa_model(e);
     e.build(init, std::vector<std::string>{"head", "layers.0"});
     const auto groups = e.groups();
     REQUIRE(test::contains(test::message_of<StateError>([&] {
@@ -329,8 +311,8 @@ TEST_CASE("re-forming an active group is refused and changes nothing") {
 TEST_CASE("a Pin on a weight of a group to re-form refuses the re-form and changes nothing") {
   run_ranks(1, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, make_host_allocator());
-    Engine e(config(2), comm, space);
-    declare(e);
+    Engine e(small_lisa_config(2), comm, space);
+    declare_small_lisa_model(e);
     e.build(init, std::vector<std::string>{"head"});
     const auto groups = e.groups();
     const auto stats = e.memory_stats();

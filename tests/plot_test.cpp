@@ -17,38 +17,17 @@
 
 #include "memory/error.h"
 #include "tests/catch_compat.h"
+#include "tests/support/scratch_folder.h"
 #include "tools/plot.h"
 
 using namespace shardswap;
+using test_support::ScratchFolder;
 namespace fs = std::filesystem;
 
 namespace {
 
 constexpr double kMiB = 1048576.0;
-
-// A folder of the test's own, removed with its contents.
-class ScratchFolder {
- public:
-  ScratchFolder() {
-    auto pattern = (fs::temp_directory_path() / "shardswap-plot-test-XXXXXX").string();
-    REQUIRE(mkdtemp(pattern.data()) != nullptr);
-    path_ = pattern;
-  }
-  ~ScratchFolder() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-  std::vector<std::string> names() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(path_)) names.push_back(e.path().filename());
-    return names;
-  }
-
- private:
-  fs::path path_;
-};
+const std::string kScratchPrefix = "shardswap-plot-test";
 
 void write_file(const fs::path& path, const std::string& text) {
   std::ofstream f(path);
@@ -252,7 +231,7 @@ TEST_CASE("a malformed metrics line is refused naming the file and the line") {
 }
 
 TEST_CASE("a missing, unreadable or empty metrics file is refused naming it") {
-  ScratchFolder dir;
+  ScratchFolder dir(kScratchPrefix);
   const auto missing = (dir / "missing.jsonl").string();
   REQUIRE(
       test::contains(test::message_of<ConfigError>([&] { read_metrics_file(missing); }), missing));
@@ -296,7 +275,7 @@ TEST_CASE("a tag name cannot break out of the script's quotes") {
 }
 
 TEST_CASE("a missing gnuplot is reported naming the package to install, and nothing is written") {
-  ScratchFolder dir;
+  ScratchFolder dir(kScratchPrefix);
   const auto out = dir / "loss.svg";
   PlotOptions options;
   options.gnuplot = "shardswap-test-no-such-gnuplot";
@@ -307,7 +286,7 @@ TEST_CASE("a missing gnuplot is reported naming the package to install, and noth
 }
 
 TEST_CASE("a failing gnuplot leaves an existing output as it was") {
-  ScratchFolder dir;
+  ScratchFolder dir(kScratchPrefix);
   const auto out = dir / "loss.png";
   write_file(out, "the previous plot");
   PlotOptions options;
@@ -327,7 +306,7 @@ TEST_CASE("a failing gnuplot leaves an existing output as it was") {
 }
 
 TEST_CASE("a gnuplot that exits 0 without drawing is an error") {
-  ScratchFolder dir;
+  ScratchFolder dir(kScratchPrefix);
   PlotOptions options;
   options.gnuplot = "true";
   REQUIRE(test::contains(
@@ -337,7 +316,7 @@ TEST_CASE("a gnuplot that exits 0 without drawing is an error") {
 }
 
 TEST_CASE("plot: --out in a folder that does not exist is bad input naming --out") {
-  ScratchFolder dir;
+  ScratchFolder dir(kScratchPrefix);
   const auto out = (dir / "no/such/folder/loss.svg").string();
   REQUIRE(test::contains(test::message_of<ConfigError>([&] { plot_metrics(sample_series(), out); }),
                          "--out"));
@@ -345,7 +324,7 @@ TEST_CASE("plot: --out in a folder that does not exist is bad input naming --out
 
 // Runs the installed gnuplot (tools/install-deps.sh installs it).
 TEST_CASE("plot draws an SVG with every series and removes its temporary files") {
-  ScratchFolder dir, tmp;
+  ScratchFolder dir(kScratchPrefix), tmp(kScratchPrefix);
   const TmpdirOverride temp_here(tmp.path());
   const auto out = dir / "run.svg";
   const auto s = sample_series();

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -13,11 +14,11 @@
 
 #include "engine/config_json.h"
 #include "memory/error.h"
-#include "tools/progress.h"
 #include "tools/bench_optimizer.h"
 #include "tools/bench_switch.h"
 #include "tools/ckpt.h"
 #include "tools/plot.h"
+#include "tools/progress.h"
 #include "tools/train.h"
 
 namespace {
@@ -61,7 +62,35 @@ struct BadUsage : std::runtime_error {
 struct ConfigArgs {
   std::string path;
   std::vector<std::string> overrides;
+
+  /// Takes a flag's value (the next argument), refusing a flag given last without one.
+  using TakeValue = std::function<const std::string&()>;
+  /// A command's own flags: takes `flag` (calling `value` where it has one) and returns true, or
+  /// returns false for a flag it does not know.
+  using OtherFlag = std::function<bool(const std::string& flag, const TakeValue& value)>;
+
+  /// Reads --config and --set, and every other flag through `other`, so that `train` and `plan`
+  /// read and refuse their arguments alike.
+  static ConfigArgs parse(const std::vector<std::string>& args, const OtherFlag& other = {});
 };
+
+ConfigArgs ConfigArgs::parse(const std::vector<std::string>& args, const OtherFlag& other) {
+  ConfigArgs parsed;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const TakeValue value = [&]() -> const std::string& {
+      if (i + 1 >= args.size()) throw BadUsage(fmt::format("{} needs a value", args[i]));
+      return args[++i];
+    };
+    const std::string& flag = args[i];
+    if (flag == "--config")
+      parsed.path = value();
+    else if (flag == "--set")
+      parsed.overrides.push_back(value());
+    else if (!other || !other(flag, value))
+      throw BadUsage(fmt::format("unknown argument '{}'", flag));
+  }
+  return parsed;
+}
 
 shardswap::TrainConfig load_config(const ConfigArgs& args) {
   if (args.path.empty()) throw BadUsage("needs --config FILE");
@@ -73,25 +102,18 @@ shardswap::TrainConfig load_config(const ConfigArgs& args) {
 }
 
 int train_command(const std::vector<std::string>& args) {
-  ConfigArgs config_args;
   std::string metrics_path;
   bool memory_report = false;
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const auto value = [&]() -> const std::string& {
-      if (i + 1 >= args.size()) throw BadUsage(fmt::format("{} needs a value", args[i]));
-      return args[++i];
-    };
-    if (args[i] == "--config")
-      config_args.path = value();
-    else if (args[i] == "--metrics")
-      metrics_path = value();
-    else if (args[i] == "--set")
-      config_args.overrides.push_back(value());
-    else if (args[i] == "--memory-report")
-      memory_report = true;
-    else
-      throw BadUsage(fmt::format("unknown argument '{}'", args[i]));
-  }
+  const auto config_args =
+      ConfigArgs::parse(args, [&](const std::string& flag, const ConfigArgs::TakeValue& value) {
+        if (flag == "--metrics")
+          metrics_path = value();
+        else if (flag == "--memory-report")
+          memory_report = true;
+        else
+          return false;
+        return true;
+      });
   // Everything is checked before anything is written: a refused config leaves no metrics file.
   const auto config = load_config(config_args);
   std::ofstream metrics;
@@ -115,7 +137,7 @@ int train_command(const std::vector<std::string>& args) {
     std::cout << fmt::format("step time: {:.1f}% in engine.step() (reduce, optimizer, gather)",
                              100.0 * summary.engine_step_share);
     if (summary.model_tflops > 0)
-      std::cout << fmt::format("; model forward+backward {:.1f} TFLOP/s of GEMM work", 
+      std::cout << fmt::format("; model forward+backward {:.1f} TFLOP/s of GEMM work",
                                summary.model_tflops);
     if (summary.cublas_tflops > 0)
       std::cout << fmt::format(" ({:.0f}% of cuBLAS's {:.1f} TFLOP/s in this run)",
@@ -127,20 +149,7 @@ int train_command(const std::vector<std::string>& args) {
 }
 
 int plan_command(const std::vector<std::string>& args) {
-  ConfigArgs config_args;
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const auto value = [&]() -> const std::string& {
-      if (i + 1 >= args.size()) throw BadUsage(fmt::format("{} needs a value", args[i]));
-      return args[++i];
-    };
-    if (args[i] == "--config")
-      config_args.path = value();
-    else if (args[i] == "--set")
-      config_args.overrides.push_back(value());
-    else
-      throw BadUsage(fmt::format("unknown argument '{}'", args[i]));
-  }
-  shardswap::print_plan(load_config(config_args), std::cout);
+  shardswap::print_plan(load_config(ConfigArgs::parse(args)), std::cout);
   return 0;
 }
 

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdio>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,11 +27,7 @@ using test_support::ByteLmCheck;
 
 namespace {
 
-#if __has_include(<catch2/catch_all.hpp>)
-using ListenerBase = Catch::EventListenerBase;  // Catch2 v3
-#else
-using ListenerBase = Catch::TestEventListenerBase;  // Catch2 v2
-#endif
+using test::ListenerBase;
 
 // cuBLAS loads its kernels into device memory on first use and keeps them until the process
 // ends (as NCCL does, which main.cpp warms up): load them before the first test case, so that
@@ -120,16 +115,8 @@ CATCH_REGISTER_LISTENER(CublasWarmUp)
 
 TEST_CASE("cuda: byte LM matches the float64 reference, bf16 and fp16, one rank, stage 1 and 2") {
   const test::DeviceMemoryGuard guard;
-  for (int stage : {1, 2})
-    for (DType dtype : {DType::bf16, DType::f16})
-      for (std::optional<DType> grad : {std::optional<DType>{}, std::optional<DType>{DType::f32}}) {
-        ByteLmCase c;
-        c.stage = stage;
-        c.dtype = dtype;
-        c.grad_dtype = grad;
-        REQUIRE(check(c).grad_errors.size() ==
-                test_support::byte_lm_reference_params(c.shape).size());
-      }
+  for (const ByteLmCase& c : test_support::byte_lm_one_rank_dtype_cases())
+    REQUIRE(check(c).grad_errors.size() == test_support::byte_lm_reference_params(c.shape).size());
   guard.require_returned();
 }
 

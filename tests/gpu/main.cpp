@@ -18,11 +18,7 @@
 
 namespace {
 
-#if __has_include(<catch2/catch_all.hpp>)
-using ListenerBase = Catch::EventListenerBase;  // Catch2 v3
-#else
-using ListenerBase = Catch::TestEventListenerBase;  // Catch2 v2
-#endif
+using test::ListenerBase;
 
 constexpr std::int64_t kSlack = 2 * 1024 * 1024;
 bool memory_lost = false;

@@ -281,6 +281,20 @@ TokenBatch random_token_batch(const ByteLmShape& s, int size, std::uint64_t seed
   return b;
 }
 
+std::vector<ByteLmCase> byte_lm_one_rank_dtype_cases() {
+  std::vector<ByteLmCase> cases;
+  for (int stage : {1, 2})
+    for (DType dtype : {DType::bf16, DType::f16})
+      for (std::optional<DType> grad : {std::optional<DType>{}, std::optional<DType>{DType::f32}}) {
+        ByteLmCase c;
+        c.stage = stage;
+        c.dtype = dtype;
+        c.grad_dtype = grad;
+        cases.push_back(c);
+      }
+  return cases;
+}
+
 ByteLmCheck check_byte_lm(const ByteLmCase& c, const Backend& backend) {
   constexpr double kLr = 1000.0;  // large steps: (before - after) / lr keeps fp32 precision
   EngineConfig cfg;

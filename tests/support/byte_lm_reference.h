@@ -55,6 +55,10 @@ struct ByteLmCase {
   int max_batch = 16;  ///< the model's
 };
 
+/// One rank, every stage (1, 2), weight type (bf16, fp16) and gradient slot (the weights' type,
+/// fp32): the dtype matrix both suites check; the rest as ByteLmCase has it.
+std::vector<ByteLmCase> byte_lm_one_rank_dtype_cases();
+
 /// What a check found (for the caller's REQUIREs and for reporting).
 struct ByteLmCheck {
   double loss_error = 0.0;        ///< max over ranks of |loss - reference| / reference

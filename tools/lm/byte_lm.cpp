@@ -368,8 +368,7 @@ class CpuCompute final : public lm::Compute {
   void backward(const lm::Weights& w, const lm::Batch& b, double grad_scale, lm::GradSink& sink) {
     const int n = b.size, c = s_.context, d = s_.width, h = s_.hidden, depth = s_.depth;
     const int head = depth + 1;
-    int lowest = 0;
-    while (lowest <= head && !sink.active(lowest)) ++lowest;
+    const int lowest = lm::lowest_active_group(sink, depth);
     if (lowest > head) return;  // every group frozen
     const float alpha = static_cast<float>(grad_scale / n);
     using K = lm::ParamKind;

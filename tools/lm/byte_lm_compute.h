@@ -75,6 +75,14 @@ class GradSink {
   virtual void close(ParamId param) = 0;
 };
 
+/// The lowest group that backward must reach (below it no gradient is wanted): 0 embed, 1 + i
+/// layers.i, depth + 1 head; depth + 2 when every group is frozen.
+inline int lowest_active_group(const GradSink& sink, int depth) {
+  int group = 0;
+  while (group <= depth + 1 && !sink.active(group)) ++group;
+  return group;
+}
+
 /// Host bytes: size * context, then size targets. 1 <= size <= max_batch (checked by ByteLm).
 struct Batch {
   int size = 0;

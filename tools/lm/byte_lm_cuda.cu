@@ -552,8 +552,7 @@ class CudaCompute final : public Compute {
   void backward(const Weights& w, const Batch& b, double grad_scale, GradSink& sink) {
     const int n = b.size, c = s_.context, d = s_.width, h = s_.hidden, depth = s_.depth;
     const int head = depth + 1;
-    int lowest = 0;
-    while (lowest <= head && !sink.active(lowest)) ++lowest;
+    const int lowest = lowest_active_group(sink, depth);
     if (lowest > head) return;  // every group frozen
     const float alpha = static_cast<float>(grad_scale / n);
     const cudaStream_t stream = cudaStreamPerThread;

@@ -1,0 +1,17 @@
+// The small layer-switching model that the lifecycle and fault-injection tests train: embed and
+// head always trained, four body layers switched in and out.
+#pragma once
+
+#include "engine/engine.h"
+
+namespace shardswap::test_support {
+
+/// Declares embed.weight [50, 16] (group embed); for l in 0..3, layers.l.fc1 [16, 37],
+/// layers.l.fc2 [37, 16] and layers.l.norm [16] (group layers.l); head.weight [16, 50] (group
+/// head).
+void declare_small_lisa_model(Engine& e);
+
+/// Its config: `stage`, AdamW at lr 0.01, 4 KiB reduce buckets; the rest at the defaults.
+EngineConfig small_lisa_config(int stage);
+
+}  // namespace shardswap::test_support
