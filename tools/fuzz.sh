@@ -4,6 +4,9 @@
 # unexpected exception, timeout or out-of-memory fails the script, and the input that caused it
 # is left in the work directory (printed) to be added to tests/fuzz/corpus as a regression test.
 #   tools/fuzz.sh [SECONDS_PER_TARGET (default 60)] [BUILD_DIR (default build/fuzz)]
+# FUZZ_SEED=N fixes libFuzzer's random seed (CI uses 1): the same binary then tries the same
+# inputs in the same order, so a run can only differ by how far it gets in the time given.
+# Unset or 0: a new seed each run (libFuzzer's default), for longer runs by hand.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-60}"
@@ -19,6 +22,7 @@ for target in config checkpoint; do
   echo "fuzz.sh: $target for ${seconds}s on $(ls "$corpus" | wc -l) seeds"
   # -rss_limit_mb / -timeout: a config that asks for terabytes or loops forever is a finding too.
   if ! "$build/tests/fuzz/shardswap_fuzz_$target" -max_total_time="$seconds" -timeout=10 \
+      -seed="${FUZZ_SEED:-0}" \
       -rss_limit_mb=2048 -print_final_stats=1 \
       -artifact_prefix="$work/$target-artifacts/" "$corpus" 2>&1 | tail -n 40; then
     status=1
