@@ -22,8 +22,15 @@ class Allocator {
   /// Never returns null for requested > 0; throws OutOfMemory naming the request instead.
   virtual Block allocate(std::size_t requested) = 0;
   virtual void deallocate(Block block) noexcept = 0;
-  /// Bytes this allocator holds from the system (the driver, the C heap), caches included.
+  /// Bytes this allocator holds from the system (the driver, the C heap), caches included:
+  /// the blocks handed out and not yet deallocated, plus cached_bytes().
   virtual std::size_t reserved_bytes() const = 0;
+  /// Bytes of deallocated blocks kept for reuse: reserved, but handed out to no one (so counted
+  /// in no tag). 0 for an allocator without a cache.
+  virtual std::size_t cached_bytes() const { return 0; }
+  /// Gives every cached block back to the system now and returns the bytes released (0 without
+  /// a cache). Never throws. Blocks handed out are not affected.
+  virtual std::size_t trim() noexcept { return 0; }
   virtual DeviceKind device() const = 0;
   virtual std::string name() const = 0;
   /// Copies between this allocator's memory and the host (synchronously with respect to the
@@ -31,7 +38,8 @@ class Allocator {
   virtual void upload(void* device_dst, const void* host_src, std::size_t bytes) = 0;
   virtual void download(void* host_dst, const void* device_src, std::size_t bytes) = 0;
   /// An allocator of host memory that this one's device copies to and from fastest (pinned for
-  /// CUDA, plain for the host): where state kept on the host lives.
+  /// CUDA, with a cache bounded by its high-water mark; plain for the host): where state kept on
+  /// the host lives.
   virtual std::unique_ptr<Allocator> host_staging() const = 0;
 };
 
@@ -51,7 +59,9 @@ struct DeviceMemory {
 };
 
 /// cudaMalloc/cudaFree on `device`, no cache: every free returns memory to the driver, so
-/// reserved == allocated. Throws BackendUnavailable in a build without CUDA.
+/// reserved == allocated. Its host_staging() allocator is page-locked host memory that does
+/// cache freed blocks, never holding more than its peak of live bytes (memory/cuda/
+/// cuda_allocator.cpp, docs/memory.md). Throws BackendUnavailable in a build without CUDA.
 std::unique_ptr<Allocator> make_cuda_allocator(int device);
 /// Throws BackendUnavailable in a build without CUDA.
 DeviceMemory cuda_device_memory(int device);
