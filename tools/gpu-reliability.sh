@@ -16,7 +16,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 
 step "build (preset cuda)"
 t0=$SECONDS
-{ cmake --preset cuda && cmake --build --preset cuda -j "$(nproc)"; } > "$OUT/build.log" 2>&1 \
+{ cmake --preset cuda && cmake --build --preset cuda -j "$(nproc)" --target shardswap_gpu_tests shardswap; } > "$OUT/build.log" 2>&1 \
   || { tail -60 "$OUT/build.log"; exit 1; }
 echo "built in $((SECONDS - t0)) s"
 
@@ -37,7 +37,7 @@ init_tests=("${race_tests[@]}" "cuda: cast agrees*" "cuda: accumulate agrees*"
   "cuda: compressed gradient communication matches the float64 reference")
 sanitize() {  # tool, then test specs
   local tool=$1; shift
-  CUDA_VISIBLE_DEVICES=0 timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+  CUDA_VISIBLE_DEVICES=0 timeout 130 compute-sanitizer --tool "$tool" --error-exitcode 3 \
     --print-limit 20 build/cuda/tests/gpu/shardswap_gpu_tests "$@" > "$OUT/$tool.log" 2>&1
   local rc=$?
   echo "$tool: exit $rc; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1);" \
