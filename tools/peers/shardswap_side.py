@@ -147,8 +147,11 @@ def cmd_switch(args):
         doc = json.load(open(out))
     for row in doc["rows"]:
         ok = row["check"] == "PASS"
-        peerlib.emit(dict(base, method=f"set_active, policy {row['policy']}",
-                          policy=row["policy"], switches=args.switches,
+        # The bench's extra keep_host row pins and unpins host memory at every switch (the cache
+        # emptied after each free): what keep_host cost before the pinned host cache.
+        label = row["policy"] + ("" if row.get("host_cache", True) else " (no cache)")
+        peerlib.emit(dict(base, method=f"set_active, policy {label}",
+                          policy=label, switches=args.switches,
                           ms_per_switch=row["ms_per_switch"], bytes_touched=row["bytes"],
                           bound_ms=row["bound_ms"], copy_tbps=row["copy_tbps"],
                           # ShardSwap's requested bytes after the first timed switch and after
