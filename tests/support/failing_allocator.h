@@ -39,6 +39,8 @@ class FailingAllocator final : public Allocator {
   Block allocate(std::size_t requested) override;
   void deallocate(Block block) noexcept override { inner_->deallocate(block); }
   std::size_t reserved_bytes() const override { return inner_->reserved_bytes(); }
+  std::size_t cached_bytes() const override { return inner_->cached_bytes(); }
+  std::size_t trim() noexcept override { return inner_->trim(); }
   DeviceKind device() const override { return inner_->device(); }
   std::string name() const override;
   void upload(void* dst, const void* src, std::size_t bytes) override {
