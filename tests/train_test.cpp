@@ -46,6 +46,21 @@ TrainSummary run(const TrainConfig& config, std::ostringstream& log, std::ostrin
   return train(config, TrainOutput{log, metrics});
 }
 
+/// A metrics text with its timings (tokens_per_s, step_seconds, a switch's seconds) removed:
+/// what two runs of the same config must agree on exactly.
+std::string without_timings(const std::string& text) {
+  std::istringstream in(text);
+  std::string line, out;
+  while (std::getline(in, line)) {
+    auto m = nlohmann::json::parse(line);
+    m.erase("tokens_per_s");
+    m.erase("step_seconds");
+    if (m.contains("switch")) m["switch"].erase("seconds");
+    out += m.dump() + "\n";
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("a bf16 stage 2 run on two ranks drives the loss down") {
@@ -185,20 +200,7 @@ TEST_CASE("two runs of the same config give bit-identical metrics") {
   std::ostringstream log1, log2, first, second;
   run(load(j), log1, &first);
   run(load(j), log2, &second);
-  // tokens_per_s and step_seconds are timings; every other field must match exactly.
-  auto strip = [](const std::string& text) {
-    std::istringstream in(text);
-    std::string line, out;
-    while (std::getline(in, line)) {
-      auto m = nlohmann::json::parse(line);
-      m.erase("tokens_per_s");
-      m.erase("step_seconds");
-      if (m.contains("switch")) m["switch"].erase("seconds");
-      out += m.dump() + "\n";
-    }
-    return out;
-  };
-  REQUIRE(strip(first.str()) == strip(second.str()));
+  REQUIRE(without_timings(first.str()) == without_timings(second.str()));
   REQUIRE(!first.str().empty());
 }
 
@@ -399,17 +401,6 @@ TEST_CASE("a training run with shardswap.comm_timeout_s gives the metrics of one
   run(load(j), log1, &without);
   j["shardswap"]["comm_timeout_s"] = 120;
   run(load(j), log2, &with);
-  auto strip = [](const std::string& text) {  // timings differ; every other field must not
-    std::istringstream in(text);
-    std::string line, out;
-    while (std::getline(in, line)) {
-      auto m = nlohmann::json::parse(line);
-      m.erase("tokens_per_s");
-      m.erase("step_seconds");
-      out += m.dump() + "\n";
-    }
-    return out;
-  };
   REQUIRE(!without.str().empty());
-  REQUIRE(strip(with.str()) == strip(without.str()));
+  REQUIRE(without_timings(with.str()) == without_timings(without.str()));
 }

@@ -178,41 +178,7 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
 
 void run_in_process_ranks(const TrainConfig& config, const CollectiveOps& ops,
                           const std::function<void(int rank, Communicator& comm)>& fn) {
-  // run_ranks, with the group's timeout set before any rank starts.
-  const int world = config.world_size;
-  InProcessGroup group(world, ops);
-  group.set_timeout(config.comm_timeout);
-  std::mutex mutex;
-  std::exception_ptr first;
-  const auto run = [&](int r) {
-    try {
-      fn(r, group.rank(r));
-    } catch (...) {
-      std::string what = "unknown exception";
-      try {
-        throw;
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
-      }
-      {
-        std::lock_guard lock(mutex);
-        if (first) return;  // most likely the CommError of the abort below
-        first = std::current_exception();
-      }
-      group.abort(fmt::format("rank {} failed: {}", r, what));
-    }
-  };
-  std::vector<std::thread> threads;
-  try {
-    for (int r = 0; r < world; ++r) threads.emplace_back(run, r);
-  } catch (const std::exception& e) {
-    group.abort(fmt::format("could not start {} rank threads: {}", world, e.what()));
-    for (auto& t : threads) t.join();
-    throw;
-  }
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
+  run_ranks(config.world_size, fn, ops, config.comm_timeout);
 }
 
 TrainSummary train(const TrainConfig& config, const TrainOutput& out) {

@@ -117,8 +117,10 @@ class InProcessGroup {
 
 /// Runs fn(rank, comm) on world_size threads over one InProcessGroup. If any rank throws, the
 /// group is aborted (so no rank waits forever) and the first rank's exception (by time) is
-/// rethrown here after every thread has joined.
+/// rethrown here after every thread has joined. `timeout` is the group's (set_timeout), applied
+/// before any rank starts; zero waits forever.
 void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,
-               const CollectiveOps& ops = host_collective_ops());
+               const CollectiveOps& ops = host_collective_ops(),
+               std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
 
 }  // namespace shardswap

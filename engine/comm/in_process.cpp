@@ -460,8 +460,9 @@ void InProcessGroup::set_timeout(std::chrono::milliseconds timeout) {
 }
 
 void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,
-               const CollectiveOps& ops) {
+               const CollectiveOps& ops, std::chrono::milliseconds timeout) {
   InProcessGroup group(world_size, ops);
+  group.set_timeout(timeout);
   std::mutex mutex;
   std::exception_ptr first;
   auto run = [&](int r) {

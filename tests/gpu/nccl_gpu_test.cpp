@@ -32,6 +32,7 @@
 #include "memory/error.h"
 #include "memory/host_types.h"
 #include "tests/catch_compat.h"
+#include "tests/support/typed_values.h"
 
 using namespace shardswap;
 
@@ -39,14 +40,7 @@ namespace {
 
 const ReduceOp kOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::max};
 
-template <class T>
-double to_double(T x) {
-  if constexpr (std::is_same_v<T, double>) {
-    return x;
-  } else {
-    return static_cast<double>(static_cast<float>(x));
-  }
-}
+using test_support::to_double;
 
 /// Element i of rank r's data in test `seed`: an integer in [-8, 8]. Sums over up to 8 ranks stay
 /// within [-64, 64], exact in bf16 (8 significant bits) and in every other dtype.
