@@ -216,6 +216,9 @@ class Engine {
   void reduce_scatter_grads(Group& g);
   // Allocates a group's active state into `g` (all or nothing), seeded or restored.
   void allocate_active_state(Group& g);
+  // Drops the keep_host memory space once no group is kept on the host, so that what its
+  // allocator keeps for reuse (pinned blocks, on CUDA) goes back to the system with it.
+  void release_idle_host() noexcept;
   // A buffer for an activating group: a recycled block of the same size and tag, or a new one.
   Buffer take(std::size_t bytes, Tag tag, std::string label);
   // Gives a buffer up: into the recycle list during set_active, else back to the allocator.

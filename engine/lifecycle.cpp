@@ -126,6 +126,16 @@ void Engine::activate(const std::string& group) {
   if (g.active)
     throw StateError(fmt::format("Engine::activate: group '{}' is already active", group));
   allocate_active_state(g);
+  release_idle_host();
+}
+
+void Engine::release_idle_host() noexcept {
+  if (!impl_->host) return;
+  for (const auto& g : impl_->groups)
+    if (g.kept && g.kept->policy == DeactivatePolicy::keep_host) return;
+  // No live buffer is left in it. Blocks still held by Pins keep the allocator alive through
+  // their storage until the Pins go.
+  impl_->host.reset();
 }
 
 std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy,
@@ -543,6 +553,7 @@ void Engine::restore_training_state(const TrainingState& state) {
   impl_->scaler.restore(state.scaler);
   config_.optimizer.lr = state.lr;
   for (auto& p : impl_->params) p.slot_out = p.ready = false;
+  release_idle_host();
 }
 
 View Engine::master(const std::string& group) const {

@@ -3,7 +3,9 @@
 // nothing.
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -176,6 +178,78 @@ TEST_CASE("1000 switches leave exactly the bytes in use after the first") {
     const auto s = e.memory_stats();
     RANK_REQUIRE(s.requested.current == after_first);
     RANK_REQUIRE(s.views == views_after_first);  // no alias left behind either
+  });
+}
+
+namespace {
+
+// Host memory whose host_staging() allocators count themselves, so a test can see when the
+// engine lets its keep_host space (and the cache a pinned allocator keeps) go.
+class CountedStagingAllocator final : public Allocator {
+ public:
+  CountedStagingAllocator(std::unique_ptr<Allocator> inner, std::shared_ptr<std::atomic<int>> live,
+                          bool staging)
+      : inner_(std::move(inner)), live_(std::move(live)), staging_(staging) {
+    if (staging_) ++*live_;
+  }
+  ~CountedStagingAllocator() override {
+    if (staging_) --*live_;
+  }
+  Block allocate(std::size_t requested) override { return inner_->allocate(requested); }
+  void deallocate(Block block) noexcept override { inner_->deallocate(block); }
+  std::size_t reserved_bytes() const override { return inner_->reserved_bytes(); }
+  DeviceKind device() const override { return inner_->device(); }
+  std::string name() const override { return inner_->name(); }
+  void upload(void* dst, const void* src, std::size_t bytes) override {
+    inner_->upload(dst, src, bytes);
+  }
+  void download(void* dst, const void* src, std::size_t bytes) override {
+    inner_->download(dst, src, bytes);
+  }
+  std::unique_ptr<Allocator> host_staging() const override {
+    return std::make_unique<CountedStagingAllocator>(inner_->host_staging(), live_, true);
+  }
+
+ private:
+  std::unique_ptr<Allocator> inner_;
+  std::shared_ptr<std::atomic<int>> live_;
+  bool staging_;
+};
+
+}  // namespace
+
+TEST_CASE("the keep_host space goes once no group is kept on the host, and comes back on demand") {
+  auto live = std::make_shared<std::atomic<int>>(0);
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    MemorySpace space(
+        rank, std::make_unique<CountedStagingAllocator>(make_host_allocator(), live, false));
+    Engine e(small_lisa_config(2), comm, space);
+    declare_small_lisa_model(e);
+    e.build(init);
+    // Both ranks reach each check before either changes the shared count again.
+    const auto expect_live = [&](int n) {
+      comm.barrier();
+      RANK_REQUIRE(live->load() == n);
+      comm.barrier();
+    };
+    const auto all =
+        std::vector<std::string>{"embed", "head", "layers.0", "layers.1", "layers.2", "layers.3"};
+    e.set_active({"embed", "head", "layers.0"}, DeactivatePolicy::keep_host);
+    expect_live(2);          // one keep_host space per rank
+    e.activate("layers.1");  // two of three kept groups still on the host
+    expect_live(2);
+    e.set_active(all, DeactivatePolicy::keep_host);  // the last ones come back
+    expect_live(0);
+    require_stats_equal_plan(e);
+    e.deactivate("layers.3", DeactivatePolicy::keep_host);  // made again on first use
+    expect_live(2);
+    e.deactivate("layers.2", DeactivatePolicy::drop);  // a dropped group keeps nothing there
+    e.activate("layers.3");
+    expect_live(0);
+    e.activate("layers.2");
+    backward(e, rank, 0);
+    e.step();
+    require_stats_equal_plan(e);
   });
 }
 
