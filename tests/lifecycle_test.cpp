@@ -15,6 +15,7 @@
 #include "memory/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
+#include "tests/support/forwarding_allocator.h"
 #include "tests/support/small_models.h"
 
 using namespace shardswap;
@@ -185,33 +186,21 @@ namespace {
 
 // Host memory whose host_staging() allocators count themselves, so a test can see when the
 // engine lets its keep_host space (and the cache a pinned allocator keeps) go.
-class CountedStagingAllocator final : public Allocator {
+class CountedStagingAllocator final : public test_support::ForwardingAllocator {
  public:
   CountedStagingAllocator(std::unique_ptr<Allocator> inner, std::shared_ptr<std::atomic<int>> live,
                           bool staging)
-      : inner_(std::move(inner)), live_(std::move(live)), staging_(staging) {
+      : ForwardingAllocator(std::move(inner)), live_(std::move(live)), staging_(staging) {
     if (staging_) ++*live_;
   }
   ~CountedStagingAllocator() override {
     if (staging_) --*live_;
   }
-  Block allocate(std::size_t requested) override { return inner_->allocate(requested); }
-  void deallocate(Block block) noexcept override { inner_->deallocate(block); }
-  std::size_t reserved_bytes() const override { return inner_->reserved_bytes(); }
-  DeviceKind device() const override { return inner_->device(); }
-  std::string name() const override { return inner_->name(); }
-  void upload(void* dst, const void* src, std::size_t bytes) override {
-    inner_->upload(dst, src, bytes);
-  }
-  void download(void* dst, const void* src, std::size_t bytes) override {
-    inner_->download(dst, src, bytes);
-  }
   std::unique_ptr<Allocator> host_staging() const override {
-    return std::make_unique<CountedStagingAllocator>(inner_->host_staging(), live_, true);
+    return std::make_unique<CountedStagingAllocator>(inner().host_staging(), live_, true);
   }
 
  private:
-  std::unique_ptr<Allocator> inner_;
   std::shared_ptr<std::atomic<int>> live_;
   bool staging_;
 };

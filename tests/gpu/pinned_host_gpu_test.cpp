@@ -19,6 +19,7 @@
 #include "engine/engine.h"
 #include "memory/allocator.h"
 #include "tests/catch_compat.h"
+#include "tests/support/forwarding_allocator.h"
 
 using namespace shardswap;
 
@@ -173,44 +174,32 @@ struct StagingRecord {
 };
 
 // Wraps the device allocator so that the host-staging allocator it hands the engine is watched.
-class WatchedAllocator final : public Allocator {
+class WatchedAllocator final : public test_support::ForwardingAllocator {
  public:
   WatchedAllocator(std::unique_ptr<Allocator> inner, StagingRecord* record, bool staging)
-      : inner_(std::move(inner)), record_(record), staging_(staging) {}
+      : ForwardingAllocator(std::move(inner)), record_(record), staging_(staging) {}
   Block allocate(std::size_t requested) override {
-    const std::size_t cached_before = inner_->cached_bytes();
-    const Block b = inner_->allocate(requested);
+    const std::size_t cached_before = inner().cached_bytes();
+    const Block b = inner().allocate(requested);
     if (staging_) {
       ++record_->allocations;
-      if (inner_->cached_bytes() + b.bytes == cached_before) ++record_->from_cache;
+      if (inner().cached_bytes() + b.bytes == cached_before) ++record_->from_cache;
       record_->live += static_cast<std::int64_t>(b.bytes);
       record_->live_peak = std::max(record_->live_peak, record_->live);
       record_->reserved_peak =
-          std::max(record_->reserved_peak, static_cast<std::int64_t>(inner_->reserved_bytes()));
+          std::max(record_->reserved_peak, static_cast<std::int64_t>(inner().reserved_bytes()));
     }
     return b;
   }
   void deallocate(Block block) noexcept override {
-    inner_->deallocate(block);
+    inner().deallocate(block);
     if (staging_) record_->live -= static_cast<std::int64_t>(block.bytes);
   }
-  std::size_t reserved_bytes() const override { return inner_->reserved_bytes(); }
-  std::size_t cached_bytes() const override { return inner_->cached_bytes(); }
-  std::size_t trim() noexcept override { return inner_->trim(); }
-  DeviceKind device() const override { return inner_->device(); }
-  std::string name() const override { return inner_->name(); }
-  void upload(void* dst, const void* src, std::size_t bytes) override {
-    inner_->upload(dst, src, bytes);
-  }
-  void download(void* dst, const void* src, std::size_t bytes) override {
-    inner_->download(dst, src, bytes);
-  }
   std::unique_ptr<Allocator> host_staging() const override {
-    return std::make_unique<WatchedAllocator>(inner_->host_staging(), record_, true);
+    return std::make_unique<WatchedAllocator>(inner().host_staging(), record_, true);
   }
 
  private:
-  std::unique_ptr<Allocator> inner_;
   StagingRecord* record_;
   bool staging_;
 };
