@@ -1,25 +1,34 @@
-#include "engine/backend.h"
+#include "shardswap/backend.h"
 
 #include <fmt/format.h>
 
-#include "memory/error.h"
+#include "engine/backend_ops.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 
+std::unique_ptr<Allocator> Backend::make_allocator(int rank) const {
+  (void)rank;  // every rank of one process shares the backend's device
+  return kind_ == DeviceKind::cuda ? make_cuda_allocator(device_) : make_host_allocator();
+}
+
+void Backend::synchronize() const {
+  device_ops(*this).synchronize();
+}
+
 Backend cpu_backend() {
-  return {"cpu", [](int) { return make_host_allocator(); }, &cpu_kernels(), &host_collective_ops()};
+  return Backend(DeviceKind::host, -1, "cpu");
 }
 
 Backend cuda_backend(int device) {
   // Each lookup throws BackendUnavailable in a build without CUDA.
-  const OptimizerKernels& kernels = cuda_kernels();
-  const CollectiveOps& collectives = cuda_collective_ops();
+  (void)cuda_device_ops();
+  (void)cuda_collective_ops();
   const int count = cuda_device_count();
   if (device < 0 || device >= count)
     throw ConfigError(
         fmt::format("cuda_backend: CUDA device {} does not exist ({} visible)", device, count));
-  return {fmt::format("cuda:{}", device), [device](int) { return make_cuda_allocator(device); },
-          &kernels, &collectives};
+  return Backend(DeviceKind::cuda, device, fmt::format("cuda:{}", device));
 }
 
 Backend backend_from_name(const std::string& name, const std::string& key) {
@@ -35,6 +44,14 @@ Backend backend_from_name(const std::string& name, const std::string& key) {
   }
   throw ConfigError(
       fmt::format("backend_from_name: {} = '{}': expected cpu, cuda or cuda:N", key, name));
+}
+
+const DeviceOps& device_ops(const Backend& backend) {
+  return backend.kind() == DeviceKind::cuda ? cuda_device_ops() : cpu_device_ops();
+}
+
+const CollectiveOps& collective_ops(const Backend& backend) {
+  return backend.kind() == DeviceKind::cuda ? cuda_collective_ops() : host_collective_ops();
 }
 
 }  // namespace shardswap

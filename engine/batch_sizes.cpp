@@ -1,11 +1,11 @@
-#include "engine/batch_sizes.h"
+#include "shardswap/batch_sizes.h"
 
 #include <fmt/format.h>
 
 #include <optional>
 #include <string_view>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

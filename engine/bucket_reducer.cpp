@@ -4,12 +4,12 @@
 
 #include <algorithm>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 
 BucketReducer::BucketReducer(Communicator& comm, MemorySpace& space,
-                             const OptimizerKernels& kernels, DType grad_dtype, DType comm_dtype,
+                             const DeviceOps& kernels, DType grad_dtype, DType comm_dtype,
                              std::int64_t capacity, bool overlap)
     : comm_(comm),
       kernels_(kernels),
@@ -26,8 +26,13 @@ BucketReducer::BucketReducer(Communicator& comm, MemorySpace& space,
                                  fmt::format("compressed bucket ({})", dtype_name(comm_dtype)));
 }
 
-View BucketReducer::slot(Group& group, std::size_t param, const std::string& name,
-                         const LayoutEntry& entry) {
+std::string BucketReducer::grad_label(const Group& g) const {
+  return fmt::format("group {} grad partition", g.name);
+}
+
+View BucketReducer::slot(Group& group, std::size_t param, const Param& p) {
+  const LayoutEntry& entry = group.layout.entry_of(p.index_in_group);
+  const std::string& name = p.info.name;
   const bool fits = group_ == &group && entry.offset >= start_ &&
                     entry.offset + entry.numel <= start_ + capacity_;
   const bool fresh = !fits;
@@ -57,6 +62,7 @@ View BucketReducer::slot(Group& group, std::size_t param, const std::string& nam
   }
   last_group_ = &group;
   last_offset_ = entry.offset;
+  group.holds_grads = true;
   auto it = std::find_if(pending_.begin(), pending_.end(),
                          [&](const Pending& p) { return p.param == param; });
   if (it == pending_.end())
@@ -144,7 +150,7 @@ void BucketReducer::flush() {
       owed_.push_back(
           {group_->grad.as<std::byte>() + (p.begin - group_->shard.begin) * esize, p.data, p.count});
   comm_.set_deferred(false);
-  in_flight_ = true;  // even with nothing owed here: the bucket is read until the reduces end
+  in_flight_ = group_;  // even with nothing owed here: the bucket is read until the reduces end
   if (!overlap_) settle();
   ++flushes_;
   close(fmt::format("reduce of grad bucket {} (flush {})", current_, flushes_));
@@ -152,9 +158,9 @@ void BucketReducer::flush() {
 }
 
 void BucketReducer::settle() {
-  if (!in_flight_) return;
+  if (in_flight_ == nullptr) return;
   comm_.join();
-  in_flight_ = false;
+  in_flight_ = nullptr;
   for (const Owed& o : owed_)
     kernels_.accumulate(o.partition, dtype_, o.reduced, comm_dtype_, o.count);
   owed_.clear();
@@ -164,6 +170,32 @@ void BucketReducer::discard() {
   settle();
   if (group_ != nullptr) close("zero_grad discarded the pending bucket");
   last_group_ = nullptr;
+}
+
+void BucketReducer::clear(std::vector<Group>& groups) {
+  discard();
+  for (auto& g : groups) {
+    if (g.active) kernels_.fill_zero(g.grad.data(), g.grad.bytes());
+    g.holds_grads = false;
+  }
+}
+
+std::string BucketReducer::pending(const Group& g) const {
+  if (group_ == &g) {
+    std::string params;
+    for (const auto& p : pending_)
+      params += fmt::format("{}'{}'", params.empty() ? "" : ", ", p.name);
+    return fmt::format("gradients in the open reduce bucket ({})", params);
+  }
+  if (in_flight_ == &g) return "a reduce of its gradients issued and not yet settled";
+  if (g.holds_grads) return "reduced gradients not yet applied by step()";
+  return "";
+}
+
+void BucketReducer::forget_groups() {
+  discard();
+  last_group_ = nullptr;
+  last_offset_ = -1;
 }
 
 void BucketReducer::close(const std::string& event) {

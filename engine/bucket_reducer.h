@@ -24,43 +24,46 @@
 #include <string>
 #include <vector>
 
-#include "engine/comm/communicator.h"
-#include "engine/group.h"
-#include "memory/buffer.h"
-#include "optimizer/optimizer.h"
+#include "engine/gradient_reducer.h"
 
 namespace shardswap {
 
-class BucketReducer {
+class BucketReducer final : public GradientReducer {
  public:
   /// Allocates two buckets of `capacity` elements of `grad_dtype` (tag grad) and, when
   /// comm_dtype differs, one comm buffer of `capacity` elements of `comm_dtype` (tag comm).
-  BucketReducer(Communicator& comm, MemorySpace& space, const OptimizerKernels& kernels,
+  BucketReducer(Communicator& comm, MemorySpace& space, const DeviceOps& kernels,
                 DType grad_dtype, DType comm_dtype, std::int64_t capacity, bool overlap);
 
-  /// The slot for param `param` named `name` (flat entry `entry` of `group`). Reduces the open
-  /// bucket first if the slot does not fit in its window.
-  View slot(Group& group, std::size_t param, const std::string& name, const LayoutEntry& entry);
-  /// Records that the gradient in param's slot is complete. Returns false if param has no slot
-  /// in the open bucket.
-  bool mark_ready(std::size_t param);
-  /// Reduces the open bucket (if any) into the owners' partitions; its slots go stale. Throws
-  /// Error naming the params whose slot was handed out but never marked ready.
-  void flush();
+  std::int64_t grad_numel(const Group& g) const override { return g.shard.numel(); }
+  std::string grad_label(const Group& g) const override;
+  void attach(Group&, const std::vector<Param>&) override {}
+  void detach(Group&) override {}
+  /// Reduces the open bucket first if the slot does not fit in its window.
+  View slot(Group& g, std::size_t index, const Param& p) override;
+  /// False if the param has no slot in the open bucket.
+  bool mark_ready(std::size_t index) override;
   /// flush() and settle(), and forget the fill direction: the next backward starts afresh.
   /// Afterwards every reduced gradient is in its owner's partition.
-  void finish() {
+  void finish() override {
     flush();
     settle();
     last_group_ = nullptr;
   }
-  /// Forgets the open bucket without reducing it; its slots go stale. Buckets already reduced
-  /// are settled into their partitions first.
-  void discard();
-  const Group* open_group() const { return group_; }
+  void reduce_for_step(std::vector<Group>&) override {}
+  std::byte* partition(const Group& g) const override { return g.grad.as<std::byte>(); }
+  void clear(std::vector<Group>& groups) override;
+  std::string pending(const Group& g) const override;
+  void forget_groups() override;
   std::int64_t capacity() const { return capacity_; }
 
  private:
+  /// Reduces the open bucket (if any) into the owners' partitions; its slots go stale. Throws
+  /// Error naming the params whose slot was handed out but never marked ready.
+  void flush();
+  /// Forgets the open bucket without reducing it; its slots go stale. Buckets already reduced
+  /// are settled into their partitions first.
+  void discard();
   void open(Group& group, const LayoutEntry& entry);
   void close(const std::string& event);
   /// Waits (on the caller's stream) for the reduces issued by the last flush and accumulates
@@ -68,7 +71,7 @@ class BucketReducer {
   void settle();
 
   Communicator& comm_;
-  const OptimizerKernels& kernels_;
+  const DeviceOps& kernels_;
   DType dtype_;       // of the gradients (buckets and partitions)
   DType comm_dtype_;  // on the wire
   std::int64_t capacity_;
@@ -95,7 +98,7 @@ class BucketReducer {
     std::size_t count;
   };
   std::vector<Owed> owed_;
-  bool in_flight_ = false;  // reduces issued by the last flush, not yet settled
+  const Group* in_flight_ = nullptr;  // group of the reduces issued by the last flush, unsettled
 };
 
 }  // namespace shardswap

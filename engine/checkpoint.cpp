@@ -3,7 +3,9 @@
 // the directory into place. Loading: every rank reads and verifies every file (so every rank
 // fails the same way on bad input), keeps the pieces that fall in its own shard at the current
 // world size, and only then hands the engine one TrainingState to restore.
-#include "engine/checkpoint.h"
+#include "engine/engine_internals.h"
+#include "optimizer/optimizer.h"
+#include "shardswap/checkpoint.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -17,7 +19,7 @@
 #include <map>
 #include <system_error>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "partition/flat_layout.h"
 
 #ifndef SHARDSWAP_VERSION
@@ -450,7 +452,7 @@ TrainingState read_state_for(const Engine& engine, const fs::path& dir, LoadedCh
       throw ConfigError(fmt::format("'{}': group '{}' has state '{}'", meta_file.string(), name,
                                     holding));
     }
-    const Shard shard = Shard::of(engine.layout(name), rank);
+    const Shard shard = Shard::of(EngineInternals::layout(engine, name), rank);
     if (s.active || s.kept) {
       s.master.assign(static_cast<std::size_t>(shard.numel()), 0.0f);
       s.state.assign(static_cast<std::size_t>(slots * shard.numel()), 0.0f);
@@ -547,7 +549,7 @@ void save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptions& 
       for (std::size_t gi = 0; gi < groups.size(); ++gi) {
         const auto& s = state.groups[gi];
         if (!s.active && !s.kept) continue;
-        const Shard shard = Shard::of(engine.layout(groups[gi]), rank);
+        const Shard shard = Shard::of(EngineInternals::layout(engine, groups[gi]), rank);
         const auto members = params_of(engine, groups[gi]);
         for (const auto& f : shard.fragments) {
           pieces.push_back({{"param", members[f.param]->name},
@@ -711,7 +713,7 @@ std::vector<CheckpointTensor> read_checkpoint_tensors(const fs::path& dir, bool 
       // Widened bit16 weights, overwritten below by the saved masters where a group has them.
       t.dtype = DType::f32;
       t.data.resize(static_cast<std::size_t>(params[i].numel) * 4);
-      cpu_kernels().cast(t.data.data(), DType::f32, weights.raw[i].data(), weights.dtype,
+      cpu_device_ops().cast(t.data.data(), DType::f32, weights.raw[i].data(), weights.dtype,
                          static_cast<std::size_t>(params[i].numel));
     }
     out.push_back(std::move(t));

@@ -3,7 +3,7 @@
 // is an error; a setting it cannot honour but whose result is the same (reduce_scatter false,
 // offload, logging) is a warning; "auto" takes ShardSwap's default with a warning. Unread keys of
 // ShardSwap's own sections are errors.
-#include "engine/config_json.h"
+#include "shardswap/config_json.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -14,7 +14,7 @@
 #include <optional>
 #include <string_view>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

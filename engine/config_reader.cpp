@@ -1,4 +1,4 @@
-#include "engine/config_reader.h"
+#include "shardswap/config_reader.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -8,7 +8,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

@@ -1,5 +1,5 @@
 // The Engine: declarations -> groups with flat layouts -> buffers -> the ZeRO-1/2 step.
-#include "engine/engine.h"
+#include "shardswap/engine.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -9,11 +9,11 @@
 #include <map>
 #include <unordered_map>
 
-#include "engine/bucket_reducer.h"
+#include "engine/backend_ops.h"
 #include "engine/engine_impl.h"
+#include "engine/engine_internals.h"
 #include "engine/group.h"
-#include "memory/error.h"
-#include "optimizer/loss_scaler.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 
@@ -39,14 +39,47 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
 
+const char* device_kind_name(DeviceKind kind) {
+  return kind == DeviceKind::cuda ? "CUDA device memory" : "host memory";
+}
+
+// The backend, the memory space and the communicator must work on the same memory: the device
+// operations are the backend's, and they run on the space's buffers and the collectives' data.
+const Backend& checked_backend(const Backend& backend, const MemorySpace& space,
+                               const Communicator& comm) {
+  if (space.device() != backend.kind())
+    throw ConfigError(fmt::format(
+        "Engine: backend '{}' runs on {}, but its MemorySpace (rank {}) allocates {}; make the "
+        "space with backend.make_allocator(rank)",
+        backend.name(), device_kind_name(backend.kind()), space.rank(),
+        device_kind_name(space.device())));
+  if (comm.device() != backend.kind())
+    throw ConfigError(fmt::format(
+        "Engine: backend '{}' runs on {}, but its Communicator (rank {}) exchanges {}",
+        backend.name(), device_kind_name(backend.kind()), comm.rank(),
+        device_kind_name(comm.device())));
+  return backend;
+}
+
+EngineConfig validated(EngineConfig config) {
+  config.validate();
+  return config;
+}
+
 }  // namespace
 
+Engine::Impl::Impl(EngineConfig config_in, Communicator& comm_in, MemorySpace& space_in,
+                   const Backend& backend_in)
+    : config(validated(std::move(config_in))),
+      comm(comm_in),
+      space(space_in),
+      backend(checked_backend(backend_in, space_in, comm_in)),
+      ops(device_ops(backend)),
+      scaler(scaling_for(config)) {}
+
 Engine::Engine(EngineConfig config, Communicator& comm, MemorySpace& space,
-               const OptimizerKernels& kernels)
-    : config_(std::move(config)), comm_(comm), space_(space), kernels_(kernels) {
-  config_.validate();
-  impl_ = std::make_unique<Impl>(scaling_for(config_));
-}
+               const Backend& backend)
+    : impl_(std::make_unique<Impl>(std::move(config), comm, space, backend)) {}
 
 Engine::~Engine() = default;
 
@@ -155,11 +188,11 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
         throw ConfigError(fmt::format("Engine::plan: no group named '{}'", name));
   auto params = impl_->params;
   const bool built = impl_->built;
-  const auto planned = plan_groups(config_, impl_->group_names, params, impl_->weight_decay,
-                                   comm_.world_size(), comm_.rank());
-  const auto psize = static_cast<std::int64_t>(dtype_size(config_.dtype));
-  const auto gsize = static_cast<std::int64_t>(dtype_size(config_.grad_type()));
-  const auto slots = config_.optimizer.state_slots();
+  const auto planned = plan_groups(impl_->config, impl_->group_names, params, impl_->weight_decay,
+                                   impl_->comm.world_size(), impl_->comm.rank());
+  const auto psize = static_cast<std::int64_t>(dtype_size(impl_->config.dtype));
+  const auto gsize = static_cast<std::int64_t>(dtype_size(impl_->config.grad_type()));
+  const auto slots = impl_->config.optimizer.state_slots();
   MemoryPlan plan;
   auto add = [&](Tag t, std::int64_t bytes) { plan.bytes[static_cast<std::size_t>(t)] += bytes; };
   for (std::size_t i = 0; i < planned.size(); ++i) {
@@ -176,7 +209,7 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
     const bool kept_on_device =
         now != nullptr && now->kept && now->kept->policy == DeactivatePolicy::keep_device;
     if (active)
-      add(Tag::grad, (config_.stage == 1 ? g.layout.total_numel() : g.shard.numel()) * gsize);
+      add(Tag::grad, (impl_->config.stage == 1 ? g.layout.total_numel() : g.shard.numel()) * gsize);
     if (active || kept_on_device) {
       add(Tag::master32, g.shard.numel() * 4);
       add(Tag::optim_state, g.shard.numel() * 4 * slots);
@@ -184,11 +217,11 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
   }
   // After build the buckets exist: their size stays what build chose, whatever reform does.
   const auto capacity = built ? impl_->capacity
-                              : bucket_capacity(config_, planned, params, comm_.world_size(), false);
-  if (config_.stage == 2) add(Tag::grad, 2 * capacity * gsize);
+                              : bucket_capacity(impl_->config, planned, params, impl_->comm.world_size(), false);
+  if (impl_->config.stage == 2) add(Tag::grad, 2 * capacity * gsize);
   add(Tag::comm, kScalarBytes);
-  if (config_.compressed())
-    add(Tag::comm, capacity * static_cast<std::int64_t>(dtype_size(config_.comm_type())));
+  if (impl_->config.compressed())
+    add(Tag::comm, capacity * static_cast<std::int64_t>(dtype_size(impl_->config.comm_type())));
   return plan;
 }
 
@@ -200,59 +233,53 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
     for (const auto& name : *active)
       if (std::find(names.begin(), names.end(), name) == names.end())
         throw ConfigError(fmt::format("Engine::build: active group '{}' is not declared", name));
-  const int rank = comm_.rank();
-  const DType dtype = config_.dtype, grad_dtype = config_.grad_type();
+  const int rank = impl_->comm.rank();
+  const DType dtype = impl_->config.dtype, grad_dtype = impl_->config.grad_type();
   const auto psize = dtype_size(dtype);
   // Everything is built into locals and moved in at the end: a failure frees it all.
   auto params = impl_->params;
-  auto groups = plan_groups(config_, names, params, impl_->weight_decay, comm_.world_size(), rank);
+  auto groups = plan_groups(impl_->config, names, params, impl_->weight_decay, impl_->comm.world_size(), rank);
   std::vector<float> values;
   std::vector<std::byte> staged;  // one param's bit16 values on the host, then uploaded
   for (auto& g : groups) {
     const auto total = static_cast<std::size_t>(g.layout.total_numel());
     g.param16 =
-        space_.allocate(total * psize, Tag::param16, fmt::format("group {} param16", g.name));
-    kernels_.fill_zero(g.param16.data(), g.param16.bytes());  // padding stays zero for good
+        impl_->space.allocate(total * psize, Tag::param16, fmt::format("group {} param16", g.name));
+    impl_->ops.fill_zero(g.param16.data(), g.param16.bytes());  // padding stays zero for good
     for (auto i : g.params) {
       Param& p = params[i];
       const auto& entry = g.layout.entry_of(p.index_in_group);
       values.assign(static_cast<std::size_t>(p.info.numel), 0.0f);
       init(p.info, values);
       staged.resize(values.size() * psize);
-      cpu_kernels().cast(staged.data(), dtype, values.data(), DType::f32, values.size());
-      space_.upload(g.param16_at(entry.offset, psize), staged.data(), staged.size());
+      cpu_device_ops().cast(staged.data(), dtype, values.data(), DType::f32, values.size());
+      impl_->space.upload(g.param16_at(entry.offset, psize), staged.data(), staged.size());
       p.weight = g.param16.view(static_cast<std::size_t>(entry.offset) * psize,
                                 static_cast<std::size_t>(p.info.numel), dtype,
                                 p.info.name + ": weight view");
     }
     // Every rank must start from the same weights, whatever its init did.
-    comm_.broadcast(g.param16.data(), total, dtype, 0);
+    impl_->comm.broadcast(g.param16.data(), total, dtype, 0);
   }
-  const auto capacity = bucket_capacity(config_, groups, params, comm_.world_size(), rank == 0);
-  std::unique_ptr<BucketReducer> reducer;
-  if (config_.stage == 2)
-    reducer = std::make_unique<BucketReducer>(comm_, space_, kernels_, grad_dtype,
-                                              config_.comm_type(), capacity,
-                                              config_.overlap_comm);
-  Buffer compressed;
-  if (config_.stage == 1 && config_.compressed())
-    compressed = space_.allocate(
-        static_cast<std::size_t>(capacity) * dtype_size(config_.comm_type()), Tag::comm,
-        fmt::format("compressed chunk ({})", dtype_name(config_.comm_type())));
-  Buffer scalars = space_.allocate(kScalarBytes, Tag::comm, "step scalars");
-  // Active state last, through the same path as activate(); params must be in place for views.
+  const auto capacity = bucket_capacity(impl_->config, groups, params, impl_->comm.world_size(), rank == 0);
+  // The gradient path's buffers (stage 2 buckets, the compressed chunk), then the scalars.
+  auto reducer = make_gradient_reducer(impl_->config, impl_->comm, impl_->space, impl_->ops,
+                                       capacity, params.size());
+  Buffer scalars = impl_->space.allocate(kScalarBytes, Tag::comm, "step scalars");
+  // Active state last, through the same path as activate(); params and the reducer must be in
+  // place for the gradient slots.
   std::swap(impl_->params, params);
+  std::swap(impl_->reducer, reducer);
   try {
     for (auto& g : groups)
       if (!active || std::find(active->begin(), active->end(), g.name) != active->end())
-        allocate_active_state(g);
+        impl_->allocate_active_state(g);
   } catch (...) {
     std::swap(impl_->params, params);
+    std::swap(impl_->reducer, reducer);
     throw;
   }
   impl_->groups = std::move(groups);
-  impl_->reducer = std::move(reducer);
-  impl_->compressed = std::move(compressed);
   impl_->scalars = std::move(scalars);
   impl_->capacity = capacity;
   impl_->built = true;
@@ -266,109 +293,105 @@ View Engine::weight(const std::string& name) const {
 View Engine::grad_slot(const std::string& name) {
   impl_->require_built("grad_slot");
   Param& p = impl_->param(name, "grad_slot");
-  if (!impl_->groups[p.group].active)
+  Group& g = impl_->groups[p.group];
+  if (!g.active)
     throw StateError(
         fmt::format("Engine::grad_slot: '{}' belongs to frozen group '{}'", name, p.info.group));
-  if (config_.stage == 1) {
-    p.slot_out = true;
-    p.ready = false;
-    return p.full_grad;
-  }
-  Group& g = impl_->groups[p.group];
-  const auto i = static_cast<std::size_t>(&p - impl_->params.data());
-  return impl_->reducer->slot(g, i, name, g.layout.entry_of(p.index_in_group));
+  return impl_->reducer->slot(g, impl_->index_of(p), p);
 }
 
 void Engine::grad_ready(const std::string& name) {
   impl_->require_built("grad_ready");
   Param& p = impl_->param(name, "grad_ready");
-  const auto i = static_cast<std::size_t>(&p - impl_->params.data());
-  const bool known = config_.stage == 1 ? p.slot_out : impl_->reducer->mark_ready(i);
-  if (!known)
-    throw Error(fmt::format("Engine::grad_ready: '{}' has no grad slot handed out", name));
-  p.ready = true;
+  if (!impl_->reducer->mark_ready(impl_->index_of(p)))
+    throw StateError(fmt::format("Engine::grad_ready: '{}' has no grad slot handed out", name));
+}
+
+void Engine::add_grad(const std::string& name, std::span<const float> grad) {
+  impl_->require_built("add_grad");
+  const Param& p = impl_->param(name, "add_grad");
+  if (grad.size() != static_cast<std::size_t>(p.info.numel))
+    throw ConfigError(fmt::format("Engine::add_grad: '{}' has {} elements, {} values given", name,
+                                  p.info.numel, grad.size()));
+  const View slot = grad_slot(name);
+  if (impl_->space.device() == DeviceKind::host) {
+    impl_->ops.accumulate(slot.raw(), slot.dtype(), grad.data(), DType::f32, grad.size());
+  } else {
+    // Host values reach the device through a bounded staging buffer, a chunk at a time.
+    constexpr std::size_t kChunk = std::size_t{1} << 18;  // floats: 1 MiB
+    const std::size_t chunk = std::min(kChunk, grad.size());
+    Buffer staging = impl_->space.allocate(chunk * sizeof(float), Tag::other,
+                                           fmt::format("add_grad staging ({})", name));
+    auto* dst = static_cast<std::byte*>(slot.raw());
+    const auto esize = dtype_size(slot.dtype());
+    for (std::size_t at = 0; at < grad.size(); at += chunk) {
+      const std::size_t n = std::min(chunk, grad.size() - at);
+      impl_->space.upload(staging.data(), grad.data() + at, n * sizeof(float));
+      impl_->ops.accumulate(dst + at * esize, slot.dtype(), staging.data(), DType::f32, n);
+    }
+    impl_->ops.synchronize();  // the staging buffer is released below
+  }
+  grad_ready(name);
+}
+
+void Engine::add_grad(const std::string& name, const void* grad, DType dtype, std::size_t count) {
+  impl_->require_built("add_grad");
+  const Param& p = impl_->param(name, "add_grad");
+  if (count != static_cast<std::size_t>(p.info.numel))
+    throw ConfigError(fmt::format("Engine::add_grad: '{}' has {} elements, {} values given", name,
+                                  p.info.numel, count));
+  if (dtype == DType::f64)
+    throw ConfigError(fmt::format(
+        "Engine::add_grad: '{}': fp64 gradients are not accepted (f32, bf16 or fp16)", name));
+  if (grad == nullptr)
+    throw ConfigError(fmt::format("Engine::add_grad: '{}': null gradient pointer", name));
+  const View slot = grad_slot(name);
+  impl_->ops.accumulate(slot.raw(), slot.dtype(), grad, dtype, count);
+  grad_ready(name);
 }
 
 void Engine::finish_backward() {
   impl_->require_built("finish_backward");
-  if (config_.stage == 2) {
-    impl_->reducer->finish();
-    return;
-  }
-  std::string missing;
-  for (const auto& p : impl_->params)
-    if (p.slot_out && !p.ready)
-      missing += fmt::format("{}'{}'", missing.empty() ? "" : ", ", p.info.name);
-  if (!missing.empty())
-    throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
-                            missing));
-}
-
-// Stage 1: reduce-scatters a group's full gradient buffer so this rank's shard holds the sum.
-// Uncompressed, in place. Compressed, in chunks through the one comm buffer: the k-th slice of
-// every rank's shard is cast to the wire type side by side, reduce-scattered there, and this
-// rank's slice is cast back into its fp32 shard.
-void Engine::reduce_scatter_grads(Group& g) {
-  const DType grad_dtype = config_.grad_type(), wire = config_.comm_type();
-  const auto gsize = dtype_size(grad_dtype), wsize = dtype_size(wire);
-  const auto shard = static_cast<std::size_t>(g.shard.numel());
-  const auto rank = static_cast<std::size_t>(comm_.rank());
-  auto* grads = g.grad.as<std::byte>();
-  if (!config_.compressed()) {
-    comm_.reduce_scatter(grads, grads + rank * shard * gsize, shard, grad_dtype, ReduceOp::sum);
-    return;
-  }
-  const auto ranks = static_cast<std::size_t>(comm_.world_size());
-  const std::size_t slice = static_cast<std::size_t>(impl_->capacity) / ranks;
-  auto* chunk = impl_->compressed.as<std::byte>();
-  for (std::size_t k = 0; k < shard; k += slice) {
-    const std::size_t n = std::min(slice, shard - k);
-    for (std::size_t r = 0; r < ranks; ++r)
-      kernels_.cast(chunk + r * n * wsize, wire, grads + (r * shard + k) * gsize, grad_dtype, n);
-    comm_.reduce_scatter(chunk, chunk + rank * n * wsize, n, wire, ReduceOp::sum);
-    kernels_.cast(grads + (rank * shard + k) * gsize, grad_dtype, chunk + rank * n * wsize, wire,
-                  n);
-  }
+  impl_->reducer->finish();
 }
 
 double Engine::sum_across_ranks(double value) {
   impl_->require_built("sum_across_ranks");
   void* scalar = impl_->scalars.data();
-  space_.upload(scalar, &value, sizeof value);
-  comm_.all_reduce(scalar, 1, DType::f64, ReduceOp::sum);
-  space_.download(&value, scalar, sizeof value);
+  impl_->space.upload(scalar, &value, sizeof value);
+  impl_->comm.all_reduce(scalar, 1, DType::f64, ReduceOp::sum);
+  impl_->space.download(&value, scalar, sizeof value);
   // After a timed-out collective was aborted the download returns whatever the buffer held:
   // the communicator says so here, before the value steers a step.
-  comm_.check();
+  impl_->comm.check();
   return value;
 }
 
 StepResult Engine::step() {
   impl_->require_built("step");
   finish_backward();
-  const DType dtype = config_.dtype, grad_dtype = config_.grad_type();
-  const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
+  const DType dtype = impl_->config.dtype, grad_dtype = impl_->config.grad_type();
+  const auto psize = dtype_size(dtype);
   auto& groups = impl_->groups;
-  if (config_.stage == 1)
-    for (auto& g : groups)
-      if (g.active) reduce_scatter_grads(g);
+  GradientReducer& reducer = *impl_->reducer;
+  reducer.reduce_for_step(groups);
 
   // Partitions now hold sums over ranks of loss-scaled micro-batch sums. One factor turns them
   // into the mean unscaled gradient; it is applied in registers, never to a stored copy.
   StepResult result;
   result.loss_scale = impl_->scaler.scale();
   const double unscale =
-      1.0 / (result.loss_scale * comm_.world_size() * config_.gradient_accumulation_steps);
+      1.0 / (result.loss_scale * impl_->comm.world_size() * impl_->config.gradient_accumulation_steps);
   double squares = 0.0;
   for (auto& g : groups)
     if (g.active)
-      squares += kernels_.sum_squares(g.grad_partition(config_.stage, gsize), grad_dtype,
+      squares += impl_->ops.sum_squares(reducer.partition(g), grad_dtype,
                                       static_cast<std::size_t>(g.shard.numel()), unscale);
   // One all-reduce gives both the norm and the overflow flag: Inf/NaN anywhere poisons the sum.
   squares = sum_across_ranks(squares);
   result.grad_norm = std::sqrt(squares);
   const bool overflow = !std::isfinite(squares);
-  if (overflow && dtype == DType::bf16 && config_.nonfinite == NonFinitePolicy::error) {
+  if (overflow && dtype == DType::bf16 && impl_->config.nonfinite == NonFinitePolicy::error) {
     // Every rank saw the same all-reduced sum, so every rank throws here. The gradients are
     // dropped first so that a caller who catches it can go on with the next batch.
     std::int64_t done = 0;  // the optimizer step this would have been: after the furthest group
@@ -383,11 +406,11 @@ StepResult Engine::step() {
   }
   result.applied = impl_->scaler.update(overflow);
   if (result.applied) {
-    result.clip_coef = clip_coefficient(result.grad_norm, config_.gradient_clipping);
+    result.clip_coef = clip_coefficient(result.grad_norm, impl_->config.gradient_clipping);
     StepArgs args;
-    args.lr = config_.optimizer.lr;
+    args.lr = impl_->config.optimizer.lr;
     args.grad_scale = static_cast<float>(unscale * result.clip_coef);
-    const auto slots = config_.optimizer.state_slots();
+    const auto slots = impl_->config.optimizer.state_slots();
     for (auto& g : groups) {
       if (!g.active) continue;
       const auto shard = static_cast<std::size_t>(g.shard.numel());
@@ -397,17 +420,17 @@ StepResult Engine::step() {
       t.master = g.master.as<float>();
       t.state0 = slots >= 1 ? g.state.as<float>() : nullptr;
       t.state1 = slots >= 2 ? g.state.as<float>() + shard : nullptr;
-      t.grad = g.grad_partition(config_.stage, gsize);
+      t.grad = reducer.partition(g);
       t.param = g.param16_at(g.shard.begin, psize);
       t.dtype = dtype;
       t.grad_dtype = grad_dtype;
       t.count = shard;
-      kernels_.update(config_.optimizer, args, t);
+      impl_->ops.update(impl_->config.optimizer, args, t);
     }
     for (auto& g : groups) {
       if (!g.active) continue;
       const auto shard = static_cast<std::size_t>(g.shard.numel());
-      comm_.all_gather(g.param16_at(g.shard.begin, psize), g.param16.data(), shard, dtype);
+      impl_->comm.all_gather(g.param16_at(g.shard.begin, psize), g.param16.data(), shard, dtype);
     }
   }
   zero_grad();
@@ -416,10 +439,7 @@ StepResult Engine::step() {
 
 void Engine::zero_grad() {
   impl_->require_built("zero_grad");
-  if (impl_->reducer) impl_->reducer->discard();
-  for (auto& g : impl_->groups)
-    if (g.active) kernels_.fill_zero(g.grad.data(), g.grad.bytes());
-  for (auto& p : impl_->params) p.slot_out = p.ready = false;
+  impl_->reducer->clear(impl_->groups);
 }
 
 double Engine::loss_scale() const {
@@ -429,7 +449,39 @@ double Engine::loss_scale() const {
 void Engine::set_lr(double lr) {
   if (!(lr >= 0.0) || !std::isfinite(lr))
     throw ConfigError(fmt::format("Engine::set_lr: learning rate {} must be finite and >= 0", lr));
-  config_.optimizer.lr = lr;
+  impl_->config.optimizer.lr = lr;
+}
+
+double Engine::lr() const {
+  return impl_->config.optimizer.lr;
+}
+
+const EngineConfig& Engine::config() const {
+  return impl_->config;
+}
+
+const Backend& Engine::backend() const {
+  return impl_->backend;
+}
+
+MemorySpace& Engine::memory() const {
+  return impl_->space;
+}
+
+MemoryStats Engine::memory_stats() const {
+  return impl_->space.stats();
+}
+
+std::string Engine::memory_report() const {
+  return impl_->space.report_text();
+}
+
+int Engine::rank() const {
+  return impl_->comm.rank();
+}
+
+int Engine::world_size() const {
+  return impl_->comm.world_size();
 }
 
 const std::vector<ParamInfo>& Engine::params() const {
@@ -451,8 +503,8 @@ std::int64_t Engine::group_step(const std::string& group) const {
   return find_group(impl_->groups, group, "group_step").step;
 }
 
-const FlatLayout& Engine::layout(const std::string& group) const {
-  return find_group(impl_->groups, group, "layout").layout;
+const FlatLayout& EngineInternals::layout(const Engine& engine, const std::string& group) {
+  return find_group(engine.impl_->groups, group, "layout").layout;
 }
 
 std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {
@@ -465,7 +517,7 @@ std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {
   for (const auto& f : g.shard.fragments)
     if (f.param == p.index_in_group) {
       MasterPiece piece{f.param_offset, std::vector<float>(static_cast<std::size_t>(f.count))};
-      space_.download(piece.values.data(), master + f.shard_offset, f.count * sizeof(float));
+      impl_->space.download(piece.values.data(), master + f.shard_offset, f.count * sizeof(float));
       pieces.push_back(std::move(piece));
     }
   return pieces;
@@ -474,9 +526,9 @@ std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {
 std::vector<float> Engine::read_weight(const std::string& name) const {
   const View w = weight(name);
   std::vector<std::byte> raw(w.bytes());
-  space_.download(raw.data(), w.raw(), raw.size());
+  impl_->space.download(raw.data(), w.raw(), raw.size());
   std::vector<float> out(w.count());
-  cpu_kernels().cast(out.data(), DType::f32, raw.data(), w.dtype(), out.size());
+  cpu_device_ops().cast(out.data(), DType::f32, raw.data(), w.dtype(), out.size());
   return out;
 }
 

@@ -1,11 +1,11 @@
-#include "engine/engine_config.h"
+#include "shardswap/engine_config.h"
 
 #include <fmt/format.h>
 
 #include <cmath>
 #include <string>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

@@ -1,5 +1,5 @@
 // The Engine's private state, shared by engine.cpp (declarations, build, step) and
-// lifecycle.cpp (activate, deactivate, switches). Not part of the public API.
+// lifecycle.cpp (activate, deactivate, switches, checkpoints). Not part of the public API.
 #pragma once
 
 #include <fmt/format.h>
@@ -10,16 +10,23 @@
 #include <unordered_map>
 #include <vector>
 
-#include "engine/bucket_reducer.h"
-#include "engine/engine.h"
+#include "engine/gradient_reducer.h"
 #include "engine/group.h"
-#include "memory/error.h"
-#include "optimizer/loss_scaler.h"
+#include "shardswap/loss_scaler.h"
+#include "optimizer/optimizer.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 
 struct Engine::Impl {
-  explicit Impl(const LossScaleConfig& scaling) : scaler(scaling) {}
+  Impl(EngineConfig config, Communicator& comm, MemorySpace& space, const Backend& backend);
+
+  EngineConfig config;
+  Communicator& comm;
+  MemorySpace& space;
+  Backend backend;
+  const DeviceOps& ops;  // chosen from the backend
 
   std::vector<Param> params;
   std::vector<ParamInfo> infos;  // the declarations, as params() returns them
@@ -27,8 +34,7 @@ struct Engine::Impl {
   std::vector<std::string> group_names;  // in order of first declaration
   std::map<std::string, double> weight_decay;
   std::vector<Group> groups;  // after build
-  std::unique_ptr<BucketReducer> reducer;
-  Buffer compressed;          // stage 1 with compression: one reused chunk buffer
+  std::unique_ptr<GradientReducer> reducer;  // after build
   Buffer scalars;             // the step's global scalars, in backend memory for the collectives
   std::int64_t capacity = 0;  // bucket (and compressed chunk) capacity in elements
   LossScaler scaler;
@@ -48,9 +54,33 @@ struct Engine::Impl {
       throw ConfigError(fmt::format("Engine::{}: no param named '{}'", caller, name));
     return params[it->second];
   }
+  std::size_t index_of(const Param& p) const { return static_cast<std::size_t>(&p - params.data()); }
   void require_built(const char* caller) const {
-    if (!built) throw Error(fmt::format("Engine::{}: call build() first", caller));
+    if (!built) throw StateError(fmt::format("Engine::{}: call build() first", caller));
   }
+  /// The built group named `group`; ConfigError naming `caller` if there is none.
+  Group& group_named(const std::string& group, const char* caller);
+  /// Throws StateError if `g` has gradients pending: "<caller>: group 'G' has <what is
+  /// pending>; call step() or zero_grad() first; nothing was changed".
+  void require_no_pending(const Group& g, const char* caller) const;
+  /// The same for every group.
+  void require_none_pending(const char* caller) const;
+  /// Lists the Pins on `buffers` ("'pin' on 'buffer'", comma separated); empty if none.
+  static std::string pins_on(const std::vector<const Buffer*>& buffers);
+
+  // ---- a group's state: allocated, labelled and released here only ----
+  /// A buffer for an activating group: a recycled block of the same size and tag, or a new one.
+  Buffer take(std::size_t bytes, Tag tag, std::string label);
+  /// Gives a buffer up: into the recycle list during set_active, else back to the allocator.
+  std::size_t give_up(Buffer& b, const std::string& event, ReleasePolicy pins);
+  /// Allocates a group's active state into `g` (all or nothing), seeded or restored.
+  void allocate_active_state(Group& g);
+  /// Drops the keep_host memory space once no group is kept on the host, so that what its
+  /// allocator keeps for reuse (pinned blocks, on CUDA) goes back to the system with it.
+  void release_idle_host() noexcept;
+  MemorySpace& host_space();
+  std::string master_label(const Group& g) const;
+  std::string state_label(const Group& g) const;
 };
 
 /// Groups with their layouts and shards (no buffers) for `names`, each holding the params whose

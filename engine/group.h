@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
-#include "memory/buffer.h"
 #include "partition/flat_layout.h"
+#include "shardswap/buffer.h"
+#include "shardswap/engine.h"
 
 namespace shardswap {
 
@@ -18,10 +18,7 @@ struct Param {
   ParamInfo info;
   std::size_t group = 0;
   std::size_t index_in_group = 0;
-  View weight;            // registered "<name>: weight view"
-  View full_grad;         // stage 1 only: "<name>: grad slot"
-  bool slot_out = false;  // grad_slot handed out this micro-batch
-  bool ready = false;     // grad_ready called since
+  View weight;  // registered "<name>: weight view"
 };
 
 /// Optimizer state kept while a group is frozen under keep_host / keep_device.
@@ -46,15 +43,13 @@ struct Group {
   Buffer state;    // fp32 optimizer state, state_slots x shard
   std::int64_t step = 0;
   bool active = false;
+  /// Gradients handed over since the last step or zero_grad (the GradientReducer sets and
+  /// clears it): its buffer may not be freed meanwhile.
+  bool holds_grads = false;
   std::optional<KeptState> kept;
 
   std::byte* param16_at(std::int64_t element, std::size_t elem_bytes) const {
     return param16.as<std::byte>() + element * static_cast<std::int64_t>(elem_bytes);
-  }
-  /// This rank's partition of the reduced gradients.
-  std::byte* grad_partition(int stage, std::size_t elem_bytes) const {
-    const std::int64_t at = stage == 1 ? shard.begin : 0;
-    return grad.as<std::byte>() + at * static_cast<std::int64_t>(elem_bytes);
   }
 };
 

@@ -35,75 +35,92 @@ const char* deactivate_policy_name(DeactivatePolicy policy) {
   return "?";
 }
 
-Group& Engine::group_named(const std::string& group, const char* caller) {
-  impl_->require_built(caller);
-  for (auto& g : impl_->groups)
+Group& Engine::Impl::group_named(const std::string& group, const char* caller) {
+  require_built(caller);
+  for (auto& g : groups)
     if (g.name == group) return g;
   throw ConfigError(fmt::format("Engine::{}: no group named '{}'", caller, group));
 }
 
-void Engine::make_grad_views(Group& g) {
-  if (config_.stage != 1) return;
-  const DType grad_dtype = config_.grad_type();
-  const auto gsize = dtype_size(grad_dtype);
-  for (auto i : g.params) {
-    Param& p = impl_->params[i];
-    const auto& entry = g.layout.entry_of(p.index_in_group);
-    p.full_grad = g.grad.view(static_cast<std::size_t>(entry.offset) * gsize,
-                              static_cast<std::size_t>(p.info.numel), grad_dtype,
-                              p.info.name + ": grad slot");
-  }
+void Engine::Impl::require_no_pending(const Group& g, const char* caller) const {
+  const std::string what = reducer ? reducer->pending(g) : std::string();
+  if (!what.empty())
+    throw StateError(fmt::format(
+        "Engine::{}: group '{}' has {}; call step() or zero_grad() first; nothing was changed",
+        caller, g.name, what));
 }
 
-Buffer Engine::take(std::size_t bytes, Tag tag, std::string label) {
-  auto& pool = impl_->recycled;
+void Engine::Impl::require_none_pending(const char* caller) const {
+  for (const auto& g : groups) require_no_pending(g, caller);
+}
+
+std::string Engine::Impl::pins_on(const std::vector<const Buffer*>& buffers) {
+  std::string held;
+  for (const Buffer* b : buffers)
+    if (b->valid())
+      for (const auto& pin : b->pin_labels())
+        held += fmt::format("{}'{}' on '{}'", held.empty() ? "" : ", ", pin, b->label());
+  return held;
+}
+
+MemorySpace& Engine::Impl::host_space() {
+  if (!host) host = std::make_unique<MemorySpace>(comm.rank(), space.host_staging_allocator());
+  return *host;
+}
+
+std::string Engine::Impl::master_label(const Group& g) const {
+  return fmt::format("group {} master", g.name);
+}
+
+std::string Engine::Impl::state_label(const Group& g) const {
+  return fmt::format("group {} {} state", g.name, optimizer_type_name(config.optimizer.type));
+}
+
+
+Buffer Engine::Impl::take(std::size_t bytes, Tag tag, std::string label) {
+  auto& pool = recycled;
   auto it = std::find_if(pool.begin(), pool.end(),
                          [&](const Buffer& b) { return b.bytes() == bytes && b.tag() == tag; });
-  impl_->bytes_taken += static_cast<std::int64_t>(bytes);
-  if (it == pool.end()) return space_.allocate(bytes, tag, std::move(label));
+  bytes_taken += static_cast<std::int64_t>(bytes);
+  if (it == pool.end()) return space.allocate(bytes, tag, std::move(label));
   Buffer b = std::move(*it);
   pool.erase(it);
   b.relabel(std::move(label));
   return b;
 }
 
-std::size_t Engine::give_up(Buffer& b, const std::string& event, ReleasePolicy pins) {
-  impl_->bytes_given_up += static_cast<std::int64_t>(b.bytes());
-  if (impl_->recycling && b.pin_labels().empty()) {
+std::size_t Engine::Impl::give_up(Buffer& b, const std::string& event, ReleasePolicy pins) {
+  bytes_given_up += static_cast<std::int64_t>(b.bytes());
+  if (recycling && b.pin_labels().empty()) {
     b.invalidate_views(event);  // its old owner's aliases die here, as on a release
-    impl_->recycled.push_back(std::move(b));
+    recycled.push_back(std::move(b));
     return 0;
   }
   return b.release(event, pins);
 }
 
-void Engine::allocate_active_state(Group& g) {
-  const DType dtype = config_.dtype, grad_dtype = config_.grad_type();
+void Engine::Impl::allocate_active_state(Group& g) {
+  const DType dtype = config.dtype, grad_dtype = config.grad_type();
   const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
-  const auto total = static_cast<std::size_t>(g.layout.total_numel());
   const auto shard = static_cast<std::size_t>(g.shard.numel());
-  const bool full_grads = config_.stage == 1;
-  Buffer grad = take((full_grads ? total : shard) * gsize, Tag::grad,
-                     full_grads ? fmt::format("group {} grads", g.name)
-                                : fmt::format("group {} grad partition", g.name));
-  kernels_.fill_zero(grad.data(), grad.bytes());
+  Buffer grad = take(static_cast<std::size_t>(reducer->grad_numel(g)) * gsize, Tag::grad,
+                     reducer->grad_label(g));
+  ops.fill_zero(grad.data(), grad.bytes());
   Buffer master, state;
   std::int64_t step = 0;
-  const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
-  const auto state_label =
-      fmt::format("group {} {} state", g.name, optimizer_type_name(config_.optimizer.type));
+  const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
   if (g.kept && g.kept->policy == DeactivatePolicy::keep_device) {
     // Restored by handing the kept buffers back: no copy, and nothing can fail past this point.
   } else {
-    master = take(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
-    state = take(slots * shard * 4, Tag::optim_state, state_label);
+    master = take(shard * 4, Tag::master32, master_label(g));
+    state = take(slots * shard * 4, Tag::optim_state, state_label(g));
     if (g.kept) {  // keep_host: exact copies back
-      space_.upload(master.data(), g.kept->master.data(), master.bytes());
-      space_.upload(state.data(), g.kept->state.data(), state.bytes());
+      space.upload(master.data(), g.kept->master.data(), master.bytes());
+      space.upload(state.data(), g.kept->state.data(), state.bytes());
       step = g.kept->step;
     } else {
-      kernels_.cast(master.data(), DType::f32, g.param16_at(g.shard.begin, psize), dtype, shard);
-      kernels_.fill_zero(state.data(), state.bytes());
+      ops.cast(master.data(), DType::f32, g.param16_at(g.shard.begin, psize), dtype, shard);
+      ops.fill_zero(state.data(), state.bytes());
     }
   }
   // Commit.
@@ -118,36 +135,33 @@ void Engine::allocate_active_state(Group& g) {
   g.state = std::move(state);
   g.step = step;
   g.active = true;
-  make_grad_views(g);
+  g.holds_grads = false;
+  reducer->attach(g, params);
 }
 
 void Engine::activate(const std::string& group) {
-  Group& g = group_named(group, "activate");
+  Group& g = impl_->group_named(group, "activate");
   if (g.active)
     throw StateError(fmt::format("Engine::activate: group '{}' is already active", group));
-  allocate_active_state(g);
-  release_idle_host();
+  impl_->allocate_active_state(g);
+  impl_->release_idle_host();
 }
 
-void Engine::release_idle_host() noexcept {
-  if (!impl_->host) return;
-  for (const auto& g : impl_->groups)
+void Engine::Impl::release_idle_host() noexcept {
+  if (!host) return;
+  for (const auto& g : groups)
     if (g.kept && g.kept->policy == DeactivatePolicy::keep_host) return;
   // No live buffer is left in it. Blocks still held by Pins keep the allocator alive through
   // their storage until the Pins go.
-  impl_->host.reset();
+  host.reset();
 }
 
 std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy,
                                ReleasePolicy pins) {
-  Group& g = group_named(group, "deactivate");
+  Group& g = impl_->group_named(group, "deactivate");
   if (!g.active)
     throw StateError(fmt::format("Engine::deactivate: group '{}' is not active", group));
-  if (impl_->reducer && impl_->reducer->open_group() == &g)
-    throw StateError(
-        fmt::format("Engine::deactivate: group '{}' has gradients pending in a reduce "
-                    "bucket; call step() or zero_grad() first",
-                    group));
+  impl_->require_no_pending(g, "deactivate");
   const bool keep_device = policy == DeactivatePolicy::keep_device;
   // Check every Pin before changing anything.
   std::vector<const Buffer*> leaving{&g.grad};
@@ -156,10 +170,7 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
     leaving.push_back(&g.state);
   }
   if (pins == ReleasePolicy::fail_if_pinned) {
-    std::string held;
-    for (const Buffer* b : leaving)
-      for (const auto& pin : b->pin_labels())
-        held += fmt::format("{}'{}' on '{}'", held.empty() ? "" : ", ", pin, b->label());
+    const std::string held = Impl::pins_on(leaving);
     if (!held.empty())
       throw PinnedMemory(
           fmt::format("Engine::deactivate: group '{}' is held by Pins: {}; nothing "
@@ -168,27 +179,26 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
   }
   std::optional<KeptState> kept;
   if (policy == DeactivatePolicy::keep_host) {
-    if (!impl_->host)
-      impl_->host = std::make_unique<MemorySpace>(comm_.rank(), space_.host_staging_allocator());
+    MemorySpace& host = impl_->host_space();
     KeptState k{policy, {}, {}, g.step};
-    k.master = impl_->host->allocate(g.master.bytes(), Tag::master32,
-                                     fmt::format("group {} master (kept on host)", g.name));
-    k.state = impl_->host->allocate(g.state.bytes(), Tag::optim_state,
-                                    fmt::format("group {} state (kept on host)", g.name));
-    space_.download(k.master.data(), g.master.data(), g.master.bytes());
-    space_.download(k.state.data(), g.state.data(), g.state.bytes());
+    k.master = host.allocate(g.master.bytes(), Tag::master32,
+                             fmt::format("group {} master (kept on host)", g.name));
+    k.state = host.allocate(g.state.bytes(), Tag::optim_state,
+                            fmt::format("group {} state (kept on host)", g.name));
+    impl_->space.download(k.master.data(), g.master.data(), g.master.bytes());
+    impl_->space.download(k.state.data(), g.state.data(), g.state.bytes());
     kept = std::move(k);
   }
   // Commit: nothing below can fail.
   const auto event = fmt::format("deactivate({}, {})", group, deactivate_policy_name(policy));
   std::size_t held = 0;
-  for (auto i : g.params) impl_->params[i].full_grad = View();
-  held += give_up(g.grad, event, pins);
+  impl_->reducer->detach(g);
+  held += impl_->give_up(g.grad, event, pins);
   if (keep_device) {
     kept = KeptState{policy, std::move(g.master), std::move(g.state), g.step};
   } else {
-    held += give_up(g.master, event, pins);
-    held += give_up(g.state, event, pins);
+    held += impl_->give_up(g.master, event, pins);
+    held += impl_->give_up(g.state, event, pins);
   }
   g.kept = std::move(kept);
   g.active = false;
@@ -205,6 +215,8 @@ SwitchReport Engine::set_active(const std::vector<std::string>& groups, Deactiva
     if (!known) throw ConfigError(fmt::format("Engine::set_active: no group named '{}'", name));
     wanted.insert(name);
   }
+  for (const auto& g : impl_->groups)
+    if (g.active && !wanted.count(g.name)) impl_->require_no_pending(g, "set_active");
   const auto started = std::chrono::steady_clock::now();
   SwitchReport report;
   impl_->bytes_given_up = impl_->bytes_taken = 0;
@@ -249,7 +261,7 @@ SwitchReport Engine::set_active(const std::vector<std::string>& groups, Deactiva
   impl_->recycled.clear();
   report.bytes_freed = impl_->bytes_given_up;
   report.bytes_allocated = impl_->bytes_taken;
-  kernels_.synchronize();  // the time includes the device work the switch queued
+  impl_->ops.synchronize();  // the time includes the device work the switch queued
   report.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return report;
@@ -276,15 +288,14 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
           fmt::format("Engine::reform: group '{}' must be frozen with no kept state "
                       "(deactivate it with drop first)",
                       g.name));
-  if (impl_->reducer && impl_->reducer->open_group() != nullptr)
-    throw StateError("Engine::reform: gradients are pending in a reduce bucket");
+  // Every group is rebuilt (and the reducer forgets them all): nothing may be pending anywhere.
+  impl_->require_none_pending("reform");
   // The re-formed groups' weight buffers are released at the commit: a Pin on one must stop
   // the re-form now, before anything is allocated or rebound.
-  std::string held;
+  std::vector<const Buffer*> replaced;
   for (const auto& g : impl_->groups)
-    if (affected.count(g.name) && g.param16.valid())
-      for (const auto& pin : g.param16.pin_labels())
-        held += fmt::format("{}'{}' on '{}'", held.empty() ? "" : ", ", pin, g.param16.label());
+    if (affected.count(g.name)) replaced.push_back(&g.param16);
+  const std::string held = Impl::pins_on(replaced);
   if (!held.empty())
     throw PinnedMemory(
         fmt::format("Engine::reform: held by Pins: {}; nothing was changed", held));
@@ -293,21 +304,21 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
                         [&](const Param& p) { return p.info.group == n; });
   });
   auto groups =
-      plan_groups(config_, names, params, impl_->weight_decay, comm_.world_size(), comm_.rank());
+      plan_groups(impl_->config, names, params, impl_->weight_decay, impl_->comm.world_size(), impl_->comm.rank());
   // New flat buffers for the changed groups, filled device to device.
-  const DType dtype = config_.dtype;
+  const DType dtype = impl_->config.dtype;
   const auto psize = dtype_size(dtype);
   for (auto& g : groups) {
     if (!affected.count(g.name)) continue;
-    g.param16 = space_.allocate(static_cast<std::size_t>(g.layout.total_numel()) * psize,
+    g.param16 = impl_->space.allocate(static_cast<std::size_t>(g.layout.total_numel()) * psize,
                                 Tag::param16, fmt::format("group {} param16", g.name));
-    kernels_.fill_zero(g.param16.data(), g.param16.bytes());
+    impl_->ops.fill_zero(g.param16.data(), g.param16.bytes());
     for (auto i : g.params) {
       const Param& old = impl_->params[i];
       const Group& from = impl_->groups[old.group];
       const auto& src = from.layout.entry_of(old.index_in_group);
       const auto& dst = g.layout.entry_of(params[i].index_in_group);
-      kernels_.copy(g.param16_at(dst.offset, psize), from.param16_at(src.offset, psize),
+      impl_->ops.copy(g.param16_at(dst.offset, psize), from.param16_at(src.offset, psize),
                     static_cast<std::size_t>(old.info.numel) * psize);
     }
   }
@@ -332,13 +343,14 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
         g.state = std::move(old.state);
         g.step = old.step;
         g.active = old.active;
+        g.holds_grads = false;  // nothing is pending (checked above)
         g.kept = std::move(old.kept);
       }
   }
   for (auto& old : impl_->groups)
     if (affected.count(old.name) && old.param16.valid())
       old.param16.release(fmt::format("re-form of group {}", old.name));
-  if (impl_->reducer) impl_->reducer->discard();  // it must not remember old Group addresses
+  impl_->reducer->forget_groups();  // it must not remember old Group addresses
   impl_->params = std::move(params);
   impl_->groups = std::move(groups);
   impl_->group_names = std::move(names);
@@ -350,12 +362,9 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
 
 TrainingState Engine::training_state(bool with_weights) const {
   impl_->require_built("training_state");
-  if (impl_->reducer && impl_->reducer->open_group() != nullptr)
-    throw StateError(
-        "Engine::training_state: gradients are pending in a reduce bucket; call step() or "
-        "zero_grad() first");
+  impl_->require_none_pending("training_state");
   TrainingState out;
-  const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
+  const auto slots = static_cast<std::size_t>(impl_->config.optimizer.state_slots());
   for (const auto& g : impl_->groups) {
     GroupTrainingState s;
     s.group = g.name;
@@ -363,7 +372,7 @@ TrainingState Engine::training_state(bool with_weights) const {
     s.step = g.step;
     const Buffer* master = g.active ? &g.master : nullptr;
     const Buffer* state = g.active ? &g.state : nullptr;
-    const MemorySpace* from = &space_;
+    const MemorySpace* from = &impl_->space;
     if (!g.active && g.kept) {
       s.kept = g.kept->policy;
       s.step = g.kept->step;
@@ -381,11 +390,11 @@ TrainingState Engine::training_state(bool with_weights) const {
     out.groups.push_back(std::move(s));
   }
   out.scaler = impl_->scaler.state();
-  out.lr = config_.optimizer.lr;
+  out.lr = impl_->config.optimizer.lr;
   if (with_weights)
     for (const auto& p : impl_->params) {
       std::vector<std::byte> raw(p.weight.bytes());
-      space_.download(raw.data(), p.weight.raw(), raw.size());
+      impl_->space.download(raw.data(), p.weight.raw(), raw.size());
       out.weights.push_back(std::move(raw));
     }
   return out;
@@ -394,13 +403,11 @@ TrainingState Engine::training_state(bool with_weights) const {
 void Engine::restore_training_state(const TrainingState& state) {
   impl_->require_built("restore_training_state");
   const char* const fn = "Engine::restore_training_state";
-  if (impl_->reducer && impl_->reducer->open_group() != nullptr)
-    throw StateError(fmt::format(
-        "{}: gradients are pending in a reduce bucket; call step() or zero_grad() first", fn));
+  impl_->require_none_pending("restore_training_state");
   auto& groups = impl_->groups;
   const auto& params = impl_->params;
-  const auto slots = static_cast<std::size_t>(config_.optimizer.state_slots());
-  const auto psize = dtype_size(config_.dtype), gsize = dtype_size(config_.grad_type());
+  const auto slots = static_cast<std::size_t>(impl_->config.optimizer.state_slots());
+  const auto psize = dtype_size(impl_->config.dtype), gsize = dtype_size(impl_->config.grad_type());
   // Checks: nothing below them can meet bad input.
   if (state.groups.size() != groups.size())
     throw ConfigError(fmt::format("{}: {} groups given, the engine has {}", fn,
@@ -465,18 +472,15 @@ void Engine::restore_training_state(const TrainingState& state) {
     p.reuse_grad = g.active && s.active;
     p.reuse_device_state = has_device && wants_device;
     if (s.active && !p.reuse_grad)
-      p.grad = space_.allocate((config_.stage == 1 ? total : shard) * gsize, Tag::grad,
-                               config_.stage == 1 ? fmt::format("group {} grads", g.name)
-                                                  : fmt::format("group {} grad partition", g.name));
+      p.grad = impl_->space.allocate(static_cast<std::size_t>(impl_->reducer->grad_numel(g)) * gsize,
+                              Tag::grad, impl_->reducer->grad_label(g));
     if (wants_device && !p.reuse_device_state) {
-      p.master = space_.allocate(shard * 4, Tag::master32, fmt::format("group {} master", g.name));
-      p.state = space_.allocate(slots * shard * 4, Tag::optim_state,
-                                fmt::format("group {} {} state", g.name,
-                                            optimizer_type_name(config_.optimizer.type)));
+      p.master = impl_->space.allocate(shard * 4, Tag::master32, impl_->master_label(g));
+      p.state = impl_->space.allocate(slots * shard * 4, Tag::optim_state, impl_->state_label(g));
     }
     if (s.kept == DeactivatePolicy::keep_host) {
       if (host == nullptr) {
-        new_host = std::make_unique<MemorySpace>(comm_.rank(), space_.host_staging_allocator());
+        new_host = std::make_unique<MemorySpace>(impl_->comm.rank(), impl_->space.host_staging_allocator());
         host = new_host.get();
       }
       p.host_master = host->allocate(shard * 4, Tag::master32,
@@ -502,7 +506,6 @@ void Engine::restore_training_state(const TrainingState& state) {
     throw PinnedMemory(fmt::format("{}: held by Pins: {}; nothing was changed", fn, held));
 
   // Commit: copies into buffers that exist, and moves; nothing below meets bad input.
-  if (impl_->reducer) impl_->reducer->discard();
   if (new_host) impl_->host = std::move(new_host);
   const auto event = std::string("restore_training_state");
   for (std::size_t i = 0; i < groups.size(); ++i) {
@@ -519,18 +522,18 @@ void Engine::restore_training_state(const TrainingState& state) {
     }
     if (p.reuse_grad) grad = std::move(g.grad);
     else grad = std::move(p.grad);
-    for (auto idx : g.params) impl_->params[idx].full_grad = View();
+    if (g.active) impl_->reducer->detach(g);
     // What is left in the group now is given back.
     if (g.grad.valid()) g.grad.release(event);
     if (g.master.valid()) g.master.release(event);
     if (g.state.valid()) g.state.release(event);
     g.kept.reset();
     if (s.active || s.kept == DeactivatePolicy::keep_device) {
-      space_.upload(master.data(), s.master.data(), s.master.size() * 4);
-      if (!s.state.empty()) space_.upload(sstate.data(), s.state.data(), s.state.size() * 4);
+      impl_->space.upload(master.data(), s.master.data(), s.master.size() * 4);
+      if (!s.state.empty()) impl_->space.upload(sstate.data(), s.state.data(), s.state.size() * 4);
     }
     if (s.active) {
-      kernels_.fill_zero(grad.data(), grad.bytes());
+      impl_->ops.fill_zero(grad.data(), grad.bytes());
       g.grad = std::move(grad);
       g.master = std::move(master);
       g.state = std::move(sstate);
@@ -546,18 +549,17 @@ void Engine::restore_training_state(const TrainingState& state) {
     }
     g.active = s.active;
     g.step = s.step;  // a kept group keeps its count too, as deactivate leaves it
-    if (g.active) make_grad_views(g);
+    if (g.active) impl_->reducer->attach(g, impl_->params);
   }
   for (std::size_t i = 0; i < params.size(); ++i)
-    space_.upload(params[i].weight.raw(), state.weights[i].data(), state.weights[i].size());
+    impl_->space.upload(params[i].weight.raw(), state.weights[i].data(), state.weights[i].size());
   impl_->scaler.restore(state.scaler);
-  config_.optimizer.lr = state.lr;
-  for (auto& p : impl_->params) p.slot_out = p.ready = false;
-  release_idle_host();
+  impl_->config.optimizer.lr = state.lr;
+  impl_->release_idle_host();
 }
 
 View Engine::master(const std::string& group) const {
-  Group& g = const_cast<Engine*>(this)->group_named(group, "master");
+  Group& g = impl_->group_named(group, "master");
   if (!g.active)
     throw StateError(fmt::format("Engine::master: group '{}' is frozen: it has no master", group));
   return g.master.view(0, static_cast<std::size_t>(g.shard.numel()), DType::f32,
@@ -565,7 +567,7 @@ View Engine::master(const std::string& group) const {
 }
 
 bool Engine::is_active(const std::string& group) const {
-  return const_cast<Engine*>(this)->group_named(group, "is_active").active;
+  return impl_->group_named(group, "is_active").active;
 }
 
 std::vector<std::string> Engine::active_groups() const {

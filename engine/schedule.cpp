@@ -9,7 +9,7 @@
 // - "badam": interval, layers (the blocks, in order), always_active, order, seed (random order).
 // - "explicit": schedule, and always_active, united with every entry. `layers` must be empty and
 //   lisa/badam refuse a non-empty `schedule`: a list that would be ignored is a mistake to name.
-#include "engine/schedule.h"
+#include "shardswap/schedule.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -18,7 +18,7 @@
 #include <climits>
 #include <numeric>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

@@ -1,6 +1,6 @@
 // Linked when CUDA is off: the same symbols, failing with a clear error.
-#include "memory/allocator.h"
-#include "memory/error.h"
+#include "shardswap/allocator.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

@@ -1,11 +1,11 @@
-#include "memory/dtype.h"
+#include "shardswap/dtype.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cctype>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

@@ -4,8 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "memory/allocator.h"
-#include "memory/error.h"
+#include "shardswap/allocator.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 namespace {

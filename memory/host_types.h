@@ -3,23 +3,13 @@
 
 #include <Eigen/Core>
 
-#include "memory/dtype.h"
+#include "shardswap/dtype.h"
 
 namespace shardswap {
 
 using bf16_t = Eigen::bfloat16;
 using f16_t = Eigen::half;
 
-template <class T>
-constexpr DType dtype_of();
-template <>
-constexpr DType dtype_of<float>() {
-  return DType::f32;
-}
-template <>
-constexpr DType dtype_of<double>() {
-  return DType::f64;
-}
 template <>
 constexpr DType dtype_of<bf16_t>() {
   return DType::bf16;

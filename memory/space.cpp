@@ -13,8 +13,8 @@
 #include <map>
 #include <mutex>
 
-#include "memory/buffer.h"
-#include "memory/error.h"
+#include "shardswap/buffer.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

@@ -13,7 +13,7 @@ void require_data(const void* p, const char* fn, const char* name, std::size_t c
                   const char* unit = "elements");
 
 /// Checks an update's arguments: bit16 params, gradients of the param type or fp32, step >= 1
-/// and every tensor the rule reads present. `fn` names the caller ("cpu_kernels().update").
+/// and every tensor the rule reads present. `fn` names the caller ("cpu_device_ops().update").
 /// Returns false when there is nothing to do (count 0).
 bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs& args,
                   const ShardTensors& t);

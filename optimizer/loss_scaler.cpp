@@ -1,12 +1,12 @@
 // Dynamic and static loss scaling for fp16 (policy in loss_scaler.h; DeepSpeed's key names).
-#include "optimizer/loss_scaler.h"
+#include "shardswap/loss_scaler.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

@@ -1,6 +1,6 @@
 // The schedules' formulas, written from DeepSpeed's documented definitions (deepspeed.runtime.
 // lr_schedules): `iteration` below is DeepSpeed's last_batch_iteration.
-#include "optimizer/lr_schedule.h"
+#include "shardswap/lr_schedule.h"
 
 #include <fmt/format.h>
 
@@ -9,7 +9,7 @@
 #include <numbers>
 #include <string>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

@@ -10,7 +10,7 @@
 #include <cmath>
 #include <string>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "optimizer/update_scalars.h"
 
 namespace shardswap {

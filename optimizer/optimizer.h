@@ -7,36 +7,10 @@
 #include <cstdint>
 #include <string_view>
 
-#include "memory/dtype.h"
+#include "shardswap/dtype.h"
+#include "shardswap/optimizer_config.h"
 
 namespace shardswap {
-
-enum class OptimizerType { adam, adamw, sgd };
-
-/// "Adam", "AdamW", "SGD" (case-insensitive). Throws ConfigError naming `key` otherwise.
-OptimizerType optimizer_type_from_name(std::string_view name, std::string_view key);
-const char* optimizer_type_name(OptimizerType type);
-
-struct OptimizerConfig {
-  OptimizerType type = OptimizerType::adamw;
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;  ///< Adam, SGD: L2 added to the gradient; AdamW: decoupled
-  double momentum = 0.0;      ///< SGD only
-  double dampening = 0.0;     ///< SGD only
-  bool nesterov = false;      ///< SGD only; needs momentum > 0 and dampening == 0
-
-  /// Throws ConfigError naming the key under `prefix` (e.g. "optimizer.params.lr") for: lr < 0
-  /// or not finite, betas outside [0, 1), eps <= 0, weight_decay < 0, momentum < 0, dampening
-  /// outside [0, 1], nesterov without momentum or with dampening.
-  void validate(std::string_view prefix = "optimizer.params") const;
-
-  /// fp32 state values kept per parameter element: Adam/AdamW 2 (exp_avg, exp_avg_sq),
-  /// SGD 1 with momentum (momentum buffer), 0 without.
-  int state_slots() const;
-};
 
 /// Per-step scalars of one shard update.
 struct StepArgs {
@@ -66,7 +40,7 @@ struct ShardTensors {
 /// are queued on the calling thread's stream (cudaStreamPerThread) in call order; a function
 /// returning a value (sum_squares, has_inf_or_nan) waits for its result.
 /// "any" below means fp32, bf16 or fp16; conversions round to nearest even.
-struct OptimizerKernels {
+struct DeviceOps {
   const char* name;
   /// The fused update (Adam, AdamW or SGD per config) of one shard, in one pass.
   void (*update)(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t);
@@ -88,9 +62,9 @@ struct OptimizerKernels {
 };
 
 /// The CPU backend (Eigen), always present.
-const OptimizerKernels& cpu_kernels();
+const DeviceOps& cpu_device_ops();
 /// The CUDA backend. Throws BackendUnavailable in a build without CUDA.
-const OptimizerKernels& cuda_kernels();
+const DeviceOps& cuda_device_ops();
 
 /// Gradient clipping by global norm: max_norm / (norm + 1e-6) when norm > max_norm > 0, else 1.
 double clip_coefficient(double total_norm, double max_norm);

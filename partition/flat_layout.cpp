@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 namespace {

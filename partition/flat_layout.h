@@ -7,13 +7,9 @@
 #include <span>
 #include <vector>
 
-namespace shardswap {
+#include "shardswap/layout_order.h"
 
-enum class LayoutOrder {
-  declaration,  ///< params in the order they were declared
-  round_robin,  ///< param i goes to rank bucket i % world_size; buckets concatenated in rank
-                ///< order, each in declaration order (spreads consecutive grads over owners)
-};
+namespace shardswap {
 
 struct LayoutOptions {
   std::size_t element_bytes = 2;      ///< bytes per element of the flat buffer (bit16: 2)

@@ -10,10 +10,10 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/engine.h"
-#include "memory/allocator.h"
-#include "memory/error.h"
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
+#include "shardswap/allocator.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/byte_lm_reference.h"
 #include "tools/lm/byte_lm.h"

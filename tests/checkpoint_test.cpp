@@ -17,9 +17,11 @@
 #include <string>
 #include <vector>
 
-#include "engine/checkpoint.h"
-#include "engine/engine.h"
-#include "memory/error.h"
+#include "optimizer/optimizer.h"
+#include "engine/engine_internals.h"
+#include "shardswap/checkpoint.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 #include "partition/flat_layout.h"
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
@@ -136,7 +138,7 @@ std::vector<StepResult> train(Engine& e, const Setup& s, int from, int to) {
         std::vector<float> g(slot.count());
         for (std::size_t i = 0; i < g.size(); ++i)
           g[i] = grad_value(sample, t, p, i) * static_cast<float>(e.loss_scale());
-        cpu_kernels().accumulate(slot.raw(), slot.dtype(), g.data(), DType::f32, g.size());
+        cpu_device_ops().accumulate(slot.raw(), slot.dtype(), g.data(), DType::f32, g.size());
         e.grad_ready(kModel[p].name);
       }
       e.finish_backward();
@@ -362,7 +364,7 @@ FullState assemble(const RunOutput& run, const Setup& s, int world) {
     }
     for (std::size_t p = 0; p < kModel.size(); ++p) {
       std::vector<float> w(st.weights[p].size() / 2);
-      cpu_kernels().cast(w.data(), DType::f32, st.weights[p].data(), s.dtype, w.size());
+      cpu_device_ops().cast(w.data(), DType::f32, st.weights[p].data(), s.dtype, w.size());
       full.weights[kModel[p].name] = w;
     }
   }
@@ -750,7 +752,7 @@ TEST_CASE("the safetensors export holds the checkpoint's weights and masters, as
           for (std::size_t gi = 0; gi < st.groups.size(); ++gi)
             if (st.groups[gi].group == d.group && !st.groups[gi].master.empty()) {
               // kept: its master lies in the group's flat shard (world 1: the whole layout)
-              const auto& layout = e.layout(d.group);
+              const auto& layout = EngineInternals::layout(e, d.group);
               std::size_t index = 0;
               for (const auto& p : e.params())
                 if (p.group == d.group) {

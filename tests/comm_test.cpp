@@ -20,8 +20,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "engine/comm/communicator.h"
-#include "memory/error.h"
+#include "shardswap/communicator.h"
+#include "shardswap/error.h"
 #include "memory/host_types.h"
 #include "tests/catch_compat.h"
 #include "tests/support/typed_values.h"

@@ -1,7 +1,7 @@
 // Gradient compression (fp32 gradients, bf16/fp16 on the wire): exact against the float64
 // reference, and never more than one bucket of extra peak memory.
-#include "engine/backend.h"
-#include "memory/error.h"
+#include "shardswap/backend.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/compression_peak.h"
 #include "tests/support/reference_check.h"

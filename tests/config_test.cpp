@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/batch_sizes.h"
-#include "engine/config_json.h"
-#include "memory/error.h"
-#include "optimizer/lr_schedule.h"
+#include "shardswap/batch_sizes.h"
+#include "shardswap/config_json.h"
+#include "shardswap/error.h"
+#include "shardswap/lr_schedule.h"
 #include "tests/catch_compat.h"
 #include "tools/train.h"
 

@@ -1,6 +1,6 @@
 // The sharded engine on the CPU against the float64 reference of tests/support: world sizes 1,
 // 2, 3, 4, 8; stages 1 and 2; bf16 and fp16; Adam, AdamW and SGD.
-#include "engine/backend.h"
+#include "shardswap/backend.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
 

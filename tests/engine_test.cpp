@@ -4,8 +4,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
-#include "memory/error.h"
+#include "memory/host_types.h"
+#include "engine/engine_internals.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 
 using namespace shardswap;
@@ -81,7 +83,7 @@ std::vector<RankMemory> train_and_measure(int world, int stage) {
     auto& m = out[static_cast<std::size_t>(rank)];
     m.stats = space.stats();
     m.plan = plan;
-    for (const auto& g : e.groups()) m.padded_param_bytes += 2 * e.layout(g).total_numel();
+    for (const auto& g : e.groups()) m.padded_param_bytes += 2 * EngineInternals::layout(e, g).total_numel();
     m.bucket_bytes = static_cast<std::int64_t>(e.config().reduce_bucket_bytes);
   });
   return out;

@@ -20,12 +20,14 @@
 
 #include <unistd.h>
 
-#include "engine/batch_sizes.h"
-#include "engine/checkpoint.h"
-#include "engine/config_json.h"
-#include "engine/config_reader.h"
-#include "engine/engine.h"
-#include "memory/error.h"
+#include "engine/comm/collective_ops.h"
+#include "memory/host_types.h"
+#include "shardswap/batch_sizes.h"
+#include "shardswap/checkpoint.h"
+#include "shardswap/config_json.h"
+#include "shardswap/config_reader.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/failing_allocator.h"
 #include "tests/support/small_models.h"
@@ -301,7 +303,7 @@ thread_local bool fail_own_work = false;
 // Host collectives whose element work throws on the thread that set fail_own_work.
 const CollectiveOps& faulty_ops() {
   static const CollectiveOps ops{
-      "faulty host",
+      "faulty host", DeviceKind::host,
       [](DType d, const void* const* src, int n, void* dst, std::size_t count, ReduceOp op) {
         if (fail_own_work) throw DeviceError("injected reduce failure");
         host_collective_ops().reduce(d, src, n, dst, count, op);

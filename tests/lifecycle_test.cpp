@@ -10,9 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/engine.h"
-#include "memory/error.h"
+#include "memory/host_types.h"
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
 #include "tests/support/forwarding_allocator.h"

@@ -2,8 +2,9 @@
 #include <random>
 #include <vector>
 
-#include "memory/buffer.h"
-#include "memory/error.h"
+#include "memory/host_types.h"
+#include "shardswap/buffer.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 
 using namespace shardswap;

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "memory/dtype.h"
-#include "memory/error.h"
-#include "optimizer/loss_scaler.h"
+#include "shardswap/dtype.h"
+#include "shardswap/error.h"
+#include "shardswap/loss_scaler.h"
 #include "optimizer/optimizer.h"
 #include "tests/catch_compat.h"
 
@@ -226,7 +226,7 @@ void check_against_reference(const OptimizerConfig& config, double lr, double wd
                              dtype,
                              grad_dtype,
                              n};
-        cpu_kernels().update(config, StepArgs{step, lr, wd, grad_scale}, t);
+        cpu_device_ops().update(config, StepArgs{step, lr, wd, grad_scale}, t);
 
         CHECK(normalized_error(master, ref.master) <= 1e-6);
         if (slots >= 1) CHECK(normalized_error(state0, ref.state0) <= 1e-6);
@@ -315,7 +315,7 @@ TEST_CASE("grad_scale multiplies every upcast gradient") {
                                              round_to(dtype, 3.0f)};
     std::vector<float> master(3, 0.0f);
     std::vector<std::uint16_t> param(3);
-    cpu_kernels().update(
+    cpu_device_ops().update(
         sgd(0.0, 0.0, false), StepArgs{1, 1.0, 0.0, 0.25f},
         ShardTensors{master.data(), nullptr, nullptr, grad.data(), param.data(), dtype, dtype, 3});
     CHECK(master == std::vector<float>{-0.375f, 0.1875f, -0.75f});
@@ -328,7 +328,7 @@ TEST_CASE("fp32 gradients enter the update at full precision, never rounded to b
     const std::vector<float> grad = {1.0f + 0x1p-20f, -3.0f - 0x1p-18f};  // not bit16 values
     std::vector<float> master(2, 0.0f);
     std::vector<std::uint16_t> param(2);
-    cpu_kernels().update(sgd(0.0, 0.0, false), StepArgs{1, 1.0, 0.0, 0.5f},
+    cpu_device_ops().update(sgd(0.0, 0.0, false), StepArgs{1, 1.0, 0.0, 0.5f},
                          ShardTensors{master.data(), nullptr, nullptr, grad.data(), param.data(),
                                       dtype, DType::f32, 2});
     CHECK(master == std::vector<float>{-0.5f - 0x1p-21f, 1.5f + 0x1p-19f});
@@ -338,14 +338,14 @@ TEST_CASE("fp32 gradients enter the update at full precision, never rounded to b
 }
 
 TEST_CASE("the backends are named") {
-  CHECK(std::string(cpu_kernels().name) == "cpu");
-  CHECK_NOTHROW(cpu_kernels().synchronize());
+  CHECK(std::string(cpu_device_ops().name) == "cpu");
+  CHECK_NOTHROW(cpu_device_ops().synchronize());
 }
 
 TEST_CASE("an update of zero elements touches nothing") {
   for (DType dtype : bit16_types) {
     for (OptimizerType type : {OptimizerType::adam, OptimizerType::adamw, OptimizerType::sgd}) {
-      CHECK_NOTHROW(cpu_kernels().update(
+      CHECK_NOTHROW(cpu_device_ops().update(
           make(type), StepArgs{},
           ShardTensors{nullptr, nullptr, nullptr, nullptr, nullptr, dtype, DType::f32, 0}));
     }
@@ -359,24 +359,24 @@ TEST_CASE(
   std::uint16_t grad = 0, param = 0;
   const ShardTensors no_v{&master, &m, nullptr, &grad, &param, DType::bf16, DType::bf16, 1};
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cpu_kernels().update(make(OptimizerType::adam), StepArgs{}, no_v);
+                         cpu_device_ops().update(make(OptimizerType::adam), StepArgs{}, no_v);
                        }),
                        "state1"));
   ShardTensors f32 = no_v;
   f32.dtype = DType::f32;
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cpu_kernels().update(make(OptimizerType::sgd), StepArgs{}, f32);
+                         cpu_device_ops().update(make(OptimizerType::sgd), StepArgs{}, f32);
                        }),
                        "fp32"));
   const ShardTensors plain{&master, nullptr, nullptr, &grad, &param, DType::bf16, DType::bf16, 1};
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cpu_kernels().update(make(OptimizerType::sgd), StepArgs{0}, plain);
+                         cpu_device_ops().update(make(OptimizerType::sgd), StepArgs{0}, plain);
                        }),
                        "step = 0"));
   ShardTensors f64_grad = plain;
   f64_grad.grad_dtype = DType::f64;
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cpu_kernels().update(make(OptimizerType::sgd), StepArgs{}, f64_grad);
+                         cpu_device_ops().update(make(OptimizerType::sgd), StepArgs{}, f64_grad);
                        }),
                        "fp64"));
 }
@@ -388,9 +388,9 @@ TEST_CASE("update refuses gradients of the other bit16 type instead of misreadin
     const DType other = dtype == DType::bf16 ? DType::f16 : DType::bf16;
     const ShardTensors t{&master, nullptr, nullptr, &grad, &param, dtype, other, 1};
     const std::string msg = test::message_of<ConfigError>(
-        [&] { cpu_kernels().update(make(OptimizerType::sgd), StepArgs{}, t); });
+        [&] { cpu_device_ops().update(make(OptimizerType::sgd), StepArgs{}, t); });
     INFO(msg);
-    CHECK(test::contains(msg, "cpu_kernels().update: grad dtype"));
+    CHECK(test::contains(msg, "cpu_device_ops().update: grad dtype"));
     CHECK(test::contains(msg, dtype_name(other)));
   }
 }
@@ -405,9 +405,9 @@ TEST_CASE("sum_squares accumulates the scaled upcast values in double") {
     const double scale = 1.0 / 4096.0 / 3.0;
     double expected = 0;
     for (std::uint16_t b : x) expected += (decode(dtype, b) * scale) * (decode(dtype, b) * scale);
-    const double got = cpu_kernels().sum_squares(x.data(), dtype, x.size(), scale);
+    const double got = cpu_device_ops().sum_squares(x.data(), dtype, x.size(), scale);
     CHECK(std::abs(got - expected) <= 1e-12 * expected);
-    CHECK(cpu_kernels().sum_squares(nullptr, dtype, 0, scale) == 0.0);
+    CHECK(cpu_device_ops().sum_squares(nullptr, dtype, 0, scale) == 0.0);
   }
 }
 
@@ -417,9 +417,9 @@ TEST_CASE("sum_squares of fp32 data accumulates the scaled values in double") {
   const double scale = 1.0 / 4096.0 / 3.0;
   double expected = 0;
   for (float f : x) expected += (static_cast<double>(f) * scale) * (static_cast<double>(f) * scale);
-  const double got = cpu_kernels().sum_squares(x.data(), DType::f32, x.size(), scale);
+  const double got = cpu_device_ops().sum_squares(x.data(), DType::f32, x.size(), scale);
   CHECK(std::abs(got - expected) <= 1e-12 * expected);
-  CHECK(cpu_kernels().sum_squares(nullptr, DType::f32, 0, scale) == 0.0);
+  CHECK(cpu_device_ops().sum_squares(nullptr, DType::f32, 0, scale) == 0.0);
 }
 
 TEST_CASE("sum_squares is not finite when the data holds an Inf or a NaN") {
@@ -428,9 +428,9 @@ TEST_CASE("sum_squares is not finite when the data holds an Inf or a NaN") {
     std::mt19937 rng(9);
     Data x = random_typed(rng, dtype, 100, 1e-3f, 10.0f);
     x.set(37, INFINITY);
-    CHECK_FALSE(std::isfinite(cpu_kernels().sum_squares(x.data(), dtype, x.size(), 1.0)));
+    CHECK_FALSE(std::isfinite(cpu_device_ops().sum_squares(x.data(), dtype, x.size(), 1.0)));
     x.set(37, NAN);
-    CHECK(std::isnan(cpu_kernels().sum_squares(x.data(), dtype, x.size(), 1.0)));
+    CHECK(std::isnan(cpu_device_ops().sum_squares(x.data(), dtype, x.size(), 1.0)));
   }
 }
 
@@ -450,15 +450,15 @@ TEST_CASE("has_inf_or_nan finds an Inf or NaN at any position and nothing in fin
     std::vector<std::uint16_t> x = random_bit16(rng, dtype, 1000, 1e-3f, 100.0f);
     x[3] = dtype == DType::bf16 ? 0x7F7F : 0x7BFF;  // the largest finite values are not flagged
     x[4] = dtype == DType::bf16 ? 0xFF7F : 0xFBFF;
-    CHECK_FALSE(cpu_kernels().has_inf_or_nan(x.data(), dtype, x.size()));
-    CHECK_FALSE(cpu_kernels().has_inf_or_nan(nullptr, dtype, 0));
+    CHECK_FALSE(cpu_device_ops().has_inf_or_nan(x.data(), dtype, x.size()));
+    CHECK_FALSE(cpu_device_ops().has_inf_or_nan(nullptr, dtype, 0));
     for (const Special& s : specials) {
       for (std::size_t pos : {std::size_t{0}, std::size_t{1}, std::size_t{517}, x.size() - 1}) {
         INFO(s.name << " at " << pos);
         std::vector<std::uint16_t> y = x;
         y[pos] = dtype == DType::bf16 ? s.bf16 : s.f16;
-        CHECK(cpu_kernels().has_inf_or_nan(y.data(), dtype, y.size()));
-        CHECK_FALSE(cpu_kernels().has_inf_or_nan(y.data(), dtype, pos));  // just before it
+        CHECK(cpu_device_ops().has_inf_or_nan(y.data(), dtype, y.size()));
+        CHECK_FALSE(cpu_device_ops().has_inf_or_nan(y.data(), dtype, pos));  // just before it
       }
     }
   }
@@ -472,15 +472,15 @@ TEST_CASE("has_inf_or_nan finds an fp32 Inf or NaN at any position and nothing i
   x[3] = std::numeric_limits<float>::max();
   x[4] = -std::numeric_limits<float>::max();
   x[5] = std::numeric_limits<float>::denorm_min();
-  CHECK_FALSE(cpu_kernels().has_inf_or_nan(x.data(), DType::f32, x.size()));
-  CHECK_FALSE(cpu_kernels().has_inf_or_nan(nullptr, DType::f32, 0));
+  CHECK_FALSE(cpu_device_ops().has_inf_or_nan(x.data(), DType::f32, x.size()));
+  CHECK_FALSE(cpu_device_ops().has_inf_or_nan(nullptr, DType::f32, 0));
   for (std::uint32_t s : specials) {
     for (std::size_t pos : {std::size_t{0}, std::size_t{1}, std::size_t{517}, x.size() - 1}) {
       INFO("bits " << s << " at " << pos);
       std::vector<float> y = x;
       y[pos] = std::bit_cast<float>(s);
-      CHECK(cpu_kernels().has_inf_or_nan(y.data(), DType::f32, y.size()));
-      CHECK_FALSE(cpu_kernels().has_inf_or_nan(y.data(), DType::f32, pos));
+      CHECK(cpu_device_ops().has_inf_or_nan(y.data(), DType::f32, y.size()));
+      CHECK_FALSE(cpu_device_ops().has_inf_or_nan(y.data(), DType::f32, pos));
     }
   }
 }
@@ -501,7 +501,7 @@ TEST_CASE("a cast from fp32 to bit16 rounds to nearest even, ties and subnormals
   for (DType dtype : bit16_types) {
     INFO("dtype " << dtype_name(dtype));
     std::vector<std::uint16_t> dst(src.size());
-    cpu_kernels().cast(dst.data(), dtype, src.data(), DType::f32, src.size());
+    cpu_device_ops().cast(dst.data(), dtype, src.data(), DType::f32, src.size());
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < src.size(); ++i) wrong += dst[i] != round_to(dtype, src[i]);
     CHECK(wrong == 0);
@@ -514,9 +514,9 @@ TEST_CASE("every bit16 value survives a cast to fp32 and back") {
     std::vector<std::uint16_t> all(65536);
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i);
     std::vector<float> wide(all.size());
-    cpu_kernels().cast(wide.data(), DType::f32, all.data(), dtype, all.size());
+    cpu_device_ops().cast(wide.data(), DType::f32, all.data(), dtype, all.size());
     std::vector<std::uint16_t> back(all.size());
-    cpu_kernels().cast(back.data(), dtype, wide.data(), DType::f32, wide.size());
+    cpu_device_ops().cast(back.data(), dtype, wide.data(), DType::f32, wide.size());
     std::size_t wrong_value = 0, wrong_bits = 0;
     for (std::size_t i = 0; i < all.size(); ++i) {
       const double exact = decode(dtype, all[i]);
@@ -540,7 +540,7 @@ TEST_CASE("a cast between bf16 and fp16 goes through fp32 and rounds once") {
     std::vector<std::uint16_t> all(65536);
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i);
     std::vector<std::uint16_t> dst(all.size());
-    cpu_kernels().cast(dst.data(), dst_dtype, all.data(), src_dtype, all.size());
+    cpu_device_ops().cast(dst.data(), dst_dtype, all.data(), src_dtype, all.size());
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < all.size(); ++i) {
       const double exact = decode(src_dtype, all[i]);
@@ -561,7 +561,7 @@ TEST_CASE("a cast within one dtype copies the bits unchanged") {
     Data src(dtype, 1001), dst(dtype, 1001);
     std::uniform_int_distribution<std::uint32_t> bits(0, 0xFFFFFFFFu);
     for (std::size_t i = 0; i < src.size(); ++i) src.set_bits(i, bits(rng));  // NaNs included
-    cpu_kernels().cast(dst.data(), dtype, src.data(), dtype, src.size());
+    cpu_device_ops().cast(dst.data(), dtype, src.data(), dtype, src.size());
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < src.size(); ++i) wrong += dst.bits(i) != src.bits(i);
     CHECK(wrong == 0);
@@ -572,23 +572,23 @@ TEST_CASE("cast and accumulate reject fp64 and null data, and accept zero elemen
   float x = 0;
   double d = 0;
   CHECK(test::contains(
-      test::message_of<ConfigError>([&] { cpu_kernels().cast(&d, DType::f64, &x, DType::f32, 1); }),
+      test::message_of<ConfigError>([&] { cpu_device_ops().cast(&d, DType::f64, &x, DType::f32, 1); }),
       "fp64"));
   CHECK(test::contains(test::message_of<ConfigError>(
-                           [&] { cpu_kernels().accumulate(&x, DType::f32, &d, DType::f64, 1); }),
+                           [&] { cpu_device_ops().accumulate(&x, DType::f32, &d, DType::f64, 1); }),
                        "fp64"));
   CHECK(test::contains(test::message_of<ConfigError>(
-                           [&] { cpu_kernels().cast(nullptr, DType::bf16, &x, DType::f32, 1); }),
+                           [&] { cpu_device_ops().cast(nullptr, DType::bf16, &x, DType::f32, 1); }),
                        "dst is null"));
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cpu_kernels().accumulate(&x, DType::f32, nullptr, DType::bf16, 1);
+                         cpu_device_ops().accumulate(&x, DType::f32, nullptr, DType::bf16, 1);
                        }),
                        "src is null"));
   CHECK(test::contains(
-      test::message_of<ConfigError>([&] { cpu_kernels().sum_squares(&d, DType::f64, 1, 1.0); }),
+      test::message_of<ConfigError>([&] { cpu_device_ops().sum_squares(&d, DType::f64, 1, 1.0); }),
       "fp64"));
-  CHECK_NOTHROW(cpu_kernels().cast(nullptr, DType::bf16, nullptr, DType::f32, 0));
-  CHECK_NOTHROW(cpu_kernels().accumulate(nullptr, DType::f16, nullptr, DType::f32, 0));
+  CHECK_NOTHROW(cpu_device_ops().cast(nullptr, DType::bf16, nullptr, DType::f32, 0));
+  CHECK_NOTHROW(cpu_device_ops().accumulate(nullptr, DType::f16, nullptr, DType::f32, 0));
 }
 
 TEST_CASE("accumulate_bit16 adds in fp32 and rounds once") {
@@ -603,7 +603,7 @@ TEST_CASE("accumulate_bit16 adds in fp32 and rounds once") {
           static_cast<float>(decode(dtype, dst[i])) + static_cast<float>(decode(dtype, src[i]));
       expected[i] = round_to(dtype, sum);
     }
-    cpu_kernels().accumulate(dst.data(), dtype, src.data(), dtype, dst.size());
+    cpu_device_ops().accumulate(dst.data(), dtype, src.data(), dtype, dst.size());
     CHECK(dst == expected);
   }
 }
@@ -620,7 +620,7 @@ TEST_CASE("accumulate adds any dtype into any dtype in fp32 and rounds once") {
         const float sum = static_cast<float>(dst.value(i)) + static_cast<float>(src.value(i));
         expected[i] = Data::encode(dst_dtype, sum);
       }
-      cpu_kernels().accumulate(dst.data(), dst_dtype, src.data(), src_dtype, dst.size());
+      cpu_device_ops().accumulate(dst.data(), dst_dtype, src.data(), src_dtype, dst.size());
       std::size_t wrong = 0;
       for (std::size_t i = 0; i < dst.size(); ++i) wrong += dst.bits(i) != expected[i];
       CHECK(wrong == 0);
@@ -633,7 +633,7 @@ TEST_CASE("a cast from bf16 or fp16 to fp32 and from fp32 to fp32 is exact") {
     std::mt19937 rng(14);
     const Data src = random_typed(rng, src_dtype, 1001, 1e-6f, 1e4f);
     std::vector<float> dst(src.size());
-    cpu_kernels().cast(dst.data(), DType::f32, src.data(), src_dtype, src.size());
+    cpu_device_ops().cast(dst.data(), DType::f32, src.data(), src_dtype, src.size());
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < src.size(); ++i) wrong += dst[i] != src.value(i);
     CHECK(wrong == 0);
@@ -642,15 +642,15 @@ TEST_CASE("a cast from bf16 or fp16 to fp32 and from fp32 to fp32 is exact") {
 
 TEST_CASE("fill_zero clears and copy duplicates exactly the bytes asked") {
   std::vector<unsigned char> a(64, 0xAB), b(64, 0xCD);
-  cpu_kernels().fill_zero(a.data() + 8, 16);
+  cpu_device_ops().fill_zero(a.data() + 8, 16);
   for (std::size_t i = 0; i < a.size(); ++i) CHECK(a[i] == (i >= 8 && i < 24 ? 0 : 0xAB));
-  cpu_kernels().copy(b.data(), a.data(), 32);
+  cpu_device_ops().copy(b.data(), a.data(), 32);
   CHECK(std::memcmp(b.data(), a.data(), 32) == 0);
   CHECK(b[32] == 0xCD);
-  cpu_kernels().fill_zero(nullptr, 0);
-  cpu_kernels().copy(nullptr, nullptr, 0);
-  CHECK_THROWS_AS(cpu_kernels().fill_zero(nullptr, 4), ConfigError);
-  CHECK_THROWS_AS(cpu_kernels().copy(a.data(), nullptr, 4), ConfigError);
+  cpu_device_ops().fill_zero(nullptr, 0);
+  cpu_device_ops().copy(nullptr, nullptr, 0);
+  CHECK_THROWS_AS(cpu_device_ops().fill_zero(nullptr, 4), ConfigError);
+  CHECK_THROWS_AS(cpu_device_ops().copy(a.data(), nullptr, 4), ConfigError);
 }
 
 // --- clipping, names, state, validation -----------------------------------------------------

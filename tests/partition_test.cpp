@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "partition/flat_layout.h"
 #include "tests/catch_compat.h"
 

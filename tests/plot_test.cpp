@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
 #include "tools/plot.h"

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/schedule.h"
-#include "memory/error.h"
+#include "shardswap/schedule.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 
 using namespace shardswap;

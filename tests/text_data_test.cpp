@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tools/lm/text_data.h"
 

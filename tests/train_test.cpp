@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "engine/config_json.h"
-#include "memory/error.h"
+#include "shardswap/config_json.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tools/train.h"
 
@@ -338,7 +338,7 @@ TEST_CASE(
   std::vector<std::string> errors(3);
   std::vector<double> seconds(3, 0.0);
   const auto msg = test::message_of<CommError>([&] {
-    run_in_process_ranks(config, host_collective_ops(), [&](int rank, Communicator& comm) {
+    run_in_process_ranks(config, cpu_backend(), [&](int rank, Communicator& comm) {
       // Rank 2 arrives 1 s late: long after the timeout (without one, the call would succeed
       // and the test fail instead of hanging).
       if (rank == 2) std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -375,7 +375,7 @@ TEST_CASE("shardswap.comm_timeout_s does not disturb in-process collectives that
   const TrainConfig config = load(j);
   constexpr std::size_t n = 999;
   std::vector<std::vector<double>> results(3);
-  run_in_process_ranks(config, host_collective_ops(), [&](int rank, Communicator& comm) {
+  run_in_process_ranks(config, cpu_backend(), [&](int rank, Communicator& comm) {
     auto data = random_values(rank, n);
     for (int round = 0; round < 20; ++round) {
       // A late rank within the timeout is waited for.

@@ -23,10 +23,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/comm/nccl.h"
-#include "engine/engine.h"
-#include "memory/allocator.h"
-#include "memory/buffer.h"
+#include "shardswap/nccl.h"
+#include "shardswap/engine.h"
+#include "shardswap/allocator.h"
+#include "shardswap/buffer.h"
 
 using namespace shardswap;
 
@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
         cfg.dtype = DType::bf16;
         cfg.reduce_bucket_bytes = total;
         cfg.optimizer.type = OptimizerType::sgd;  // the smallest state: 0 moments
-        Engine engine(cfg, *comm, space, cuda_kernels());
+        Engine engine(cfg, *comm, space, cuda_backend());
         engine.add_param("w", {static_cast<std::int64_t>(count)}, "g");
         engine.build([](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.5f); });
         const double ours = time_on_stream(

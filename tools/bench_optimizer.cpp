@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "memory/allocator.h"
-#include "memory/error.h"
+#include "shardswap/allocator.h"
+#include "shardswap/error.h"
 #include "memory/host_types.h"
 #include "optimizer/optimizer.h"
 
@@ -143,7 +143,7 @@ class Allocation {
 
 // Fills count elements of elem bytes at dst with `pattern` repeated: element i holds
 // pattern[i % kPattern]. One upload, then copies on the backend that double the filled part.
-void fill_repeating(Allocator& a, const OptimizerKernels& k, unsigned char* dst,
+void fill_repeating(Allocator& a, const DeviceOps& k, unsigned char* dst,
                     const void* pattern, std::size_t count, std::size_t elem) {
   std::size_t filled = std::min(kPattern, count);
   a.upload(dst, pattern, filled * elem);
@@ -166,7 +166,7 @@ std::vector<float> random_floats(std::mt19937& rng, float lo, float hi, bool any
 // Median of the times of `iters` calls of f, each followed by kernels.synchronize(), after
 // kWarmup untimed ones; in seconds.
 template <class F>
-double median_seconds(const OptimizerKernels& k, int iters, F&& f) {
+double median_seconds(const DeviceOps& k, int iters, F&& f) {
   for (int i = 0; i < kWarmup; ++i) f();
   k.synchronize();
   std::vector<double> t;
@@ -204,7 +204,7 @@ struct Row {
 };
 
 // kernels.copy of kCopyBytes of fp32 into another buffer; bytes read + written per second.
-void measure_copy(Allocator& a, const OptimizerKernels& k, int iters,
+void measure_copy(Allocator& a, const DeviceOps& k, int iters,
                   const std::vector<float>& pattern, Row& row) {
   const std::size_t count = kCopyBytes / sizeof(float);
   const Allocation src(a, kCopyBytes), dst(a, kCopyBytes);
@@ -224,7 +224,7 @@ void measure_copy(Allocator& a, const OptimizerKernels& k, int iters,
 
 // The fused AdamW update of n params: bf16 gradient and param, fp32 master, m and v, at step 10
 // so that m and v are not zero. The first call is checked against a host float64 step.
-void measure_update(Allocator& a, const OptimizerKernels& k, int iters, std::size_t n, Row& row) {
+void measure_update(Allocator& a, const DeviceOps& k, int iters, std::size_t n, Row& row) {
   std::mt19937 rng(20261129);
   const std::vector<float> master0 = random_floats(rng, 0.05f, 1.0f, true);
   const std::vector<float> m0 = random_floats(rng, 1e-4f, 1e-2f, true);
@@ -300,7 +300,7 @@ void measure_update(Allocator& a, const OptimizerKernels& k, int iters, std::siz
 int bench_optimizer(const std::vector<std::string>& args, std::ostream& out) {
   const Options o = parse(args);
   const bool cuda = o.backend == "cuda";
-  const OptimizerKernels& k = cuda ? cuda_kernels() : cpu_kernels();
+  const DeviceOps& k = cuda ? cuda_device_ops() : cpu_device_ops();
   const std::unique_ptr<Allocator> a = cuda ? make_cuda_allocator(0) : make_host_allocator();
 
   std::ofstream json_file;

@@ -27,9 +27,10 @@
 #include <memory>
 #include <mutex>
 
-#include "engine/backend.h"
-#include "engine/engine.h"
-#include "memory/error.h"
+#include "engine/backend_ops.h"
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 
@@ -182,7 +183,7 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-double copy_bandwidth(MemorySpace& space, const OptimizerKernels& k) {
+double copy_bandwidth(MemorySpace& space, const DeviceOps& k) {
   constexpr std::size_t bytes = std::size_t{1} << 30;
   Buffer a = space.allocate(bytes, Tag::other, "bench copy source");
   Buffer b = space.allocate(bytes, Tag::other, "bench copy destination");
@@ -212,7 +213,7 @@ int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
         auto traffic = std::make_shared<HostTraffic>();
         MemorySpace space(
             rank, std::make_unique<TimedAllocator>(backend.make_allocator(rank), traffic, false));
-        const double bandwidth = copy_bandwidth(space, *backend.kernels);
+        const double bandwidth = copy_bandwidth(space, device_ops(backend));
         std::vector<std::string> groups;
         for (int l = 0; l < o.layers; ++l) groups.push_back(fmt::format("layers.{}", l));
         const double params_per_layer = 4.0 * o.dim * o.dim;
@@ -220,7 +221,7 @@ int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
         out << fmt::format(
             "bench switch: backend {}, {} layers of 4 x {}x{} bf16, 2 active, copy {:.3f} TB/s; "
             "median of {} switches after {} warm-up\n",
-            backend.name, o.layers, o.dim, o.dim, bandwidth / 1e12, o.switches, warmup);
+            backend.name(), o.layers, o.dim, o.dim, bandwidth / 1e12, o.switches, warmup);
         out << fmt::format("{:>18} {:>10} {:>12} {:>12} {:>10} {:>9} {:>9} {:>9} {:>9} {:>6}\n",
                            "policy", "ms/switch", "bytes", "bound ms", "ms/bound", "halloc ms",
                            "hfree ms", "copy ms", "host GB", "check");
@@ -243,7 +244,7 @@ int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
           EngineConfig cfg;
           cfg.stage = 2;
           cfg.optimizer.type = OptimizerType::adamw;
-          Engine engine(cfg, comm, space, *backend.kernels);
+          Engine engine(cfg, comm, space, backend);
           for (int l = 0; l < o.layers; ++l)
             for (const char* m : {"q", "k", "v", "o"})
               engine.add_param(fmt::format("layers.{}.{}", l, m), {o.dim, o.dim},
@@ -320,7 +321,7 @@ int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
                           {"check", pass ? "PASS" : "FAIL"}});
         }
       },
-      *backend.collectives);
+      backend);
   if (!o.json.empty()) {
     std::ofstream f(o.json);
     if (!f) throw ConfigError(fmt::format("bench_switch: --json: cannot write '{}'", o.json));

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <sstream>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

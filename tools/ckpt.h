@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/checkpoint.h"
+#include "shardswap/checkpoint.h"
 
 namespace shardswap {
 

@@ -12,8 +12,8 @@
 
 #include <cstdio>
 
-#include "engine/config_json.h"
-#include "memory/error.h"
+#include "shardswap/config_json.h"
+#include "shardswap/error.h"
 #include "tools/bench_optimizer.h"
 #include "tools/bench_switch.h"
 #include "tools/ckpt.h"

@@ -15,8 +15,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include "engine/comm/nccl.h"
-#include "memory/allocator.h"
+#include "shardswap/nccl.h"
+#include "shardswap/allocator.h"
 
 using namespace shardswap;
 

@@ -20,7 +20,7 @@
 #include <optional>
 #include <sstream>
 
-#include "memory/stats.h"
+#include "shardswap/stats.h"
 
 extern char** environ;
 

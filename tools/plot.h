@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

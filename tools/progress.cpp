@@ -8,7 +8,7 @@
 #include <cmath>
 #include <limits>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

@@ -13,11 +13,11 @@
 #include <optional>
 #include <thread>
 
-#include "engine/backend.h"
-#include "engine/checkpoint.h"
-#include "engine/comm/nccl.h"
-#include "engine/config_json.h"
-#include "memory/error.h"
+#include "shardswap/backend.h"
+#include "shardswap/checkpoint.h"
+#include "shardswap/nccl.h"
+#include "shardswap/config_json.h"
+#include "shardswap/error.h"
 #include "tools/lm/text_data.h"
 #include "tools/progress.h"
 
@@ -176,9 +176,9 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
                      config.engine.stage, formula, mib(static_cast<std::int64_t>(formula)));
 }
 
-void run_in_process_ranks(const TrainConfig& config, const CollectiveOps& ops,
+void run_in_process_ranks(const TrainConfig& config, const Backend& backend,
                           const std::function<void(int rank, Communicator& comm)>& fn) {
-  run_ranks(config.world_size, fn, ops, config.comm_timeout);
+  run_ranks(config.world_size, fn, backend, config.comm_timeout);
 }
 
 TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
@@ -197,13 +197,13 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
 
   auto per_rank = [&](int rank, Communicator& comm, std::unique_ptr<Allocator> allocator) {
     MemorySpace space(rank, std::move(allocator));
-    Engine engine(config.engine, comm, space, *backend.kernels);
+    Engine engine(config.engine, comm, space, backend);
     ByteLm::declare(config.model, engine);
     engine.build(
         [&](const ParamInfo& p, std::span<float> v) { ByteLm::init(config.model, p, v, config.seed); },
         schedule.active_at(0));
     auto model = make_byte_lm(config.model, micro, config.engine.dtype, space);
-    const auto sync = [&] { backend.kernels->synchronize(); };
+    const auto sync = [&] { backend.synchronize(); };
 
     // Validation: batches rank, rank + world, ... of eval_batches, summed over ranks.
     const auto evaluate = [&] {
@@ -221,7 +221,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           "depth {}; world size {} ({}, {}), ZeRO stage {}, {}, {}; batch {} = {} x {} x {}; "
           "data {} ({} bytes train, {} validation)\n",
           byte_lm_param_count(config.model), engine.groups().size(), config.model.context,
-          config.model.width, config.model.hidden, config.model.depth, world, backend.name,
+          config.model.width, config.model.hidden, config.model.depth, world, backend.name(),
           config.comm == CommKind::nccl ? "nccl" : "in-process", config.engine.stage,
           dtype_name(config.engine.dtype), optimizer_type_name(config.engine.optimizer.type),
           config.batches.train_batch, micro, accumulation, world, corpus.path(),
@@ -417,7 +417,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   };
 
   if (config.comm == CommKind::in_process) {
-    run_in_process_ranks(config, *backend.collectives, [&](int rank, Communicator& comm) {
+    run_in_process_ranks(config, backend, [&](int rank, Communicator& comm) {
       per_rank(rank, comm, backend.make_allocator(rank));
     });
     return summary;

@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
-#include "engine/batch_sizes.h"
-#include "engine/comm/communicator.h"
-#include "engine/config_reader.h"
-#include "engine/engine_config.h"
-#include "engine/schedule.h"
-#include "optimizer/lr_schedule.h"
+#include "shardswap/batch_sizes.h"
+#include "shardswap/communicator.h"
+#include "shardswap/config_reader.h"
+#include "shardswap/engine_config.h"
+#include "shardswap/schedule.h"
+#include "shardswap/lr_schedule.h"
 #include "tools/lm/byte_lm.h"
 
 namespace shardswap {
@@ -114,9 +114,9 @@ struct TrainOutput {
 TrainSummary train(const TrainConfig& config, const TrainOutput& out);
 
 /// What train() runs its in-process ranks with: fn(rank, comm) on config.world_size threads over
-/// one InProcessGroup on `ops`, with config.comm_timeout applied. As run_ranks: a rank that
+/// one InProcessGroup on `backend`, with config.comm_timeout applied. As run_ranks: a rank that
 /// throws aborts the group, and the first failure is rethrown once every thread has joined.
-void run_in_process_ranks(const TrainConfig& config, const CollectiveOps& ops,
+void run_in_process_ranks(const TrainConfig& config, const Backend& backend,
                           const std::function<void(int rank, Communicator& comm)>& fn);
 
 }  // namespace shardswap

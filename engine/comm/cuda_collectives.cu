@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <string>
 
-#include "engine/comm/communicator.h"
+#include "engine/comm/collective_ops.h"
 #include "engine/comm/cuda_scale.h"
 #include "memory/cuda/cuda_check.h"
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 namespace {
@@ -122,7 +122,7 @@ void scale_on_stream(void* data, std::size_t count, DType dtype, double factor,
 }
 
 const CollectiveOps& cuda_collective_ops() {
-  static const CollectiveOps ops{"cuda", cuda_reduce, cuda_copy, cuda_sync, cuda_scratch};
+  static const CollectiveOps ops{"cuda", DeviceKind::cuda, cuda_reduce, cuda_copy, cuda_sync, cuda_scratch};
   return ops;
 }
 

@@ -1,6 +1,6 @@
 // Linked when CUDA is off: the same symbol, failing with a clear error.
-#include "engine/comm/communicator.h"
-#include "memory/error.h"
+#include "engine/comm/collective_ops.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

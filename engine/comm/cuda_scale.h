@@ -7,7 +7,7 @@
 
 #include <cstddef>
 
-#include "memory/dtype.h"
+#include "shardswap/dtype.h"
 
 namespace shardswap {
 

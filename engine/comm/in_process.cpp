@@ -22,8 +22,10 @@
 #include <thread>
 #include <vector>
 
-#include "engine/comm/communicator.h"
-#include "memory/error.h"
+#include "engine/backend_ops.h"
+#include "engine/comm/collective_ops.h"
+#include "shardswap/communicator.h"
+#include "shardswap/error.h"
 #include "memory/host_types.h"
 
 namespace shardswap {
@@ -282,6 +284,7 @@ class RankComm final : public Communicator {
 
   int rank() const override { return rank_; }
   int world_size() const override { return s_.world_size; }
+  DeviceKind device() const override { return s_.ops.device; }
 
   void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op) override {
     // Phase 1: rank r reduces chunk r of every rank's data into a scratch of about count/N.
@@ -415,7 +418,7 @@ class RankComm final : public Communicator {
 }  // namespace
 
 const CollectiveOps& host_collective_ops() {
-  static const CollectiveOps ops{"host", host_reduce, host_copy, [] {}, host_scratch};
+  static const CollectiveOps ops{"host", DeviceKind::host, host_reduce, host_copy, [] {}, host_scratch};
   return ops;
 }
 
@@ -434,6 +437,9 @@ InProcessGroup::InProcessGroup(int world_size, const CollectiveOps& ops) {
   }
   state_ = std::make_unique<State>(world_size, ops);
 }
+
+InProcessGroup::InProcessGroup(int world_size, const Backend& backend)
+    : InProcessGroup(world_size, collective_ops(backend)) {}
 
 InProcessGroup::~InProcessGroup() = default;
 
@@ -496,6 +502,11 @@ void run_ranks(int world_size, const std::function<void(int rank, Communicator& 
   }
   for (auto& t : threads) t.join();
   if (first) std::rethrow_exception(first);
+}
+
+void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,
+               const Backend& backend, std::chrono::milliseconds timeout) {
+  run_ranks(world_size, fn, collective_ops(backend), timeout);
 }
 
 }  // namespace shardswap

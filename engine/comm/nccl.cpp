@@ -29,7 +29,7 @@
 // deadline) but they do not help with a wait outside NCCL, and NCCL 2.28 then runs every
 // collective's launch on a new thread: the watchdog costs nothing without a timeout, an event
 // record per collective with one.
-#include "engine/comm/nccl.h"
+#include "shardswap/nccl.h"
 #include "engine/comm/cuda_scale.h"
 
 #include <cuda_runtime.h>
@@ -58,7 +58,7 @@
 
 #include "engine/comm/nccl_check.h"
 #include "memory/cuda/cuda_check.h"
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 namespace {
@@ -142,6 +142,7 @@ class NcclCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
+  DeviceKind device() const override { return DeviceKind::cuda; }
 
   // avg is a sum scaled by 1/world_size on the comm stream. (ncclAvg itself left the last
   // element of an odd-sized out-of-place reduce_scatter unwritten with NCCL 2.28.3, one rank, on

@@ -1,6 +1,6 @@
 // Linked when CUDA is off: the NCCL factories with the same symbols, failing with a clear error.
-#include "engine/comm/nccl.h"
-#include "memory/error.h"
+#include "shardswap/nccl.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

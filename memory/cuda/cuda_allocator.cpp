@@ -12,9 +12,9 @@
 #include <map>
 #include <mutex>
 
-#include "memory/allocator.h"
+#include "shardswap/allocator.h"
 #include "memory/cuda/cuda_check.h"
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 namespace {

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap::detail {
 

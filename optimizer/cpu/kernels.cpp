@@ -11,7 +11,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "memory/host_types.h"
 #include "optimizer/kernel_checks.h"
 #include "optimizer/optimizer.h"
@@ -33,7 +33,7 @@ decltype(auto) with_bit16(DType dtype, const char* fn, F&& f) {
     default:
       break;
   }
-  throw ConfigError(fmt::format("cpu_kernels().{}: dtype {} is not a bit16 type (bf16 or fp16)", fn,
+  throw ConfigError(fmt::format("cpu_device_ops().{}: dtype {} is not a bit16 type (bf16 or fp16)", fn,
                                 dtype_name(dtype)));
 }
 
@@ -51,7 +51,7 @@ decltype(auto) with_any(DType dtype, const char* fn, F&& f) {
       break;
   }
   throw ConfigError(
-      fmt::format("cpu_kernels().{}: dtype {} is not fp32, bf16 or fp16", fn, dtype_name(dtype)));
+      fmt::format("cpu_device_ops().{}: dtype {} is not fp32, bf16 or fp16", fn, dtype_name(dtype)));
 }
 
 // The bits of T's exponent field: all set means Inf or NaN.
@@ -139,7 +139,7 @@ void update_shard(const OptimizerConfig& config, const StepArgs& args, const Sha
 }
 
 void update(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
-  if (!detail::check_update("cpu_kernels().update", config, args, t)) return;
+  if (!detail::check_update("cpu_device_ops().update", config, args, t)) return;
   with_bit16(t.dtype, "update", [&](auto param_tag) {
     with_any(t.grad_dtype, "update", [&](auto grad_tag) {
       using T = decltype(param_tag);
@@ -153,7 +153,7 @@ void update(const OptimizerConfig& config, const StepArgs& args, const ShardTens
 double sum_squares(const void* data, DType dtype, std::size_t count, double scale) {
   return with_any(dtype, "sum_squares", [&](auto tag) {
     using T = decltype(tag);
-    if (count > 0) detail::require_data(data, "cpu_kernels().sum_squares", "data", count);
+    if (count > 0) detail::require_data(data, "cpu_device_ops().sum_squares", "data", count);
     const T* x = static_cast<const T*>(data);
     double sum = 0.0;  // sequential order: the same input always gives the same bits
     for (std::size_t i = 0; i < count; ++i) {
@@ -168,7 +168,7 @@ bool has_inf_or_nan(const void* data, DType dtype, std::size_t count) {
   return with_any(dtype, "has_inf_or_nan", [&](auto tag) {
     using T = decltype(tag);
     constexpr BitsOf<T> mask = exponent_mask<T>();
-    if (count > 0) detail::require_data(data, "cpu_kernels().has_inf_or_nan", "data", count);
+    if (count > 0) detail::require_data(data, "cpu_device_ops().has_inf_or_nan", "data", count);
     const T* x = static_cast<const T*>(data);
     // No early exit: a branch-free OR over the bits vectorizes, and overflow is the rare case.
     bool found = false;
@@ -187,8 +187,8 @@ void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::siz
       using D = decltype(dst_tag);
       using S = decltype(src_tag);
       if (count == 0) return;
-      detail::require_data(dst, "cpu_kernels().cast", "dst", count);
-      detail::require_data(src, "cpu_kernels().cast", "src", count);
+      detail::require_data(dst, "cpu_device_ops().cast", "dst", count);
+      detail::require_data(src, "cpu_device_ops().cast", "src", count);
       if constexpr (std::is_same_v<D, S>) {
         std::memmove(dst, src, count * sizeof(D));
       } else {
@@ -206,8 +206,8 @@ void accumulate(void* dst, DType dst_dtype, const void* src, DType src_dtype, st
       using D = decltype(dst_tag);
       using S = decltype(src_tag);
       if (count == 0) return;
-      detail::require_data(dst, "cpu_kernels().accumulate", "dst", count);
-      detail::require_data(src, "cpu_kernels().accumulate", "src", count);
+      detail::require_data(dst, "cpu_device_ops().accumulate", "dst", count);
+      detail::require_data(src, "cpu_device_ops().accumulate", "src", count);
       const auto n = static_cast<Eigen::Index>(count);
       MapT<D> out(static_cast<D*>(dst), n);
       out = (out.template cast<float>() +
@@ -220,14 +220,14 @@ void accumulate(void* dst, DType dst_dtype, const void* src, DType src_dtype, st
 // memset/memcpy with a null pointer are undefined even for zero bytes, hence the guards.
 void fill_zero(void* dst, std::size_t bytes) {
   if (bytes == 0) return;
-  detail::require_data(dst, "cpu_kernels().fill_zero", "dst", bytes, "bytes");
+  detail::require_data(dst, "cpu_device_ops().fill_zero", "dst", bytes, "bytes");
   std::memset(dst, 0, bytes);
 }
 
 void copy(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
-  detail::require_data(dst, "cpu_kernels().copy", "dst", bytes, "bytes");
-  detail::require_data(src, "cpu_kernels().copy", "src", bytes, "bytes");
+  detail::require_data(dst, "cpu_device_ops().copy", "dst", bytes, "bytes");
+  detail::require_data(src, "cpu_device_ops().copy", "src", bytes, "bytes");
   std::memcpy(dst, src, bytes);
 }
 
@@ -235,8 +235,8 @@ void synchronize() {}
 
 }  // namespace
 
-const OptimizerKernels& cpu_kernels() {
-  static const OptimizerKernels table{.name = "cpu",
+const DeviceOps& cpu_device_ops() {
+  static const DeviceOps table{.name = "cpu",
                                       .update = update,
                                       .sum_squares = sum_squares,
                                       .has_inf_or_nan = has_inf_or_nan,

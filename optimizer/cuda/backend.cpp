@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 
 #include "memory/cuda/cuda_check.h"
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "optimizer/cuda/kernels.h"
 #include "optimizer/kernel_checks.h"
 #include "optimizer/optimizer.h"
@@ -30,12 +30,12 @@ Elem elem_of(DType dtype, const char* fn) {
       break;
   }
   throw ConfigError(
-      fmt::format("cuda_kernels().{}: dtype {} is not fp32, bf16 or fp16", fn, dtype_name(dtype)));
+      fmt::format("cuda_device_ops().{}: dtype {} is not fp32, bf16 or fp16", fn, dtype_name(dtype)));
 }
 
 Elem bit16_elem_of(DType dtype, const char* fn) {
   if (!is_bit16(dtype)) {
-    throw ConfigError(fmt::format("cuda_kernels().{}: dtype {} is not a bit16 type (bf16 or fp16)",
+    throw ConfigError(fmt::format("cuda_device_ops().{}: dtype {} is not a bit16 type (bf16 or fp16)",
                                   fn, dtype_name(dtype)));
   }
   return elem_of(dtype, fn);
@@ -79,7 +79,7 @@ HostScratch& scratch() {
 }
 
 void update(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
-  if (!detail::check_update("cuda_kernels().update", config, args, t)) return;
+  if (!detail::check_update("cuda_device_ops().update", config, args, t)) return;
   const detail::UpdateLaunch launch{t.master,
                                     t.state0,
                                     t.state1,
@@ -98,7 +98,7 @@ void update(const OptimizerConfig& config, const StepArgs& args, const ShardTens
 double sum_squares(const void* data, DType dtype, std::size_t count, double scale) {
   const Elem e = elem_of(dtype, "sum_squares");
   if (count == 0) return 0.0;
-  detail::require_data(data, "cuda_kernels().sum_squares", "data", count);
+  detail::require_data(data, "cuda_device_ops().sum_squares", "data", count);
   double* partials = scratch().doubles();
   const int blocks = detail::launch_sum_squares(data, e, count, scale, partials, kMaxBlocks);
   SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
@@ -110,7 +110,7 @@ double sum_squares(const void* data, DType dtype, std::size_t count, double scal
 bool has_inf_or_nan(const void* data, DType dtype, std::size_t count) {
   const Elem e = elem_of(dtype, "has_inf_or_nan");
   if (count == 0) return false;
-  detail::require_data(data, "cuda_kernels().has_inf_or_nan", "data", count);
+  detail::require_data(data, "cuda_device_ops().has_inf_or_nan", "data", count);
   int* flags = scratch().ints();
   const int blocks = detail::launch_find_inf_or_nan(data, e, count, flags, kMaxBlocks);
   SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
@@ -124,8 +124,8 @@ void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::siz
   const Elem d = elem_of(dst_dtype, "cast");
   const Elem s = elem_of(src_dtype, "cast");
   if (count == 0) return;
-  detail::require_data(dst, "cuda_kernels().cast", "dst", count);
-  detail::require_data(src, "cuda_kernels().cast", "src", count);
+  detail::require_data(dst, "cuda_device_ops().cast", "dst", count);
+  detail::require_data(src, "cuda_device_ops().cast", "src", count);
   if (d == s) {
     if (dst != src) {
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * dtype_size(dst_dtype),
@@ -140,21 +140,21 @@ void accumulate(void* dst, DType dst_dtype, const void* src, DType src_dtype, st
   const Elem d = elem_of(dst_dtype, "accumulate");
   const Elem s = elem_of(src_dtype, "accumulate");
   if (count == 0) return;
-  detail::require_data(dst, "cuda_kernels().accumulate", "dst", count);
-  detail::require_data(src, "cuda_kernels().accumulate", "src", count);
+  detail::require_data(dst, "cuda_device_ops().accumulate", "dst", count);
+  detail::require_data(src, "cuda_device_ops().accumulate", "src", count);
   detail::launch_accumulate(dst, d, src, s, count);
 }
 
 void fill_zero(void* dst, std::size_t bytes) {
   if (bytes == 0) return;
-  detail::require_data(dst, "cuda_kernels().fill_zero", "dst", bytes, "bytes");
+  detail::require_data(dst, "cuda_device_ops().fill_zero", "dst", bytes, "bytes");
   SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cudaStreamPerThread));
 }
 
 void copy(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
-  detail::require_data(dst, "cuda_kernels().copy", "dst", bytes, "bytes");
-  detail::require_data(src, "cuda_kernels().copy", "src", bytes, "bytes");
+  detail::require_data(dst, "cuda_device_ops().copy", "dst", bytes, "bytes");
+  detail::require_data(src, "cuda_device_ops().copy", "src", bytes, "bytes");
   SHARDSWAP_CUDA_CHECK(
       cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cudaStreamPerThread));
 }
@@ -165,8 +165,8 @@ void synchronize() {
 
 }  // namespace
 
-const OptimizerKernels& cuda_kernels() {
-  static const OptimizerKernels table{.name = "cuda",
+const DeviceOps& cuda_device_ops() {
+  static const DeviceOps table{.name = "cuda",
                                       .update = update,
                                       .sum_squares = sum_squares,
                                       .has_inf_or_nan = has_inf_or_nan,

@@ -24,8 +24,8 @@
 
 #include <fmt/format.h>
 
-#include "engine/checkpoint.h"
-#include "memory/error.h"
+#include "shardswap/checkpoint.h"
+#include "shardswap/error.h"
 
 namespace {
 

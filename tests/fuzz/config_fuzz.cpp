@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <string_view>
 
-#include "engine/config_json.h"
-#include "engine/config_reader.h"
-#include "memory/error.h"
+#include "shardswap/config_json.h"
+#include "shardswap/config_reader.h"
+#include "shardswap/error.h"
 #include "tools/train.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

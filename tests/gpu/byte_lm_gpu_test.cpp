@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/engine.h"
-#include "memory/allocator.h"
-#include "memory/error.h"
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
+#include "shardswap/allocator.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/gpu/device_memory_guard.h"
 #include "tests/support/byte_lm_reference.h"
@@ -90,7 +90,7 @@ Run train_briefly(const ByteLmShape& shape, int batch, int steps) {
       2,
       [&](int rank, Communicator& comm) {
         MemorySpace space(rank, backend.make_allocator(rank));
-        Engine engine(cfg, comm, space, *backend.kernels);
+        Engine engine(cfg, comm, space, backend);
         ByteLm::declare(shape, engine);
         engine.build([&](const ParamInfo& p, std::span<float> v) { ByteLm::init(shape, p, v, 3); });
         auto model = make_byte_lm(shape, batch, cfg.dtype, space);
@@ -105,7 +105,7 @@ Run train_briefly(const ByteLmShape& shape, int batch, int steps) {
         run.losses = losses;
         for (const auto& p : engine.params()) run.weights.push_back(engine.read_weight(p.name));
       },
-      *backend.collectives);
+      backend);
   return run;
 }
 
@@ -187,7 +187,7 @@ TEST_CASE("cuda: byte LM activation memory is exactly activation_bytes; cuBLAS's
         MemorySpace space(rank, backend.make_allocator(rank));
         EngineConfig cfg;
         cfg.reduce_bucket_bytes = std::size_t{1} << 22;
-        Engine engine(cfg, comm, space, *backend.kernels);
+        Engine engine(cfg, comm, space, backend);
         ByteLm::declare(shape, engine);
         engine.build([&](const ParamInfo& p, std::span<float> v) { ByteLm::init(shape, p, v, 1); });
         const TokenBatch batch = test_support::random_token_batch(shape, 64, 1);
@@ -220,7 +220,7 @@ TEST_CASE("cuda: byte LM activation memory is exactly activation_bytes; cuBLAS's
           RANK_REQUIRE(space.stats().tag(Tag::activation).requested.current == 0);
         }
       },
-      *backend.collectives);
+      backend);
   guard.require_returned();
 }
 
@@ -250,7 +250,7 @@ TEST_CASE("cuda: byte LM at the default shape trains on GPL-3 and reports its ra
         cfg.optimizer.lr = 2e-3;
         cfg.gradient_clipping = 1.0;
         cfg.reduce_bucket_bytes = std::size_t{1} << 22;
-        Engine engine(cfg, comm, space, *backend.kernels);
+        Engine engine(cfg, comm, space, backend);
         ByteLm::declare(shape, engine);
         engine.build([&](const ParamInfo& p, std::span<float> v) { ByteLm::init(shape, p, v, 1); });
         auto model = make_byte_lm(shape, kBatch, cfg.dtype, space);
@@ -270,7 +270,7 @@ TEST_CASE("cuda: byte LM at the default shape trains on GPL-3 and reports its ra
         seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         after = val();
       },
-      *backend.collectives);
+      backend);
   const double rate = kBatch * kSteps / seconds;
   std::printf(
       "cuda byte LM default shape, batch %d: validation loss %.3f -> %.3f in %d steps; "

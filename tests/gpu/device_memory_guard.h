@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "memory/allocator.h"
+#include "shardswap/allocator.h"
 #include "tests/catch_compat.h"
 
 namespace test {

@@ -7,9 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/engine.h"
-#include "memory/error.h"
+#include "memory/host_types.h"
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/gpu/device_memory_guard.h"
 #include "tests/support/compression_peak.h"
@@ -99,7 +100,7 @@ TEST_CASE("cuda: out of memory in build is a typed error with the memory report 
         EngineConfig cfg;
         cfg.stage = 2;
         {
-          Engine huge(cfg, comm, space, cuda_kernels());
+          Engine huge(cfg, comm, space, cuda_backend());
           // A small group first (it must be freed again), then bit16 weights of twice the card.
           huge.add_param("small", {1024}, "first");
           huge.add_param("huge", {static_cast<std::int64_t>(total)}, "second");
@@ -114,7 +115,7 @@ TEST_CASE("cuda: out of memory in build is a typed error with the memory report 
           REQUIRE(space.stats().allocated.current == 0);  // the failed build kept nothing
         }
         // The device stays usable: a real engine builds and steps afterwards.
-        Engine small(cfg, comm, space, cuda_kernels());
+        Engine small(cfg, comm, space, cuda_backend());
         small.add_param("w", {64, 64}, "g");
         small.build(
             [](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.25f); });
@@ -125,7 +126,7 @@ TEST_CASE("cuda: out of memory in build is a typed error with the memory report 
         REQUIRE(small.step().applied);
         REQUIRE(small.read_weight("w")[0] < 0.25f);
       },
-      cuda_collective_ops());
+      cuda_backend());
   guard.require_returned();
 }
 

@@ -7,8 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/engine.h"
+#include "memory/host_types.h"
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
 
@@ -41,7 +42,7 @@ TEST_CASE("cuda: 10000 switches end with exactly the bytes and the free memory o
         MemorySpace space(rank, make_cuda_allocator(0));
         EngineConfig cfg;
         cfg.stage = 2;
-        Engine e(cfg, comm, space, cuda_kernels());
+        Engine e(cfg, comm, space, cuda_backend());
         for (int l = 0; l < 8; ++l)
           e.add_param(fmt::format("layers.{}.w", l), {1024, 1024}, fmt::format("layers.{}", l));
         e.add_param("head.w", {1024, 64}, "head");
@@ -80,7 +81,7 @@ TEST_CASE("cuda: 10000 switches end with exactly the bytes and the free memory o
         last_bytes = space.stats().requested.current;
         last_free = cuda_device_memory(0).free;
       },
-      cuda_collective_ops());
+      cuda_backend());
   std::printf(
       "soak: 10000 switches; requested bytes after the first %lld, after the last %lld; "
       "device free after the first %zu, after the last %zu\n",

@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "engine/comm/nccl.h"
-#include "memory/allocator.h"
+#include "shardswap/nccl.h"
+#include "shardswap/allocator.h"
 #include "tests/catch_compat.h"
 
 namespace {

@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <memory>
 
-#include "engine/backend.h"
-#include "engine/comm/nccl.h"
+#include "shardswap/backend.h"
+#include "shardswap/nccl.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
 

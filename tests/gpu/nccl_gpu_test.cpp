@@ -27,9 +27,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "engine/comm/nccl.h"
-#include "memory/allocator.h"
-#include "memory/error.h"
+#include "shardswap/nccl.h"
+#include "shardswap/allocator.h"
+#include "shardswap/error.h"
 #include "memory/host_types.h"
 #include "tests/catch_compat.h"
 #include "tests/support/typed_values.h"

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "memory/allocator.h"
-#include "memory/error.h"
+#include "shardswap/allocator.h"
+#include "shardswap/error.h"
 #include "memory/host_types.h"
 #include "optimizer/optimizer.h"
 #include "tests/catch_compat.h"
@@ -207,11 +207,11 @@ void check_update_agrees(const OptimizerConfig& config, double lr, double wd, DT
     Host grad = random_host(rng, grad_dtype, n, 0.01f, 2.0f);
     d_grad.upload(grad);
     const StepArgs args{step, lr, wd, grad_scale};
-    cpu_kernels().update(config, args,
+    cpu_device_ops().update(config, args,
                          ShardTensors{master.f32(), slots >= 1 ? state0.f32() : nullptr,
                                       slots >= 2 ? state1.f32() : nullptr, grad.data(),
                                       param.data(), dtype, grad_dtype, n});
-    cuda_kernels().update(config, args,
+    cuda_device_ops().update(config, args,
                           ShardTensors{d_master.f32(), slots >= 1 ? d_state0.f32() : nullptr,
                                        slots >= 2 ? d_state1.f32() : nullptr, d_grad.get(),
                                        d_param.get(), dtype, grad_dtype, n});
@@ -248,8 +248,8 @@ void check_rule(const OptimizerConfig& config, double lr, double wd) {
 // --- update rules ---------------------------------------------------------------------------
 
 TEST_CASE("cuda: the kernel table is named cuda") {
-  CHECK(std::string(cuda_kernels().name) == "cuda");
-  CHECK_NOTHROW(cuda_kernels().synchronize());
+  CHECK(std::string(cuda_device_ops().name) == "cuda");
+  CHECK_NOTHROW(cuda_device_ops().synchronize());
 }
 
 TEST_CASE("cuda: Adam agrees with the CPU kernels over 20 steps, with and without L2") {
@@ -291,36 +291,36 @@ TEST_CASE("cuda: update rejects what the CPU kernels reject, before touching the
   float* none = nullptr;
   const ShardTensors f32_param{none, none, none, none, none, DType::f32, DType::bf16, 1};
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cuda_kernels().update(make(OptimizerType::sgd), StepArgs{}, f32_param);
+                         cuda_device_ops().update(make(OptimizerType::sgd), StepArgs{}, f32_param);
                        }),
                        "fp32"));
   const ShardTensors f64_grad{none, none, none, none, none, DType::bf16, DType::f64, 1};
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cuda_kernels().update(make(OptimizerType::sgd), StepArgs{}, f64_grad);
+                         cuda_device_ops().update(make(OptimizerType::sgd), StepArgs{}, f64_grad);
                        }),
                        "fp64"));
   const ShardTensors mixed{none, none, none, none, none, DType::f16, DType::bf16, 1};
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cuda_kernels().update(make(OptimizerType::sgd), StepArgs{}, mixed);
+                         cuda_device_ops().update(make(OptimizerType::sgd), StepArgs{}, mixed);
                        }),
                        "grad dtype bf16 does not go with param dtype fp16"));
   const ShardTensors null_master{none, none, none, none, none, DType::bf16, DType::bf16, 1};
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cuda_kernels().update(make(OptimizerType::sgd), StepArgs{}, null_master);
+                         cuda_device_ops().update(make(OptimizerType::sgd), StepArgs{}, null_master);
                        }),
                        "master"));
   CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         cuda_kernels().update(make(OptimizerType::sgd), StepArgs{0}, null_master);
+                         cuda_device_ops().update(make(OptimizerType::sgd), StepArgs{0}, null_master);
                        }),
                        "step = 0"));
-  CHECK_NOTHROW(cuda_kernels().update(
+  CHECK_NOTHROW(cuda_device_ops().update(
       make(OptimizerType::adam), StepArgs{},
       ShardTensors{none, none, none, none, none, DType::bf16, DType::bf16, 0}));
-  CHECK_THROWS_AS(cuda_kernels().cast(nullptr, DType::f32, nullptr, DType::f64, 1), ConfigError);
-  CHECK_THROWS_AS(cuda_kernels().accumulate(nullptr, DType::f32, nullptr, DType::bf16, 1),
+  CHECK_THROWS_AS(cuda_device_ops().cast(nullptr, DType::f32, nullptr, DType::f64, 1), ConfigError);
+  CHECK_THROWS_AS(cuda_device_ops().accumulate(nullptr, DType::f32, nullptr, DType::bf16, 1),
                   ConfigError);
-  CHECK_THROWS_AS(cuda_kernels().sum_squares(nullptr, DType::f32, 1, 1.0), ConfigError);
-  CHECK_NOTHROW(cuda_kernels().synchronize());  // nothing reached the device
+  CHECK_THROWS_AS(cuda_device_ops().sum_squares(nullptr, DType::f32, 1, 1.0), ConfigError);
+  CHECK_NOTHROW(cuda_device_ops().synchronize());  // nothing reached the device
 }
 
 // --- reductions -----------------------------------------------------------------------------
@@ -334,7 +334,7 @@ TEST_CASE("cuda: sum_squares agrees with the CPU to 1e-10 and holds no device me
   {  // first launches load the kernels (lazy module loading): not memory held by the kernels
     const Host x(DType::f32, 64);
     const Device d(x, 0);
-    for (DType dtype : any_types) cuda_kernels().sum_squares(d.get(), dtype, 16, 1.0);
+    for (DType dtype : any_types) cuda_device_ops().sum_squares(d.get(), dtype, 16, 1.0);
   }
   const test::DeviceMemoryGuard guard;
   for (DType dtype : any_types) {
@@ -344,11 +344,11 @@ TEST_CASE("cuda: sum_squares agrees with the CPU to 1e-10 and holds no device me
       const Host x = random_host(rng, dtype, shape.n, 1e-3f, 100.0f);
       const Device d(x, shape.offset);
       const double scale = 1.0 / 4096.0 / 3.0;
-      const double expected = cpu_kernels().sum_squares(x.data(), dtype, x.size(), scale);
-      const double got = cuda_kernels().sum_squares(d.get(), dtype, x.size(), scale);
+      const double expected = cpu_device_ops().sum_squares(x.data(), dtype, x.size(), scale);
+      const double got = cuda_device_ops().sum_squares(d.get(), dtype, x.size(), scale);
       CHECK(std::abs(got - expected) <= 1e-10 * expected);
     }
-    CHECK(cuda_kernels().sum_squares(nullptr, dtype, 0, 1.0) == 0.0);
+    CHECK(cuda_device_ops().sum_squares(nullptr, dtype, 0, 1.0) == 0.0);
   }
   guard.require_returned();
 }
@@ -360,10 +360,10 @@ TEST_CASE("cuda: sum_squares is not finite when the data holds an Inf or a NaN")
     Host x = random_host(rng, dtype, 4099, 1e-3f, 10.0f);
     x.set(4097, INFINITY);
     const Device inf(x, 0);
-    CHECK_FALSE(std::isfinite(cuda_kernels().sum_squares(inf.get(), dtype, x.size(), 1.0)));
+    CHECK_FALSE(std::isfinite(cuda_device_ops().sum_squares(inf.get(), dtype, x.size(), 1.0)));
     x.set(1000, NAN);
     const Device nan(x, 0);
-    CHECK(std::isnan(cuda_kernels().sum_squares(nan.get(), dtype, x.size(), 1.0)));
+    CHECK(std::isnan(cuda_device_ops().sum_squares(nan.get(), dtype, x.size(), 1.0)));
   }
 }
 
@@ -386,16 +386,16 @@ TEST_CASE("cuda: has_inf_or_nan finds an Inf or NaN at any position and nothing 
                     : dtype == DType::bf16 ? 0x7F7Fu
                                            : 0x7BFFu);
       const Device finite(x, shape.offset);
-      CHECK_FALSE(cuda_kernels().has_inf_or_nan(finite.get(), dtype, x.size()));
-      CHECK_FALSE(cuda_kernels().has_inf_or_nan(nullptr, dtype, 0));
+      CHECK_FALSE(cuda_device_ops().has_inf_or_nan(finite.get(), dtype, x.size()));
+      CHECK_FALSE(cuda_device_ops().has_inf_or_nan(nullptr, dtype, 0));
       for (const Special& s : specials) {
         for (std::size_t pos : {std::size_t{0}, std::size_t{1}, shape.n / 2, shape.n - 1}) {
           INFO(s.name << " at " << pos);
           Host y = x;
           y.set_bits(pos, dtype == DType::f32 ? s.f32 : dtype == DType::bf16 ? s.bf16 : s.f16);
           const Device d(y, shape.offset);
-          CHECK(cuda_kernels().has_inf_or_nan(d.get(), dtype, y.size()));
-          CHECK_FALSE(cuda_kernels().has_inf_or_nan(d.get(), dtype, pos));  // just before it
+          CHECK(cuda_device_ops().has_inf_or_nan(d.get(), dtype, y.size()));
+          CHECK_FALSE(cuda_device_ops().has_inf_or_nan(d.get(), dtype, pos));  // just before it
         }
       }
     }
@@ -408,10 +408,10 @@ TEST_CASE("cuda: has_inf_or_nan finds a NaN beyond the first grid-stride pass") 
     std::mt19937 rng(12);
     Host x = random_host(rng, dtype, grid_stride.n, 1e-3f, 100.0f);
     const Device finite(x, 0);
-    CHECK_FALSE(cuda_kernels().has_inf_or_nan(finite.get(), dtype, x.size()));
+    CHECK_FALSE(cuda_device_ops().has_inf_or_nan(finite.get(), dtype, x.size()));
     x.set(x.size() - 9, NAN);  // in the last vector unit
     const Device nan(x, 0);
-    CHECK(cuda_kernels().has_inf_or_nan(nan.get(), dtype, x.size()));
+    CHECK(cuda_device_ops().has_inf_or_nan(nan.get(), dtype, x.size()));
   }
 }
 
@@ -457,10 +457,10 @@ TEST_CASE("cuda: cast agrees with the CPU bit for bit for every pair of dtypes")
              << " -> " << dtype_name(dst_dtype) << ", " << shape.n << " elements, " << shape.what);
         const Host src = cast_source(src_dtype, shape.n);
         Host expected(dst_dtype, shape.n);
-        cpu_kernels().cast(expected.data(), dst_dtype, src.data(), src_dtype, shape.n);
+        cpu_device_ops().cast(expected.data(), dst_dtype, src.data(), src_dtype, shape.n);
         const Device d_src(src, shape.offset);
         const Device d_dst(dst_dtype, shape.n, 0);  // src unaligned alone also takes the slow path
-        cuda_kernels().cast(d_dst.get(), dst_dtype, d_src.get(), src_dtype, shape.n);
+        cuda_device_ops().cast(d_dst.get(), dst_dtype, d_src.get(), src_dtype, shape.n);
         CHECK(mismatches(d_dst.download(), expected) == 0);
       }
 }
@@ -477,8 +477,8 @@ TEST_CASE("cuda: accumulate agrees with the CPU bit for bit for every pair of dt
         Host dst = random_host(rng, dst_dtype, shape.n, 1e-3f, 5e4f);  // fp16 sums may overflow
         const Host src = random_host(rng, src_dtype, shape.n, 1e-3f, 5e4f);
         const Device d_dst(dst, shape.offset), d_src(src, shape.offset);
-        cpu_kernels().accumulate(dst.data(), dst_dtype, src.data(), src_dtype, shape.n);
-        cuda_kernels().accumulate(d_dst.get(), dst_dtype, d_src.get(), src_dtype, shape.n);
+        cpu_device_ops().accumulate(dst.data(), dst_dtype, src.data(), src_dtype, shape.n);
+        cuda_device_ops().accumulate(d_dst.get(), dst_dtype, d_src.get(), src_dtype, shape.n);
         CHECK(mismatches(d_dst.download(), dst) == 0);
       }
 }
@@ -487,11 +487,11 @@ TEST_CASE("cuda: fill_zero clears and copy duplicates exactly the bytes asked") 
   Host pattern(DType::f32, 1024);
   for (std::size_t i = 0; i < pattern.size(); ++i) pattern.set(i, static_cast<float>(i) + 0.5f);
   const Device a(pattern, 0), b(DType::f32, 1024, 0);
-  cuda_kernels().fill_zero(b.get(), 4096);
-  cuda_kernels().fill_zero(static_cast<unsigned char*>(a.get()) + 6, 1000);  // odd edges
-  cuda_kernels().copy(static_cast<unsigned char*>(b.get()) + 3, a.get(), 2001);
-  cuda_kernels().fill_zero(nullptr, 0);
-  cuda_kernels().copy(nullptr, nullptr, 0);
+  cuda_device_ops().fill_zero(b.get(), 4096);
+  cuda_device_ops().fill_zero(static_cast<unsigned char*>(a.get()) + 6, 1000);  // odd edges
+  cuda_device_ops().copy(static_cast<unsigned char*>(b.get()) + 3, a.get(), 2001);
+  cuda_device_ops().fill_zero(nullptr, 0);
+  cuda_device_ops().copy(nullptr, nullptr, 0);
   const Host got_a = a.download(), got_b = b.download();
   std::vector<unsigned char> expect_a(4096), expect_b(4096, 0);
   std::memcpy(expect_a.data(), pattern.data(), 4096);
@@ -499,5 +499,5 @@ TEST_CASE("cuda: fill_zero clears and copy duplicates exactly the bytes asked") 
   std::memcpy(expect_b.data() + 3, expect_a.data(), 2001);
   CHECK(std::memcmp(got_a.data(), expect_a.data(), 4096) == 0);
   CHECK(std::memcmp(got_b.data(), expect_b.data(), 4096) == 0);
-  CHECK_THROWS_AS(cuda_kernels().fill_zero(nullptr, 4), ConfigError);
+  CHECK_THROWS_AS(cuda_device_ops().fill_zero(nullptr, 4), ConfigError);
 }

@@ -15,9 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/engine.h"
-#include "memory/allocator.h"
+#include "memory/host_types.h"
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
+#include "shardswap/allocator.h"
 #include "tests/catch_compat.h"
 #include "tests/support/forwarding_allocator.h"
 
@@ -228,7 +229,7 @@ SwitchRun run_switching(DeactivatePolicy policy) {
         EngineConfig cfg;
         cfg.stage = 2;
         cfg.optimizer.type = OptimizerType::adamw;
-        Engine e(cfg, comm, space, cuda_kernels());
+        Engine e(cfg, comm, space, cuda_backend());
         for (const auto& g : layers) {
           e.add_param(g + ".w", {96, 80}, g);
           e.add_param(g + ".b", {80}, g);
@@ -265,7 +266,7 @@ SwitchRun run_switching(DeactivatePolicy policy) {
         std::lock_guard lock(mu);
         run.weights_moved = run.weights_moved || moved;
       },
-      cuda_collective_ops());
+      cuda_backend());
   return run;
 }
 

@@ -7,8 +7,8 @@
 #include <mutex>
 #include <random>
 
-#include "engine/engine.h"
-#include "memory/error.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 
 namespace shardswap::test_support {
 
@@ -326,7 +326,7 @@ ByteLmCheck check_byte_lm(const ByteLmCase& c, const Backend& backend) {
       c.world_size,
       [&](int rank, Communicator& comm) {
         MemorySpace space(rank, backend.make_allocator(rank));
-        Engine engine(cfg, comm, space, *backend.kernels);
+        Engine engine(cfg, comm, space, backend);
         ByteLm::declare(c.shape, engine);
         std::optional<std::vector<std::string>> active;
         if (!c.active.empty()) active = c.active;
@@ -367,7 +367,7 @@ ByteLmCheck check_byte_lm(const ByteLmCase& c, const Backend& backend) {
         }
         if (rank == 0) before = std::move(mine);
       },
-      *backend.collectives);
+      backend);
 
   ParamValues mean_grad;
   for (int r = 0; r < c.world_size; ++r) {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
+#include "shardswap/backend.h"
 #include "tools/lm/byte_lm.h"
 
 namespace shardswap::test_support {

@@ -7,7 +7,7 @@
 #include <mutex>
 #include <vector>
 
-#include "engine/engine.h"
+#include "shardswap/engine.h"
 
 namespace shardswap::test_support {
 
@@ -29,7 +29,7 @@ std::int64_t peak_of_run(const Backend& backend, std::int64_t params, int stage,
       world_size,
       [&](int rank, Communicator& comm) {
         MemorySpace space(rank, backend.make_allocator(rank));
-        Engine engine(cfg, comm, space, *backend.kernels);
+        Engine engine(cfg, comm, space, backend);
         for (int l = 0; l < kLayers; ++l)
           engine.add_param(fmt::format("layers.{}.weight", l), {width, width},
                            fmt::format("layers.{}", l));
@@ -52,7 +52,7 @@ std::int64_t peak_of_run(const Backend& backend, std::int64_t params, int stage,
         peak = std::max(peak, space.stats().allocated.peak);
         *bucket = static_cast<std::int64_t>(cfg.reduce_bucket_bytes);
       },
-      *backend.collectives);
+      backend);
   return peak;
 }
 

@@ -4,7 +4,8 @@
 
 #include <cstdint>
 
-#include "engine/backend.h"
+#include "shardswap/dtype.h"
+#include "shardswap/backend.h"
 
 namespace shardswap::test_support {
 

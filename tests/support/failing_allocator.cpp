@@ -4,7 +4,7 @@
 
 #include <utility>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap::test_support {
 

@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "memory/allocator.h"
+#include "shardswap/allocator.h"
 
 namespace shardswap::test_support {
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "memory/allocator.h"
+#include "shardswap/allocator.h"
 
 namespace shardswap::test_support {
 

@@ -9,9 +9,10 @@
 #include <thread>
 #include <vector>
 
-#include "engine/comm/nccl.h"
-#include "engine/engine.h"
-#include "memory/error.h"
+#include "optimizer/optimizer.h"
+#include "shardswap/nccl.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
 
@@ -277,7 +278,7 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
     MemorySpace space(rank, gpu_per_rank ? make_cuda_allocator(device < 0 ? cuda_current_device()
                                                                            : device)
                                          : backend.make_allocator(rank));
-    Engine engine(cfg, comm, space, *backend.kernels);
+    Engine engine(cfg, comm, space, backend);
     for (const auto& d : kModel) engine.add_param(d.name, d.shape, d.group);
     engine.build(
         [&](const ParamInfo& info, std::span<float> values) {
@@ -298,7 +299,7 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
         for (std::size_t i = 0; i < g.size(); ++i)
           g[i] = static_cast<float>(grad_value(rank, t, p, static_cast<std::int64_t>(i), c.dtype));
         std::vector<std::byte> staged(slot.bytes());
-        cpu_kernels().cast(staged.data(), slot.dtype(), g.data(), DType::f32, g.size());
+        cpu_device_ops().cast(staged.data(), slot.dtype(), g.data(), DType::f32, g.size());
         space.upload(slot.raw(), staged.data(), staged.size());
         engine.grad_ready(kModel[p].name);
       }
@@ -347,7 +348,7 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
   } else {
-    run_ranks(c.world_size, per_rank, *backend.collectives);
+    run_ranks(c.world_size, per_rank, backend);
   }
   return out;
 }
@@ -384,7 +385,7 @@ std::vector<Case> multi_gpu_cases(int world) {
 }
 
 void check_against_reference(const Case& c, const Backend& backend) {
-  CAPTURE(backend.name, c.world_size, c.stage, dtype_name(c.dtype),
+  CAPTURE(backend.name(), c.world_size, c.stage, dtype_name(c.dtype),
           optimizer_type_name(c.optimizer), c.order == LayoutOrder::round_robin, c.nccl,
           c.comm != nullptr, c.overlap_comm,
           dtype_name(make_config(c).grad_type()), dtype_name(make_config(c).comm_type()));

@@ -3,8 +3,8 @@
 
 #include <optional>
 
-#include "engine/backend.h"
-#include "engine/engine.h"
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
 
 namespace shardswap::test_support {
 

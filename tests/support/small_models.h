@@ -2,7 +2,7 @@
 // head always trained, four body layers switched in and out.
 #pragma once
 
-#include "engine/engine.h"
+#include "shardswap/engine.h"
 
 namespace shardswap::test_support {
 

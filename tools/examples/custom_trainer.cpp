@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/engine.h"
-#include "memory/error.h"
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
 
 using namespace shardswap;
 
@@ -124,23 +124,20 @@ void init(const ParamInfo& param, std::span<float> values) {
 }
 
 // The weights as the engine holds them (bf16), widened to double for the loops below.
-// MemorySpace::read copies a View's elements to the host, so this works on any backend.
+// Engine::read_weight copies a param's weights to the host as floats, on any backend.
 struct Weights {
   std::vector<double> w1, b1, w2, b2;
 };
 
-std::vector<double> widen(const Engine& engine, const View& v) {
-  std::vector<double> out;
-  for (bf16_t x : engine.memory().read<bf16_t>(v)) out.push_back(static_cast<double>(x));
-  return out;
+std::vector<double> widen(const Engine& engine, const std::string& name) {
+  const std::vector<float> values = engine.read_weight(name);
+  return {values.begin(), values.end()};
 }
 
-struct WeightViews {
-  View w1, b1, w2, b2;  // registered aliases; valid for the engine's life (no re-form here)
-  Weights read(const Engine& engine) const {
-    return {widen(engine, w1), widen(engine, b1), widen(engine, w2), widen(engine, b2)};
-  }
-};
+Weights read_weights(const Engine& engine) {
+  return {widen(engine, "fc1.weight"), widen(engine, "fc1.bias"), widen(engine, "fc2.weight"),
+          widen(engine, "fc2.bias")};
+}
 
 // Forward pass of one batch into `hidden` (size x kHidden) and `prob` (size x kClasses); returns
 // the mean cross-entropy.
@@ -168,24 +165,22 @@ double forward(const Weights& w, const Batch& b, float* hidden, float* prob) {
   return loss / b.size;
 }
 
-// Adds loss_scale() times `grad` into the param's grad slot, then marks it ready. A slot is
-// added into, never overwritten: with gradient accumulation (and in a stage-2 bucket that is
-// still open) it may already hold an earlier micro-batch's gradient.
+// Hands this micro-batch's gradient of one param to the engine, times loss_scale() (1 with
+// bf16; the fp16 dynamic scale otherwise). add_grad adds it into the param's gradient, converting
+// to the gradient type, and marks it ready: with gradient accumulation the gradients of the
+// micro-batches add up.
 void add_grad(Engine& engine, const std::string& name, const std::vector<double>& grad) {
-  const View slot = engine.grad_slot(name);  // bf16 here: the config keeps gradients in bf16
-  std::vector<bf16_t> values = engine.memory().read<bf16_t>(slot);
-  const double scale = engine.loss_scale();  // 1 with bf16; the fp16 dynamic scale otherwise
-  for (std::size_t i = 0; i < values.size(); ++i)
-    values[i] = bf16_t(static_cast<float>(static_cast<double>(values[i]) + scale * grad[i]));
-  engine.memory().write<bf16_t>(slot, values);
-  engine.grad_ready(name);
+  const double scale = engine.loss_scale();
+  std::vector<float> scaled(grad.size());
+  for (std::size_t i = 0; i < grad.size(); ++i) scaled[i] = static_cast<float>(scale * grad[i]);
+  engine.add_grad(name, scaled);
 }
 
 // One micro-batch: forward, then backward into the grad slots of the active groups, output layer
 // first as backward produces it. Gradients are of this micro-batch's mean loss; the engine
 // averages over ranks and micro-batches. Returns the loss.
-double train_micro_batch(Engine& engine, const WeightViews& views, const Batch& b) {
-  const Weights w = views.read(engine);
+double train_micro_batch(Engine& engine, const Batch& b) {
+  const Weights w = read_weights(engine);
   // The model's working memory comes from the rank's MemorySpace under Tag::activation, so the
   // stats (and their peak) count it. It is freed when `work` goes out of scope.
   Buffer work = engine.memory().allocate(sizeof(float) * b.size * (kHidden + kClasses),
@@ -224,10 +219,10 @@ double train_micro_batch(Engine& engine, const WeightViews& views, const Batch& 
   return loss;
 }
 
-double evaluate(const Engine& engine, const WeightViews& views, const Batch& b) {
+double evaluate(const Engine& engine, const Batch& b) {
   std::vector<float> hidden(static_cast<std::size_t>(b.size) * kHidden);
   std::vector<float> prob(static_cast<std::size_t>(b.size) * kClasses);
-  return forward(views.read(engine), b, hidden.data(), prob.data());
+  return forward(read_weights(engine), b, hidden.data(), prob.data());
 }
 
 EngineConfig make_config() {
@@ -264,7 +259,7 @@ void run() {
       kRanks,
       [&](int rank, Communicator& comm) {
         MemorySpace space(rank, backend.make_allocator(rank));
-        Engine engine(config, comm, space, *backend.kernels);
+        Engine engine(config, comm, space, backend);
         declare(engine);
         const MemoryPlan planned = engine.plan();  // what build() will allocate
         engine.build(init);
@@ -279,10 +274,7 @@ void run() {
           fmt::print("after build (rank 0):\n");
           print_plan(engine.plan(), engine.memory_stats());
         }
-        const WeightViews views{engine.weight("fc1.weight"), engine.weight("fc1.bias"),
-                                engine.weight("fc2.weight"), engine.weight("fc2.bias")};
-
-        const double first_eval = evaluate(engine, views, eval);
+        const double first_eval = evaluate(engine, eval);
         if (log) fmt::print("before step 0: eval loss {:.4f}\n", first_eval);
         double last_eval = first_eval;
         std::vector<float> frozen_w1;
@@ -329,7 +321,7 @@ void run() {
             const auto stream =
                 1 + (static_cast<std::uint64_t>(step) * kMicroBatches + micro) * kRanks +
                 static_cast<std::uint64_t>(rank);
-            loss += train_micro_batch(engine, views, task.sample(stream, kBatch));
+            loss += train_micro_batch(engine, task.sample(stream, kBatch));
           }
           const StepResult result = engine.step();
           require(result.applied, fmt::format("step {} was applied (no Inf/NaN)", step));
@@ -338,14 +330,14 @@ void run() {
           loss = engine.sum_across_ranks(loss / kMicroBatches) / kRanks;
           if (log && (step % 10 == 0 || step == kFreezeAt - 1 || step == kThawAt - 1 ||
                       step == kSteps - 1)) {
-            last_eval = evaluate(engine, views, eval);
+            last_eval = evaluate(engine, eval);
             fmt::print(
                 "after step {:>2}: train loss {:.4f}  eval loss {:.4f}  grad norm {:.4f}  {}\n",
                 step, loss, last_eval, result.grad_norm,
                 engine.is_active("hidden") ? "both groups" : "hidden frozen");
           }
         }
-        last_eval = evaluate(engine, views, eval);  // the same weights on every rank
+        last_eval = evaluate(engine, eval);  // the same weights on every rank
         require(engine.group_step("output") == kSteps, "the output group stepped every step");
         require(engine.group_step("hidden") == kSteps - kThawAt,
                 "the hidden group counts its steps since reactivation");
@@ -360,7 +352,7 @@ void run() {
           fmt::print("custom_trainer: PASS: eval loss {:.4f} -> {:.4f}\n", first_eval, last_eval);
         }
       },
-      *backend.collectives);
+      backend);
 }
 
 }  // namespace

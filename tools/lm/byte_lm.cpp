@@ -12,7 +12,7 @@
 #include <random>
 #include <string_view>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "optimizer/optimizer.h"
 #include "tools/lm/byte_lm_compute.h"
 
@@ -262,7 +262,7 @@ class CpuCompute final : public lm::Compute {
   // Casts `count` bit16 values to fp32 at `cursor` and advances it.
   static float* upcast(float*& cursor, const void* src, int count, DType dtype) {
     float* const out = cursor;
-    cpu_kernels().cast(out, DType::f32, src, dtype, static_cast<std::size_t>(count));
+    cpu_device_ops().cast(out, DType::f32, src, dtype, static_cast<std::size_t>(count));
     cursor += count;
     return out;
   }
@@ -321,7 +321,7 @@ class CpuCompute final : public lm::Compute {
     for (int s = 0; s < n; ++s)
       for (int j = 0; j < c; ++j) {
         const auto r = static_cast<std::size_t>(j * kVocab + b.context[s * c + j]);
-        cpu_kernels().cast(row, DType::f32, static_cast<const std::byte*>(w.embed) + r * row_bytes,
+        cpu_device_ops().cast(row, DType::f32, static_cast<const std::byte*>(w.embed) + r * row_bytes,
                            w.dtype, static_cast<std::size_t>(d));
         h0.col(s) += MapV(row, d);
       }
@@ -359,7 +359,7 @@ class CpuCompute final : public lm::Compute {
     float* const g = at(l_.grad);
     MapV(g, static_cast<Eigen::Index>(count)) *= alpha;
     const lm::GradSlot slot = sink.open(id);
-    cpu_kernels().accumulate(slot.data, slot.dtype, g, DType::f32, count);
+    cpu_device_ops().accumulate(slot.data, slot.dtype, g, DType::f32, count);
     sink.close(id);
   }
 
@@ -433,7 +433,7 @@ class CpuCompute final : public lm::Compute {
       t.setZero();
       for (int s = 0; s < n; ++s) t.row(b.context[s * c + j]) += dh.col(s).transpose();
       t *= alpha;
-      cpu_kernels().accumulate(
+      cpu_device_ops().accumulate(
           static_cast<std::byte*>(slot.data) + j * table * dtype_size(slot.dtype), slot.dtype, g,
           DType::f32, table);
     }
@@ -445,7 +445,7 @@ class CpuCompute final : public lm::Compute {
   void emit_vector(lm::GradSink& sink, lm::ParamId id, float* v, int count, float alpha) const {
     MapV(v, count) *= alpha;
     const lm::GradSlot slot = sink.open(id);
-    cpu_kernels().accumulate(slot.data, slot.dtype, v, DType::f32, static_cast<std::size_t>(count));
+    cpu_device_ops().accumulate(slot.data, slot.dtype, v, DType::f32, static_cast<std::size_t>(count));
     sink.close(id);
   }
 

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
-#include "memory/allocator.h"
-#include "memory/dtype.h"
+#include "shardswap/engine.h"
+#include "shardswap/allocator.h"
+#include "shardswap/dtype.h"
 
 namespace shardswap {
 

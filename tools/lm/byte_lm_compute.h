@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "memory/dtype.h"
+#include "shardswap/dtype.h"
 
 namespace shardswap::lm {
 

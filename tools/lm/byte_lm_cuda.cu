@@ -27,7 +27,7 @@
 #include <string>
 
 #include "memory/cuda/cuda_check.h"
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "tools/lm/byte_lm_compute.h"
 #include "tools/lm/cublas_check.cuh"
 

@@ -1,5 +1,5 @@
 // Linked when CUDA is off: the CUDA backend's symbols, failing with a clear error.
-#include "memory/error.h"
+#include "shardswap/error.h"
 #include "tools/lm/byte_lm_compute.h"
 
 namespace shardswap {

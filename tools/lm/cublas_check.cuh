@@ -8,7 +8,7 @@
 
 #include <string>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap::detail {
 

@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "memory/error.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 

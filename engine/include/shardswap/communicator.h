@@ -9,7 +9,9 @@
 #include <memory>
 #include <string>
 
-#include "memory/dtype.h"
+#include "shardswap/allocator.h"
+#include "shardswap/backend.h"
+#include "shardswap/dtype.h"
 
 namespace shardswap {
 
@@ -27,6 +29,9 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
+  /// The memory its collectives read and write: host memory, or CUDA device memory. The Engine
+  /// checks that it matches its Backend.
+  virtual DeviceKind device() const = 0;
 
   /// In place on `count` elements.
   virtual void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op) = 0;
@@ -70,30 +75,18 @@ class Communicator {
   virtual void group_end() {}
 };
 
-/// The element work of in-process collectives on one backend's memory (host, or one GPU that all
-/// ranks share). Every function completes before it returns.
-struct CollectiveOps {
-  const char* name;
-  /// dst[i] = op over q = 0..nsrc-1 of src[q][i]: bit16 and fp32 accumulate in fp32, fp64 in fp64,
-  /// in rank order, rounded once. dst may be one of the sources.
-  void (*reduce)(DType dtype, const void* const* src, int nsrc, void* dst, std::size_t count,
-                 ReduceOp op);
-  void (*copy)(void* dst, const void* src, std::size_t bytes);
-  /// Waits for the calling thread's queued work on the backend (its writes become readable).
-  void (*sync)();
-  /// Scratch memory for all_reduce; may be cached per thread.
-  void* (*scratch)(std::size_t bytes);
-};
+/// The element work of in-process collectives on one backend's memory (internal; a Backend
+/// names one).
+struct CollectiveOps;
 
-const CollectiveOps& host_collective_ops();
-/// Ranks as threads sharing the current CUDA device. Throws BackendUnavailable without CUDA.
-const CollectiveOps& cuda_collective_ops();
-
-/// N ranks as threads of one process, on the memory `ops` works on.
+/// N ranks as threads of one process, on the memory of `backend` (one GPU shared by all ranks
+/// for a CUDA backend).
 class InProcessGroup {
  public:
   /// Throws ConfigError if world_size < 1.
-  explicit InProcessGroup(int world_size, const CollectiveOps& ops = host_collective_ops());
+  explicit InProcessGroup(int world_size, const Backend& backend = cpu_backend());
+  /// The same over an operation table of one's own (tests inject faults through it).
+  InProcessGroup(int world_size, const CollectiveOps& ops);
   ~InProcessGroup();
   InProcessGroup(const InProcessGroup&) = delete;
   InProcessGroup& operator=(const InProcessGroup&) = delete;
@@ -120,7 +113,10 @@ class InProcessGroup {
 /// rethrown here after every thread has joined. `timeout` is the group's (set_timeout), applied
 /// before any rank starts; zero waits forever.
 void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,
-               const CollectiveOps& ops = host_collective_ops(),
+               const Backend& backend = cpu_backend(),
                std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+/// The same over an operation table of one's own.
+void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,
+               const CollectiveOps& ops, std::chrono::milliseconds timeout);
 
 }  // namespace shardswap

@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "engine/config_reader.h"
-#include "engine/engine.h"
+#include "shardswap/config_reader.h"
+#include "shardswap/engine.h"
 
 namespace shardswap {
 

@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/comm/communicator.h"
+#include "shardswap/communicator.h"
 
 namespace shardswap {
 

@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/batch_sizes.h"
-#include "engine/config_reader.h"
-#include "engine/engine_config.h"
-#include "optimizer/lr_schedule.h"
+#include "shardswap/batch_sizes.h"
+#include "shardswap/config_reader.h"
+#include "shardswap/engine_config.h"
+#include "shardswap/lr_schedule.h"
 
 namespace shardswap {
 

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "engine/config_reader.h"
+#include "shardswap/config_reader.h"
 
 namespace shardswap {
 

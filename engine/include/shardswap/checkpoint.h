@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
+#include "shardswap/engine.h"
 
 namespace shardswap {
 

@@ -5,10 +5,10 @@
 #include <optional>
 #include <string_view>
 
-#include "memory/dtype.h"
-#include "optimizer/loss_scaler.h"
-#include "optimizer/optimizer.h"
-#include "partition/flat_layout.h"
+#include "shardswap/dtype.h"
+#include "shardswap/loss_scaler.h"
+#include "shardswap/optimizer_config.h"
+#include "shardswap/layout_order.h"
 
 namespace shardswap {
 

@@ -8,12 +8,14 @@
 //   engine.build(init);                       // same init on every rank
 //   View w = engine.weight("layers.0.fc1.weight");   // bit16, read in forward
 //   // backward: for each param, in any order, the same on every rank:
-//   View g = engine.grad_slot("layers.0.fc1.weight");
-//   add this micro-batch's gradient (times loss_scale()) into g;
-//   engine.grad_ready("layers.0.fc1.weight");
+//   engine.add_grad("layers.0.fc1.weight", grad);   // or grad_slot + write + grad_ready
 //   StepResult r = engine.step();             // reduce, clip, update, all-gather
+//
+// This header and the ones it includes are the whole public surface: the Engine's state is
+// behind a pointer, so nothing internal (layouts, kernels, buckets) shows here.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -24,10 +26,12 @@
 #include <utility>
 #include <vector>
 
-#include "engine/comm/communicator.h"
-#include "engine/engine_config.h"
-#include "memory/buffer.h"
-#include "optimizer/optimizer.h"
+#include "shardswap/backend.h"
+#include "shardswap/buffer.h"
+#include "shardswap/communicator.h"
+#include "shardswap/engine_config.h"
+#include "shardswap/loss_scaler.h"
+#include "shardswap/stats.h"
 
 namespace shardswap {
 
@@ -81,8 +85,8 @@ struct MasterPiece {
   std::vector<float> values;
 };
 
-/// One group's fp32 training state on this rank, for checkpoints: flat over this rank's shard
-/// (Shard::of(layout(group), rank())), alignment padding included.
+/// One group's fp32 training state on this rank, for checkpoints: flat over this rank's shard of
+/// the group's flat buffer, alignment padding included.
 struct GroupTrainingState {
   std::string group;
   bool active = false;
@@ -105,13 +109,13 @@ struct TrainingState {
   std::vector<std::vector<std::byte>> weights;
 };
 
-struct Group;
-
 class Engine {
  public:
-  /// Throws ConfigError if the config is invalid. `comm` and `space` must outlive the Engine.
+  /// `comm` and `space` must outlive the Engine. Throws ConfigError if the config is invalid, or
+  /// if `space` or `comm` works on other memory than `backend` (a CUDA space with the cpu
+  /// backend would run host code on device pointers), naming what disagrees.
   Engine(EngineConfig config, Communicator& comm, MemorySpace& space,
-         const OptimizerKernels& kernels = cpu_kernels());
+         const Backend& backend = cpu_backend());
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -139,14 +143,16 @@ class Engine {
   /// kept state restored exactly), optimizer state (zero, or restored) and step count (0, or
   /// restored). Throws StateError if it is active; on any failure nothing changed.
   void activate(const std::string& group);
-  /// Active -> frozen. Throws StateError if it is frozen or has gradients pending in a bucket;
-  /// PinnedMemory naming the Pins if any of its buffers is pinned (nothing changed), unless
-  /// `pins` is allow_pinned: then it proceeds and returns the bytes the Pins still hold.
+  /// Active -> frozen. Throws StateError if it is frozen or has gradients pending (see
+  /// "Gradients pending" below); PinnedMemory naming the Pins if any of its buffers is pinned
+  /// (nothing changed), unless `pins` is allow_pinned: then it proceeds and returns the bytes
+  /// the Pins still hold.
   std::size_t deactivate(const std::string& group, DeactivatePolicy policy,
                          ReleasePolicy pins = ReleasePolicy::fail_if_pinned);
   /// Makes exactly `groups` active: deactivates the others (under `policy`), then activates
   /// the new ones, handing blocks given up to incoming groups of the same size and tag. Names
-  /// are checked before anything changes; each deactivation and activation is all or nothing,
+  /// and pending gradients (StateError naming the group) are checked before anything changes;
+  /// each deactivation and activation is all or nothing,
   /// but a failure part-way (say, out of memory activating the second group) leaves the groups
   /// handled so far in their new state, and the exception says which call failed.
   SwitchReport set_active(const std::vector<std::string>& groups, DeactivatePolicy policy);
@@ -154,20 +160,40 @@ class Engine {
   /// emptied ones disappear). Every group that changes must be frozen with no kept state. New
   /// flat buffers are built and filled on the device, never through the host; the moved
   /// params' weight Views are rebound (old ones raise StaleView naming the re-form) and the old
-  /// buffers are freed. Throws StateError or ConfigError before changing anything.
+  /// buffers are freed. Throws StateError (also while any group has gradients pending: every
+  /// group is rebuilt) or ConfigError before changing anything.
   void reform(const std::vector<std::pair<std::string, std::string>>& moves);
   bool is_active(const std::string& group) const;
   std::vector<std::string> active_groups() const;
 
   // ---- training ----
+  //
+  // Gradients pending: from the first gradient handed over for a group (grad_slot or add_grad)
+  // until step() or zero_grad(), the group's gradients are pending -- in an open reduce bucket,
+  // in a reduce issued and not yet settled, or accumulated in its gradient buffer (stage 1, and
+  // stage 2 after finish_backward). Meanwhile deactivate, set_active (of that group), reform and
+  // restore_training_state throw StateError naming the group and what is pending, and change
+  // nothing: no gradient is ever lost or written into freed memory.
+
   /// The param's bit16 weights (registered as "<name>: weight view").
   View weight(const std::string& name) const;
-  /// Where to add this micro-batch's gradient of `name` (bit16, pre-scaled by loss_scale()).
-  /// Stage 1: a slot of the group's full gradient buffer. Stage 2: a slot in a reduce bucket,
-  /// valid until the bucket is reduced (later Views of it throw StaleView).
+  /// Where to add this micro-batch's gradient of `name`, in place: config().grad_type()
+  /// elements, pre-scaled by loss_scale(). Add into it, never overwrite: it holds what earlier
+  /// grad_slot calls of this step added (accumulation), and in a stage-2 bucket whatever else
+  /// reaches the same window. Stage 1: a slot of the group's full gradient buffer. Stage 2: a
+  /// slot in a reduce bucket, valid until the bucket is reduced (later uses throw StaleView).
+  /// Throws StateError for a param of a frozen group.
   View grad_slot(const std::string& name);
   /// Signals that the gradient in the slot is complete for this micro-batch.
   void grad_ready(const std::string& name);
+  /// grad_slot + add + grad_ready in one call, converting to the slot's type: `grad` holds the
+  /// param's numel values in host memory, pre-scaled by loss_scale() as for grad_slot. Repeated
+  /// calls add up. Throws ConfigError naming the param if the count is not its numel. On a CUDA
+  /// backend the values travel through a staging buffer of at most 1 MiB (tag other).
+  void add_grad(const std::string& name, std::span<const float> grad);
+  /// The same from memory of the engine's backend (a device pointer on CUDA), of any of f32,
+  /// bf16 or fp16: what a backward pass computing on the device hands over.
+  void add_grad(const std::string& name, const void* grad, DType dtype, std::size_t count);
   /// Reduces any bucket still pending (stage 2). step() calls it; call it earlier to end a
   /// micro-batch's backward explicitly.
   void finish_backward();
@@ -177,28 +203,28 @@ class Engine {
   void zero_grad();
   double loss_scale() const;
   void set_lr(double lr);
-  double lr() const { return config_.optimizer.lr; }
+  double lr() const;
 
   // ---- inspection ----
-  const EngineConfig& config() const { return config_; }
+  const EngineConfig& config() const;
+  const Backend& backend() const;
   const std::vector<ParamInfo>& params() const;
   std::vector<std::string> groups() const;
   std::int64_t group_step(const std::string& group) const;
-  const FlatLayout& layout(const std::string& group) const;
   std::vector<MasterPiece> master_pieces(const std::string& name) const;
   /// This rank's fp32 master shard of an active group (registered as "group G master shard").
   /// Throws StateError for a frozen group.
   View master(const std::string& group) const;
   /// The param's bit16 weights, copied to the host as floats.
   std::vector<float> read_weight(const std::string& name) const;
-  // ---- checkpoints (engine/checkpoint.h builds the file format on these) ----
+  // ---- checkpoints (shardswap/checkpoint.h builds the file format on these) ----
   /// This rank's training state: every group's master and optimizer state (active, or kept
   /// under keep_host / keep_device), step counts, loss scaler, lr; the bit16 weights too when
-  /// `with_weights`. Throws StateError with gradients pending in a reduce bucket.
+  /// `with_weights`. Throws StateError while any group has gradients pending.
   TrainingState training_state(bool with_weights) const;
   /// Replaces this rank's training state with `state` (groups become active, kept or frozen as
-  /// it says; weights, masters, optimizer states, steps, scaler and lr are overwritten; pending
-  /// gradients are dropped). Every size, name and value is checked and every new buffer
+  /// it says; weights, masters, optimizer states, steps, scaler and lr are overwritten). Every
+  /// size, name and value is checked and every new buffer
   /// allocated before anything changes: on any error (ConfigError for a state that does not fit
   /// the declarations, StateError with gradients pending, PinnedMemory naming the Pins on a
   /// buffer it would free, OutOfMemory) the engine is left as it was. Not a collective.
@@ -206,30 +232,15 @@ class Engine {
 
   /// Sum of `value` over ranks (a collective: every rank must call it).
   double sum_across_ranks(double value);
-  MemorySpace& memory() const { return space_; }
-  MemoryStats memory_stats() const { return space_.stats(); }
-  std::string memory_report() const { return space_.report_text(); }
-  int rank() const { return comm_.rank(); }
-  int world_size() const { return comm_.world_size(); }
+  MemorySpace& memory() const;
+  MemoryStats memory_stats() const;
+  std::string memory_report() const;
+  int rank() const;
+  int world_size() const;
 
  private:
-  void reduce_scatter_grads(Group& g);
-  // Allocates a group's active state into `g` (all or nothing), seeded or restored.
-  void allocate_active_state(Group& g);
-  // Drops the keep_host memory space once no group is kept on the host, so that what its
-  // allocator keeps for reuse (pinned blocks, on CUDA) goes back to the system with it.
-  void release_idle_host() noexcept;
-  // A buffer for an activating group: a recycled block of the same size and tag, or a new one.
-  Buffer take(std::size_t bytes, Tag tag, std::string label);
-  // Gives a buffer up: into the recycle list during set_active, else back to the allocator.
-  std::size_t give_up(Buffer& b, const std::string& event, ReleasePolicy pins);
-  void make_grad_views(Group& g);
-  Group& group_named(const std::string& group, const char* caller);
+  friend struct EngineInternals;  // engine/engine_internals.h: layouts, for checkpoints and tests
   struct Impl;
-  EngineConfig config_;
-  Communicator& comm_;
-  MemorySpace& space_;
-  const OptimizerKernels& kernels_;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,5 +1,6 @@
-// Element types of flat buffers. (Their host C++ types are in memory/host_types.h, kept apart so
-// CUDA sources can use DType without Eigen.)
+// Element types of flat buffers. The host C++ types of bf16 and fp16 are internal
+// (memory/host_types.h, Eigen's); public code reads and writes them as raw bytes or through
+// the float conversions of the Engine (read_weight, add_grad).
 #pragma once
 
 #include <cstddef>
@@ -33,5 +34,18 @@ const char* dtype_name(DType t);
 /// Parses "fp32"/"float32", "fp64", "bf16"/"bfloat16", "fp16"/"float16"/"half".
 /// Throws ConfigError naming `what` (a config key or parameter) on anything else.
 DType dtype_from_name(std::string_view name, std::string_view what);
+
+/// The DType of a host C++ type, for View::data<T>(): float and double here; bf16 and fp16
+/// where their host types are declared. Any other type does not compile.
+template <class T>
+constexpr DType dtype_of() = delete;
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::f64;
+}
 
 }  // namespace shardswap

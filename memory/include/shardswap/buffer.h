@@ -19,10 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "memory/allocator.h"
-#include "memory/dtype.h"
-#include "memory/host_types.h"
-#include "memory/stats.h"
+#include "shardswap/allocator.h"
+#include "shardswap/dtype.h"
+#include "shardswap/stats.h"
 
 namespace shardswap {
 

@@ -1,0 +1,66 @@
+// The one gradient path of an Engine. A GradientReducer owns everything about gradients between
+// two steps: the slots handed out, their readiness, reductions issued and not yet settled, and
+// the compression buffer. Stage 1 (FullGradientReducer: full gradients kept until the step) and
+// stage 2 (BucketReducer: reduced in buckets into the owners' partitions as they come) are its
+// two implementations; the Engine never asks which stage it runs.
+//
+// It also says what is pending for a group (pending()), from the first slot handed out for it
+// until clear(): the lifecycle calls refuse to free a group's gradient buffer while anything is,
+// so a deferred reduce can never write into freed memory and no gradient is dropped unnoticed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/group.h"
+#include "optimizer/optimizer.h"
+#include "shardswap/buffer.h"
+#include "shardswap/communicator.h"
+#include "shardswap/engine_config.h"
+
+namespace shardswap {
+
+class GradientReducer {
+ public:
+  virtual ~GradientReducer() = default;
+
+  /// Elements of an active group's gradient buffer (stage 1: the full flat buffer; stage 2:
+  /// this rank's partition), and the label it is allocated under.
+  virtual std::int64_t grad_numel(const Group& g) const = 0;
+  virtual std::string grad_label(const Group& g) const = 0;
+  /// `g` became active (its gradient buffer allocated and zeroed) or is about to be frozen.
+  virtual void attach(Group& g, const std::vector<Param>& params) = 0;
+  virtual void detach(Group& g) = 0;
+
+  /// The slot for param `index` (of active group `g`) to add this micro-batch's gradient into.
+  virtual View slot(Group& g, std::size_t index, const Param& p) = 0;
+  /// Records that the slot's gradient is complete. False: no slot of it is handed out.
+  virtual bool mark_ready(std::size_t index) = 0;
+  /// Ends a backward: every slot handed out must be ready (Error naming the others); stage 2
+  /// reduces what is still open and settles every reduce.
+  virtual void finish() = 0;
+  /// Before the update: stage 1 reduce-scatters every active group's gradients.
+  virtual void reduce_for_step(std::vector<Group>& groups) = 0;
+  /// This rank's partition of the group's reduced gradients (after reduce_for_step).
+  virtual std::byte* partition(const Group& g) const = 0;
+  /// Drops every gradient (reduces in flight are settled first, so nothing lands later) and
+  /// zeroes the active groups' buffers: after a step, or for zero_grad().
+  virtual void clear(std::vector<Group>& groups) = 0;
+  /// What of `g`'s gradients is pending, in words ("" when nothing is).
+  virtual std::string pending(const Group& g) const = 0;
+  /// Forgets every group (after a re-form rebuilt them; nothing may be pending).
+  virtual void forget_groups() = 0;
+};
+
+/// Stage 1 or 2 per config. `capacity` is the bucket (stage 2) or compressed chunk (stage 1)
+/// size in elements; buffers are allocated from `space` (tags grad and comm).
+std::unique_ptr<GradientReducer> make_gradient_reducer(const EngineConfig& config,
+                                                       Communicator& comm, MemorySpace& space,
+                                                       const DeviceOps& ops,
+                                                       std::int64_t capacity,
+                                                       std::size_t param_count);
+
+}  // namespace shardswap

@@ -1,0 +1,36 @@
+// What the optimizer is asked to do: its update rule and hyperparameters (the public part of
+// optimizer/; the kernels that apply it are internal).
+#pragma once
+
+#include <string_view>
+
+namespace shardswap {
+
+enum class OptimizerType { adam, adamw, sgd };
+
+/// "Adam", "AdamW", "SGD" (case-insensitive). Throws ConfigError naming `key` otherwise.
+OptimizerType optimizer_type_from_name(std::string_view name, std::string_view key);
+const char* optimizer_type_name(OptimizerType type);
+
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::adamw;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  ///< Adam, SGD: L2 added to the gradient; AdamW: decoupled
+  double momentum = 0.0;      ///< SGD only
+  double dampening = 0.0;     ///< SGD only
+  bool nesterov = false;      ///< SGD only; needs momentum > 0 and dampening == 0
+
+  /// Throws ConfigError naming the key under `prefix` (e.g. "optimizer.params.lr") for: lr < 0
+  /// or not finite, betas outside [0, 1), eps <= 0, weight_decay < 0, momentum < 0, dampening
+  /// outside [0, 1], nesterov without momentum or with dampening.
+  void validate(std::string_view prefix = "optimizer.params") const;
+
+  /// fp32 state values kept per parameter element: Adam/AdamW 2 (exp_avg, exp_avg_sq),
+  /// SGD 1 with momentum (momentum buffer), 0 without.
+  int state_slots() const;
+};
+
+}  // namespace shardswap
