@@ -185,10 +185,10 @@ std::string BucketReducer::pending(const Group& g) const {
     std::string params;
     for (const auto& p : pending_)
       params += fmt::format("{}'{}'", params.empty() ? "" : ", ", p.name);
-    return fmt::format("gradients in the open reduce bucket ({})", params);
+    return fmt::format("in the open reduce bucket: {}", params);
   }
-  if (in_flight_ == &g) return "a reduce of its gradients issued and not yet settled";
-  if (g.holds_grads) return "reduced gradients not yet applied by step()";
+  if (in_flight_ == &g) return "in a reduce issued and not yet settled";
+  if (g.holds_grads) return "reduced, not yet applied by step()";
   return "";
 }
 

@@ -234,7 +234,7 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
       if (std::find(names.begin(), names.end(), name) == names.end())
         throw ConfigError(fmt::format("Engine::build: active group '{}' is not declared", name));
   const int rank = impl_->comm.rank();
-  const DType dtype = impl_->config.dtype, grad_dtype = impl_->config.grad_type();
+  const DType dtype = impl_->config.dtype;
   const auto psize = dtype_size(dtype);
   // Everything is built into locals and moved in at the end: a failure frees it all.
   auto params = impl_->params;
@@ -492,19 +492,12 @@ std::vector<std::string> Engine::groups() const {
   return impl_->group_names;
 }
 
-static const Group& find_group(const std::vector<Group>& groups, const std::string& name,
-                               const char* caller) {
-  for (const auto& g : groups)
-    if (g.name == name) return g;
-  throw ConfigError(fmt::format("Engine::{}: no built group named '{}'", caller, name));
-}
-
 std::int64_t Engine::group_step(const std::string& group) const {
-  return find_group(impl_->groups, group, "group_step").step;
+  return impl_->group_named(group, "group_step").step;
 }
 
 const FlatLayout& EngineInternals::layout(const Engine& engine, const std::string& group) {
-  return find_group(engine.impl_->groups, group, "layout").layout;
+  return engine.impl_->group_named(group, "layout").layout;
 }
 
 std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {

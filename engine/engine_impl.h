@@ -60,6 +60,9 @@ struct Engine::Impl {
   }
   /// The built group named `group`; ConfigError naming `caller` if there is none.
   Group& group_named(const std::string& group, const char* caller);
+  const Group& group_named(const std::string& group, const char* caller) const {
+    return const_cast<Impl*>(this)->group_named(group, caller);
+  }
   /// Throws StateError if `g` has gradients pending: "<caller>: group 'G' has <what is
   /// pending>; call step() or zero_grad() first; nothing was changed".
   void require_no_pending(const Group& g, const char* caller) const;

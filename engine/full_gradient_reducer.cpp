@@ -114,8 +114,8 @@ std::string FullGradientReducer::pending(const Group& g) const {
   for (auto i : g.params)
     if (slots_[i].out && !slots_[i].ready)
       open += fmt::format("{}'{}'", open.empty() ? "" : ", ", slots_[i].name);
-  if (!open.empty()) return fmt::format("grad_slot handed out without grad_ready for {}", open);
-  return "gradients accumulated since the last step";
+  if (!open.empty()) return fmt::format("grad_slot handed out without grad_ready: {}", open);
+  return "accumulated since the last step";
 }
 
 std::unique_ptr<GradientReducer> make_gradient_reducer(const EngineConfig& config,

@@ -49,7 +49,8 @@ class GradientReducer {
   /// Drops every gradient (reduces in flight are settled first, so nothing lands later) and
   /// zeroes the active groups' buffers: after a step, or for zero_grad().
   virtual void clear(std::vector<Group>& groups) = 0;
-  /// What of `g`'s gradients is pending, in words ("" when nothing is).
+  /// Where `g`'s pending gradients are, in words ("in the open reduce bucket: 'x'"); "" when
+  /// nothing is pending.
   virtual std::string pending(const Group& g) const = 0;
   /// Forgets every group (after a re-form rebuilt them; nothing may be pending).
   virtual void forget_groups() = 0;

@@ -46,12 +46,22 @@ void Engine::Impl::require_no_pending(const Group& g, const char* caller) const 
   const std::string what = reducer ? reducer->pending(g) : std::string();
   if (!what.empty())
     throw StateError(fmt::format(
-        "Engine::{}: group '{}' has {}; call step() or zero_grad() first; nothing was changed",
+        "Engine::{}: group '{}' has gradients pending ({}); call step() or zero_grad() first; "
+        "nothing was changed",
         caller, g.name, what));
 }
 
 void Engine::Impl::require_none_pending(const char* caller) const {
-  for (const auto& g : groups) require_no_pending(g, caller);
+  std::string all;
+  for (const auto& g : groups) {
+    const std::string what = reducer ? reducer->pending(g) : std::string();
+    if (!what.empty())
+      all += fmt::format("{}group '{}' has gradients pending ({})", all.empty() ? "" : ", ",
+                         g.name, what);
+  }
+  if (!all.empty())
+    throw StateError(fmt::format(
+        "Engine::{}: {}; call step() or zero_grad() first; nothing was changed", caller, all));
 }
 
 std::string Engine::Impl::pins_on(const std::vector<const Buffer*>& buffers) {
@@ -210,9 +220,7 @@ SwitchReport Engine::set_active(const std::vector<std::string>& groups, Deactiva
   impl_->require_built("set_active");
   std::set<std::string> wanted;
   for (const auto& name : groups) {
-    bool known = false;
-    for (const auto& g : impl_->groups) known = known || g.name == name;
-    if (!known) throw ConfigError(fmt::format("Engine::set_active: no group named '{}'", name));
+    (void)impl_->group_named(name, "set_active");  // names are checked before anything changes
     wanted.insert(name);
   }
   for (const auto& g : impl_->groups)
@@ -466,7 +474,6 @@ void Engine::restore_training_state(const TrainingState& state) {
     Group& g = groups[i];
     Plan& p = plans[i];
     const auto shard = static_cast<std::size_t>(g.shard.numel());
-    const auto total = static_cast<std::size_t>(g.layout.total_numel());
     const bool has_device = g.active || (g.kept && g.kept->policy == DeactivatePolicy::keep_device);
     const bool wants_device = s.active || s.kept == DeactivatePolicy::keep_device;
     p.reuse_grad = g.active && s.active;
@@ -497,11 +504,9 @@ void Engine::restore_training_state(const TrainingState& state) {
       p.freed.push_back(now_state);
     }
   }
-  std::string held;
-  for (const auto& p : plans)
-    for (const Buffer* b : p.freed)
-      for (const auto& pin : b->pin_labels())
-        held += fmt::format("{}'{}' on '{}'", held.empty() ? "" : ", ", pin, b->label());
+  std::vector<const Buffer*> freed;
+  for (const auto& p : plans) freed.insert(freed.end(), p.freed.begin(), p.freed.end());
+  const std::string held = Impl::pins_on(freed);
   if (!held.empty())
     throw PinnedMemory(fmt::format("{}: held by Pins: {}; nothing was changed", fn, held));
 
