@@ -58,7 +58,6 @@ struct Storage {
   Block block;
   std::atomic<bool> live{true};              // false once the owner released it: Views are stale
   std::atomic<std::uint64_t> generation{0};  // bumped by invalidate_views: older Views are stale
-  std::string last_event;  // why Views went stale; written before live/generation change
   bool owned = true;
   std::vector<ViewRecord*> views;
   std::vector<PinRecord*> pins;
@@ -71,6 +70,11 @@ struct ViewRecord {
   DType dtype = DType::f32;
   std::uint64_t generation = 0;  // the storage's generation when this View was made
   std::string label;
+  std::string buffer_label;  // the buffer's label when this View was made: its owner then
+  // Why this View went stale, stamped (under the space's mutex, before the generation or
+  // liveness changes) by the release or invalidation that ended its generation; a block handed
+  // to another owner later and invalidated again does not overwrite it.
+  std::string stale_event;
 
   ~ViewRecord() {
     auto space = storage->space;
@@ -81,6 +85,13 @@ struct ViewRecord {
 };
 
 namespace {
+
+// Stamps the Views of the current generation with the event that ends it. Caller holds mu.
+void stamp_stale_views(Storage& s, const std::string& event) {
+  const auto generation = s.generation.load();
+  for (ViewRecord* v : s.views)
+    if (v->generation == generation && v->stale_event.empty()) v->stale_event = event;
+}
 
 // Returns the block to the allocator and updates the stats. Caller holds space->mu.
 void return_block(Storage& s) {
@@ -124,17 +135,19 @@ using detail::ViewRecord;
 void* View::raw() const {
   if (!record_) throw Error("View::raw: empty View");
   const Storage& s = *record_->storage;
-  if (!s.live.load(std::memory_order_acquire))
-    throw StaleView(
-        fmt::format("View::raw: view '{}' is stale: buffer '{}' (#{}) was released by "
-                    "'{}'",
-                    record_->label, s.label, s.id, s.last_event));
-  if (s.generation.load(std::memory_order_acquire) != record_->generation)
-    throw StaleView(
-        fmt::format("View::raw: view '{}' is stale: buffer '{}' (#{}) was repurposed "
-                    "by '{}'",
-                    record_->label, s.label, s.id, s.last_event));
-  return static_cast<char*>(s.block.ptr) + record_->byte_offset;
+  const bool live = s.live.load(std::memory_order_acquire);
+  if (live && s.generation.load(std::memory_order_acquire) == record_->generation)
+    return static_cast<char*>(s.block.ptr) + record_->byte_offset;
+  // Stale: say whose view it was and what ended it, and who holds the block now if it was
+  // handed on (set_active gives blocks to incoming groups of the same size).
+  std::lock_guard lock(s.space->mu);
+  std::string now;
+  if (s.live.load() && s.label != record_->buffer_label)
+    now = fmt::format("; the block now belongs to '{}'", s.label);
+  throw StaleView(fmt::format("View::raw: view '{}' of '{}' (#{}) is stale: {} by '{}'{}",
+                              record_->label, record_->buffer_label, s.id,
+                              live ? "its contents were repurposed" : "the buffer was released",
+                              record_->stale_event, now));
 }
 
 void View::check_type(DType wanted) const {
@@ -178,6 +191,7 @@ View View::sub(std::size_t first, std::size_t count, std::string label) const {
   record->dtype = record_->dtype;
   record->generation = record_->generation;
   record->label = std::move(label);
+  record->buffer_label = record_->buffer_label;
   std::lock_guard lock(s->space->mu);
   s->views.push_back(record.get());
   ++s->space->stats.views;
@@ -278,6 +292,7 @@ View Buffer::view(std::size_t byte_offset, std::size_t count, DType dtype,
   record->dtype = dtype;
   record->label = std::move(label);
   std::lock_guard lock(storage_->space->mu);
+  record->buffer_label = storage_->label;
   record->generation = storage_->generation.load();
   storage_->views.push_back(record.get());
   ++storage_->space->stats.views;
@@ -321,7 +336,7 @@ void Buffer::invalidate_views(const std::string& event) {
   if (!storage_)
     throw Error(fmt::format("Buffer::invalidate_views: '{}' on an empty Buffer", event));
   std::lock_guard lock(storage_->space->mu);
-  storage_->last_event = event;
+  detail::stamp_stale_views(*storage_, event);
   storage_->generation.fetch_add(1, std::memory_order_release);
 }
 
@@ -342,7 +357,7 @@ std::size_t Buffer::release(const std::string& event, ReleasePolicy policy) {
       }
       held = s.requested;
     }
-    s.last_event = event;
+    detail::stamp_stale_views(s, event);
     s.live.store(false, std::memory_order_release);
     s.owned = false;
     if (s.pins.empty()) detail::return_block(s);

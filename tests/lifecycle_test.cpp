@@ -403,3 +403,24 @@ TEST_CASE("a Pin on a weight of a group to re-form refuses the re-form and chang
     require_stats_equal_plan(e);
   });
 }
+
+TEST_CASE("a stale View names its own group and the event after set_active hands its block on") {
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(small_lisa_config(2), comm, space);
+    declare_small_lisa_model(e);
+    e.build(init, std::vector<std::string>{"head", "layers.0"});
+    const View master = e.master("layers.0");
+    // layers.1 has layers.0's shape: its master takes layers.0's block over.
+    e.set_active({"head", "layers.1"}, DeactivatePolicy::drop);
+    const auto msg = test::message_of<StaleView>([&] { (void)master.data<float>(); });
+    CAPTURE(msg);
+    REQUIRE(test::contains(msg, "view 'group layers.0 master shard' of 'group layers.0 master'"));
+    REQUIRE(test::contains(msg, "by 'deactivate(layers.0, drop)'"));
+    REQUIRE(test::contains(msg, "the block now belongs to 'group layers.1 master'"));
+    // A later event on the block does not rewrite why this View went stale.
+    e.set_active({"head", "layers.2"}, DeactivatePolicy::drop);
+    REQUIRE(test::contains(test::message_of<StaleView>([&] { (void)master.data<float>(); }),
+                           "by 'deactivate(layers.0, drop)'"));
+  });
+}

@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
         cfg.dtype = DType::bf16;
         cfg.reduce_bucket_bytes = total;
         cfg.optimizer.type = OptimizerType::sgd;  // the smallest state: 0 moments
-        Engine engine(cfg, *comm, space, cuda_backend());
+        Engine engine(cfg, *comm, space, cuda_backend(device));
         engine.add_param("w", {static_cast<std::int64_t>(count)}, "g");
         engine.build([](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.5f); });
         const double ours = time_on_stream(
