@@ -226,7 +226,7 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
 }
 
 void Engine::build(const WeightInit& init, const std::optional<std::vector<std::string>>& active) {
-  if (impl_->built) throw Error("Engine::build: already built");
+  if (impl_->built) throw StateError("Engine::build: already built");
   if (impl_->params.empty()) throw ConfigError("Engine::build: no params declared");
   const auto& names = impl_->group_names;
   if (active)

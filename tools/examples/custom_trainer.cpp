@@ -101,12 +101,14 @@ class Task {
 };
 
 // Declares the params. Every rank makes the same declarations in the same order.
+// doc-snippet: declare
 void declare(Engine& engine) {
   engine.add_param("fc1.weight", {kHidden, kInputs}, "hidden");
   engine.add_param("fc1.bias", {kHidden}, "hidden");
   engine.add_param("fc2.weight", {kClasses, kHidden}, "output");
   engine.add_param("fc2.bias", {kClasses}, "output");
 }
+// doc-snippet-end
 
 // Initial weights, uniform in +-1/sqrt(fan_in), biases zero. Seeded by the param's name alone, so
 // every rank computes the same values (build() broadcasts rank 0's anyway).
@@ -169,12 +171,14 @@ double forward(const Weights& w, const Batch& b, float* hidden, float* prob) {
 // bf16; the fp16 dynamic scale otherwise). add_grad adds it into the param's gradient, converting
 // to the gradient type, and marks it ready: with gradient accumulation the gradients of the
 // micro-batches add up.
+// doc-snippet: add_grad
 void add_grad(Engine& engine, const std::string& name, const std::vector<double>& grad) {
   const double scale = engine.loss_scale();
   std::vector<float> scaled(grad.size());
   for (std::size_t i = 0; i < grad.size(); ++i) scaled[i] = static_cast<float>(scale * grad[i]);
   engine.add_grad(name, scaled);
 }
+// doc-snippet-end
 
 // One micro-batch: forward, then backward into the grad slots of the active groups, output layer
 // first as backward produces it. Gradients are of this micro-batch's mean loss; the engine
@@ -225,6 +229,7 @@ double evaluate(const Engine& engine, const Batch& b) {
   return forward(read_weights(engine), b, hidden.data(), prob.data());
 }
 
+// doc-snippet: config
 EngineConfig make_config() {
   EngineConfig config;
   config.stage = 2;
@@ -239,6 +244,7 @@ EngineConfig make_config() {
   config.optimizer.weight_decay = 0.01;
   return config;
 }
+// doc-snippet-end
 
 void print_plan(const MemoryPlan& plan, const MemoryStats& stats) {
   std::string line;
@@ -250,6 +256,7 @@ void print_plan(const MemoryPlan& plan, const MemoryStats& stats) {
 }
 
 void run() {
+  // doc-snippet: ranks
   const Backend backend = cpu_backend();
   const EngineConfig config = make_config();
   const Task task(7);
@@ -264,6 +271,7 @@ void run() {
         const MemoryPlan planned = engine.plan();  // what build() will allocate
         engine.build(init);
         require_stats_equal_plan(engine, "build()");
+        // doc-snippet-end
         require(engine.memory_stats().requested.current == planned.total(),
                 "build() allocates what plan() said before it");
         const bool log = rank == 0;
@@ -279,6 +287,7 @@ void run() {
         double last_eval = first_eval;
         std::vector<float> frozen_w1;
         for (int step = 0; step < kSteps; ++step) {
+          // doc-snippet: deactivate
           if (step == kFreezeAt) {
             // Keep a View of the fp32 master to show what happens to aliases of freed memory.
             const View master = engine.master("hidden");
@@ -302,6 +311,7 @@ void run() {
               if (log) fmt::print("  reading the old master View: {}\n", e.what());
             }
           }
+          // doc-snippet-end
           if (step == kThawAt) {
             require(engine.read_weight("fc1.weight") == frozen_w1,
                     "a frozen group's weights do not change");
@@ -316,6 +326,7 @@ void run() {
             }
           }
 
+          // doc-snippet: step
           double loss = 0.0;
           for (int micro = 0; micro < kMicroBatches; ++micro) {
             const auto stream =
@@ -328,6 +339,7 @@ void run() {
           require_stats_equal_plan(engine, fmt::format("step {}", step));
           // A collective: every rank calls it.
           loss = engine.sum_across_ranks(loss / kMicroBatches) / kRanks;
+          // doc-snippet-end
           if (log && (step % 10 == 0 || step == kFreezeAt - 1 || step == kThawAt - 1 ||
                       step == kSteps - 1)) {
             last_eval = evaluate(engine, eval);
