@@ -1,7 +1,8 @@
 #!/bin/sh
 # Exact resume through the CLI: N steps straight against N/2 steps, save, and N/2 more in a new
-# process resuming from the checkpoint. Every metrics line after the save point (timings aside)
-# and the final checkpoint's binary files must be identical.
+# process resuming from the checkpoint. Every metrics line after the save point (timings and the
+# driver's device memory figures aside) and the final checkpoint's binary files must be identical;
+# where a line differs it says which keys, and how.
 #   usage: resume-check.sh SHARDSWAP CONFIG STEPS [--set k=v]...
 set -eu
 bin=$1 config=$2 steps=$3
@@ -28,7 +29,10 @@ def lines(name):
     out = []
     for line in open(f"{work}/{name}"):
         m = json.loads(line)
-        for k in ("tokens_per_s", "step_seconds"):
+        # Timings, and the driver's free/total device memory: figures of the process (a resumed
+        # process logs them at its first step, and its CUDA context holds other bytes than the
+        # straight one's), not of the training state this check compares.
+        for k in ("tokens_per_s", "step_seconds", "device_free_bytes", "device_total_bytes"):
             m.pop(k, None)
         if "switch" in m:
             m["switch"].pop("seconds", None)
@@ -41,6 +45,10 @@ bad = [a["step"] for a, b in zip(straight, resumed) if a != b]
 switches = sum(1 for m in lines("straight.jsonl") if "switch" in m)
 print(f"{len(resumed)} steps after the save point compared, {switches} switches in the run, "
       f"{len(bad)} differing" + (f": steps {bad[:5]}" if bad else ""))
+for a, b in [(a, b) for a, b in zip(straight, resumed) if a != b][:3]:  # what differs, and how
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    print(f"  step {a['step']}: " + "; ".join(f"{k}: straight {a.get(k)!r}, resumed {b.get(k)!r}"
+                                           for k in keys))
 sys.exit(1 if bad else 0)
 PY
 a=$(ls -d "$work"/straight/step-* | tail -1) b=$(ls -d "$work"/resumed/step-* | tail -1)
