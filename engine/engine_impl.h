@@ -82,6 +82,8 @@ struct Engine::Impl {
   /// allocator keeps for reuse (pinned blocks, on CUDA) goes back to the system with it.
   void release_idle_host() noexcept;
   MemorySpace& host_space();
+  /// Host buffers for a group's state kept under keep_host (labelled "... (kept on host)").
+  KeptState kept_on_host(MemorySpace& host, const Group& g, std::int64_t step) const;
   std::string master_label(const Group& g) const;
   std::string state_label(const Group& g) const;
 };

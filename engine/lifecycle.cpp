@@ -73,6 +73,19 @@ std::string Engine::Impl::pins_on(const std::vector<const Buffer*>& buffers) {
   return held;
 }
 
+KeptState Engine::Impl::kept_on_host(MemorySpace& host, const Group& g,
+                                     std::int64_t step) const {
+  // Sized from the layout, not from live buffers: restore makes these for frozen groups too.
+  const auto shard = static_cast<std::size_t>(g.shard.numel());
+  const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
+  KeptState k{DeactivatePolicy::keep_host, {}, {}, step};
+  k.master = host.allocate(shard * 4, Tag::master32,
+                           fmt::format("group {} master (kept on host)", g.name));
+  k.state = host.allocate(slots * shard * 4, Tag::optim_state,
+                          fmt::format("group {} state (kept on host)", g.name));
+  return k;
+}
+
 MemorySpace& Engine::Impl::host_space() {
   if (!host) host = std::make_unique<MemorySpace>(comm.rank(), space.host_staging_allocator());
   return *host;
@@ -189,12 +202,7 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
   }
   std::optional<KeptState> kept;
   if (policy == DeactivatePolicy::keep_host) {
-    MemorySpace& host = impl_->host_space();
-    KeptState k{policy, {}, {}, g.step};
-    k.master = host.allocate(g.master.bytes(), Tag::master32,
-                             fmt::format("group {} master (kept on host)", g.name));
-    k.state = host.allocate(g.state.bytes(), Tag::optim_state,
-                            fmt::format("group {} state (kept on host)", g.name));
+    KeptState k = impl_->kept_on_host(impl_->host_space(), g, g.step);
     impl_->space.download(k.master.data(), g.master.data(), g.master.bytes());
     impl_->space.download(k.state.data(), g.state.data(), g.state.bytes());
     kept = std::move(k);
@@ -479,21 +487,20 @@ void Engine::restore_training_state(const TrainingState& state) {
     p.reuse_grad = g.active && s.active;
     p.reuse_device_state = has_device && wants_device;
     if (s.active && !p.reuse_grad)
-      p.grad = impl_->space.allocate(static_cast<std::size_t>(impl_->reducer->grad_numel(g)) * gsize,
-                              Tag::grad, impl_->reducer->grad_label(g));
+      p.grad = impl_->take(static_cast<std::size_t>(impl_->reducer->grad_numel(g)) * gsize,
+                           Tag::grad, impl_->reducer->grad_label(g));
     if (wants_device && !p.reuse_device_state) {
-      p.master = impl_->space.allocate(shard * 4, Tag::master32, impl_->master_label(g));
-      p.state = impl_->space.allocate(slots * shard * 4, Tag::optim_state, impl_->state_label(g));
+      p.master = impl_->take(shard * 4, Tag::master32, impl_->master_label(g));
+      p.state = impl_->take(slots * shard * 4, Tag::optim_state, impl_->state_label(g));
     }
     if (s.kept == DeactivatePolicy::keep_host) {
       if (host == nullptr) {
         new_host = std::make_unique<MemorySpace>(impl_->comm.rank(), impl_->space.host_staging_allocator());
         host = new_host.get();
       }
-      p.host_master = host->allocate(shard * 4, Tag::master32,
-                                     fmt::format("group {} master (kept on host)", g.name));
-      p.host_state = host->allocate(slots * shard * 4, Tag::optim_state,
-                                    fmt::format("group {} state (kept on host)", g.name));
+      KeptState k = impl_->kept_on_host(*host, g, s.step);
+      p.host_master = std::move(k.master);
+      p.host_state = std::move(k.state);
     }
     if (g.active && !p.reuse_grad) p.freed.push_back(&g.grad);
     const Buffer* now_master = g.active ? &g.master : g.kept ? &g.kept->master : nullptr;
@@ -529,9 +536,8 @@ void Engine::restore_training_state(const TrainingState& state) {
     else grad = std::move(p.grad);
     if (g.active) impl_->reducer->detach(g);
     // What is left in the group now is given back.
-    if (g.grad.valid()) g.grad.release(event);
-    if (g.master.valid()) g.master.release(event);
-    if (g.state.valid()) g.state.release(event);
+    for (Buffer* b : {&g.grad, &g.master, &g.state})
+      if (b->valid()) impl_->give_up(*b, event, ReleasePolicy::fail_if_pinned);  // checked above
     g.kept.reset();
     if (s.active || s.kept == DeactivatePolicy::keep_device) {
       impl_->space.upload(master.data(), s.master.data(), s.master.size() * 4);
