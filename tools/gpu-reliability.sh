@@ -16,7 +16,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 
 step "build (preset cuda)"
 t0=$SECONDS
-{ cmake --preset cuda && cmake --build --preset cuda -j "$(nproc)" --target shardswap_gpu_tests shardswap; } > "$OUT/build.log" 2>&1 \
+{ cmake --preset cuda && cmake --build --preset cuda -j "$(nproc)" --target shardswap_gpu_tests shardswap_cli; } > "$OUT/build.log" 2>&1 \
   || { tail -60 "$OUT/build.log"; exit 1; }
 echo "built in $((SECONDS - t0)) s"
 

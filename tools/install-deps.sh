@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs the Debian packages ShardSwap builds against, only those missing (idempotent).
+# pkg-config reads shardswap.pc in tools/consumer-check.sh.
 # gnuplot-nox draws `shardswap plot`; its CLI tests need it.
 # clang and libclang-rt-14-dev (ASan, UBSan, libFuzzer runtimes) build the fuzz targets (preset fuzz).
 set -euo pipefail
 packages=(build-essential cmake ninja-build libeigen3-dev libspdlog-dev libfmt-dev
-          nlohmann-json3-dev catch2 libopenmpi-dev gnuplot-nox
+          nlohmann-json3-dev catch2 libopenmpi-dev gnuplot-nox pkg-config
           clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do

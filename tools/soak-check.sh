@@ -39,7 +39,7 @@ if [ -n "$metrics" ]; then
   log=""
 else
   [ -n "$config" ] || usage
-  [ -x "$bin" ] || { echo "soak-check: no shardswap at '$bin' (build it, e.g. cmake --preset cuda && cmake --build --preset cuda --target shardswap, or pass --bin)" >&2; exit 2; }
+  [ -x "$bin" ] || { echo "soak-check: no shardswap at '$bin' (build it, e.g. cmake --preset cuda && cmake --build --preset cuda --target shardswap_cli, or pass --bin)" >&2; exit 2; }
   if [ -n "$out" ]; then
     mkdir -p "$out"
     work=$out

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds ShardSwap (preset "default") and runs the whole test suite;
+# Installs what is missing, builds ShardSwap (preset "default") and runs the whole test suite
+# and the consumer checks (tools/consumer-check.sh);
 # then the reliability passes: the CPU suite again under ASan + UBSan (preset "asan", any report
 # fails its test), and the libFuzzer targets (preset "fuzz", clang): once over their committed
 # corpora (CTest), then for FUZZ_SECONDS (default 60) each from those corpora (tools/fuzz.sh).
@@ -10,6 +11,8 @@ jobs="$(nproc)"
 cmake --preset default
 cmake --build --preset default -j "$jobs"
 ctest --preset default -j "$jobs"
+# ShardSwap as other projects use it: installed (find_package, pkg-config) and add_subdirectory.
+bash tools/consumer-check.sh
 
 cmake --preset asan
 cmake --build --preset asan -j "$jobs"

@@ -49,7 +49,7 @@ bin=build/cuda/tools/shardswap
 if [ ! -x "$bin" ]; then
   step "build the shardswap CLI (build/cuda, target shardswap only)"
   t0=$SECONDS
-  { cmake --preset cuda && cmake --build --preset cuda -j 16 --target shardswap; } > "$OUT/build.log" 2>&1 \
+  { cmake --preset cuda && cmake --build --preset cuda -j 16 --target shardswap_cli; } > "$OUT/build.log" 2>&1 \
     || { tail -40 "$OUT/build.log"; echo "run.sh: building shardswap failed" >&2; exit 1; }
   echo "built in $((SECONDS - t0)) s"
 fi
