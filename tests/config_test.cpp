@@ -134,9 +134,9 @@ TEST_CASE("a Hugging Face ZeRO-2 config full of auto values loads with one warni
   REQUIRE(test::contains(l.warnings[17], "on the training device"));
 
   // "auto" takes ShardSwap's defaults: bf16 (fp16 not on), the optimizer's defaults.
-  REQUIRE(l.batches.micro == 32);
+  REQUIRE(l.batches.micro_samples == 32);
   REQUIRE(l.batches.gradient_accumulation_steps == 1);
-  REQUIRE(l.batches.train_batch == 128);
+  REQUIRE(l.batches.train_samples == 128);
   REQUIRE(l.engine.dtype == DType::bf16);
   REQUIRE(l.engine.optimizer.type == OptimizerType::adamw);
   REQUIRE(l.engine.optimizer.lr == 1e-3);
@@ -173,7 +173,7 @@ TEST_CASE("a DeepSpeed project's fp16 ZeRO-2 config loads with exactly the expec
   };
   REQUIRE(keys_of(l.warnings, source) == expected);
 
-  REQUIRE(l.batches.micro == 8);
+  REQUIRE(l.batches.micro_samples == 8);
   REQUIRE(l.batches.gradient_accumulation_steps == 8);  // 256 / (8 x 4)
   REQUIRE(l.engine.gradient_accumulation_steps == 8);
   REQUIRE(l.engine.dtype == DType::f16);
@@ -404,16 +404,16 @@ TEST_CASE("batch sizes resolve from any two or all three or one as DeepSpeed res
     ConfigReader reader(j, "b.json");
     const auto b = resolve_batch_sizes(reader, static_cast<int>(w));
     CAPTURE(m, a, w, given);
-    REQUIRE(b.micro == m);
+    REQUIRE(b.micro_samples == m);
     REQUIRE(b.gradient_accumulation_steps == (gm && !ga && !gt ? 1 : a));
-    REQUIRE(b.train_batch == b.micro * b.gradient_accumulation_steps * w);
+    REQUIRE(b.train_samples == b.micro_samples * b.gradient_accumulation_steps * w);
     REQUIRE(reader.unread_keys().empty());
     REQUIRE(reader.warnings().empty());
   }
   // Neither micro nor train batch: ShardSwap's default micro batch, 32.
   ConfigReader only_accumulation(nlohmann::json{{"gradient_accumulation_steps", 3}}, "b.json");
   const auto b = resolve_batch_sizes(only_accumulation, 2);
-  REQUIRE((b.micro == 32 && b.gradient_accumulation_steps == 3 && b.train_batch == 192));
+  REQUIRE((b.micro_samples == 32 && b.gradient_accumulation_steps == 3 && b.train_samples == 192));
 }
 
 TEST_CASE("batch sizes that do not multiply out are refused showing the arithmetic", "[config]") {

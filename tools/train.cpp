@@ -141,7 +141,7 @@ PlannedMemory plan_memory(const TrainConfig& config, int rank) {
   const LayerSchedule schedule(config.switching, byte_lm_groups(config.model));
   PlannedMemory p;
   p.engine = engine.plan(schedule.active_at(0));
-  p.activation = ByteLm::activation_bytes(config.model, config.batches.micro,
+  p.activation = ByteLm::activation_bytes(config.model, config.batches.micro_samples,
                                           config.engine.dtype, device_of(config.backend));
   return p;
 }
@@ -153,7 +153,7 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
       "plan: byte_lm, {} params, world size {}, ZeRO stage {}, {}, {}, micro-batch {}, "
       "backend {}\n",
       params, n, config.engine.stage, dtype_name(config.engine.dtype),
-      optimizer_type_name(config.engine.optimizer.type), config.batches.micro,
+      optimizer_type_name(config.engine.optimizer.type), config.batches.micro_samples,
       config.backend);
   const int shown = std::min(n, 8);
   std::vector<PlannedMemory> plans;
@@ -195,7 +195,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   const LayerSchedule schedule(config.switching, byte_lm_groups(config.model));
   const PlannedMemory predicted = plan_memory(config, 0);
   const int world = config.world_size;
-  const int micro = config.batches.micro;
+  const int micro = config.batches.micro_samples;
   const int accumulation = config.batches.gradient_accumulation_steps;
   const double samples_per_step = static_cast<double>(micro) * accumulation * world;
 
@@ -232,7 +232,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           config.model.width, config.model.hidden, config.model.depth, world, backend.name(),
           config.comm == CommKind::nccl ? "nccl" : "in-process", config.engine.stage,
           dtype_name(config.engine.dtype), optimizer_type_name(config.engine.optimizer.type),
-          config.batches.train_batch, micro, accumulation, world, corpus.path(),
+          config.batches.train_samples, micro, accumulation, world, corpus.path(),
           corpus.train_size(), corpus.val_size());
       if (schedule.enabled())
         out.log << fmt::format("layer switching: {} every {} steps, policy {}; active now: {}\n",
