@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <optional>
+#include <string_view>
+
 #include "engine/backend_ops.h"
 #include "shardswap/error.h"
 
@@ -35,15 +38,27 @@ Backend backend_from_name(const std::string& name, const std::string& key) {
   if (name == "cpu") return cpu_backend();
   if (name == "cuda") return cuda_backend(0);
   if (name.rfind("cuda:", 0) == 0) {
+    std::optional<int> device;
     try {
       std::size_t used = 0;
-      const int device = std::stoi(name.substr(5), &used);
-      if (used == name.size() - 5) return cuda_backend(device);
+      const int n = std::stoi(name.substr(5), &used);
+      if (used == name.size() - 5) device = n;
     } catch (const std::logic_error&) {
     }
+    if (device) {
+      // A device that does not exist is a mistake in the key: say so in the key's shape.
+      try {
+        return cuda_backend(*device);
+      } catch (const ConfigError& e) {
+        const std::string_view what = e.what();
+        const auto colon = what.find(": ");
+        throw ConfigError(
+            fmt::format("{} = {:?}: {}", key, name,
+                        colon == std::string_view::npos ? what : what.substr(colon + 2)));
+      }
+    }
   }
-  throw ConfigError(
-      fmt::format("backend_from_name: {} = '{}': expected cpu, cuda or cuda:N", key, name));
+  throw ConfigError(fmt::format("{} = {:?}: expected cpu, cuda or cuda:N", key, name));
 }
 
 const DeviceOps& device_ops(const Backend& backend) {

@@ -25,8 +25,8 @@ constexpr std::int64_t kMaxTrain = kMaxMicro * kMaxAccumulation * kMaxWorld;
 std::optional<std::int64_t> given(ConfigReader& c, std::string_view key, std::int64_t max) {
   if (!c.has(key) || c.is_auto(key)) return std::nullopt;
   const auto v = c.integer(key, 0);
-  if (v < 1) c.fail(key, fmt::format("= {} must be >= 1", v));
-  if (v > max) c.fail(key, fmt::format("= {} must be <= {}", v, max));
+  if (v < 1) c.fail(key, fmt::format("{}", v), "must be >= 1");
+  if (v > max) c.fail(key, fmt::format("{}", v), fmt::format("must be <= {}", max));
   return v;
 }
 
@@ -34,10 +34,8 @@ std::optional<std::int64_t> given(ConfigReader& c, std::string_view key, std::in
 
 BatchSizes resolve_batch_sizes(ConfigReader& c, int world_size) {
   if (world_size < 1 || world_size > kMaxWorld)
-    throw ConfigError(
-        fmt::format("resolve_batch_sizes: config {}: world_size = {} must lie in "
-                    "[1, {}]",
-                    c.source(), world_size, kMaxWorld));
+    c.fail("world_size", fmt::format("{}", world_size),
+           fmt::format("must lie in [1, {}]", kMaxWorld));
   const std::int64_t world = world_size;
   const auto micro = given(c, kMicro, kMaxMicro);
   const auto accumulation = given(c, kAccumulation, kMaxAccumulation);
@@ -47,34 +45,40 @@ BatchSizes resolve_batch_sizes(ConfigReader& c, int world_size) {
   if (train && micro && accumulation) {
     t = *train;
     if (t != m * a * world)
-      c.fail(kTrain, fmt::format("= {} but {} x {} x world size = {} x {} x {} = {}", t, kMicro,
-                                 kAccumulation, m, a, world, m * a * world));
+      c.fail(kTrain, fmt::format("{}", t),
+             fmt::format("but {} x {} x world size = {} x {} x {} = {}", kMicro, kAccumulation, m,
+                         a, world, m * a * world));
   } else if (train && micro) {
     t = *train;
     if (t % (m * world) != 0)
-      c.fail(kTrain, fmt::format("= {} is not a multiple of {} x world size = {} x {} = {}, so {} "
-                                 "= {} / {} is not a whole number",
-                                 t, kMicro, m, world, m * world, kAccumulation, t, m * world));
+      c.fail(kTrain, fmt::format("{}", t),
+             fmt::format("not a multiple of {} x world size = {} x {} = {}, so {} "
+                         "= {} / {} is not a whole number",
+                         kMicro, m, world, m * world, kAccumulation, t, m * world));
     a = t / (m * world);
     if (a > kMaxAccumulation)
-      c.fail(kTrain, fmt::format("= {} gives {} = {} / {} = {}, more than {}", t, kAccumulation, t,
-                                 m * world, a, kMaxAccumulation));
+      c.fail(kTrain, fmt::format("{}", t),
+             fmt::format("gives {} = {} / {} = {}, more than {}", kAccumulation, t, m * world, a,
+                         kMaxAccumulation));
   } else if (train) {
     // With or without the accumulation (then 1), the micro batch is what is left per rank.
     t = *train;
     if (t % (a * world) != 0) {
       if (accumulation)
-        c.fail(kTrain, fmt::format("= {} is not a multiple of {} x world size = {} x {} = {}, so "
-                                   "{} = {} / {} is not a whole number",
-                                   t, kAccumulation, a, world, a * world, kMicro, t, a * world));
-      c.fail(kTrain, fmt::format("= {} is not a multiple of the world size {}, so {} = {} / {} is "
-                                 "not a whole number",
-                                 t, world, kMicro, t, world));
+        c.fail(kTrain, fmt::format("{}", t),
+               fmt::format("not a multiple of {} x world size = {} x {} = {}, so "
+                           "{} = {} / {} is not a whole number",
+                           kAccumulation, a, world, a * world, kMicro, t, a * world));
+      c.fail(kTrain, fmt::format("{}", t),
+             fmt::format("not a multiple of the world size {}, so {} = {} / {} is "
+                         "not a whole number",
+                         world, kMicro, t, world));
     }
     m = t / (a * world);
     if (m > kMaxMicro)
-      c.fail(kTrain, fmt::format("= {} gives {} = {} / {} = {}, more than {}", t, kMicro, t,
-                                 a * world, m, kMaxMicro));
+      c.fail(
+          kTrain, fmt::format("{}", t),
+          fmt::format("gives {} = {} / {} = {}, more than {}", kMicro, t, a * world, m, kMaxMicro));
   } else {
     t = m * a * world;
   }
@@ -82,9 +86,8 @@ BatchSizes resolve_batch_sizes(ConfigReader& c, int world_size) {
   // "auto" keys count as read and get one warning each, now that their values are known.
   const auto resolved = [&](std::string_view key, std::int64_t value, const std::string& how) {
     if (!c.is_auto(key)) return;
-    c.warn(key, fmt::format("= \"auto\" (a value Hugging Face's trainer fills in): ShardSwap uses "
-                            "{}{}",
-                            value, how));
+    c.warn(key, "\"auto\"",
+           fmt::format("a value Hugging Face's trainer fills in; ShardSwap uses {}{}", value, how));
     c.integer(key, value);  // marks it read; its own "auto" warning is dropped as a repeat
   };
   const bool derived_accumulation = train && micro && !accumulation;

@@ -147,7 +147,8 @@ std::string did_you_mean(const ConfigReader& c, const std::string& key) {
 int bounded_int(ConfigReader& c, std::string_view key, std::int64_t fallback, std::int64_t lo,
                 std::int64_t hi = INT_MAX) {
   const auto v = c.integer(key, fallback);
-  if (v < lo || v > hi) c.fail(key, fmt::format("= {} must lie in [{}, {}]", v, lo, hi));
+  if (v < lo || v > hi)
+    c.fail(key, fmt::format("{}", v), fmt::format("must lie in [{}, {}]", lo, hi));
   return static_cast<int>(v);
 }
 
@@ -155,9 +156,10 @@ int bounded_int(ConfigReader& c, std::string_view key, std::int64_t fallback, st
 std::size_t bucket_bytes(ConfigReader& c, std::string_view key, DType type) {
   constexpr std::int64_t kMaxElements = std::int64_t{1} << 40;
   const auto elements = c.integer(key, 500'000'000);
-  if (elements < 1) c.fail(key, fmt::format("= {} must be >= 1 (it counts elements)", elements));
+  if (elements < 1)
+    c.fail(key, fmt::format("{} elements", elements), "must be >= 1 (it counts elements)");
   if (elements > kMaxElements)
-    c.fail(key, fmt::format("= {} elements is more than 2^40", elements));
+    c.fail(key, fmt::format("{} elements", elements), "must be <= 2^40 elements");
   return static_cast<std::size_t>(elements) * dtype_size(type);
 }
 
@@ -166,19 +168,21 @@ std::size_t bucket_bytes(ConfigReader& c, std::string_view key, DType type) {
 void only_default(ConfigReader& c, std::string_view key, bool shardswap_does,
                   std::string_view instead) {
   if (c.boolean(key, shardswap_does) != shardswap_does)
-    c.warn(key, fmt::format("= {}: not implemented; {}", !shardswap_does, instead));
+    c.warn(key, fmt::format("{}", !shardswap_does), fmt::format("not implemented; {}", instead));
 }
 
 void read_precision(ConfigReader& c, EngineConfig& cfg) {
   const bool fp16 = c.boolean("fp16.enabled", false);
   if (c.has("bf16") && c.has("bfloat16"))
-    c.fail("bfloat16", "is DeepSpeed's older name of bf16: give one of the two");
+    c.fail("bfloat16", "DeepSpeed's older name of bf16: give one of the two");
   const std::string bf16_key = c.has("bfloat16") ? "bfloat16.enabled" : "bf16.enabled";
   // "auto" leaves the choice to ShardSwap: bf16 (EngineConfig's default) unless fp16 is on.
   const bool bf16 = c.boolean(bf16_key, c.is_auto(bf16_key) && !fp16);
-  if (bf16 && fp16) c.fail(bf16_key, "and fp16.enabled cannot both be true");
+  if (bf16 && fp16)
+    c.fail("fp16.enabled", "true", fmt::format("{} is true too: enable one of the two", bf16_key));
   if (!bf16 && !fp16)
-    c.fail(bf16_key, "or fp16.enabled must be true: ShardSwap trains bit16 params only");
+    c.fail(bf16_key, "false",
+           "this or fp16.enabled must be true: ShardSwap trains bit16 params only");
   cfg.dtype = bf16 ? DType::bf16 : DType::f16;
   cfg.grad_dtype = dtype_from_name(c.string("data_types.grad_accum_dtype", dtype_name(cfg.dtype)),
                                    "data_types.grad_accum_dtype");
@@ -190,9 +194,8 @@ void read_precision(ConfigReader& c, EngineConfig& cfg) {
   LossScaleConfig scale;
   const double loss_scale = c.number("fp16.loss_scale", 0.0);
   if (!(loss_scale >= 0.0) || !std::isfinite(loss_scale))
-    c.fail(
-        "fp16.loss_scale",
-        fmt::format("= {} must be 0 (dynamic scaling) or a finite static scale > 0", loss_scale));
+    c.fail("fp16.loss_scale", fmt::format("{}", loss_scale),
+           "must be 0 (dynamic scaling) or a finite static scale > 0");
   scale.dynamic = loss_scale == 0.0;
   if (!scale.dynamic) scale.static_scale = loss_scale;
   scale.initial_scale = std::ldexp(1.0, bounded_int(c, "fp16.initial_scale_power", 16, 0, 64));
@@ -209,7 +212,7 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   constexpr std::string_view p = "optimizer.params.";
   const auto key = [&](std::string_view name) { return fmt::format("{}{}", p, name); };
   if (c.has(key("max_grad_norm")))
-    c.fail(key("max_grad_norm"), "is not an optimizer parameter: clip with gradient_clipping");
+    c.fail_value(key("max_grad_norm"), "not an optimizer parameter: clip with gradient_clipping");
   auto& o = cfg.optimizer;
   o.type = optimizer_type_from_name(c.string("optimizer.type", "AdamW"), "optimizer.type");
   o.lr = c.number(key("lr"), 1e-3);
@@ -218,8 +221,9 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   const auto not_for = [&](std::initializer_list<std::string_view> names, std::string_view rule) {
     for (const auto name : names)
       if (c.has(key(name))) {
-        c.warn(key(name), fmt::format("applies to {} only; ignored for {}", rule,
-                                      optimizer_type_name(o.type)));
+        c.warn(
+            key(name), *c.written(key(name)),
+            fmt::format("applies to {} only; ignored for {}", rule, optimizer_type_name(o.type)));
         c.mark_read(key(name));
       }
   };
@@ -232,25 +236,25 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   }
   not_for({"momentum", "dampening", "nesterov"}, "SGD");
   const auto betas = c.numbers(key("betas"), {0.9, 0.999});
-  if (betas.size() != 2) c.fail(key("betas"), "must hold two numbers");
+  if (betas.size() != 2) c.fail_value(key("betas"), "must hold two numbers");
   o.beta1 = betas[0];
   o.beta2 = betas[1];
   o.eps = c.number(key("eps"), 1e-8);
   if (c.boolean(key("amsgrad"), false))
-    c.fail(key("amsgrad"), "= true is not implemented: ShardSwap's Adam keeps no max of v");
+    c.fail(key("amsgrad"), "true", "not implemented: ShardSwap's Adam keeps no max of v");
   if (!c.boolean(key("bias_correction"), true))
-    c.fail(key("bias_correction"), "= false is not implemented: ShardSwap's Adam always corrects");
+    c.fail(key("bias_correction"), "false", "not implemented: ShardSwap's Adam always corrects");
   // DeepSpeed runs "Adam" with decoupled decay unless adam_w_mode is false; "AdamW" always.
   const bool explicit_mode = c.has(key("adam_w_mode")) && !c.is_auto(key("adam_w_mode"));
   const bool adam_w_mode = c.boolean(key("adam_w_mode"), true);
   if (o.type == OptimizerType::adamw && !adam_w_mode)
-    c.warn(key("adam_w_mode"),
-           "= false is ignored for AdamW, as in DeepSpeed: decay stays decoupled");
+    c.warn(key("adam_w_mode"), "false",
+           "ignored for AdamW, as in DeepSpeed: decay stays decoupled");
   if (o.type == OptimizerType::adam && adam_w_mode) {
     o.type = OptimizerType::adamw;
     if (!explicit_mode && o.weight_decay > 0)
-      c.warn("optimizer.type",
-             "= Adam decays weights decoupled (AdamW), as DeepSpeed does by default; set "
+      c.warn("optimizer.type", "\"Adam\"",
+             "decays weights decoupled (AdamW), as DeepSpeed does by default; set "
              "optimizer.params.adam_w_mode = false for L2 decay in the gradient");
   }
 }
@@ -258,16 +262,17 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
 void read_zero(ConfigReader& c, EngineConfig& cfg) {
   cfg.stage = bounded_int(c, "zero_optimization.stage", 2, INT_MIN);
   if (cfg.stage == 3)
-    c.fail("zero_optimization.stage",
-           "= 3: ZeRO-3 (partitioned params) is not supported by ShardSwap; stages 1 and 2 are");
+    c.fail("zero_optimization.stage", "3",
+           "ZeRO-3 (partitioned params) is not supported by ShardSwap; stages 1 and 2 are");
   if (cfg.stage == 0)
-    c.fail("zero_optimization.stage",
-           "= 0 (no sharding) is not implemented by ShardSwap; stages 1 and 2 are");
+    c.fail("zero_optimization.stage", "0",
+           "no sharding is not implemented by ShardSwap; stages 1 and 2 are");
   cfg.reduce_bucket_bytes = bucket_bytes(c, "zero_optimization.reduce_bucket_size", cfg.grad_type());
   if (c.has("zero_optimization.allgather_bucket_size")) {
     bucket_bytes(c, "zero_optimization.allgather_bucket_size", cfg.dtype);  // still validated
     c.warn("zero_optimization.allgather_bucket_size",
-           "has no effect: ShardSwap all-gathers each group's updated shards in place, with no "
+           *c.written("zero_optimization.allgather_bucket_size"),
+           "no effect: ShardSwap all-gathers each group's updated shards in place, with no "
            "gather bucket to size");
   }
   cfg.overlap_comm = c.boolean("zero_optimization.overlap_comm", true);
@@ -297,30 +302,23 @@ EngineConfig read(ConfigReader& c, const BatchSizes& batches) {
   read_zero(c, cfg);
   const auto alignment = c.integer("shardswap.alignment_bytes", 256);
   if (alignment < 1 || alignment > (std::int64_t{1} << 30))
-    c.fail("shardswap.alignment_bytes", fmt::format("= {} must lie in [1, 2^30]", alignment));
+    c.fail("shardswap.alignment_bytes", fmt::format("{} bytes", alignment),
+           "must lie in [1, 2^30] bytes");
   cfg.alignment_bytes = static_cast<std::size_t>(alignment);
-  if (c.has("shardswap.nonfinite")) {
-    try {
-      cfg.nonfinite = nonfinite_policy_from_name(c.string("shardswap.nonfinite", "skip"),
-                                                 "shardswap.nonfinite");
-    } catch (const ConfigError&) {
-      c.fail("shardswap.nonfinite", fmt::format("= '{}': expected skip or error",
-                                                c.string("shardswap.nonfinite", "skip")));
-    }
-  }
+  cfg.nonfinite = nonfinite_policy_from_name(
+      c.string("shardswap.nonfinite", nonfinite_policy_name(cfg.nonfinite)), "shardswap.nonfinite");
   cfg.validate();
   return cfg;
 }
 
-// Errors from validators below the reader know the key but not the file: add it.
+// Errors from validators below the reader ("KEY = VALUE: what") know the key but not the file:
+// add it.
 template <class F>
 auto naming_the_file(const ConfigReader& c, F&& f) {
   try {
     return f();
   } catch (const ConfigError& e) {
-    const std::string what = e.what();
-    if (what.find(c.source()) != std::string::npos) throw;
-    throw ConfigError(fmt::format("config {}: {}", c.source(), what));
+    c.rethrow_naming_file(e);
   }
 }
 
@@ -339,27 +337,26 @@ LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
     c.expect_object("scheduler.params");
     if (!c.has("scheduler.type") || c.is_auto("scheduler.type"))
       c.fail("scheduler.type",
-             "is missing: WarmupLR, WarmupDecayLR or WarmupCosineLR "
+             "missing: WarmupLR, WarmupDecayLR or WarmupCosineLR "
              "(leave out the scheduler section for a constant lr)");
     s.type = lr_schedule_type_from_name(c.string("scheduler.type", ""), "scheduler.type");
     const auto name = lr_schedule_type_name(s.type);
     constexpr std::string_view p = "scheduler.params.";
     const auto key = [&](std::string_view k) { return fmt::format("{}{}", p, k); };
     if (c.has(key("last_batch_iteration")))
-      c.fail(key("last_batch_iteration"),
-             "is not supported: the lr is a function of the update count, which a resumed run "
-             "carries itself");
+      c.fail_value(key("last_batch_iteration"),
+                   "not supported: the lr is a function of the update count, which a resumed run "
+                   "carries itself");
     // Parameters of the other schedules are not silently dropped: DeepSpeed refuses them.
     const auto refuse = [&](std::initializer_list<std::string_view> names) {
       for (const auto k : names)
-        if (c.has(key(k))) c.fail(key(k), fmt::format("is not a parameter of {}", name));
+        if (c.has(key(k))) c.fail_value(key(k), fmt::format("not a parameter of {}", name));
     };
 
     s.warmup_num_steps = c.integer(key("warmup_num_steps"), 1000);
     if (c.has(key("warmup_num_steps")) && s.warmup_num_steps >= 0 && s.warmup_num_steps < 2)
-      c.warn(key("warmup_num_steps"),
-             fmt::format("= {}: warmup lasts 2 updates at least, as in DeepSpeed",
-                         s.warmup_num_steps));
+      c.warn(key("warmup_num_steps"), fmt::format("{}", s.warmup_num_steps),
+             "warmup lasts 2 updates at least, as in DeepSpeed");
     s.warmup_type = warmup_curve_from_name(c.string(key("warmup_type"), "log"), key("warmup_type"));
     if (s.type == LrScheduleType::warmup_cosine) {
       refuse({"warmup_min_lr", "warmup_max_lr"});
@@ -370,7 +367,7 @@ LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
       s.warmup_min_lr = c.number(key("warmup_min_lr"), 0.0);
       if (!c.has(key("warmup_max_lr")) && optimizer_lr != 1e-3)
         c.warn(key("warmup_max_lr"),
-               fmt::format("is not set: ShardSwap warms up to optimizer.params.lr = {} (DeepSpeed "
+               fmt::format("not set: ShardSwap warms up to optimizer.params.lr = {} (DeepSpeed "
                            "would use 0.001)",
                            optimizer_lr));
       s.peak_lr = c.number(key("warmup_max_lr"), optimizer_lr);
@@ -383,12 +380,13 @@ LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
       if (!c.has(total) || c.is_auto(total)) {
         if (!c.has("steps") || c.is_auto("steps"))
           c.fail(total,
-                 fmt::format("is needed by {} (or a top-level `steps` to default to)", name));
+                 fmt::format("missing: {} needs it (or a top-level `steps` to default to)", name));
         const auto steps = c.integer("steps", 0);
         if (c.is_auto(total))
-          c.warn(total, fmt::format("= \"auto\" (a value Hugging Face's trainer fills in): "
-                                    "ShardSwap uses the run's steps = {}",
-                                    steps));
+          c.warn(total, "\"auto\"",
+                 fmt::format("a value Hugging Face's trainer fills in; ShardSwap uses the run's "
+                             "steps = {}",
+                             steps));
         s.total_num_steps = c.integer(total, steps);
       } else {
         s.total_num_steps = c.integer(total, 0);
@@ -408,13 +406,12 @@ std::vector<std::string> config_warnings(const ConfigReader& c) {
     if (!known.empty()) {
       if (std::find(warned.begin(), warned.end(), known) != warned.end()) continue;
       warned.push_back(known);
-      out.push_back(
-          fmt::format("config {}: {} is a DeepSpeed setting ShardSwap does not "
-                      "implement; ignored: {}",
-                      c.source(), known, entry->instead));
+      out.push_back(c.naming_file(
+          fmt::format("{}: a DeepSpeed setting ShardSwap does not implement; ignored: {}", known,
+                      entry->instead)));
     } else {
-      out.push_back(fmt::format("config {}: {} is not a key ShardSwap knows; ignored{}", c.source(),
-                                leaf, did_you_mean(c, leaf)));
+      out.push_back(c.naming_file(
+          fmt::format("{}: not a key ShardSwap knows; ignored{}", leaf, did_you_mean(c, leaf))));
     }
   }
   return out;
@@ -427,20 +424,21 @@ void reject_unknown_keys(const ConfigReader& c, const std::vector<std::string>& 
     if (!known_key_of(leaf, &entry).empty()) continue;  // DeepSpeed's: a warning, not an error
     for (const auto& section : sections) {
       if (leaf == section) {
-        unknown.push_back(fmt::format("'{}' must be an object {{...}}", leaf));
+        unknown.push_back(c.naming_file(
+            fmt::format("{} = {}: must be an object {{...}}", leaf, c.written(leaf).value_or(""))));
         break;
       }
       if (leaf.size() > section.size() && leaf.compare(0, section.size(), section) == 0 &&
           (leaf[section.size()] == '.' || leaf[section.size()] == '[')) {
-        unknown.push_back(fmt::format("'{}'{}", leaf, did_you_mean(c, leaf)));
+        unknown.push_back(c.naming_file(fmt::format("{}: not a key of ShardSwap's section {}{}",
+                                                    leaf, section, did_you_mean(c, leaf))));
         break;
       }
     }
   }
   if (unknown.empty()) return;
-  throw ConfigError(
-      fmt::format("reject_unknown_keys: config {}: unknown key{} in ShardSwap's own sections: {}",
-                  c.source(), unknown.size() > 1 ? "s" : "", fmt::join(unknown, ", ")));
+  // One line per key, each in the shape of every other config error.
+  throw ConfigError(fmt::format("{}", fmt::join(unknown, "\n")));
 }
 
 }  // namespace shardswap

@@ -22,7 +22,7 @@ struct PathStep {
 
 std::vector<PathStep> parse_path(std::string_view path) {
   const auto malformed = [&](std::string_view why) -> ConfigError {
-    return ConfigError(fmt::format("ConfigReader: malformed key path '{}': {}", path, why));
+    return ConfigError(fmt::format("{}: malformed key path: {}", path, why));
   };
   std::vector<PathStep> steps;
   std::size_t start = 0;
@@ -100,13 +100,12 @@ void collect_leaves(const nlohmann::json& j, const std::string& prefix,
 ConfigReader::ConfigReader(nlohmann::json root, std::string source)
     : root_(std::move(root)), source_(std::move(source)) {
   if (!root_.is_object())
-    throw ConfigError(
-        fmt::format("ConfigReader: {}: the top level must be a JSON object", source_));
+    throw ConfigError(fmt::format("{}: the top level must be a JSON object {{...}}", source_));
 }
 
 ConfigReader ConfigReader::from_file(const std::string& path) {
   std::ifstream in(path);
-  if (!in) throw ConfigError(fmt::format("ConfigReader: cannot open config file '{}'", path));
+  if (!in) throw ConfigError(fmt::format("{}: cannot open the config file", path));
   std::stringstream text;
   text << in.rdbuf();
   return from_text(text.str(), path);
@@ -139,8 +138,8 @@ ConfigReader ConfigReader::from_text(std::string_view text, std::string source) 
       Frame& f = frames.back();
       f.key = parsed.get<std::string>();
       if (!f.keys.insert(f.key).second)
-        throw ConfigError(fmt::format("ConfigReader: config {}: key '{}' appears twice in {}",
-                                      source, f.key,
+        throw ConfigError(fmt::format("{}: {}: the key '{}' appears twice in {}", source,
+                                      f.path.empty() ? f.key : f.path + "." + f.key, f.key,
                                       f.path.empty() ? "the top-level object" : f.path));
     }
     return true;
@@ -162,20 +161,46 @@ ConfigReader ConfigReader::from_text(std::string_view text, std::string source) 
     std::string reason = e.what();
     if (const auto colon = reason.find(": "); colon != std::string::npos)
       reason = reason.substr(colon + 2);
-    throw ConfigError(fmt::format("ConfigReader: config {}:{}:{}: not valid JSON: {}", source, line,
-                                  column, reason));
+    throw ConfigError(fmt::format("{}:{}:{}: not valid JSON: {}", source, line, column, reason));
   } catch (const nlohmann::json::out_of_range& e) {
     // A number beyond double's range (1e309): nlohmann reports it as out_of_range, with no
     // position (found by tests/fuzz, corpus file crash-number-overflow.json).
     std::string reason = e.what();
     if (const auto bracket = reason.find("] "); bracket != std::string::npos)
       reason = reason.substr(bracket + 2);
-    throw ConfigError(fmt::format("ConfigReader: config {}: not valid JSON: {}", source, reason));
+    throw ConfigError(fmt::format("{}: not valid JSON: {}", source, reason));
   }
 }
 
-void ConfigReader::fail(std::string_view path, const std::string& why) const {
-  throw ConfigError(fmt::format("config {}: {} {}", source_, path, why));
+std::string ConfigReader::naming_file(std::string_view message) const {
+  return fmt::format("{}: {}", source_, message);
+}
+
+void ConfigReader::fail(std::string_view path, std::string_view why) const {
+  throw ConfigError(naming_file(fmt::format("{}: {}", path, why)));
+}
+
+void ConfigReader::fail(std::string_view path, std::string_view value, std::string_view why) const {
+  throw ConfigError(naming_file(fmt::format("{} = {}: {}", path, value, why)));
+}
+
+std::optional<std::string> ConfigReader::written(std::string_view path) const {
+  const auto* node = find(path);
+  if (node == nullptr) return std::nullopt;
+  return node->dump();
+}
+
+void ConfigReader::fail_value(std::string_view path, std::string_view why) const {
+  const auto value = written(path);
+  if (!value) fail(path, why);
+  fail(path, *value, why);
+}
+
+void ConfigReader::rethrow_naming_file(const std::exception& e) const {
+  const std::string_view what = e.what();
+  // Already named: "SOURCE: ..." or, for a JSON syntax error, "SOURCE:LINE:COLUMN: ...".
+  if (what.substr(0, source_.size() + 1) == source_ + ":") throw ConfigError(std::string(what));
+  throw ConfigError(naming_file(what));
 }
 
 const nlohmann::json* ConfigReader::find(std::string_view path) const {
@@ -204,8 +229,7 @@ bool ConfigReader::is_auto(std::string_view path) const {
 
 void ConfigReader::expect_object(std::string_view path) const {
   const auto* node = find(path);
-  if (node != nullptr && !node->is_object())
-    fail(path, fmt::format("must be an object {{...}}, not {}", node->dump()));
+  if (node != nullptr && !node->is_object()) fail(path, node->dump(), "must be an object {...}");
 }
 
 bool ConfigReader::read_auto(std::string_view path, const nlohmann::json* node,
@@ -213,22 +237,27 @@ bool ConfigReader::read_auto(std::string_view path, const nlohmann::json* node,
   read_.emplace(path);
   if (node == nullptr || !node->is_string() || node->get_ref<const std::string&>() != "auto")
     return false;
-  warn(path, fmt::format("= \"auto\" (a value Hugging Face's trainer fills in): ShardSwap uses its "
-                         "default, {}",
-                         fallback));
+  warn(path, "\"auto\"",
+       fmt::format("a value Hugging Face's trainer fills in; ShardSwap uses its default, {}",
+                   fallback));
   return true;
 }
 
-void ConfigReader::warn(std::string_view path, const std::string& why) {
+void ConfigReader::warn(std::string_view path, std::string_view why) {
   if (!warned_.emplace(path).second) return;
-  warnings_.push_back(fmt::format("config {}: {} {}", source_, path, why));
+  warnings_.push_back(naming_file(fmt::format("{}: {}", path, why)));
+}
+
+void ConfigReader::warn(std::string_view path, std::string_view value, std::string_view why) {
+  if (!warned_.emplace(path).second) return;
+  warnings_.push_back(naming_file(fmt::format("{} = {}: {}", path, value, why)));
 }
 
 double ConfigReader::number(std::string_view path, double fallback) {
   const auto* node = find(path);
   if (read_auto(path, node, fmt::format("{}", fallback))) return fallback;
   if (node == nullptr) return fallback;
-  if (!node->is_number()) fail(path, fmt::format("must be a number, not {}", node->dump()));
+  if (!node->is_number()) fail(path, node->dump(), "must be a number");
   return node->get<double>();
 }
 
@@ -242,14 +271,14 @@ std::int64_t ConfigReader::integer(std::string_view path, std::int64_t fallback)
     if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9.2e18)
       return static_cast<std::int64_t>(v);
   }
-  fail(path, fmt::format("must be an integer, not {}", node->dump()));
+  fail(path, node->dump(), "must be an integer");
 }
 
 bool ConfigReader::boolean(std::string_view path, bool fallback) {
   const auto* node = find(path);
   if (read_auto(path, node, fmt::format("{}", fallback))) return fallback;
   if (node == nullptr) return fallback;
-  if (!node->is_boolean()) fail(path, fmt::format("must be true or false, not {}", node->dump()));
+  if (!node->is_boolean()) fail(path, node->dump(), "must be true or false");
   return node->get<bool>();
 }
 
@@ -257,7 +286,7 @@ std::string ConfigReader::string(std::string_view path, const std::string& fallb
   const auto* node = find(path);
   if (read_auto(path, node, fmt::format("'{}'", fallback))) return fallback;
   if (node == nullptr) return fallback;
-  if (!node->is_string()) fail(path, fmt::format("must be a string, not {}", node->dump()));
+  if (!node->is_string()) fail(path, node->dump(), "must be a string");
   return node->get<std::string>();
 }
 
@@ -269,12 +298,11 @@ std::vector<double> ConfigReader::numbers(std::string_view path,
   std::vector<double> out;
   if (node->is_array())
     for (const auto& x : *node) {
-      if (!x.is_number())
-        fail(path, fmt::format("must be a list of numbers, not {}", node->dump()));
+      if (!x.is_number()) fail(path, node->dump(), "must be a list of numbers");
       out.push_back(x.get<double>());
     }
   else
-    fail(path, fmt::format("must be a list of numbers, not {}", node->dump()));
+    fail(path, node->dump(), "must be a list of numbers");
   return out;
 }
 
@@ -283,9 +311,7 @@ std::vector<std::string> ConfigReader::strings(std::string_view path,
   const auto* node = find(path);
   if (read_auto(path, node, fmt::format("[{}]", fmt::join(fallback, ", ")))) return fallback;
   if (node == nullptr) return fallback;
-  const auto refuse = [&] {
-    fail(path, fmt::format("must be a list of strings, not {}", node->dump()));
-  };
+  const auto refuse = [&] { fail(path, node->dump(), "must be a list of strings"); };
   if (!node->is_array()) refuse();
   std::vector<std::string> out;
   for (const auto& x : *node) {
@@ -301,7 +327,7 @@ std::size_t ConfigReader::array_size(std::string_view path) {
     read_.emplace(path);
     return 0;
   }
-  if (!node->is_array()) fail(path, fmt::format("must be a list, not {}", node->dump()));
+  if (!node->is_array()) fail(path, node->dump(), "must be a list");
   // A list without objects is one leaf (see unread_keys): this read covers it.
   if (!holds_objects(*node)) read_.emplace(path);
   return node->size();

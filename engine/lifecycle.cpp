@@ -17,10 +17,7 @@ DeactivatePolicy deactivate_policy_from_name(std::string_view name, std::string_
   if (name == "drop") return DeactivatePolicy::drop;
   if (name == "keep_host") return DeactivatePolicy::keep_host;
   if (name == "keep_device") return DeactivatePolicy::keep_device;
-  throw ConfigError(
-      fmt::format("deactivate_policy_from_name: {} = '{}': expected drop, keep_host "
-                  "or keep_device",
-                  key, name));
+  throw ConfigError(fmt::format("{} = {:?}: expected drop, keep_host or keep_device", key, name));
 }
 
 const char* deactivate_policy_name(DeactivatePolicy policy) {

@@ -93,13 +93,11 @@ void check_names(const std::vector<std::string>& names, const std::string& key,
                  const std::vector<std::string>& groups) {
   for (std::size_t i = 0; i < names.size(); ++i) {
     if (!is_group(groups, names[i]))
-      throw ConfigError(
-          fmt::format("LayerSchedule: {}[{}] = '{}' is not a group of the model "
-                      "(groups: {})",
-                      key, i, names[i], group_list(groups)));
+      throw ConfigError(fmt::format("{}[{}] = {:?}: not a group of the model (groups: {})", key, i,
+                                    names[i], group_list(groups)));
     const auto first = std::find(names.begin(), names.end(), names[i]) - names.begin();
     if (static_cast<std::size_t>(first) != i)
-      throw ConfigError(fmt::format("LayerSchedule: {}[{}] = '{}' repeats {}[{}]", key, i, names[i],
+      throw ConfigError(fmt::format("{}[{}] = {:?}: repeats {}[{}]", key, i, names[i],
                                     key.substr(key.rfind('.') + 1), first));
   }
 }
@@ -110,81 +108,63 @@ void validate(const LayerSwitchingConfig& c, const std::vector<std::string>& gro
       throw ConfigError(
           fmt::format("LayerSchedule: the model declares group '{}' twice", groups[i]));
 
-  if (c.type == "none") return;
-  if (c.type != "lisa" && c.type != "badam" && c.type != "explicit")
-    throw ConfigError(
-        fmt::format("LayerSchedule: layer_switching.type = '{}': expected none, "
-                    "lisa, badam or explicit",
-                    c.type));
-  if (c.order != "ascending" && c.order != "descending" && c.order != "random")
-    throw ConfigError(
-        fmt::format("LayerSchedule: layer_switching.order = '{}': expected "
-                    "ascending, descending or random",
-                    c.order));
+  if (c.type == SwitchingType::none) return;
   check_names(c.always_active, "layer_switching.always_active", groups);
 
-  if (c.type == "explicit") {
+  if (c.type == SwitchingType::explicit_list) {
     if (!c.layers.empty())
       throw ConfigError(
-          "LayerSchedule: layer_switching.layers is not used by type 'explicit': list the "
-          "active groups of each period in layer_switching.schedule");
+          "layer_switching.layers: not used by type \"explicit\": list the active groups of each "
+          "period in layer_switching.schedule");
     if (c.steps.empty())
       throw ConfigError(
-          "LayerSchedule: layer_switching.schedule is empty: type 'explicit' needs at least "
-          "the entry for step 0");
+          "layer_switching.schedule: empty, but type \"explicit\" needs at least the entry for "
+          "step 0");
     for (std::size_t i = 0; i < c.steps.size(); ++i) {
       const auto& [step, active] = c.steps[i];
       if (i == 0 && step != 0)
         throw ConfigError(
-            fmt::format("LayerSchedule: layer_switching.schedule[0].step = {} "
-                        "must be 0: the schedule says what is active from the "
-                        "first step on",
+            fmt::format("layer_switching.schedule[0].step = {}: must be 0: the schedule says "
+                        "what is active from the first step on",
                         step));
       if (i > 0 && step <= c.steps[i - 1].first)
         throw ConfigError(
-            fmt::format("LayerSchedule: layer_switching.schedule[{}].step = {} "
-                        "does not come after schedule[{}].step = {}",
+            fmt::format("layer_switching.schedule[{}].step = {}: does not come after "
+                        "schedule[{}].step = {}",
                         i, step, i - 1, c.steps[i - 1].first));
       check_names(active, fmt::format("layer_switching.schedule[{}].active", i), groups);
       if (active.empty() && c.always_active.empty())
         throw ConfigError(
-            fmt::format("LayerSchedule: layer_switching.schedule[{}].active is "
-                        "empty and so is layer_switching.always_active: no group "
-                        "would train from step {} on",
+            fmt::format("layer_switching.schedule[{}].active = []: empty, and so is "
+                        "layer_switching.always_active: no group would train from step {} on",
                         i, step));
     }
     return;
   }
 
   // lisa, badam
+  const char* type = switching_type_name(c.type);
   if (!c.steps.empty())
     throw ConfigError(
-        fmt::format("LayerSchedule: layer_switching.schedule is only used by "
-                    "type 'explicit', not '{}'",
-                    c.type));
+        fmt::format("layer_switching.schedule: only used by type \"explicit\", not {:?}", type));
   if (c.interval < 1)
     throw ConfigError(
-        fmt::format("LayerSchedule: layer_switching.interval = {} must be >= 1", c.interval));
+        fmt::format("layer_switching.interval = {}: must be >= 1 (steps)", c.interval));
   if (c.layers.empty())
-    throw ConfigError(
-        fmt::format("LayerSchedule: layer_switching.layers is empty: {} needs the "
-                    "layers to switch between",
-                    c.type));
+    throw ConfigError(fmt::format(
+        "layer_switching.layers = []: empty, but {} needs the layers to switch between", type));
   check_names(c.layers, "layer_switching.layers", groups);
-  for (const auto& name : c.always_active)
-    if (std::find(c.layers.begin(), c.layers.end(), name) != c.layers.end())
+  for (std::size_t i = 0; i < c.always_active.size(); ++i)
+    if (is_group(c.layers, c.always_active[i]))
       throw ConfigError(
-          fmt::format("LayerSchedule: layer_switching.always_active: '{}' is also "
-                      "in layer_switching.layers",
-                      name));
-  if (c.type == "lisa") {
+          fmt::format("layer_switching.always_active[{}] = {:?}: also in layer_switching.layers", i,
+                      c.always_active[i]));
+  if (c.type == SwitchingType::lisa) {
     if (c.gamma < 1)
-      throw ConfigError(
-          fmt::format("LayerSchedule: layer_switching.gamma = {} must be >= 1", c.gamma));
+      throw ConfigError(fmt::format("layer_switching.gamma = {}: must be >= 1", c.gamma));
     if (static_cast<std::size_t>(c.gamma) > c.layers.size())
       throw ConfigError(
-          fmt::format("LayerSchedule: layer_switching.gamma = {} is larger than "
-                      "the {} layers to sample from",
+          fmt::format("layer_switching.gamma = {}: larger than the {} layers to sample from",
                       c.gamma, c.layers.size()));
   }
 }
@@ -195,6 +175,47 @@ void check_step(std::int64_t step, const char* caller) {
 }
 
 }  // namespace
+
+SwitchingType switching_type_from_name(std::string_view name, std::string_view key) {
+  if (name == "none") return SwitchingType::none;
+  if (name == "lisa") return SwitchingType::lisa;
+  if (name == "badam") return SwitchingType::badam;
+  if (name == "explicit") return SwitchingType::explicit_list;
+  throw ConfigError(fmt::format("{} = {:?}: expected none, lisa, badam or explicit", key, name));
+}
+
+const char* switching_type_name(SwitchingType type) {
+  switch (type) {
+    case SwitchingType::none:
+      return "none";
+    case SwitchingType::lisa:
+      return "lisa";
+    case SwitchingType::badam:
+      return "badam";
+    case SwitchingType::explicit_list:
+      return "explicit";
+  }
+  return "?";
+}
+
+BlockOrder block_order_from_name(std::string_view name, std::string_view key) {
+  if (name == "ascending") return BlockOrder::ascending;
+  if (name == "descending") return BlockOrder::descending;
+  if (name == "random") return BlockOrder::random;
+  throw ConfigError(fmt::format("{} = {:?}: expected ascending, descending or random", key, name));
+}
+
+const char* block_order_name(BlockOrder order) {
+  switch (order) {
+    case BlockOrder::ascending:
+      return "ascending";
+    case BlockOrder::descending:
+      return "descending";
+    case BlockOrder::random:
+      return "random";
+  }
+  return "?";
+}
 
 LayerSchedule::LayerSchedule(LayerSwitchingConfig config, std::vector<std::string> groups)
     : config_(std::move(config)), groups_(std::move(groups)) {
@@ -212,7 +233,7 @@ std::vector<std::string> LayerSchedule::active_at(std::int64_t step) const {
   };
   for (const auto& name : c.always_active) mark(name);
 
-  if (c.type == "explicit") {
+  if (c.type == SwitchingType::explicit_list) {
     // The last entry starting at or before `step`; entry 0 starts at 0.
     const auto after =
         std::upper_bound(c.steps.begin(), c.steps.end(), step,
@@ -221,16 +242,16 @@ std::vector<std::string> LayerSchedule::active_at(std::int64_t step) const {
   } else {
     const auto period = static_cast<std::uint64_t>(step / c.interval);
     const std::size_t n = c.layers.size();
-    if (c.type == "lisa") {
+    if (c.type == SwitchingType::lisa) {
       auto rng = stream(c.seed, kLisaDomain, period);
       for (const auto i : draw_distinct(rng, n, static_cast<std::size_t>(c.gamma)))
         mark(c.layers[i]);
     } else {  // badam: one block per period, every block once per epoch of n periods
       const auto j = static_cast<std::size_t>(period % n);
       const auto epoch = period / n;
-      if (c.order == "ascending") {
+      if (c.order == BlockOrder::ascending) {
         mark(c.layers[j]);
-      } else if (c.order == "descending") {
+      } else if (c.order == BlockOrder::descending) {
         mark(c.layers[n - 1 - j]);
       } else {
         auto rng = stream(c.seed, kBadamDomain, epoch);
@@ -248,7 +269,7 @@ std::vector<std::string> LayerSchedule::active_at(std::int64_t step) const {
 bool LayerSchedule::boundary(std::int64_t step) const {
   check_step(step, "boundary");
   if (!enabled()) return false;
-  if (config_.type == "explicit")
+  if (config_.type == SwitchingType::explicit_list)
     return std::any_of(config_.steps.begin(), config_.steps.end(),
                        [&](const auto& entry) { return entry.first == step; });
   return step % config_.interval == 0;
@@ -258,17 +279,20 @@ namespace {
 
 LayerSwitchingConfig read(ConfigReader& c) {
   LayerSwitchingConfig cfg;
-  cfg.type = c.string("layer_switching.type", cfg.type);
+  // Names become enums here, so an unknown one is refused naming the file and the key.
+  cfg.type = switching_type_from_name(
+      c.string("layer_switching.type", switching_type_name(cfg.type)), "layer_switching.type");
   cfg.interval = c.integer("layer_switching.interval", cfg.interval);
   const auto gamma = c.integer("layer_switching.gamma", cfg.gamma);
   if (gamma < INT_MIN || gamma > INT_MAX)
-    c.fail("layer_switching.gamma", fmt::format("= {} is out of range", gamma));
+    c.fail("layer_switching.gamma", fmt::format("{}", gamma), "out of range");
   cfg.gamma = static_cast<int>(gamma);
   cfg.layers = c.strings("layer_switching.layers", {});
   cfg.always_active = c.strings("layer_switching.always_active", {});
-  cfg.order = c.string("layer_switching.order", cfg.order);
+  cfg.order = block_order_from_name(c.string("layer_switching.order", block_order_name(cfg.order)),
+                                    "layer_switching.order");
   const auto seed = c.integer("layer_switching.seed", 0);
-  if (seed < 0) c.fail("layer_switching.seed", fmt::format("= {} must be >= 0", seed));
+  if (seed < 0) c.fail("layer_switching.seed", fmt::format("{}", seed), "must be >= 0");
   cfg.seed = static_cast<std::uint64_t>(seed);
   cfg.policy = deactivate_policy_from_name(
       c.string("layer_switching.policy", deactivate_policy_name(cfg.policy)),
@@ -281,7 +305,7 @@ LayerSwitchingConfig read(ConfigReader& c) {
     for (const char* key : {".step", ".active"})
       if (!c.has(entry + key))
         c.fail(entry + key,
-               "is missing: each entry of layer_switching.schedule is an object "
+               "missing: each entry of layer_switching.schedule is an object "
                "{\"step\": first step, \"active\": [groups]}");
     const auto step = c.integer(entry + ".step", 0);
     cfg.steps.emplace_back(step, c.strings(entry + ".active", {}));
@@ -295,10 +319,8 @@ LayerSwitchingConfig layer_switching_from_json(ConfigReader& config) {
   try {
     return read(config);
   } catch (const ConfigError& e) {
-    // deactivate_policy_from_name knows the key but not the file: add it.
-    const std::string what = e.what();
-    if (what.find(config.source()) != std::string::npos) throw;
-    throw ConfigError(fmt::format("config {}: {}", config.source(), what));
+    // The *_from_name functions know the key but not the file: add it.
+    config.rethrow_naming_file(e);
   }
 }
 

@@ -32,9 +32,7 @@ DType dtype_from_name(std::string_view name, std::string_view what) {
   if (lower == "bf16" || lower == "bfloat16") return DType::bf16;
   if (lower == "fp16" || lower == "float16" || lower == "half") return DType::f16;
   throw ConfigError(
-      fmt::format("dtype_from_name: {}: unknown dtype '{}'; expected fp32, fp64, "
-                  "bf16 or fp16",
-                  what, name));
+      fmt::format("{} = {:?}: unknown dtype; expected fp32, fp64, bf16 or fp16", what, name));
 }
 
 }  // namespace shardswap

@@ -15,8 +15,7 @@ namespace {
 void require(bool ok, std::string_view prefix, std::string_view key, double value,
              std::string_view rule) {
   if (!ok) {
-    throw ConfigError(
-        fmt::format("LossScaleConfig::validate: {}.{} = {} must be {}", prefix, key, value, rule));
+    throw ConfigError(fmt::format("{}.{} = {}: must be {}", prefix, key, value, rule));
   }
 }
 
@@ -28,9 +27,9 @@ void LossScaleConfig::validate(std::string_view prefix) const {
   if (dynamic) {
     if (!(std::isfinite(initial_scale) && initial_scale > 0)) {
       throw ConfigError(
-          fmt::format("LossScaleConfig::validate: {}.initial_scale_power gives an "
-                      "initial scale of {}; it must be finite and > 0",
-                      prefix, initial_scale));
+          fmt::format("{}.initial_scale_power = {}: gives an initial scale of {}; it must be "
+                      "finite and > 0",
+                      prefix, std::log2(initial_scale), initial_scale));
     }
   } else {
     require(std::isfinite(static_scale) && static_scale > 0, prefix, "loss_scale", static_scale,

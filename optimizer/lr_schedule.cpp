@@ -18,9 +18,7 @@ namespace {
 // Throws unless `ok`, stated as the condition that must hold so a NaN fails too.
 void require(bool ok, std::string_view prefix, std::string_view key, double value,
              std::string_view rule) {
-  if (!ok)
-    throw ConfigError(
-        fmt::format("LrSchedule::validate: {}.{} = {} must be {}", prefix, key, value, rule));
+  if (!ok) throw ConfigError(fmt::format("{}.{} = {}: must be {}", prefix, key, value, rule));
 }
 
 // Fraction of warmup done at `iteration` (< warmup iterations W): 0 at iteration 0.
@@ -38,10 +36,9 @@ LrScheduleType lr_schedule_type_from_name(std::string_view name, std::string_vie
   if (name == "WarmupCosineLR") return LrScheduleType::warmup_cosine;
   const bool deepspeed_only = name == "OneCycle" || name == "LRRangeTest";
   throw ConfigError(fmt::format(
-      "lr_schedule_type_from_name: {} = '{}'{}; ShardSwap implements WarmupLR, WarmupDecayLR "
-      "and WarmupCosineLR (without a scheduler the lr is constant)",
-      key, name,
-      deepspeed_only ? " is a DeepSpeed schedule ShardSwap does not implement" : " is unknown"));
+      "{} = {:?}: {}; ShardSwap implements WarmupLR, WarmupDecayLR and WarmupCosineLR (without "
+      "a scheduler the lr is constant)",
+      key, name, deepspeed_only ? "a DeepSpeed schedule ShardSwap does not implement" : "unknown"));
 }
 
 const char* lr_schedule_type_name(LrScheduleType type) {
@@ -61,8 +58,7 @@ const char* lr_schedule_type_name(LrScheduleType type) {
 WarmupCurve warmup_curve_from_name(std::string_view name, std::string_view key) {
   if (name == "log") return WarmupCurve::log;
   if (name == "linear") return WarmupCurve::linear;
-  throw ConfigError(fmt::format(
-      "warmup_curve_from_name: {} = '{}' is unknown; expected 'log' or 'linear'", key, name));
+  throw ConfigError(fmt::format("{} = {:?}: unknown; expected \"log\" or \"linear\"", key, name));
 }
 
 std::int64_t LrSchedule::warmup_iterations() const {
@@ -121,17 +117,17 @@ void LrSchedule::validate(std::string_view prefix) const {
       break;
   }
   if (warmup_num_steps < 0)
-    throw ConfigError(fmt::format("LrSchedule::validate: {}.warmup_num_steps = {} must be >= 0",
-                                  prefix, warmup_num_steps));
+    throw ConfigError(
+        fmt::format("{}.warmup_num_steps = {}: must be >= 0", prefix, warmup_num_steps));
   const std::int64_t w = warmup_iterations();
   if (type == LrScheduleType::warmup_decay && total_num_steps < w)
     throw ConfigError(fmt::format(
-        "LrSchedule::validate: {}.total_num_steps = {} must be >= the warmup, max(2, "
+        "{}.total_num_steps = {}: must be >= the warmup, max(2, "
         "warmup_num_steps) = {}: after warmup the lr would drop straight to warmup_min_lr",
         prefix, total_num_steps, w));
   if (type == LrScheduleType::warmup_cosine && total_num_steps <= w)
     throw ConfigError(
-        fmt::format("LrSchedule::validate: {}.total_num_steps = {} must be > the warmup, max(2, "
+        fmt::format("{}.total_num_steps = {}: must be > the warmup, max(2, "
                     "warmup_num_steps) = {}: the cosine needs steps to decay over",
                     prefix, total_num_steps, w));
 }

@@ -29,8 +29,7 @@ std::string lower(std::string_view s) {
 void require(bool ok, std::string_view prefix, std::string_view key, double value,
              std::string_view rule) {
   if (!ok) {
-    throw ConfigError(
-        fmt::format("OptimizerConfig::validate: {}.{} = {} must be {}", prefix, key, value, rule));
+    throw ConfigError(fmt::format("{}.{} = {}: must be {}", prefix, key, value, rule));
   }
 }
 
@@ -42,9 +41,7 @@ OptimizerType optimizer_type_from_name(std::string_view name, std::string_view k
   if (l == "adamw") return OptimizerType::adamw;
   if (l == "sgd") return OptimizerType::sgd;
   throw ConfigError(
-      fmt::format("optimizer_type_from_name: {}: unknown optimizer type '{}'; "
-                  "expected Adam, AdamW or SGD",
-                  key, name));
+      fmt::format("{} = {:?}: unknown optimizer type; expected Adam, AdamW or SGD", key, name));
 }
 
 const char* optimizer_type_name(OptimizerType type) {
@@ -75,8 +72,8 @@ void OptimizerConfig::validate(std::string_view prefix) const {
   require(dampening >= 0 && dampening <= 1, prefix, "dampening", dampening, "in [0, 1]");
   if (nesterov && !(momentum > 0 && dampening == 0)) {
     throw ConfigError(
-        fmt::format("OptimizerConfig::validate: {}.nesterov = true needs {}.momentum "
-                    "> 0 (got {}) and {}.dampening = 0 (got {})",
+        fmt::format("{}.nesterov = true: needs {}.momentum > 0 (got {}) and {}.dampening = 0 "
+                    "(got {})",
                     prefix, prefix, momentum, prefix, dampening));
   }
 }

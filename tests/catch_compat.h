@@ -30,6 +30,19 @@ inline bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
+/// True if `message` has the shape of every config mistake, "FILE: KEY = VALUE: what" or (for a
+/// key whose value is not shown) "FILE: KEY: what", and names no C++ function ("::",
+/// "_from_name"): what a CLI user reads must be about the file, not the code.
+inline bool config_shaped(const std::string& message, const std::string& file,
+                          const std::string& key) {
+  const std::string head = file + ": " + key;
+  if (message.rfind(head, 0) != 0) return false;
+  const std::string rest = message.substr(head.size());
+  const bool valued = rest.rfind(" = ", 0) == 0 && rest.find(": ", 3) != std::string::npos;
+  const bool bare = rest.rfind(": ", 0) == 0 && rest.size() > 2;
+  return (valued || bare) && !contains(message, "::") && !contains(message, "_from_name");
+}
+
 /// The base of an event listener (CATCH_REGISTER_LISTENER). Catch2 v2 declares it only where
 /// CATCH_CONFIG_EXTERNAL_INTERFACES (or CATCH_CONFIG_RUNNER) is defined before this include.
 #if __has_include(<catch2/catch_all.hpp>)

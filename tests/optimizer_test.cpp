@@ -681,9 +681,7 @@ TEST_CASE("optimizer type names round-trip and are case-insensitive") {
 TEST_CASE("an unknown optimizer type names the key, the value and the choices") {
   const std::string msg =
       test::message_of<ConfigError>([] { optimizer_type_from_name("Adagrad", "optimizer.type"); });
-  CHECK(msg ==
-        "optimizer_type_from_name: optimizer.type: unknown optimizer type 'Adagrad'; expected "
-        "Adam, AdamW or SGD");
+  CHECK(msg == "optimizer.type = \"Adagrad\": unknown optimizer type; expected Adam, AdamW or SGD");
 }
 
 TEST_CASE("OptimizerConfig::validate accepts the defaults and names each bad key") {
@@ -720,8 +718,9 @@ TEST_CASE("OptimizerConfig::validate accepts the defaults and names each bad key
     b.spoil(c);
     const std::string msg = test::message_of<ConfigError>([&] { c.validate(); });
     INFO(msg);
-    CHECK(test::contains(msg, "OptimizerConfig::validate: "));
-    CHECK(test::contains(msg, b.key));
+    // "KEY = VALUE: rule": the shape the config reader prefixes with the file.
+    CHECK(msg.rfind(std::string(b.key) + " = ", 0) == 0);
+    CHECK(!test::contains(msg, "::"));
   }
 }
 
@@ -729,7 +728,7 @@ TEST_CASE("OptimizerConfig::validate reports a negative lr with its value and th
   OptimizerConfig c;
   c.lr = -0.1;
   CHECK(test::message_of<ConfigError>([&] { c.validate(); }) ==
-        "OptimizerConfig::validate: optimizer.params.lr = -0.1 must be >= 0");
+        "optimizer.params.lr = -0.1: must be >= 0");
   CHECK(test::contains(test::message_of<ConfigError>([&] { c.validate("groups[2]"); }),
                        "groups[2].lr"));
 }
@@ -860,8 +859,8 @@ TEST_CASE("LossScaleConfig::validate accepts the defaults and names each bad key
     b.spoil(c);
     const std::string msg = test::message_of<ConfigError>([&] { c.validate(); });
     INFO(msg);
-    CHECK(test::contains(msg, "LossScaleConfig::validate: "));
-    CHECK(test::contains(msg, b.key));
+    CHECK(msg.rfind(std::string(b.key) + " = ", 0) == 0);
+    CHECK(!test::contains(msg, "::"));
   }
   LossScaleConfig bad_window;
   bad_window.window = 0;

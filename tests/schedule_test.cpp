@@ -35,7 +35,7 @@ Names body(int depth) {
 
 LayerSwitchingConfig lisa(int depth, int gamma, std::uint64_t seed = 0) {
   LayerSwitchingConfig c;
-  c.type = "lisa";
+  c.type = SwitchingType::lisa;
   c.interval = 5;
   c.gamma = gamma;
   c.layers = body(depth);
@@ -44,9 +44,9 @@ LayerSwitchingConfig lisa(int depth, int gamma, std::uint64_t seed = 0) {
   return c;
 }
 
-LayerSwitchingConfig badam(int depth, const std::string& order, std::uint64_t seed = 0) {
+LayerSwitchingConfig badam(int depth, BlockOrder order, std::uint64_t seed = 0) {
   LayerSwitchingConfig c;
-  c.type = "badam";
+  c.type = SwitchingType::badam;
   c.interval = 3;
   c.layers = body(depth);
   c.order = order;
@@ -56,7 +56,7 @@ LayerSwitchingConfig badam(int depth, const std::string& order, std::uint64_t se
 
 LayerSwitchingConfig explicit_table() {
   LayerSwitchingConfig c;
-  c.type = "explicit";
+  c.type = SwitchingType::explicit_list;
   c.always_active = {"input"};
   c.steps = {{0, {"layers.0"}}, {5, {"layers.1", "layers.2"}}, {12, {"head"}}};
   return c;
@@ -190,7 +190,7 @@ TEST_CASE("LISA's first draws for seed 42 are fixed, so a change of generator is
 // ---- BAdam ---------------------------------------------------------------------------------
 
 TEST_CASE("BAdam ascending activates one block per interval in list order, epoch after epoch") {
-  auto c = badam(4, "ascending");
+  auto c = badam(4, BlockOrder::ascending);
   c.always_active = {"head"};
   const LayerSchedule schedule(c, model_groups(4));
   for (std::int64_t step = 0; step < 3 * 4 * 3; ++step) {
@@ -202,7 +202,7 @@ TEST_CASE("BAdam ascending activates one block per interval in list order, epoch
 }
 
 TEST_CASE("BAdam descending activates the blocks from the last of the list to the first") {
-  const LayerSchedule schedule(badam(4, "descending"), model_groups(4));
+  const LayerSchedule schedule(badam(4, BlockOrder::descending), model_groups(4));
   for (std::int64_t step = 0; step < 3 * 4 * 3; ++step) {
     CAPTURE(step);
     REQUIRE(schedule.active_at(step) == Names{"layers." + std::to_string(3 - (step / 3) % 4)});
@@ -210,7 +210,7 @@ TEST_CASE("BAdam descending activates the blocks from the last of the list to th
 }
 
 TEST_CASE("BAdam follows the order of its list, not the model's") {
-  auto c = badam(4, "ascending");
+  auto c = badam(4, BlockOrder::ascending);
   c.layers = {"layers.2", "input", "layers.0"};
   const LayerSchedule schedule(c, model_groups(4));
   REQUIRE(schedule.active_at(0) == Names{"layers.2"});
@@ -221,7 +221,7 @@ TEST_CASE("BAdam follows the order of its list, not the model's") {
 
 TEST_CASE("BAdam random visits every block exactly once per epoch") {
   const int n = 6;
-  const LayerSchedule schedule(badam(n, "random", 5), model_groups(n));
+  const LayerSchedule schedule(badam(n, BlockOrder::random, 5), model_groups(n));
   for (std::int64_t epoch = 0; epoch < 50; ++epoch) {
     std::set<std::string> seen;
     for (int j = 0; j < n; ++j) {
@@ -237,8 +237,8 @@ TEST_CASE("BAdam random visits every block exactly once per epoch") {
 
 TEST_CASE("BAdam random draws a new order each epoch, the same one for the same seed") {
   const int n = 6;
-  const LayerSchedule schedule(badam(n, "random", 5), model_groups(n));
-  const LayerSchedule again(badam(n, "random", 5), model_groups(n));
+  const LayerSchedule schedule(badam(n, BlockOrder::random, 5), model_groups(n));
+  const LayerSchedule again(badam(n, BlockOrder::random, 5), model_groups(n));
   const auto order = [&](const LayerSchedule& s, std::int64_t epoch) {
     Names out;
     for (int j = 0; j < n; ++j) out.push_back(s.active_at((epoch * n + j) * 3)[0]);
@@ -253,7 +253,7 @@ TEST_CASE("BAdam random draws a new order each epoch, the same one for the same 
 }
 
 TEST_CASE("BAdam's random order for seed 7 is fixed, so a change of generator is caught") {
-  auto c = badam(5, "random", 7);
+  auto c = badam(5, BlockOrder::random, 7);
   c.interval = 1;
   const LayerSchedule schedule(c, model_groups(5));
   const Names expected = {"layers.2", "layers.3", "layers.1", "layers.0", "layers.4",   // epoch 0
@@ -296,10 +296,10 @@ TEST_CASE("active groups come in the model's declaration order without duplicate
 TEST_CASE("layer_switching_from_json gives the documented defaults for a missing section") {
   ConfigReader reader(nlohmann::json::object(), "test.json");
   const auto c = layer_switching_from_json(reader);
-  REQUIRE(c.type == "none");
+  REQUIRE(c.type == SwitchingType::none);
   REQUIRE(c.interval == 10);
   REQUIRE(c.gamma == 2);
-  REQUIRE(c.order == "ascending");
+  REQUIRE(c.order == BlockOrder::ascending);
   REQUIRE(c.seed == 0);
   REQUIRE(c.policy == DeactivatePolicy::drop);
   REQUIRE(c.layers.empty());
@@ -314,7 +314,7 @@ TEST_CASE("layer_switching_from_json reads a LISA section and leaves no key unre
     "always_active": ["input", "head"]}})"),
                       "test.json");
   const auto c = layer_switching_from_json(reader);
-  REQUIRE(c.type == "lisa");
+  REQUIRE(c.type == SwitchingType::lisa);
   REQUIRE(c.interval == 20);
   REQUIRE(c.gamma == 3);
   REQUIRE(c.seed == 9);
@@ -328,8 +328,8 @@ TEST_CASE("layer_switching_from_json reads a LISA section and leaves no key unre
 TEST_CASE("layer_switching_from_json reads a BAdam section with its defaults") {
   const auto c = from_json(R"({"layer_switching": {"type": "badam", "order": "random",
     "layers": ["layers.1", "layers.0"]}})");
-  REQUIRE(c.type == "badam");
-  REQUIRE(c.order == "random");
+  REQUIRE(c.type == SwitchingType::badam);
+  REQUIRE(c.order == BlockOrder::random);
   REQUIRE(c.layers == Names{"layers.1", "layers.0"});
   REQUIRE(c.interval == 10);
   REQUIRE(c.seed == 0);
@@ -344,7 +344,7 @@ TEST_CASE("layer_switching_from_json reads an explicit schedule and marks its en
                  {"step": 250, "active": []}]}})"),
                       "test.json");
   const auto c = layer_switching_from_json(reader);
-  REQUIRE(c.type == "explicit");
+  REQUIRE(c.type == SwitchingType::explicit_list);
   REQUIRE(c.policy == DeactivatePolicy::keep_device);
   REQUIRE(c.steps.size() == 3);
   REQUIRE(c.steps[0] == std::pair<std::int64_t, Names>{0, {"layers.0"}});
@@ -401,18 +401,25 @@ TEST_CASE("a badly typed layer_switching value is refused naming the key, index 
 
 // ---- validation ----------------------------------------------------------------------------
 
-TEST_CASE("an unknown type is refused naming layer_switching.type") {
-  auto c = lisa(4, 2);
-  c.type = "galore";
-  const auto msg = schedule_error(c);
-  REQUIRE(test::contains(msg, "layer_switching.type = 'galore'"));
-  REQUIRE(test::contains(msg, "lisa, badam or explicit"));
+TEST_CASE("an unknown type is refused when read, naming the file and layer_switching.type") {
+  REQUIRE(json_error(R"({"layer_switching": {"type": "galore"}})") ==
+          "test.json: layer_switching.type = \"galore\": expected none, lisa, badam or explicit");
 }
 
-TEST_CASE("an unknown order is refused naming layer_switching.order") {
-  const auto msg = schedule_error(badam(4, "shuffled"));
-  REQUIRE(test::contains(msg, "layer_switching.order = 'shuffled'"));
-  REQUIRE(test::contains(msg, "ascending, descending or random"));
+TEST_CASE("an unknown order is refused when read, naming the file and layer_switching.order") {
+  REQUIRE(json_error(R"({"layer_switching": {"type": "badam", "order": "shuffled"}})") ==
+          "test.json: layer_switching.order = \"shuffled\": expected ascending, descending or "
+          "random");
+}
+
+TEST_CASE("every type and order name reads back as the name it was parsed from") {
+  for (const char* name : {"none", "lisa", "badam", "explicit"})
+    REQUIRE(std::string(switching_type_name(switching_type_from_name(name, "k"))) == name);
+  for (const char* name : {"ascending", "descending", "random"})
+    REQUIRE(std::string(block_order_name(block_order_from_name(name, "k"))) == name);
+  // Names are exact: DeepSpeed-style configs spell them in lower case.
+  REQUIRE(test::message_of<ConfigError>([] { switching_type_from_name("LISA", "k"); }) ==
+          "k = \"LISA\": expected none, lisa, badam or explicit");
 }
 
 TEST_CASE("a layer that is not a group of the model is refused naming its index and the groups") {
@@ -420,15 +427,15 @@ TEST_CASE("a layer that is not a group of the model is refused naming its index 
   c.layers[3] = "layers.99";
   const auto msg = schedule_error(c, 12);
   REQUIRE(test::contains(msg,
-                         "layer_switching.layers[3] = 'layers.99' is not a group of the "
+                         "layer_switching.layers[3] = \"layers.99\": not a group of the "
                          "model (groups: input, layers.0, ..., head (14 groups))"));
 }
 
 TEST_CASE("an always-active group that is not a group of the model is refused naming its index") {
-  auto c = badam(4, "ascending");
+  auto c = badam(4, BlockOrder::ascending);
   c.always_active = {"head", "embed"};
   REQUIRE(test::contains(schedule_error(c),
-                         "layer_switching.always_active[1] = 'embed' is not a group of the model "
+                         "layer_switching.always_active[1] = \"embed\": not a group of the model "
                          "(groups: input, layers.0, layers.1, layers.2, layers.3, head)"));
 }
 
@@ -436,80 +443,80 @@ TEST_CASE("a layer listed twice is refused naming both places") {
   auto c = lisa(4, 2);
   c.layers = {"layers.0", "layers.1", "layers.0"};
   REQUIRE(test::contains(schedule_error(c),
-                         "layer_switching.layers[2] = 'layers.0' repeats layers[0]"));
+                         "layer_switching.layers[2] = \"layers.0\": repeats layers[0]"));
 }
 
 TEST_CASE("an interval below 1 is refused naming layer_switching.interval") {
   auto c = lisa(4, 2);
   c.interval = 0;
-  REQUIRE(test::contains(schedule_error(c), "layer_switching.interval = 0 must be >= 1"));
-  auto b = badam(4, "ascending");
+  REQUIRE(test::contains(schedule_error(c), "layer_switching.interval = 0: must be >= 1"));
+  auto b = badam(4, BlockOrder::ascending);
   b.interval = -3;
-  REQUIRE(test::contains(schedule_error(b), "layer_switching.interval = -3 must be >= 1"));
+  REQUIRE(test::contains(schedule_error(b), "layer_switching.interval = -3: must be >= 1"));
 }
 
 TEST_CASE("a gamma below 1 is refused naming layer_switching.gamma") {
-  REQUIRE(test::contains(schedule_error(lisa(4, 0)), "layer_switching.gamma = 0 must be >= 1"));
+  REQUIRE(test::contains(schedule_error(lisa(4, 0)), "layer_switching.gamma = 0: must be >= 1"));
 }
 
 TEST_CASE("a gamma larger than the layers to sample from is refused naming layer_switching.gamma") {
   REQUIRE(test::contains(schedule_error(lisa(4, 5)),
-                         "layer_switching.gamma = 5 is larger than the 4 layers to sample from"));
+                         "layer_switching.gamma = 5: larger than the 4 layers to sample from"));
 }
 
 TEST_CASE("a group both always active and in layers is refused naming both keys") {
   auto c = lisa(4, 2);
   c.always_active = {"input", "layers.1"};
   REQUIRE(test::contains(schedule_error(c),
-                         "layer_switching.always_active: 'layers.1' is also "
-                         "in layer_switching.layers"));
+                         "layer_switching.always_active[1] = \"layers.1\": also in "
+                         "layer_switching.layers"));
 }
 
 TEST_CASE("LISA and BAdam without layers are refused naming layer_switching.layers") {
   auto c = lisa(4, 2);
   c.layers.clear();
-  REQUIRE(test::contains(schedule_error(c), "layer_switching.layers is empty: lisa"));
-  auto b = badam(4, "ascending");
+  REQUIRE(test::contains(schedule_error(c), "layer_switching.layers = []: empty, but lisa"));
+  auto b = badam(4, BlockOrder::ascending);
   b.layers.clear();
-  REQUIRE(test::contains(schedule_error(b), "layer_switching.layers is empty: badam"));
+  REQUIRE(test::contains(schedule_error(b), "layer_switching.layers = []: empty, but badam"));
 }
 
 TEST_CASE("a schedule given to LISA or BAdam is refused, it would be ignored") {
   auto c = lisa(4, 2);
   c.steps = {{0, {"head"}}};
   REQUIRE(test::contains(schedule_error(c),
-                         "layer_switching.schedule is only used by type "
-                         "'explicit', not 'lisa'"));
+                         "layer_switching.schedule: only used by type "
+                         "\"explicit\", not \"lisa\""));
 }
 
 TEST_CASE("layers given to an explicit schedule are refused, they would be ignored") {
   auto c = explicit_table();
   c.layers = {"layers.0"};
   REQUIRE(
-      test::contains(schedule_error(c), "layer_switching.layers is not used by type 'explicit'"));
+      test::contains(schedule_error(c), "layer_switching.layers: not used by type \"explicit\""));
 }
 
 TEST_CASE("an empty explicit schedule is refused naming layer_switching.schedule") {
   auto c = explicit_table();
   c.steps.clear();
-  REQUIRE(test::contains(schedule_error(c), "layer_switching.schedule is empty"));
+  REQUIRE(test::contains(schedule_error(c), "layer_switching.schedule: empty"));
 }
 
 TEST_CASE("an explicit schedule that does not start at step 0 is refused naming schedule[0]") {
   auto c = explicit_table();
   c.steps[0].first = 3;
-  REQUIRE(test::contains(schedule_error(c), "layer_switching.schedule[0].step = 3 must be 0"));
+  REQUIRE(test::contains(schedule_error(c), "layer_switching.schedule[0].step = 3: must be 0"));
 }
 
 TEST_CASE("explicit steps that do not increase are refused naming both entries") {
   auto c = explicit_table();
   c.steps = {{0, {"head"}}, {20, {"layers.0"}}, {10, {"layers.1"}}};
   REQUIRE(test::contains(schedule_error(c),
-                         "layer_switching.schedule[2].step = 10 does not "
+                         "layer_switching.schedule[2].step = 10: does not "
                          "come after schedule[1].step = 20"));
   c.steps = {{0, {"head"}}, {20, {"layers.0"}}, {20, {"layers.1"}}};
   REQUIRE(test::contains(schedule_error(c),
-                         "layer_switching.schedule[2].step = 20 does not "
+                         "layer_switching.schedule[2].step = 20: does not "
                          "come after schedule[1].step = 20"));
 }
 
@@ -517,8 +524,8 @@ TEST_CASE("an explicit entry naming an unknown group is refused naming its indic
   auto c = explicit_table();
   c.steps[1].second = {"layers.1", "layers.7"};
   REQUIRE(test::contains(schedule_error(c),
-                         "layer_switching.schedule[1].active[1] = 'layers.7' "
-                         "is not a group of the model"));
+                         "layer_switching.schedule[1].active[1] = \"layers.7\": "
+                         "not a group of the model"));
 }
 
 TEST_CASE("an explicit entry that would train no group is refused naming it") {
@@ -526,7 +533,7 @@ TEST_CASE("an explicit entry that would train no group is refused naming it") {
   c.always_active.clear();
   c.steps[2].second.clear();
   REQUIRE(test::contains(schedule_error(c),
-                         "layer_switching.schedule[2].active is empty and so "
+                         "layer_switching.schedule[2].active = []: empty, and so "
                          "is layer_switching.always_active"));
 }
 
@@ -541,7 +548,7 @@ TEST_CASE("a negative step is refused by active_at and boundary") {
 TEST_CASE(
     "type none ignores the other layer_switching keys, so switching turns off by type alone") {
   auto c = lisa(4, 9);  // gamma too large: would be refused for lisa
-  c.type = "none";
+  c.type = SwitchingType::none;
   const LayerSchedule schedule(c, model_groups(4));
   REQUIRE(schedule.active_at(3) == model_groups(4));
 }
@@ -564,6 +571,6 @@ TEST_CASE("a --set override can create a section the config does not have") {
   reader.set("layer_switching.type=badam");
   reader.set("layer_switching.layers=[\"layers.0\"]");
   const auto c = layer_switching_from_json(reader);
-  REQUIRE(c.type == "badam");
+  REQUIRE(c.type == SwitchingType::badam);
   REQUIRE(c.layers == Names{"layers.0"});
 }

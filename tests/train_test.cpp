@@ -164,8 +164,8 @@ TEST_CASE("bad config values are refused naming the key and the file") {
       {with("/optimizer/params/lr", "fast"), "optimizer.params.lr"},
       {with("/world_size", 0), "world_size"},
       {with("/zero_optimization/stage", 3), "zero_optimization.stage"},
-      {with("/zero_optimization/reduce_bucket_size", 64), "reduce_bucket_size"},
-      {with("/shardswap/alignment_bytes", 100), "alignment_bytes"},
+      {with("/zero_optimization/reduce_bucket_size", 64), "zero_optimization.reduce_bucket_size"},
+      {with("/shardswap/alignment_bytes", 100), "shardswap.alignment_bytes"},
       {with("/optimizer/params/betas", nlohmann::json::array({0.9})), "optimizer.params.betas"},
       {with("/model/depth", 0), "model.depth"},
       {with("/model/width", -4), "model.width"},
@@ -179,8 +179,43 @@ TEST_CASE("bad config values are refused naming the key and the file") {
   for (const auto& c : cases) {
     const auto msg = config_error(c.config);
     CAPTURE(c.key, msg);
-    REQUIRE(test::contains(msg, c.key));
-    REQUIRE(test::contains(msg, "test.json"));
+    REQUIRE(test::config_shaped(msg, "test.json", c.key));
+  }
+}
+
+TEST_CASE("config mistakes in every section read FILE: KEY = VALUE: what, naming no C++ code") {
+  // What a CLI user reads for a sample of mistakes, one per section, found by different parts of
+  // ShardSwap (the reader, the optimizer's validate, the ZeRO reader, the schedule's and the
+  // checkpoint's checks, the CLI's backend check): one shape, the file first.
+  const std::string file = "runs/shape.json";
+  struct Mistake {
+    const char* set;   // a --set override that introduces the mistake
+    const char* head;  // FILE: then this: the key path, " = " and the value
+  };
+  const Mistake mistakes[] = {
+      {"optimizer.params.eps=0", "optimizer.params.eps = 0"},
+      {"optimizer.params.betas=[0.9, 1.5]", "optimizer.params.betas[1] = 1.5"},
+      {"zero_optimization.reduce_bucket_size=0",
+       "zero_optimization.reduce_bucket_size = 0 elements"},
+      {"zero_optimization.overlap_comm=\"yes\"", "zero_optimization.overlap_comm = \"yes\""},
+      {"layer_switching.type=lisaa", "layer_switching.type = \"lisaa\""},
+      {"shardswap.backend=cuda:x", "shardswap.backend = \"cuda:x\""},
+      {"shardswap.nonfinite=abort", "shardswap.nonfinite = \"abort\""},
+      {"checkpoint.every=-5", "checkpoint.every = -5"},
+      {"checkpoint.load=latest", "checkpoint.load = \"latest\""},
+      {"data.val_fraction=2", "data.val_fraction = 2"},
+      {"scheduler={\"type\": \"OneCycle\"}", "scheduler.type = \"OneCycle\""},
+  };
+  for (const auto& m : mistakes) {
+    ConfigReader reader(small_run(), file);
+    reader.set(m.set);
+    const auto msg = test::message_of<ConfigError>([&] { train_config_from_json(reader); });
+    CAPTURE(m.set, msg);
+    const std::string head = file + ": " + m.head + ": ";
+    REQUIRE(msg.rfind(head, 0) == 0);
+    REQUIRE(msg.size() > head.size());  // says what is wrong
+    REQUIRE(!test::contains(msg, "::"));
+    REQUIRE(!test::contains(msg, "_from_name"));
   }
 }
 
@@ -250,20 +285,22 @@ TEST_CASE("a bad layer_switching section is refused before anything is allocated
     const char* key;
   };
   const Bad cases[] = {
-      {{{"type", "lisa"}, {"layers", {"layers.0", "layers.9"}}}, "layers.9"},
-      {{{"type", "lisa"}, {"layers", body}, {"gamma", 4}}, "gamma"},
-      {{{"type", "lisa"}, {"layers", body}, {"interval", 0}}, "interval"},
-      {{{"type", "lisa"}, {"layers", body}, {"always_active", {"layers.1"}}}, "always_active"},
+      {{{"type", "lisa"}, {"layers", {"layers.0", "layers.9"}}}, "layer_switching.layers[1]"},
+      {{{"type", "lisa"}, {"layers", body}, {"gamma", 4}}, "layer_switching.gamma"},
+      {{{"type", "lisa"}, {"layers", body}, {"interval", 0}}, "layer_switching.interval"},
+      {{{"type", "lisa"}, {"layers", body}, {"always_active", {"layers.1"}}},
+       "layer_switching.always_active[0]"},
       {{{"type", "explicit"},
         {"schedule", {{{"step", 0}, {"active", {"head"}}}, {{"step", 0}, {"active", {"embed"}}}}}},
-       "schedule"},
-      {{{"type", "lisa"}, {"layers", body}, {"policy", "keep_forever"}}, "policy"},
+       "layer_switching.schedule[1].step"},
+      {{{"type", "lisa"}, {"layers", body}, {"policy", "keep_forever"}}, "layer_switching.policy"},
+      {{{"type", "lisaa"}}, "layer_switching.type"},
+      {{{"type", "badam"}, {"layers", body}, {"order", "sideways"}}, "layer_switching.order"},
   };
   for (const auto& c : cases) {
     const auto msg = config_error(with(c.section));
     CAPTURE(c.key, msg);
-    REQUIRE(test::contains(msg, c.key));
-    REQUIRE(test::contains(msg, "test.json"));
+    REQUIRE(test::config_shaped(msg, "test.json", c.key));
   }
 }
 

@@ -38,7 +38,7 @@ constexpr int kWarmup = 3;
 
 struct Options {
   std::string backend;
-  std::vector<std::size_t> sizes;
+  std::vector<std::size_t> sizes_params;  ///< --sizes: params (elements) per row
   int iters = 20;
   std::string json;
 };
@@ -120,7 +120,7 @@ Options parse(const std::vector<std::string>& args) {
   std::size_t start = 0;
   while (start <= sizes.size()) {
     const std::size_t end = std::min(sizes.find(',', start), sizes.size());
-    o.sizes.push_back(parse_count(sizes.substr(start, end - start)));
+    o.sizes_params.push_back(parse_count(sizes.substr(start, end - start)));
     start = end + 1;
   }
   return o;
@@ -324,7 +324,7 @@ int bench_optimizer(const std::vector<std::string>& args, std::ostream& out) {
   const std::vector<float> copy_pattern = random_floats(rng, 1e-3f, 1e3f, true);
   nlohmann::json rows = nlohmann::json::array();
   bool all_pass = true;
-  for (std::size_t n : o.sizes) {
+  for (std::size_t n : o.sizes_params) {
     Row row;
     row.params = n;
     measure_copy(*a, k, o.iters, copy_pattern, row);

@@ -2,10 +2,12 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <unistd.h>
@@ -177,7 +179,14 @@ int main(int argc, char** argv) {
     std::cerr << "shardswap: " << e.what() << "\n" << kUsage;
     return 2;
   } catch (const shardswap::ConfigError& e) {
-    std::cerr << "shardswap: " << e.what() << "\n";
+    // One mistake a line (reject_unknown_keys names each unknown key on its own): each line
+    // gets the prefix, so every line reads "shardswap: FILE: KEY ...".
+    const std::string what = e.what();
+    for (std::size_t start = 0; start <= what.size();) {
+      const auto end = std::min(what.find('\n', start), what.size());
+      std::cerr << "shardswap: " << std::string_view(what).substr(start, end - start) << "\n";
+      start = end + 1;
+    }
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "shardswap: error: " << e.what() << "\n";

@@ -28,7 +28,7 @@ namespace {
 CommKind comm_kind_from_name(ConfigReader& c, const std::string& name) {
   if (name == "in_process") return CommKind::in_process;
   if (name == "nccl") return CommKind::nccl;
-  c.fail("shardswap.communicator", fmt::format("= '{}': expected in_process or nccl", name));
+  c.fail("shardswap.communicator", fmt::format("{:?}", name), "expected in_process or nccl");
 }
 
 DeviceKind device_of(const std::string& backend) {
@@ -49,7 +49,8 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   TrainConfig t;
   const auto positive = [&](std::string_view key, std::int64_t fallback, std::int64_t max) {
     const auto v = c.integer(key, fallback);
-    if (v < 1 || v > max) c.fail(key, fmt::format("= {} must lie in [1, {}]", v, max));
+    if (v < 1 || v > max)
+      c.fail(key, fmt::format("{}", v), fmt::format("must lie in [1, {}]", max));
     return v;
   };
   t.world_size = static_cast<int>(positive("world_size", 1, 1024));
@@ -61,7 +62,7 @@ TrainConfig train_config_from_json(ConfigReader& c) {
 
   const auto type = c.string("model.type", "byte_lm");
   if (type != "byte_lm")
-    c.fail("model.type", fmt::format("= '{}': the built-in model is byte_lm", type));
+    c.fail("model.type", fmt::format("{:?}", type), "the built-in model is byte_lm");
   t.model.context = static_cast<int>(positive("model.context", t.model.context, 1 << 12));
   t.model.width = static_cast<int>(positive("model.width", t.model.width, 1 << 16));
   t.model.hidden = static_cast<int>(positive("model.hidden", t.model.hidden, 1 << 18));
@@ -74,7 +75,7 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   try {
     ByteCorpus(t.data_path, t.model.context, t.val_fraction, t.seed);
   } catch (const ConfigError& e) {
-    throw ConfigError(fmt::format("config {}: {}", c.source(), e.what()));
+    c.rethrow_naming_file(e);  // "data.path = ...: what": add the file
   }
 
   t.log_interval = static_cast<int>(positive("logging.interval", 10, 1 << 30));
@@ -83,34 +84,40 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   t.timing = c.boolean("logging.timing", false);
 
   t.backend = c.string("shardswap.backend", "cpu");
-  if (t.backend != "cpu" && t.backend != "cuda" && t.backend.rfind("cuda:", 0) != 0)
-    c.fail("shardswap.backend", fmt::format("= '{}': expected cpu, cuda or cuda:N", t.backend));
+  // Checked by spelling only: whether the GPU exists is known when train() opens the backend, and
+  // `plan` must work for a GPU config on a machine without one.
+  const auto device_digits = t.backend.rfind("cuda:", 0) == 0 ? t.backend.substr(5) : "";
+  const bool cuda_n = !device_digits.empty() && device_digits.size() <= 4 &&
+                      device_digits.find_first_not_of("0123456789") == std::string::npos;
+  if (t.backend != "cpu" && t.backend != "cuda" && !cuda_n)
+    c.fail("shardswap.backend", fmt::format("{:?}", t.backend), "expected cpu, cuda or cuda:N");
   t.comm = comm_kind_from_name(c, c.string("shardswap.communicator", "in_process"));
   if (t.comm == CommKind::nccl && t.backend == "cpu")
-    c.fail("shardswap.communicator", "= nccl needs shardswap.backend = cuda");
+    c.fail("shardswap.communicator", "\"nccl\"", "needs shardswap.backend = \"cuda\"");
   constexpr double kMaxCommTimeoutS = 1e7;  // 115 days: anything longer is a mistake
   const double timeout_s = c.number("shardswap.comm_timeout_s", 0.0);
   if (!(timeout_s >= 0.0 && timeout_s <= kMaxCommTimeoutS))
-    c.fail("shardswap.comm_timeout_s",
-           fmt::format("= {} must lie in [0, {:g}] seconds (0 or absent waits forever)", timeout_s,
-                       kMaxCommTimeoutS));
+    c.fail(
+        "shardswap.comm_timeout_s", fmt::format("{}", timeout_s),
+        fmt::format("must lie in [0, {:g}] seconds (0 or absent waits forever)", kMaxCommTimeoutS));
   // Rounded up, so that a small positive timeout never becomes 0 (forever).
   t.comm_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(timeout_s * 1e3)));
 
   t.checkpoint.dir = c.string("checkpoint.dir", "");
   t.checkpoint.every = c.integer("checkpoint.every", 0);
-  if (t.checkpoint.every < 0) c.fail("checkpoint.every", "must be >= 0");
+  if (t.checkpoint.every < 0)
+    c.fail("checkpoint.every", fmt::format("{}", t.checkpoint.every), "must be >= 0 (steps)");
   if (t.checkpoint.every > 0 && t.checkpoint.dir.empty())
-    c.fail("checkpoint.every", "needs checkpoint.dir");
+    c.fail("checkpoint.every", fmt::format("{}", t.checkpoint.every), "needs checkpoint.dir");
   t.checkpoint.keep = static_cast<int>(positive("checkpoint.keep", 3, 1 << 20));
   t.checkpoint.load = c.string("checkpoint.load", "");
   if (t.checkpoint.load == "latest" && t.checkpoint.dir.empty())
-    c.fail("checkpoint.load", "= latest needs checkpoint.dir");
+    c.fail("checkpoint.load", "\"latest\"", "needs checkpoint.dir");
   if (!t.checkpoint.load.empty() && t.checkpoint.load != "latest") {
     try {
       read_checkpoint_metadata(t.checkpoint.load);  // checked now, before anything is written
     } catch (const ConfigError& e) {
-      c.fail("checkpoint.load", e.what());
+      c.fail("checkpoint.load", fmt::format("{:?}", t.checkpoint.load), e.what());
     }
   }
 
@@ -118,7 +125,7 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   try {
     LayerSchedule check(t.switching, byte_lm_groups(t.model));  // validates; allocates nothing
   } catch (const ConfigError& e) {
-    throw ConfigError(fmt::format("config {}: {}", c.source(), e.what()));
+    c.rethrow_naming_file(e);  // "layer_switching.KEY = ...: what": add the file
   }
   reject_unknown_keys(c, kShardSwapSections);
   t.source = c.json();
@@ -134,8 +141,8 @@ PlannedMemory plan_memory(const TrainConfig& config, int rank) {
   const LayerSchedule schedule(config.switching, byte_lm_groups(config.model));
   PlannedMemory p;
   p.engine = engine.plan(schedule.active_at(0));
-  p.activation = ByteLm::activation_bytes(config.model, config.batches.micro, config.engine.dtype,
-                                          device_of(config.backend));
+  p.activation = ByteLm::activation_bytes(config.model, config.batches.micro_samples,
+                                          config.engine.dtype, device_of(config.backend));
   return p;
 }
 
@@ -146,7 +153,8 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
       "plan: byte_lm, {} params, world size {}, ZeRO stage {}, {}, {}, micro-batch {}, "
       "backend {}\n",
       params, n, config.engine.stage, dtype_name(config.engine.dtype),
-      optimizer_type_name(config.engine.optimizer.type), config.batches.micro, config.backend);
+      optimizer_type_name(config.engine.optimizer.type), config.batches.micro_samples,
+      config.backend);
   const int shown = std::min(n, 8);
   std::vector<PlannedMemory> plans;
   for (int r = 0; r < n; ++r) plans.push_back(plan_memory(config, r));
@@ -187,7 +195,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   const LayerSchedule schedule(config.switching, byte_lm_groups(config.model));
   const PlannedMemory predicted = plan_memory(config, 0);
   const int world = config.world_size;
-  const int micro = config.batches.micro;
+  const int micro = config.batches.micro_samples;
   const int accumulation = config.batches.gradient_accumulation_steps;
   const double samples_per_step = static_cast<double>(micro) * accumulation * world;
 
@@ -224,12 +232,12 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           config.model.width, config.model.hidden, config.model.depth, world, backend.name(),
           config.comm == CommKind::nccl ? "nccl" : "in-process", config.engine.stage,
           dtype_name(config.engine.dtype), optimizer_type_name(config.engine.optimizer.type),
-          config.batches.train_batch, micro, accumulation, world, corpus.path(),
+          config.batches.train_samples, micro, accumulation, world, corpus.path(),
           corpus.train_size(), corpus.val_size());
       if (schedule.enabled())
         out.log << fmt::format("layer switching: {} every {} steps, policy {}; active now: {}\n",
-                               config.switching.type, config.switching.interval,
-                               deactivate_policy_name(schedule.policy()),
+                               switching_type_name(config.switching.type),
+                               config.switching.interval, deactivate_policy_name(schedule.policy()),
                                fmt::join(engine.active_groups(), ", "));
       if (out.report) *out.report << engine.memory_report();
       progress.emplace(out.log, ProgressOptions{.total_steps = config.steps,

@@ -1,6 +1,8 @@
 #!/bin/sh
-# Every class of bad input to `shardswap train` (and `plan`): exit code 2, a message naming the key
-# or the file, and nothing written (no metrics file). Usage: bad_input.sh SHARDSWAP CONFIGS_DIR
+# Every class of bad input to `shardswap train` (and `plan`): exit code 2, a message in the one
+# shape of config mistakes ("shardswap: FILE: KEY = VALUE: what" or "shardswap: FILE: KEY: what",
+# no C++ function names), and nothing written (no metrics file).
+# Usage: bad_input.sh SHARDSWAP CONFIGS_DIR
 set -u
 bin=$1
 config=$2/quickstart.json
@@ -24,6 +26,10 @@ expect() {
     *"$text"*) ;;
     *) echo "FAIL $name: message lacks '$text': $out"; failures=$((failures + 1)); return ;;
   esac
+  case "$out" in
+    *::*|*_from_name*)
+      echo "FAIL $name: message names C++ code: $out"; failures=$((failures + 1)); return ;;
+  esac
   if [ -e "$work/m.jsonl" ]; then
     echo "FAIL $name: the metrics file was written"; failures=$((failures + 1)); return
   fi
@@ -31,23 +37,43 @@ expect() {
 }
 
 printf '{\n  "steps": 3,\n  "world_size": 2,,\n}\n' > "$work/malformed.json"
-expect "malformed JSON (file, line and column)" "malformed.json:3:" --config "$work/malformed.json"
-expect "missing config file" "/nonexistent/run.json" --config /nonexistent/run.json
-expect "wrong type" "optimizer.params.lr" --config "$config" --set 'optimizer.params.lr="fast"'
-expect "negative size" "train_micro_batch_size_per_gpu" --config "$config" \
-  --set train_micro_batch_size_per_gpu=-4
-expect "zero size" "model.width" --config "$config" --set model.width=0
-expect "negative bucket" "zero_optimization.reduce_bucket_size" --config "$config" \
-  --set zero_optimization.reduce_bucket_size=-1
-expect "missing data file" "data.path" --config "$config" --set data.path=/nonexistent/corpus.txt
-expect "ZeRO stage 3" "not supported" --config "$config" --set zero_optimization.stage=3
-expect "batch sizes that do not multiply out" "train_batch_size" --config "$config" \
-  --set train_batch_size=1000
-expect "unknown key in model" "model.widht" --config "$config" --set model.widht=3
-expect "unknown key in logging" "logging.intervall" --config "$config" --set logging.intervall=3
-expect "unknown key in layer_switching" "layer_switching.gama" --config "$config" \
-  --set layer_switching.type=lisa --set 'layer_switching.layers=["layers.0","layers.1"]' \
-  --set layer_switching.gama=1
+expect "malformed JSON (file, line and column)" "shardswap: $work/malformed.json:3:" \
+  --config "$work/malformed.json"
+expect "missing config file" "shardswap: /nonexistent/run.json: cannot open the config file" \
+  --config /nonexistent/run.json
+expect "wrong type" "shardswap: $config: optimizer.params.lr = \"fast\": must be a number" \
+  --config "$config" --set 'optimizer.params.lr="fast"'
+expect "negative size" "shardswap: $config: train_micro_batch_size_per_gpu = -4: must be >= 1" \
+  --config "$config" --set train_micro_batch_size_per_gpu=-4
+expect "zero size" "shardswap: $config: model.width = 0: must lie in [1, " --config "$config" \
+  --set model.width=0
+expect "negative bucket" \
+  "shardswap: $config: zero_optimization.reduce_bucket_size = -1 elements: must be >= 1" \
+  --config "$config" --set zero_optimization.reduce_bucket_size=-1
+expect "missing data file" \
+  "shardswap: $config: data.path = \"/nonexistent/corpus.txt\": no such file" \
+  --config "$config" --set data.path=/nonexistent/corpus.txt
+expect "ZeRO stage 3" "shardswap: $config: zero_optimization.stage = 3: ZeRO-3" \
+  --config "$config" --set zero_optimization.stage=3
+expect "batch sizes that do not multiply out" "shardswap: $config: train_batch_size = 1000: " \
+  --config "$config" --set train_batch_size=1000
+expect "unknown optimizer" \
+  "shardswap: $config: optimizer.type = \"Adagrad\": unknown optimizer type" --config "$config" --set optimizer.type=Adagrad
+expect "unknown backend" "shardswap: $config: shardswap.backend = \"tpu\": expected cpu, cuda" \
+  --config "$config" --set shardswap.backend=tpu
+expect "unknown schedule type" \
+  "shardswap: $config: layer_switching.type = \"galore\": expected none, lisa, badam or explicit" \
+  --config "$config" --set layer_switching.type=galore
+expect "negative checkpoint interval" "shardswap: $config: checkpoint.every = -1: must be >= 0" \
+  --config "$config" --set checkpoint.every=-1
+expect "unknown key in model" "shardswap: $config: model.widht: not a key of ShardSwap's section" \
+  --config "$config" --set model.widht=3
+expect "unknown key in logging" \
+  "shardswap: $config: logging.intervall: not a key of ShardSwap's section logging (did you mean" \
+  --config "$config" --set logging.intervall=3
+expect "unknown key in layer_switching" "shardswap: $config: layer_switching.gama: not a key" \
+  --config "$config" --set layer_switching.type=lisa \
+  --set 'layer_switching.layers=["layers.0","layers.1"]' --set layer_switching.gama=1
 
 cases=$((cases + 1))
 out=$("$bin" plan --config "$config" --set model.depth=-1 2>&1)

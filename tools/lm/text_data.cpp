@@ -31,17 +31,16 @@ std::vector<std::uint8_t> read_file(const std::string& path) {
   std::error_code ec;
   const auto status = std::filesystem::status(path, ec);
   if (ec || !std::filesystem::exists(status))
-    throw ConfigError(fmt::format("ByteCorpus: data.path = '{}': no such file", path));
+    throw ConfigError(fmt::format("data.path = {:?}: no such file", path));
   if (!std::filesystem::is_regular_file(status))
-    throw ConfigError(fmt::format("ByteCorpus: data.path = '{}' is not a regular file", path));
+    throw ConfigError(fmt::format("data.path = {:?}: not a regular file", path));
   std::ifstream in(path, std::ios::binary);
   if (!in)
-    throw ConfigError(fmt::format("ByteCorpus: data.path = '{}' cannot be opened: {}", path,
-                                  std::strerror(errno)));
+    throw ConfigError(
+        fmt::format("data.path = {:?}: cannot be opened: {}", path, std::strerror(errno)));
   std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)),
                                   std::istreambuf_iterator<char>());
-  if (in.bad())
-    throw ConfigError(fmt::format("ByteCorpus: data.path = '{}' could not be read", path));
+  if (in.bad()) throw ConfigError(fmt::format("data.path = {:?}: could not be read", path));
   return bytes;
 }
 
@@ -51,18 +50,18 @@ ByteCorpus::ByteCorpus(const std::string& path, int context, double val_fraction
                        std::uint64_t seed)
     : path_(path), context_(context), seed_(seed) {
   if (context < 1)
-    throw ConfigError(fmt::format("ByteCorpus: context = {} must be at least 1", context));
+    throw ConfigError(fmt::format("model.context = {}: must be at least 1", context));
   if (!(val_fraction > 0.0 && val_fraction < 1.0))
-    throw ConfigError(
-        fmt::format("ByteCorpus: data.val_fraction = {} must be in (0, 1)", val_fraction));
+    throw ConfigError(fmt::format("data.val_fraction = {}: must be in (0, 1)", val_fraction));
   bytes_ = read_file(path);
   const auto total = static_cast<std::int64_t>(bytes_.size());
   const auto val = static_cast<std::int64_t>(std::floor(static_cast<double>(total) * val_fraction));
   train_size_ = total - val;
   if (train_size_ < context + 1 || val < context + 1)
     throw ConfigError(fmt::format(
-        "ByteCorpus: data.path = '{}' is too small: {} bytes split into {} for training and {} "
-        "for validation (data.val_fraction = {}); each needs at least context + 1 = {}",
+        "data.path = {:?}: too small: {} bytes split into {} bytes for training and {} bytes "
+        "for validation (data.val_fraction = {}); each needs at least model.context + 1 = {} "
+        "bytes",
         path, total, train_size_, val, val_fraction, context + 1));
 }
 

@@ -37,7 +37,8 @@ Backend cpu_backend();
 /// Every rank on CUDA `device` (in-process ranks share it). Throws BackendUnavailable in a build
 /// without CUDA, ConfigError if the device does not exist.
 Backend cuda_backend(int device = 0);
-/// "cpu" or "cuda" (= cuda:0) or "cuda:N". Throws ConfigError naming `key` otherwise.
+/// "cpu" or "cuda" (= cuda:0) or "cuda:N". Throws ConfigError "KEY = \"NAME\": what is wrong"
+/// otherwise, and for a CUDA device that does not exist.
 Backend backend_from_name(const std::string& name, const std::string& key);
 
 }  // namespace shardswap

@@ -8,11 +8,12 @@
 
 namespace shardswap {
 
+/// Batch sizes count samples, and the names say so (the JSON keys are DeepSpeed's).
 struct BatchSizes {
-  int micro = 32;  ///< train_micro_batch_size_per_gpu: samples per rank per micro-batch
+  int micro_samples = 32;  ///< train_micro_batch_size_per_gpu: samples per rank per micro-batch
   int gradient_accumulation_steps = 1;  ///< micro-batches per optimizer step
-  std::int64_t train_batch =
-      32;  ///< train_batch_size: samples per step, micro x accumulation x ranks
+  /// train_batch_size: samples per step, micro_samples x accumulation x ranks.
+  std::int64_t train_samples = 32;
 };
 
 /// Reads train_micro_batch_size_per_gpu, gradient_accumulation_steps and train_batch_size:

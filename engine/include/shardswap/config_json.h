@@ -26,14 +26,15 @@ inline const std::vector<std::string> kShardSwapSections = {
 /// allgather_bucket_size (elements, as in DeepSpeed, also written as floats: 5e8), overlap_comm,
 /// contiguous_gradients, reduce_scatter, allgather_partitions, round_robin_gradients} and
 /// shardswap.alignment_bytes; the accumulation steps come from `batches`. Validates the result.
-/// Throws ConfigError naming the key and the file; settings it accepts but cannot honour
+/// Throws ConfigError "FILE: KEY = VALUE: what is wrong" (ConfigReader's shape, also for the
+/// validators' errors, which it prefixes with the file); settings it accepts but cannot honour
 /// exactly are recorded as warnings in the reader.
 EngineConfig engine_config_from_json(ConfigReader& config, const BatchSizes& batches);
 
 /// Reads scheduler.{type, params}: WarmupLR, WarmupDecayLR, WarmupCosineLR with DeepSpeed's
 /// parameters and defaults, except that warmup_max_lr defaults to `optimizer_lr` (DeepSpeed:
 /// 0.001; a warning says so when they differ) and total_num_steps to the run's `steps`. No
-/// scheduler section: the constant `optimizer_lr`. Throws ConfigError naming the key and file.
+/// scheduler section: the constant `optimizer_lr`. Throws ConfigError "FILE: KEY = VALUE: what".
 LrSchedule lr_schedule_from_json(ConfigReader& config, double optimizer_lr);
 
 /// Every warning of the config, once all of it has been read, in one list for the caller to
@@ -41,10 +42,11 @@ LrSchedule lr_schedule_from_json(ConfigReader& config, double optimizer_lr);
 /// unread key: a known DeepSpeed key ShardSwap does not implement (a whole unread sub-object such
 /// as zero_optimization.offload_optimizer counts as one key) says what ShardSwap does instead;
 /// any other unread key is named as unknown, with the likely intended key when there is one.
-/// Each message starts "config FILE: KEY".
+/// Each message is "FILE: KEY: what" or "FILE: KEY = VALUE: what", as the errors are.
 std::vector<std::string> config_warnings(const ConfigReader& config);
 
-/// Throws one ConfigError naming every unread key inside `sections` (normally
+/// Throws one ConfigError with a line "FILE: KEY: not a key of ShardSwap's section S" for every
+/// unread key inside `sections` (normally
 /// kShardSwapSections), with the likely intended key when there is one; known DeepSpeed keys that
 /// share a section name (checkpoint.tag_validation, ...) are left to config_warnings. Call it
 /// after everything has been read.

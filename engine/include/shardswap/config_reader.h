@@ -1,5 +1,7 @@
 // Reads a JSON config by key path ("optimizer.params.lr", "layer_switching.schedule[2].step"), with
-// typed errors that name the key and the file, remembers which keys were read so unknown ones can
+// typed errors that name the key and the file in one shape, "FILE: KEY = VALUE: what is wrong"
+// (or "FILE: KEY: what is wrong" where no value is shown), so that every config mistake reads
+// alike whichever part of ShardSwap finds it; remembers which keys were read so unknown ones can
 // be reported, and collects the warnings of reading ("auto" values, accepted-but-ignored settings)
 // in one list for the caller to print.
 #pragma once
@@ -8,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <set>
 #include <string>
@@ -61,12 +64,30 @@ class ConfigReader {
   /// edits of it: the likely intended key of a misspelt one. Empty if none.
   std::optional<std::string> closest_read_key(std::string_view path) const;
   const std::string& source() const { return source_; }
+  /// The value at `path` as JSON text (strings in double quotes), as messages show it; nothing if
+  /// the key is absent.
+  std::optional<std::string> written(std::string_view path) const;
   /// The whole config as read (with the --set overrides applied).
   const nlohmann::json& json() const { return root_; }
-  [[noreturn]] void fail(std::string_view path, const std::string& why) const;
-  /// Records the warning "config SOURCE: PATH WHY". One warning per key: a second one for the
-  /// same path is dropped, so a caller may record a more specific warning before a getter's.
-  void warn(std::string_view path, const std::string& why);
+  /// Throws ConfigError "SOURCE: PATH: WHY": for a key whose value is not shown (missing, or a
+  /// whole section).
+  [[noreturn]] void fail(std::string_view path, std::string_view why) const;
+  /// Throws ConfigError "SOURCE: PATH = VALUE: WHY". `value` is shown as given: callers write
+  /// strings as JSON does ("lisa", in double quotes), so the message shows what the file holds.
+  [[noreturn]] void fail(std::string_view path, std::string_view value, std::string_view why) const;
+  /// fail(path, VALUE, why) with the value at `path` as written in the JSON.
+  [[noreturn]] void fail_value(std::string_view path, std::string_view why) const;
+  /// Rethrows `e`, whose message a validator below the reader wrote as "KEY = VALUE: what" (it
+  /// knows the key, not the file), as "SOURCE: KEY = VALUE: what"; a message that already starts
+  /// with the source is rethrown unchanged.
+  [[noreturn]] void rethrow_naming_file(const std::exception& e) const;
+  /// Records the warning "SOURCE: PATH: WHY". One warning per key: a second one for the same path
+  /// is dropped, so a caller may record a more specific warning before a getter's.
+  void warn(std::string_view path, std::string_view why);
+  /// Records the warning "SOURCE: PATH = VALUE: WHY" (one per key, as above).
+  void warn(std::string_view path, std::string_view value, std::string_view why);
+  /// "SOURCE: " + `message`: the prefix of every message about this config.
+  std::string naming_file(std::string_view message) const;
   /// The warnings recorded so far, in the order they were recorded.
   const std::vector<std::string>& warnings() const { return warnings_; }
 

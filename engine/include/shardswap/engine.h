@@ -59,7 +59,7 @@ enum class DeactivatePolicy {
   keep_host,    ///< moved to host memory, restored exactly on reactivation
   keep_device,  ///< left on the device, restored exactly on reactivation
 };
-/// "drop", "keep_host", "keep_device". Throws ConfigError naming `key` otherwise.
+/// "drop", "keep_host", "keep_device". Throws ConfigError "KEY = \"NAME\": expected ..." otherwise.
 DeactivatePolicy deactivate_policy_from_name(std::string_view name, std::string_view key);
 const char* deactivate_policy_name(DeactivatePolicy policy);
 

@@ -18,7 +18,7 @@ enum class NonFinitePolicy {
   skip,   ///< the step is not applied (weights, masters, optimizer state untouched), as fp16
   error,  ///< step() throws Error naming the step, after dropping the gradients
 };
-/// "skip", "error". Throws ConfigError naming `key` otherwise.
+/// "skip", "error". Throws ConfigError "KEY = \"NAME\": expected skip or error" otherwise.
 NonFinitePolicy nonfinite_policy_from_name(std::string_view name, std::string_view key);
 const char* nonfinite_policy_name(NonFinitePolicy policy);
 
@@ -54,7 +54,9 @@ struct EngineConfig {
   /// bf16 only (shardswap.nonfinite): skip the step or fail it when gradients are not finite.
   NonFinitePolicy nonfinite = NonFinitePolicy::skip;
 
-  /// Throws ConfigError naming the key (under `prefix`) of the first bad value.
+  /// Throws ConfigError "KEY = VALUE: what is wrong" for the first bad value, KEY being its JSON
+  /// key under `prefix` (zero_optimization.stage, shardswap.alignment_bytes, ...; dtype, which
+  /// the JSON gives as bf16.enabled / fp16.enabled, is named "dtype").
   void validate(std::string_view prefix = "") const;
 };
 

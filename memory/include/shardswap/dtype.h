@@ -32,7 +32,8 @@ constexpr bool is_bit16(DType t) {
 const char* dtype_name(DType t);
 
 /// Parses "fp32"/"float32", "fp64", "bf16"/"bfloat16", "fp16"/"float16"/"half".
-/// Throws ConfigError naming `what` (a config key or parameter) on anything else.
+/// Throws ConfigError "WHAT = \"NAME\": unknown dtype; ..." on anything else (`what`: a config
+/// key or parameter).
 DType dtype_from_name(std::string_view name, std::string_view what);
 
 /// The DType of a host C++ type, for View::data<T>(): float and double here; bf16 and fp16

@@ -8,7 +8,9 @@
 namespace shardswap {
 
 /// Base of every error ShardSwap throws. Messages start with the function they come from and
-/// name the config key, parameter, group, buffer or file involved.
+/// name the config key, parameter, group, buffer or file involved; a mistake in a config value
+/// instead reads "KEY = VALUE: what is wrong" (readers of a file add "FILE: " in front), the one
+/// shape CLI users see for every config mistake.
 class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

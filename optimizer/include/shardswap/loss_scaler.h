@@ -15,7 +15,8 @@ struct LossScaleConfig {
   int hysteresis = 2;              ///< overflows tolerated before the scale halves
   double min_scale = 1.0;          ///< the scale never goes below this
 
-  /// Throws ConfigError naming the key under `prefix` (e.g. "fp16.loss_scale_window") for a
+  /// Throws ConfigError "KEY = VALUE: must be ...", KEY under `prefix` (e.g.
+  /// "fp16.loss_scale_window"), for a
   /// scale <= 0 or not finite, window < 1, hysteresis < 1, min_scale <= 0.
   void validate(std::string_view prefix = "fp16") const;
 };

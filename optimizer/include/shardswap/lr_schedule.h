@@ -20,10 +20,11 @@ enum class LrScheduleType {
 enum class WarmupCurve { log, linear };
 
 /// "WarmupLR", "WarmupDecayLR", "WarmupCosineLR" (DeepSpeed's spelling, exact). Throws ConfigError
-/// naming `key` and the accepted names otherwise.
+/// "KEY = \"NAME\": ..." listing the accepted names otherwise.
 LrScheduleType lr_schedule_type_from_name(std::string_view name, std::string_view key);
 const char* lr_schedule_type_name(LrScheduleType type);
-/// "log" or "linear". Throws ConfigError naming `key` otherwise (DeepSpeed silently uses log).
+/// "log" or "linear". Throws ConfigError "KEY = \"NAME\": ..." otherwise (DeepSpeed silently
+/// uses log).
 WarmupCurve warmup_curve_from_name(std::string_view name, std::string_view key);
 
 struct LrSchedule {
@@ -49,7 +50,8 @@ struct LrSchedule {
   /// The effective warmup length, max(2, warmup_num_steps).
   std::int64_t warmup_iterations() const;
 
-  /// Throws ConfigError naming the key under `prefix` ("scheduler.params.warmup_max_lr") for: an
+  /// Throws ConfigError "KEY = VALUE: must be ...", KEY under `prefix`
+  /// ("scheduler.params.warmup_max_lr"), for: an
   /// lr or ratio negative or not finite, a ratio above 1, warmup_num_steps < 0, and for the
   /// decaying schedules total_num_steps < the effective warmup (WarmupDecayLR) or <= it
   /// (WarmupCosineLR; DeepSpeed divides by zero there).

@@ -8,7 +8,7 @@ namespace shardswap {
 
 enum class OptimizerType { adam, adamw, sgd };
 
-/// "Adam", "AdamW", "SGD" (case-insensitive). Throws ConfigError naming `key` otherwise.
+/// "Adam", "AdamW", "SGD" (case-insensitive). Throws ConfigError "KEY = \"NAME\": ..." otherwise.
 OptimizerType optimizer_type_from_name(std::string_view name, std::string_view key);
 const char* optimizer_type_name(OptimizerType type);
 
@@ -23,7 +23,8 @@ struct OptimizerConfig {
   double dampening = 0.0;     ///< SGD only
   bool nesterov = false;      ///< SGD only; needs momentum > 0 and dampening == 0
 
-  /// Throws ConfigError naming the key under `prefix` (e.g. "optimizer.params.lr") for: lr < 0
+  /// Throws ConfigError "KEY = VALUE: must be ...", KEY under `prefix` (e.g.
+  /// "optimizer.params.lr"), for: lr < 0
   /// or not finite, betas outside [0, 1), eps <= 0, weight_decay < 0, momentum < 0, dampening
   /// outside [0, 1], nesterov without momentum or with dampening.
   void validate(std::string_view prefix = "optimizer.params") const;
