@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "warning: %s\n", warning.c_str());
     // doc-snippet-end
     std::printf("stage %d, %s, lr %g, micro batch %d x %d accumulation, bucket %zu bytes, %lld steps\n",
-                config.stage, dtype_name(config.dtype), config.optimizer.lr, batches.micro,
+                config.stage, dtype_name(config.dtype), config.optimizer.lr, batches.micro_samples,
                 config.gradient_accumulation_steps, config.reduce_bucket_bytes,
                 static_cast<long long>(steps));
     return 0;
