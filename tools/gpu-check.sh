@@ -24,11 +24,11 @@ tail -2 "$OUT/build.log"
 
 step "CPU suite"
 # Drawing a plot needs gnuplot (tools/install-deps.sh installs it); a GPU machine that has no
-# package manager to reach skips the two tests that draw, and says so.
+# package manager to reach skips the three tests that draw ("plot draws"), and says so.
 skip=()
 if ! command -v gnuplot >/dev/null; then
-  echo "gnuplot not installed: the 'cli plot draws' tests are left out"
-  skip=(-E "cli plot draws")
+  echo "gnuplot not installed: the tests that draw a plot are left out"
+  skip=(-E "plot draws")
 fi
 ctest --test-dir build/cuda -LE gpu "${skip[@]}" -j 16 --output-on-failure > "$OUT/ctest-cpu.log" 2>&1 || status=1
 tail -3 "$OUT/ctest-cpu.log"
