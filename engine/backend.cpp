@@ -1,4 +1,5 @@
 #include "shardswap/backend.h"
+#include "memory/quoted.h"
 
 #include <fmt/format.h>
 
@@ -53,12 +54,12 @@ Backend backend_from_name(const std::string& name, const std::string& key) {
         const std::string_view what = e.what();
         const auto colon = what.find(": ");
         throw ConfigError(
-            fmt::format("{} = {:?}: {}", key, name,
+            fmt::format("{} = {}: {}", key, quote_value(name),
                         colon == std::string_view::npos ? what : what.substr(colon + 2)));
       }
     }
   }
-  throw ConfigError(fmt::format("{} = {:?}: expected cpu, cuda or cuda:N", key, name));
+  throw ConfigError(fmt::format("{} = {}: expected cpu, cuda or cuda:N", key, quote_value(name)));
 }
 
 const DeviceOps& device_ops(const Backend& backend) {

@@ -1,4 +1,5 @@
 #include "shardswap/engine_config.h"
+#include "memory/quoted.h"
 
 #include <fmt/format.h>
 
@@ -12,7 +13,7 @@ namespace shardswap {
 NonFinitePolicy nonfinite_policy_from_name(std::string_view name, std::string_view key) {
   if (name == "skip") return NonFinitePolicy::skip;
   if (name == "error") return NonFinitePolicy::error;
-  throw ConfigError(fmt::format("{} = {:?}: expected skip or error", key, name));
+  throw ConfigError(fmt::format("{} = {}: expected skip or error", key, quote_value(name)));
 }
 
 const char* nonfinite_policy_name(NonFinitePolicy policy) {
@@ -25,18 +26,17 @@ void EngineConfig::validate(std::string_view prefix) const {
   const auto fail = [&](std::string_view name, const std::string& value, std::string_view why) {
     throw ConfigError(fmt::format("{} = {}: {}", key(name), value, why));
   };
-  const auto quoted = [](const char* name) { return fmt::format("{:?}", name); };
-  if (stage != 1 && stage != 2)
+    if (stage != 1 && stage != 2)
     fail("zero_optimization.stage", fmt::format("{}", stage),
          "ShardSwap implements stages 1 and 2");
   if (!is_bit16(dtype))
-    fail("dtype", quoted(dtype_name(dtype)), "params and gradients must be bf16 or fp16");
+    fail("dtype", quote_value(dtype_name(dtype)), "params and gradients must be bf16 or fp16");
   const DType grads = grad_type(), comm = comm_type();
   if (grads != dtype && grads != DType::f32)
-    fail("data_types.grad_accum_dtype", quoted(dtype_name(grads)),
+    fail("data_types.grad_accum_dtype", quote_value(dtype_name(grads)),
          fmt::format("gradients are kept in the param type ({}) or fp32", dtype_name(dtype)));
   if (comm == DType::f64 || (is_bit16(grads) && comm != grads))
-    fail("communication_data_type", quoted(dtype_name(comm)),
+    fail("communication_data_type", quote_value(dtype_name(comm)),
          fmt::format("with {} gradients communication is in {}; compression to bf16/fp16 "
                      "needs fp32 gradients (data_types.grad_accum_dtype = fp32)",
                      dtype_name(grads), dtype_name(grads)));
@@ -58,7 +58,7 @@ void EngineConfig::validate(std::string_view prefix) const {
   if (!(gradient_clipping >= 0.0) || !std::isfinite(gradient_clipping))
     fail("gradient_clipping", fmt::format("{}", gradient_clipping), "must be finite and >= 0");
   if (dtype == DType::f16 && nonfinite != NonFinitePolicy::skip)
-    fail("shardswap.nonfinite", quoted(nonfinite_policy_name(nonfinite)),
+    fail("shardswap.nonfinite", quote_value(nonfinite_policy_name(nonfinite)),
          "applies to bf16 only: under fp16 Inf/NaN gradients are the loss scaler's overflow "
          "signal, and the step is always skipped");
   optimizer.validate(fmt::format("{}optimizer.params", prefix));

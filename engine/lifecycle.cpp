@@ -10,6 +10,7 @@
 #include <set>
 
 #include "engine/engine_impl.h"
+#include "memory/quoted.h"
 
 namespace shardswap {
 
@@ -17,7 +18,7 @@ DeactivatePolicy deactivate_policy_from_name(std::string_view name, std::string_
   if (name == "drop") return DeactivatePolicy::drop;
   if (name == "keep_host") return DeactivatePolicy::keep_host;
   if (name == "keep_device") return DeactivatePolicy::keep_device;
-  throw ConfigError(fmt::format("{} = {:?}: expected drop, keep_host or keep_device", key, name));
+  throw ConfigError(fmt::format("{} = {}: expected drop, keep_host or keep_device", key, quote_value(name)));
 }
 
 const char* deactivate_policy_name(DeactivatePolicy policy) {

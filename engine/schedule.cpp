@@ -10,6 +10,7 @@
 // - "explicit": schedule, and always_active, united with every entry. `layers` must be empty and
 //   lisa/badam refuse a non-empty `schedule`: a list that would be ignored is a mistake to name.
 #include "shardswap/schedule.h"
+#include "memory/quoted.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -93,11 +94,11 @@ void check_names(const std::vector<std::string>& names, const std::string& key,
                  const std::vector<std::string>& groups) {
   for (std::size_t i = 0; i < names.size(); ++i) {
     if (!is_group(groups, names[i]))
-      throw ConfigError(fmt::format("{}[{}] = {:?}: not a group of the model (groups: {})", key, i,
-                                    names[i], group_list(groups)));
+      throw ConfigError(fmt::format("{}[{}] = {}: not a group of the model (groups: {})", key, i,
+                                    quote_value(names[i]), group_list(groups)));
     const auto first = std::find(names.begin(), names.end(), names[i]) - names.begin();
     if (static_cast<std::size_t>(first) != i)
-      throw ConfigError(fmt::format("{}[{}] = {:?}: repeats {}[{}]", key, i, names[i],
+      throw ConfigError(fmt::format("{}[{}] = {}: repeats {}[{}]", key, i, quote_value(names[i]),
                                     key.substr(key.rfind('.') + 1), first));
   }
 }
@@ -146,7 +147,7 @@ void validate(const LayerSwitchingConfig& c, const std::vector<std::string>& gro
   const char* type = switching_type_name(c.type);
   if (!c.steps.empty())
     throw ConfigError(
-        fmt::format("layer_switching.schedule: only used by type \"explicit\", not {:?}", type));
+        fmt::format("layer_switching.schedule: only used by type \"explicit\", not {}", quote_value(type)));
   if (c.interval < 1)
     throw ConfigError(
         fmt::format("layer_switching.interval = {}: must be >= 1 (steps)", c.interval));
@@ -157,8 +158,8 @@ void validate(const LayerSwitchingConfig& c, const std::vector<std::string>& gro
   for (std::size_t i = 0; i < c.always_active.size(); ++i)
     if (is_group(c.layers, c.always_active[i]))
       throw ConfigError(
-          fmt::format("layer_switching.always_active[{}] = {:?}: also in layer_switching.layers", i,
-                      c.always_active[i]));
+          fmt::format("layer_switching.always_active[{}] = {}: also in layer_switching.layers", i,
+                      quote_value(c.always_active[i])));
   if (c.type == SwitchingType::lisa) {
     if (c.gamma < 1)
       throw ConfigError(fmt::format("layer_switching.gamma = {}: must be >= 1", c.gamma));
@@ -181,7 +182,7 @@ SwitchingType switching_type_from_name(std::string_view name, std::string_view k
   if (name == "lisa") return SwitchingType::lisa;
   if (name == "badam") return SwitchingType::badam;
   if (name == "explicit") return SwitchingType::explicit_list;
-  throw ConfigError(fmt::format("{} = {:?}: expected none, lisa, badam or explicit", key, name));
+  throw ConfigError(fmt::format("{} = {}: expected none, lisa, badam or explicit", key, quote_value(name)));
 }
 
 const char* switching_type_name(SwitchingType type) {
@@ -202,7 +203,7 @@ BlockOrder block_order_from_name(std::string_view name, std::string_view key) {
   if (name == "ascending") return BlockOrder::ascending;
   if (name == "descending") return BlockOrder::descending;
   if (name == "random") return BlockOrder::random;
-  throw ConfigError(fmt::format("{} = {:?}: expected ascending, descending or random", key, name));
+  throw ConfigError(fmt::format("{} = {}: expected ascending, descending or random", key, quote_value(name)));
 }
 
 const char* block_order_name(BlockOrder order) {

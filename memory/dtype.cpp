@@ -1,4 +1,5 @@
 #include "shardswap/dtype.h"
+#include "memory/quoted.h"
 
 #include <fmt/format.h>
 
@@ -32,7 +33,7 @@ DType dtype_from_name(std::string_view name, std::string_view what) {
   if (lower == "bf16" || lower == "bfloat16") return DType::bf16;
   if (lower == "fp16" || lower == "float16" || lower == "half") return DType::f16;
   throw ConfigError(
-      fmt::format("{} = {:?}: unknown dtype; expected fp32, fp64, bf16 or fp16", what, name));
+      fmt::format("{} = {}: unknown dtype; expected fp32, fp64, bf16 or fp16", what, quote_value(name)));
 }
 
 }  // namespace shardswap

@@ -1,6 +1,7 @@
 // The schedules' formulas, written from DeepSpeed's documented definitions (deepspeed.runtime.
 // lr_schedules): `iteration` below is DeepSpeed's last_batch_iteration.
 #include "shardswap/lr_schedule.h"
+#include "memory/quoted.h"
 
 #include <fmt/format.h>
 
@@ -36,9 +37,9 @@ LrScheduleType lr_schedule_type_from_name(std::string_view name, std::string_vie
   if (name == "WarmupCosineLR") return LrScheduleType::warmup_cosine;
   const bool deepspeed_only = name == "OneCycle" || name == "LRRangeTest";
   throw ConfigError(fmt::format(
-      "{} = {:?}: {}; ShardSwap implements WarmupLR, WarmupDecayLR and WarmupCosineLR (without "
+      "{} = {}: {}; ShardSwap implements WarmupLR, WarmupDecayLR and WarmupCosineLR (without "
       "a scheduler the lr is constant)",
-      key, name, deepspeed_only ? "a DeepSpeed schedule ShardSwap does not implement" : "unknown"));
+      key, quote_value(name), deepspeed_only ? "a DeepSpeed schedule ShardSwap does not implement" : "unknown"));
 }
 
 const char* lr_schedule_type_name(LrScheduleType type) {
@@ -58,7 +59,7 @@ const char* lr_schedule_type_name(LrScheduleType type) {
 WarmupCurve warmup_curve_from_name(std::string_view name, std::string_view key) {
   if (name == "log") return WarmupCurve::log;
   if (name == "linear") return WarmupCurve::linear;
-  throw ConfigError(fmt::format("{} = {:?}: unknown; expected \"log\" or \"linear\"", key, name));
+  throw ConfigError(fmt::format("{} = {}: unknown; expected \"log\" or \"linear\"", key, quote_value(name)));
 }
 
 std::int64_t LrSchedule::warmup_iterations() const {

@@ -1,6 +1,7 @@
 // Optimizer names, config validation and the backend-independent scalars (state slots, clipping,
 // the per-call scalars of the fused update).
 #include "optimizer/optimizer.h"
+#include "memory/quoted.h"
 #include "optimizer/kernel_checks.h"
 
 #include <fmt/format.h>
@@ -41,7 +42,7 @@ OptimizerType optimizer_type_from_name(std::string_view name, std::string_view k
   if (l == "adamw") return OptimizerType::adamw;
   if (l == "sgd") return OptimizerType::sgd;
   throw ConfigError(
-      fmt::format("{} = {:?}: unknown optimizer type; expected Adam, AdamW or SGD", key, name));
+      fmt::format("{} = {}: unknown optimizer type; expected Adam, AdamW or SGD", key, quote_value(name)));
 }
 
 const char* optimizer_type_name(OptimizerType type) {

@@ -1,4 +1,5 @@
 #include "tools/train.h"
+#include "memory/quoted.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -28,7 +29,7 @@ namespace {
 CommKind comm_kind_from_name(ConfigReader& c, const std::string& name) {
   if (name == "in_process") return CommKind::in_process;
   if (name == "nccl") return CommKind::nccl;
-  c.fail("shardswap.communicator", fmt::format("{:?}", name), "expected in_process or nccl");
+  c.fail("shardswap.communicator", quote_value(name), "expected in_process or nccl");
 }
 
 DeviceKind device_of(const std::string& backend) {
@@ -62,7 +63,7 @@ TrainConfig train_config_from_json(ConfigReader& c) {
 
   const auto type = c.string("model.type", "byte_lm");
   if (type != "byte_lm")
-    c.fail("model.type", fmt::format("{:?}", type), "the built-in model is byte_lm");
+    c.fail("model.type", quote_value(type), "the built-in model is byte_lm");
   t.model.context = static_cast<int>(positive("model.context", t.model.context, 1 << 12));
   t.model.width = static_cast<int>(positive("model.width", t.model.width, 1 << 16));
   t.model.hidden = static_cast<int>(positive("model.hidden", t.model.hidden, 1 << 18));
@@ -90,7 +91,7 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   const bool cuda_n = !device_digits.empty() && device_digits.size() <= 4 &&
                       device_digits.find_first_not_of("0123456789") == std::string::npos;
   if (t.backend != "cpu" && t.backend != "cuda" && !cuda_n)
-    c.fail("shardswap.backend", fmt::format("{:?}", t.backend), "expected cpu, cuda or cuda:N");
+    c.fail("shardswap.backend", quote_value(t.backend), "expected cpu, cuda or cuda:N");
   t.comm = comm_kind_from_name(c, c.string("shardswap.communicator", "in_process"));
   if (t.comm == CommKind::nccl && t.backend == "cpu")
     c.fail("shardswap.communicator", "\"nccl\"", "needs shardswap.backend = \"cuda\"");
@@ -117,7 +118,7 @@ TrainConfig train_config_from_json(ConfigReader& c) {
     try {
       read_checkpoint_metadata(t.checkpoint.load);  // checked now, before anything is written
     } catch (const ConfigError& e) {
-      c.fail("checkpoint.load", fmt::format("{:?}", t.checkpoint.load), e.what());
+      c.fail("checkpoint.load", quote_value(t.checkpoint.load), e.what());
     }
   }
 

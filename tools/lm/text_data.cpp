@@ -1,4 +1,5 @@
 #include "tools/lm/text_data.h"
+#include "memory/quoted.h"
 
 #include <fmt/format.h>
 
@@ -31,16 +32,16 @@ std::vector<std::uint8_t> read_file(const std::string& path) {
   std::error_code ec;
   const auto status = std::filesystem::status(path, ec);
   if (ec || !std::filesystem::exists(status))
-    throw ConfigError(fmt::format("data.path = {:?}: no such file", path));
+    throw ConfigError(fmt::format("data.path = {}: no such file", quote_value(path)));
   if (!std::filesystem::is_regular_file(status))
-    throw ConfigError(fmt::format("data.path = {:?}: not a regular file", path));
+    throw ConfigError(fmt::format("data.path = {}: not a regular file", quote_value(path)));
   std::ifstream in(path, std::ios::binary);
   if (!in)
     throw ConfigError(
-        fmt::format("data.path = {:?}: cannot be opened: {}", path, std::strerror(errno)));
+        fmt::format("data.path = {}: cannot be opened: {}", quote_value(path), std::strerror(errno)));
   std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)),
                                   std::istreambuf_iterator<char>());
-  if (in.bad()) throw ConfigError(fmt::format("data.path = {:?}: could not be read", path));
+  if (in.bad()) throw ConfigError(fmt::format("data.path = {}: could not be read", quote_value(path)));
   return bytes;
 }
 
@@ -59,10 +60,10 @@ ByteCorpus::ByteCorpus(const std::string& path, int context, double val_fraction
   train_size_ = total - val;
   if (train_size_ < context + 1 || val < context + 1)
     throw ConfigError(fmt::format(
-        "data.path = {:?}: too small: {} bytes split into {} bytes for training and {} bytes "
+        "data.path = {}: too small: {} bytes split into {} bytes for training and {} bytes "
         "for validation (data.val_fraction = {}); each needs at least model.context + 1 = {} "
         "bytes",
-        path, total, train_size_, val, val_fraction, context + 1));
+        quote_value(path), total, train_size_, val, val_fraction, context + 1));
 }
 
 void ByteCorpus::append(TokenBatch& batch, std::int64_t at) const {
