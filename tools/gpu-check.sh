@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (device tool): configure and build with its own cmake and nvcc, run
+# One run on a machine with an NVIDIA GPU: configure and build with its own cmake and nvcc, run
 # the CPU and GPU suites, compute-sanitizer memcheck over the GPU suite, the NCCL/MPI smoke check,
 # and the optimizer benchmark beside PyTorch's fused AdamW. Logs and JSON go under $OUT; a short
 # table is printed last.

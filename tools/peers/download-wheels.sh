@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetch, on this machine, the Python packages the peer benchmarks need on the GPU machine and
-# leave them as wheels in .whl/ (git-ignored), to travel with `carry: [".whl"]`.
+# leave them as wheels in .whl/ (git-ignored), to be copied with the tree to the GPU machine.
 #
 # The GPU machine (Python 3.12, manylinux x86_64) already has torch 2.11, numpy, safetensors,
 # einops, msgpack, ninja, packaging, psutil, py-cpuinfo and tqdm (KINDS.md's package list), so only
@@ -50,5 +50,5 @@ dups=$(ls "$dest" | sed 's/-[0-9].*//' | tr 'A-Z-' 'a-z_' | sort | uniq -d)
 ls -l "$dest"
 bytes=$(du -cb "$dest"/*.whl | tail -1 | cut -f1)
 limit=$((64 * 1024 * 1024))
-echo "total: $bytes bytes ($((bytes / 1024)) KiB) in $(ls "$dest" | wc -l) wheels; carry limit $limit"
-[ "$bytes" -lt "$limit" ] || { echo "download-wheels.sh: .whl exceeds the 64 MiB carry limit" >&2; exit 1; }
+echo "total: $bytes bytes ($((bytes / 1024)) KiB) in $(ls "$dest" | wc -l) wheels; limit $limit"
+[ "$bytes" -lt "$limit" ] || { echo "download-wheels.sh: .whl exceeds 64 MiB, more than we copy to the GPU machine" >&2; exit 1; }

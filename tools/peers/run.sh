@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The ONE device call of issue 7: ShardSwap beside DeepSpeed ZeRO-2 and PyTorch on the same GPU(s).
 #   bash tools/peers/run.sh [a] [b] [c] [d]     (no argument: all four workloads)
-# Needs .whl/ (bash tools/peers/download-wheels.sh here, then carry: [".whl"]). Builds the
+# Needs .whl/ (bash tools/peers/download-wheels.sh on a machine with network access, then the
+# folder copied here). Builds the
 # shardswap CLI into build/cuda if it is not there yet (only that target). Every workload runs in
 # its own process(es); each writes JSON lines to $OUT/peers.jsonl; the table is printed last and
 # written with machine, date, versions and commit to $OUT/peers.json. Exit status 1 when any row
@@ -36,7 +37,7 @@ run() {
 }
 
 step "wheels (offline, into /tmp/site)"
-ls .whl/*.whl >/dev/null 2>&1 || { echo "run.sh: no .whl/*.whl: run tools/peers/download-wheels.sh here and carry .whl" >&2; exit 1; }
+ls .whl/*.whl >/dev/null 2>&1 || { echo "run.sh: no .whl/*.whl: run tools/peers/download-wheels.sh and copy .whl here" >&2; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || { echo "run.sh: installing the carried wheels failed" >&2; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
