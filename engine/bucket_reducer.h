@@ -55,7 +55,6 @@ class BucketReducer final : public GradientReducer {
   void clear(std::vector<Group>& groups) override;
   std::string pending(const Group& g) const override;
   void forget_groups() override;
-  std::int64_t capacity() const { return capacity_; }
 
  private:
   /// Reduces the open bucket (if any) into the owners' partitions; its slots go stale. Throws

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 
-#include "engine/bucket_reducer.h"
 #include "shardswap/error.h"
 
 namespace shardswap {
@@ -116,17 +115,6 @@ std::string FullGradientReducer::pending(const Group& g) const {
       open += fmt::format("{}'{}'", open.empty() ? "" : ", ", slots_[i].name);
   if (!open.empty()) return fmt::format("grad_slot handed out without grad_ready: {}", open);
   return "accumulated since the last step";
-}
-
-std::unique_ptr<GradientReducer> make_gradient_reducer(const EngineConfig& config,
-                                                       Communicator& comm, MemorySpace& space,
-                                                       const DeviceOps& ops,
-                                                       std::int64_t capacity,
-                                                       std::size_t param_count) {
-  if (config.stage == 1)
-    return std::make_unique<FullGradientReducer>(config, comm, space, ops, capacity, param_count);
-  return std::make_unique<BucketReducer>(comm, space, ops, config.grad_type(), config.comm_type(),
-                                         capacity, config.overlap_comm);
 }
 
 }  // namespace shardswap
