@@ -2,11 +2,12 @@
 # Installs the Debian packages ShardSwap builds against, only those missing (idempotent).
 # pkg-config reads shardswap.pc in tools/consumer-check.sh.
 # gnuplot-nox draws `shardswap plot`; its CLI tests need it.
+# strace injects the kills of tools/kill_campaign.py at chosen system calls.
 # clang and libclang-rt-14-dev (ASan, UBSan, libFuzzer runtimes) build the fuzz targets (preset fuzz).
 set -euo pipefail
 packages=(build-essential cmake ninja-build libeigen3-dev libspdlog-dev libfmt-dev
           nlohmann-json3-dev catch2 libopenmpi-dev gnuplot-nox pkg-config
-          clang libclang-rt-14-dev)
+          clang libclang-rt-14-dev strace)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

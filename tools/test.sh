@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds ShardSwap (preset "default") and runs the whole test suite
-# and the consumer checks (tools/consumer-check.sh);
+# and the consumer checks (tools/consumer-check.sh), then the kill campaign (tools/kill_campaign.py);
 # then the reliability passes: the CPU suite again under ASan + UBSan (preset "asan", any report
 # fails its test), and the libFuzzer targets (preset "fuzz", clang): once over their committed
 # corpora (CTest), then for FUZZ_SECONDS (default 60) each from those corpora (tools/fuzz.sh).
@@ -13,6 +13,9 @@ cmake --build --preset default -j "$jobs"
 ctest --preset default -j "$jobs"
 # ShardSwap as other projects use it: installed (find_package, pkg-config) and add_subdirectory.
 bash tools/consumer-check.sh
+# Kills at random moments and at each rename, fsync, unlink and mkdir of the saves and prunes of a
+# small run, each followed by resumes until it finishes: bounded to KILL_SECONDS (default 240).
+python3 tools/kill_campaign.py build/default/tools/shardswap "${KILL_SECONDS:-240}"
 
 cmake --preset asan
 cmake --build --preset asan -j "$jobs"
