@@ -135,7 +135,7 @@ TEST_CASE("under warn, metrics lines that cannot be written are counted and the 
   std::ostringstream warnings;
   MetricsFile log(dir / "m.jsonl", {}, MetricsErrors::warn, warnings);
   log.begin(std::nullopt);
-  const std::int64_t steps = 60;
+  const std::int64_t steps = 200;  // about 20 KB of lines against the limit of 8 KiB
   {
     const FileSizeLimit limit(8192);
     for (std::int64_t step = 1; step <= steps; ++step) log.write(step, random_line(rng, step));
