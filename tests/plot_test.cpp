@@ -230,6 +230,67 @@ TEST_CASE("a malformed metrics line is refused naming the file and the line") {
   REQUIRE(test::contains(config_error(R"({"step": 1, "switch": true})"), "'switch'"));
 }
 
+TEST_CASE("a cut-off last line is skipped with a warning naming the file") {
+  for (std::uint64_t seed : {4, 5, 6}) {
+    const auto [text, e] = random_metrics(seed);
+    // The last line as a kill leaves it: cut anywhere before its end, no newline.
+    const auto last = text.rfind('\n', text.size() - 2) + 1;
+    std::mt19937_64 rng(seed);
+    const auto cut = last + std::uniform_int_distribution<std::size_t>(
+                                1, text.size() - last - 3)(rng);  // always invalid JSON
+    CAPTURE(seed, text.substr(last, cut - last));
+    std::istringstream in(text.substr(0, cut));
+    const auto s = read_metrics(in, "cut.jsonl");
+    REQUIRE(s.steps == std::vector<std::int64_t>(e.steps.begin(), e.steps.end() - 1));
+    REQUIRE(s.warnings.size() == 1);
+    REQUIRE(test::contains(s.warnings[0], "cut.jsonl line"));
+    REQUIRE(test::contains(s.warnings[0], "cut-off last line"));
+  }
+}
+
+TEST_CASE("a malformed line is still refused when it ends in a newline or is not the last") {
+  const std::string good = R"({"step": 1, "loss": 0.5})";
+  REQUIRE(test::contains(config_error(good + "\n{\"step\": 2, \"lo\n"), "bad.jsonl line 2"));
+  REQUIRE(test::contains(config_error(good + "\n{\"step\": 2, \"lo\n" + good),
+                         "bad.jsonl line 2"));
+  // A complete last line of the wrong shape is no cut-off write: refused too.
+  REQUIRE(test::contains(config_error(good + "\n{\"loss\": 1}"), "bad.jsonl line 2"));
+}
+
+TEST_CASE("a resume line drops the earlier lines beyond its step, leaving one curve") {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> loss(0.1, 5.0);
+  const std::int64_t resumed = 40, first_end = 57, last = 90;
+  std::string text;
+  std::vector<double> expected;
+  for (std::int64_t step = 1; step <= first_end; ++step) {  // a run that stopped at first_end
+    const double v = loss(rng);
+    text += nlohmann::json{{"step", step}, {"loss", v}}.dump() + "\n";
+    if (step <= resumed) expected.push_back(v);
+  }
+  text += R"({"resumed": {"step": 40, "checkpoint": "ck/step-00000040"}})" "\n";
+  for (std::int64_t step = resumed + 1; step <= last; ++step) {  // the same steps, redone
+    const double v = loss(rng);
+    text += nlohmann::json{{"step", step}, {"loss", v}, {"val_loss", v}}.dump() + "\n";
+    expected.push_back(v);
+  }
+  std::istringstream in(text);
+  const auto s = read_metrics(in, "resumed.jsonl");
+  std::vector<std::int64_t> steps(last);
+  for (std::int64_t i = 0; i < last; ++i) steps[static_cast<std::size_t>(i)] = i + 1;
+  REQUIRE(s.steps == steps);
+  REQUIRE(s.loss == expected);
+  REQUIRE(s.val_loss.size() == static_cast<std::size_t>(last - resumed));
+  REQUIRE(s.resume_steps == std::vector<std::int64_t>{resumed});
+  REQUIRE(s.warnings.empty());
+}
+
+TEST_CASE("a resume line without an integer step is refused naming the line") {
+  REQUIRE(test::contains(config_error("{\"step\": 1}\n{\"resumed\": {\"step\": \"x\"}}\n"),
+                         "bad.jsonl line 2: 'resumed'"));
+  REQUIRE(test::contains(config_error("{\"resumed\": 3}\n"), "bad.jsonl line 1: 'resumed'"));
+}
+
 TEST_CASE("a missing, unreadable or empty metrics file is refused naming it") {
   ScratchFolder dir(kScratchPrefix);
   const auto missing = (dir / "missing.jsonl").string();

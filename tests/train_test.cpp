@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -16,6 +17,7 @@
 #include "shardswap/config_json.h"
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
+#include "tools/metrics_log.h"
 #include "tools/train.h"
 
 using namespace shardswap;
@@ -44,7 +46,9 @@ std::string config_error(nlohmann::json j) {
 }
 
 TrainSummary run(const TrainConfig& config, std::ostringstream& log, std::ostringstream* metrics) {
-  return train(config, TrainOutput{log, metrics});
+  std::optional<MetricsStream> lines;
+  if (metrics) lines.emplace(*metrics);
+  return train(config, TrainOutput{log, lines ? &*lines : nullptr});
 }
 
 /// A metrics text with its timings (tokens_per_s, step_seconds, a switch's seconds) removed:

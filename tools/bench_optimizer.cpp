@@ -12,9 +12,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,6 +23,7 @@
 #include "shardswap/error.h"
 #include "memory/host_types.h"
 #include "optimizer/optimizer.h"
+#include "tools/output_file.h"
 
 namespace shardswap {
 
@@ -303,12 +304,8 @@ int bench_optimizer(const std::vector<std::string>& args, std::ostream& out) {
   const DeviceOps& k = cuda ? cuda_device_ops() : cpu_device_ops();
   const std::unique_ptr<Allocator> a = cuda ? make_cuda_allocator(0) : make_host_allocator();
 
-  std::ofstream json_file;
-  if (!o.json.empty()) {
-    json_file.open(o.json);
-    if (!json_file)
-      throw ConfigError(fmt::format("bench_optimizer: --json: cannot write '{}'", o.json));
-  }
+  std::optional<OutputFile> json_file;  // checked before the benchmark runs
+  if (!o.json.empty()) json_file.emplace("--json", o.json);
 
   out << fmt::format(
       "bench optimizer: backend {} ({}), median of {} iterations after {} warm-up\n"
@@ -357,7 +354,7 @@ int bench_optimizer(const std::vector<std::string>& args, std::ostream& out) {
                     {"param_mismatches", row.param_mismatches}});
   }
 
-  if (json_file.is_open()) {
+  if (json_file) {
     const nlohmann::json doc = {{"benchmark", "optimizer"},
                                 {"backend", k.name},
                                 {"device", a->name()},
@@ -369,7 +366,8 @@ int bench_optimizer(const std::vector<std::string>& args, std::ostream& out) {
                                 {"param_dtype", "bf16"},
                                 {"grad_dtype", "bf16"},
                                 {"rows", rows}};
-    json_file << doc.dump(2) << "\n";
+    json_file->write(doc.dump(2) + "\n");
+    json_file->commit();
   }
   return all_pass ? 0 : 1;
 }

@@ -23,14 +23,15 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "engine/backend_ops.h"
 #include "shardswap/backend.h"
 #include "shardswap/engine.h"
 #include "shardswap/error.h"
+#include "tools/output_file.h"
 
 namespace shardswap {
 
@@ -205,6 +206,8 @@ double copy_bandwidth(MemorySpace& space, const DeviceOps& k) {
 int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
   const Options o = parse(args);
   const Backend backend = backend_from_name(o.backend, "--backend");
+  std::optional<OutputFile> json_file;  // checked before the benchmark runs
+  if (!o.json.empty()) json_file.emplace("--json", o.json);
   nlohmann::json rows = nlohmann::json::array();
   bool all_pass = true;
   run_ranks(
@@ -322,10 +325,10 @@ int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
         }
       },
       backend);
-  if (!o.json.empty()) {
-    std::ofstream f(o.json);
-    if (!f) throw ConfigError(fmt::format("bench_switch: --json: cannot write '{}'", o.json));
-    f << nlohmann::json{{"layers", o.layers}, {"dim", o.dim}, {"rows", rows}}.dump(2) << "\n";
+  if (json_file) {
+    json_file->write(
+        nlohmann::json{{"layers", o.layers}, {"dim", o.dim}, {"rows", rows}}.dump(2) + "\n");
+    json_file->commit();
   }
   return all_pass ? 0 : 1;
 }

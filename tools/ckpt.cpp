@@ -33,7 +33,7 @@ const char* safetensors_dtype(DType t) {
 
 }  // namespace
 
-void write_safetensors(const std::vector<CheckpointTensor>& tensors, const fs::path& out,
+void write_safetensors(const std::vector<CheckpointTensor>& tensors, OutputFile& out,
                        const std::map<std::string, std::string>& metadata) {
   json header = json::object();
   std::int64_t offset = 0;
@@ -45,21 +45,18 @@ void write_safetensors(const std::vector<CheckpointTensor>& tensors, const fs::p
     offset += bytes;
   }
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::string text = header.dump();
+  std::string text = header.dump(-1, ' ', false, json::error_handler_t::replace);
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
   const std::uint64_t length = text.size();
-  const fs::path tmp = out.string() + ".tmp";
   try {
-    auto file = open_checkpoint_file(tmp);
-    file->write(&length, sizeof length);  // little-endian: checkpoint.cpp asserts the host is
-    file->write(text.data(), text.size());
-    for (const auto& t : tensors) file->write(t.data.data(), t.data.size());
-    file->commit();
-    fs::rename(tmp, out);
+    out.write(&length, sizeof length);  // little-endian: checkpoint.cpp asserts the host is
+    out.write(text);
+    for (const auto& t : tensors) out.write(t.data.data(), t.data.size());
+    out.commit();
+  } catch (const ConfigError&) {
+    throw;  // the target was refused at the last check: its message says why
   } catch (const std::exception& e) {
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    throw Error(fmt::format("write_safetensors: '{}': {}", out.string(), e.what()));
+    throw Error(fmt::format("write_safetensors: {}", e.what()));
   }
 }
 
@@ -144,6 +141,8 @@ int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
   }
   if (dir.empty()) throw usage("export needs a checkpoint directory");
   if (file.empty()) throw usage("export needs --out FILE");
+  // Checked before the checkpoint is read: a refused --out costs nothing and changes nothing.
+  OutputFile target("--out", file, checkpoint_inputs(dir));
   const json meta = read_checkpoint_metadata(dir);
   const auto tensors = read_checkpoint_tensors(dir, master);
   std::map<std::string, std::string> metadata = {
@@ -152,7 +151,7 @@ int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
       {"weights", master ? "fp32 master" : "bit16"},
       {"shardswap_version", meta.at("shardswap_version").get<std::string>()}};
   if (meta.at("extra").contains("step")) metadata["step"] = meta.at("extra").at("step").dump();
-  write_safetensors(tensors, file, metadata);
+  write_safetensors(tensors, target, metadata);
   std::uint64_t bytes = 0;
   for (const auto& t : tensors) bytes += t.data.size();
   out << fmt::format("wrote {}: {} tensors, {} bytes of {} data\n", file, tensors.size(), bytes,

@@ -3,9 +3,10 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <fstream>
+#include <filesystem>
 #include <functional>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -14,11 +15,14 @@
 
 #include <cstdio>
 
+#include "shardswap/checkpoint.h"
 #include "shardswap/config_json.h"
 #include "shardswap/error.h"
 #include "tools/bench_optimizer.h"
 #include "tools/bench_switch.h"
 #include "tools/ckpt.h"
+#include "tools/metrics_log.h"
+#include "tools/output_file.h"
 #include "tools/plot.h"
 #include "tools/progress.h"
 #include "tools/train.h"
@@ -26,13 +30,17 @@
 namespace {
 
 constexpr const char* kUsage = R"(usage:
-  shardswap train --config FILE [--metrics FILE] [--set key.path=value]... [--memory-report]
+  shardswap train --config FILE [--metrics FILE [--metrics-errors=fail|warn]]
+                  [--set key.path=value]... [--memory-report]
   shardswap plan --config FILE [--set key.path=value]...
 
   shardswap bench optimizer [--backend cpu|cuda] [--sizes 64M,256M,1G] [--iters N] [--json FILE]
 
   train   runs the built-in model with the JSON config FILE (see docs/config.md)
-          --metrics FILE     one JSON object per step
+          --metrics FILE     one JSON object per step (appended to on a resume)
+          --metrics-errors=fail|warn
+                             a metrics line that cannot be written stops the run (fail, the
+                             default), or is counted and reported at the end (warn)
           --set k.path=v     overrides a config key (v is JSON, or a bare string)
           --memory-report    prints rank 0's buffers and their holders after build
   plan    prints the bytes every rank will hold, by tag, before anything is allocated
@@ -103,32 +111,59 @@ shardswap::TrainConfig load_config(const ConfigArgs& args) {
   return config;
 }
 
+shardswap::MetricsErrors metrics_errors_from(const std::string& value) {
+  if (value == "fail") return shardswap::MetricsErrors::fail;
+  if (value == "warn") return shardswap::MetricsErrors::warn;
+  throw BadUsage(fmt::format("--metrics-errors '{}': expected fail or warn", value));
+}
+
+// What a train run reads, which its metrics file must never replace.
+std::vector<shardswap::InputFile> train_inputs(const ConfigArgs& args,
+                                               const shardswap::TrainConfig& config) {
+  std::vector<shardswap::InputFile> inputs = {{"the config file", args.path},
+                                              {"the data file", config.data_path}};
+  std::filesystem::path checkpoint = config.checkpoint.load;
+  if (config.checkpoint.load == "latest") {
+    const auto found = shardswap::list_checkpoints(config.checkpoint.dir);
+    checkpoint = found.empty() ? std::filesystem::path() : found.back();
+  }
+  if (!checkpoint.empty())
+    for (auto& input : shardswap::checkpoint_inputs(checkpoint)) inputs.push_back(input);
+  return inputs;
+}
+
 int train_command(const std::vector<std::string>& args) {
   std::string metrics_path;
+  std::optional<shardswap::MetricsErrors> metrics_errors;
   bool memory_report = false;
   const auto config_args =
       ConfigArgs::parse(args, [&](const std::string& flag, const ConfigArgs::TakeValue& value) {
         if (flag == "--metrics")
           metrics_path = value();
+        else if (flag == "--metrics-errors")
+          metrics_errors = metrics_errors_from(value());
+        else if (flag.starts_with("--metrics-errors="))
+          metrics_errors = metrics_errors_from(flag.substr(flag.find('=') + 1));
         else if (flag == "--memory-report")
           memory_report = true;
         else
           return false;
         return true;
       });
+  if (metrics_errors && metrics_path.empty())
+    throw BadUsage("--metrics-errors needs --metrics FILE");
   // Everything is checked before anything is written: a refused config leaves no metrics file.
   const auto config = load_config(config_args);
-  std::ofstream metrics;
-  if (!metrics_path.empty()) {
-    metrics.open(metrics_path);
-    if (!metrics)
-      throw shardswap::ConfigError(fmt::format("--metrics: cannot write '{}'", metrics_path));
-  }
+  std::optional<shardswap::MetricsFile> metrics;
+  if (!metrics_path.empty())
+    metrics.emplace(metrics_path, train_inputs(config_args, config),
+                    metrics_errors.value_or(shardswap::MetricsErrors::fail), std::cerr);
   const bool terminal = isatty(fileno(stdout)) != 0;
-  const shardswap::TrainOutput out{std::cout, metrics_path.empty() ? nullptr : &metrics,
+  const shardswap::TrainOutput out{std::cout, metrics ? &*metrics : nullptr,
                                    memory_report ? &std::cout : nullptr, terminal,
                                    terminal ? shardswap::terminal_columns(fileno(stdout)) : 0};
   const auto summary = shardswap::train(config, out);
+  if (metrics) metrics->finish();
   std::cout << fmt::format(
       "done: {} steps, {} skipped, {} switches; loss {:.4f} -> {:.4f}; validation loss {:.4f} -> "
       "{:.4f}; {:.0f} tokens/s; rank 0 peak {:.2f} MiB, predicted {:.2f} MiB\n",

@@ -15,12 +15,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <limits>
 #include <map>
 #include <optional>
 #include <sstream>
 
 #include "shardswap/stats.h"
+#include "tools/output_file.h"
 
 extern char** environ;
 
@@ -95,25 +97,54 @@ struct MemoryColumns {
 
 MetricsSeries read_metrics(std::istream& in, const std::string& source) {
   MetricsSeries s;
-  MemoryColumns memory;
+  // The lines that count, parsed, with where they came from: a resume line drops the lines it
+  // supersedes before any is drawn.
+  std::vector<std::pair<nlohmann::json, std::string>> lines;
   std::string text;
   for (std::int64_t number = 1; std::getline(in, text); ++number) {
+    // getline stops at the end of the input without a '\n' only on the last line: a line whose
+    // write a kill cut short, if it does not parse.
+    const bool unterminated = in.eof();
     if (std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isspace(c); }))
       continue;
-    const std::string where = fmt::format("{} line {}", source, number);
+    std::string where = fmt::format("{} line {}", source, number);
     nlohmann::json line;
     try {
       line = nlohmann::json::parse(text);
     } catch (const nlohmann::json::parse_error& e) {
+      if (unterminated) {
+        s.warnings.push_back(fmt::format(
+            "plot: {}: a cut-off last line (no newline, not valid JSON) skipped", where));
+        break;
+      }
       throw ConfigError(fmt::format("plot: {}: not valid JSON ({})", where, e.what()));
     }
     if (!line.is_object())
       throw ConfigError(
           fmt::format("plot: {}: expected a JSON object, got {}", where, line.type_name()));
+    if (const auto resumed = line.find("resumed"); resumed != line.end()) {
+      const auto at = resumed->is_object() ? resumed->find("step") : resumed->end();
+      if (at == resumed->end() || !at->is_number_integer())
+        throw ConfigError(
+            fmt::format("plot: {}: 'resumed' must be an object with an integer 'step'", where));
+      // The run went on from this step: what an earlier run logged after it is superseded.
+      const auto step = at->get<std::int64_t>();
+      std::erase_if(lines, [&](const auto& l) {
+        return l.first.at("step").template get<std::int64_t>() > step;
+      });
+      s.resume_steps.push_back(step);
+      continue;
+    }
     const auto step = line.find("step");
     if (step == line.end() || !step->is_number_integer())
       throw ConfigError(fmt::format("plot: {}: 'step' must be an integer", where));
-    s.steps.push_back(step->get<std::int64_t>());
+    lines.emplace_back(std::move(line), std::move(where));
+  }
+  if (in.bad()) throw ConfigError(fmt::format("plot: cannot read metrics file '{}'", source));
+
+  MemoryColumns memory;
+  for (const auto& [line, where] : lines) {
+    s.steps.push_back(line.at("step").get<std::int64_t>());
     s.loss.push_back(number_at(line, "loss", where).value_or(kNaN));
     if (const auto v = number_at(line, "val_loss", where))
       s.val_loss.emplace_back(s.steps.back(), *v);
@@ -133,7 +164,6 @@ MetricsSeries read_metrics(std::istream& in, const std::string& source) {
       s.switch_steps.push_back(s.steps.back());
     }
   }
-  if (in.bad()) throw ConfigError(fmt::format("plot: cannot read metrics file '{}'", source));
   if (s.steps.empty())
     throw ConfigError(fmt::format("plot: metrics file '{}' holds no step", source));
   s.memory = memory.series();
@@ -378,16 +408,7 @@ int run_program(const std::vector<std::string>& argv, const fs::path& log) {
 void plot_metrics(const MetricsSeries& series, const std::string& out_path,
                   const PlotOptions& options) {
   const PlotFormat format = plot_format(out_path);
-  const fs::path out = fs::absolute(out_path);
-  std::error_code ec;
-  if (!fs::is_directory(out.parent_path(), ec))
-    throw ConfigError(fmt::format("plot: --out '{}': the folder '{}' does not exist", out_path,
-                                  out.parent_path().string()));
-  if (access(out.parent_path().c_str(), W_OK | X_OK) != 0)
-    throw ConfigError(fmt::format("plot: --out '{}': cannot write into the folder '{}': {}",
-                                  out_path, out.parent_path().string(), std::strerror(errno)));
-  if (fs::is_directory(out, ec))
-    throw ConfigError(fmt::format("plot: --out '{}' is a directory", out_path));
+  OutputFile out("--out", out_path, options.inputs);
 
   const TempFolder temp;
   write_plot_data(series, temp.path().string());
@@ -398,16 +419,8 @@ void plot_metrics(const MetricsSeries& series, const std::string& out_path,
     f.close();
     if (!f) throw Error(fmt::format("plot: cannot write '{}'", script.string()));
   }
-  // Beside the output, so that the final rename stays on one file system and is atomic.
-  const fs::path partial = out.string() + fmt::format(".{}.partial", getpid());
-  struct RemoveUnlessRenamed {
-    const fs::path& path;
-    ~RemoveUnlessRenamed() {
-      std::error_code ignored;
-      fs::remove(path, ignored);
-    }
-  } cleanup{partial};
-
+  // gnuplot draws into the temporary beside the output, renamed over it only once it succeeded.
+  const fs::path partial = out.temporary();
   const auto log = temp.path() / "gnuplot.log";
   const int status = run_program({options.gnuplot, "-c", script.string(), partial.string(),
                                   temp.path().string(), options.title},
@@ -419,13 +432,11 @@ void plot_metrics(const MetricsSeries& series, const std::string& out_path,
     throw Error(fmt::format("plot: {} {} drawing '{}':\n{}", options.gnuplot, how, out_path,
                             tail_of_file(log, 2000)));
   }
+  std::error_code ec;
   if (!fs::is_regular_file(partial, ec) || fs::file_size(partial, ec) == 0)
     throw Error(fmt::format("plot: {} exited 0 but wrote nothing for '{}':\n{}", options.gnuplot,
                             out_path, tail_of_file(log, 2000)));
-  fs::rename(partial, out, ec);
-  if (ec)
-    throw Error(fmt::format("plot: cannot rename '{}' to '{}': {}", partial.string(), out_path,
-                            ec.message()));
+  out.commit();
 }
 
 int plot_command(const std::vector<std::string>& args, std::ostream& out) {
@@ -446,8 +457,12 @@ int plot_command(const std::vector<std::string>& args, std::ostream& out) {
   if (metrics.empty()) throw ConfigError("plot: needs a METRICS file (shardswap train --metrics)");
   if (out_path.empty()) throw ConfigError("plot: needs --out FILE.png or --out FILE.svg");
   plot_format(out_path);  // a bad --out is named before the metrics are read
-  const auto series = read_metrics_file(metrics);
   PlotOptions options;
+  options.inputs = {{"the metrics file", metrics}};
+  check_output_path("--out", out_path, options.inputs);
+  const auto series = read_metrics_file(metrics);
+  for (const auto& warning : series.warnings)
+    std::cerr << "shardswap: warning: " << warning << "\n";
   options.title = fmt::format("shardswap plot: {}", fs::path(metrics).filename().string());
   plot_metrics(series, out_path, options);
   out << fmt::format("plot: wrote {} ({} steps, {} layer switches)\n", out_path,

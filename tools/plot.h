@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "shardswap/error.h"
+#include "tools/output_file.h"
 
 namespace shardswap {
 
@@ -34,12 +35,17 @@ struct MetricsSeries {
   /// numeric keys of memory_bytes as first seen), then "total" if present. "peak" is left out.
   std::vector<MemorySeries> memory;
   std::vector<std::int64_t> switch_steps;  ///< lines with a "switch" object
+  std::vector<std::int64_t> resume_steps;  ///< the steps of resume lines, in file order
+  std::vector<std::string> warnings;       ///< what was skipped (a cut-off last line), per line
 };
 
 /// Reads JSON lines (one object per step; blank lines skipped). Only "step" is required; missing
-/// optional keys and unknown keys are fine. Throws ConfigError naming `source` and the line for a
-/// line that is not a JSON object, lacks an integer "step", or has a known key of the wrong type;
-/// and for a file with no step at all.
+/// optional keys and unknown keys are fine. A resume line ({"resumed": {"step": R, ...}}, written
+/// by a resumed run) drops the lines before it with a step beyond R: the run went on from R, so
+/// the series is one curve. A last line without a newline that is not valid JSON (a write cut
+/// short by a kill) is skipped with a warning in `warnings`. Throws ConfigError naming `source`
+/// and the line for any other line that is not a JSON object, lacks an integer "step", or has a
+/// known key of the wrong type; and for a file with no step at all.
 MetricsSeries read_metrics(std::istream& in, const std::string& source);
 /// read_metrics of a file; ConfigError naming it if it cannot be read.
 MetricsSeries read_metrics_file(const std::string& path);
@@ -60,13 +66,15 @@ void write_plot_data(const MetricsSeries& series, const std::string& folder);
 struct PlotOptions {
   std::string gnuplot = "gnuplot";  ///< the program, looked up on PATH
   std::string title;                ///< above both panels
+  std::vector<InputFile> inputs;    ///< files the output must never replace (the metrics file)
 };
 
-/// Draws `series` into `out_path` (its format by extension). The data and the script go to a
-/// temporary folder, gnuplot draws into a temporary file beside `out_path` that is renamed to it
-/// only once gnuplot succeeded and the file exists: nothing is ever half-written. Throws
-/// ConfigError (bad --out), ToolNotFound (no gnuplot) or Error (gnuplot failed; its output is in
-/// the message).
+/// Draws `series` into `out_path` (its format by extension), an OutputFile: checked first (absent
+/// or a regular file, no checkpoint's, none of options.inputs), then gnuplot draws into its
+/// temporary beside `out_path`, which is renamed over it only once gnuplot succeeded and the file
+/// exists: nothing is ever half-written. The data and the script go to a temporary folder.
+/// Throws ConfigError (bad or refused --out), ToolNotFound (no gnuplot) or Error (gnuplot failed;
+/// its output is in the message).
 void plot_metrics(const MetricsSeries& series, const std::string& out_path,
                   const PlotOptions& options = {});
 

@@ -29,6 +29,8 @@ def lines(name):
     out = []
     for line in open(f"{work}/{name}"):
         m = json.loads(line)
+        if "resumed" in m:  # the resumed run's first line: where it resumed, no step
+            continue
         # Timings, and the driver's free/total device memory: figures of the process (a resumed
         # process logs them at its first step, and its CUDA context holds other bytes than the
         # straight one's), not of the training state this check compares.

@@ -20,6 +20,7 @@
 #include "shardswap/config_json.h"
 #include "shardswap/error.h"
 #include "tools/lm/text_data.h"
+#include "tools/metrics_log.h"
 #include "tools/progress.h"
 
 namespace shardswap {
@@ -288,6 +289,12 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     } else if (config.checkpoint.load == "latest") {
       say(fmt::format("no checkpoint under {} yet: starting at step 0", config.checkpoint.dir));
     }
+    if (rank == 0 && out.metrics) {  // before the first step's line: a resume appends
+      std::lock_guard lock(mu);
+      out.metrics->begin(resume_from.empty()
+                             ? std::nullopt
+                             : std::optional<ResumePoint>(ResumePoint{start, resume_from}));
+    }
     double interval_loss = 0.0, timed_seconds = 0.0, model_seconds = 0.0, engine_seconds = 0.0;
     int interval_steps = 0;
     space.reset_peaks();
@@ -402,7 +409,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
                             {"bytes_freed", switched->bytes_freed},
                             {"bytes_allocated", switched->bytes_allocated},
                             {"seconds", switched->seconds}};
-        *out.metrics << line.dump() << '\n';
+        out.metrics->write(step + 1, line);
       }
       progress->update({.step = step + 1,
                         .loss = loss,

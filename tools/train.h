@@ -102,9 +102,13 @@ struct TrainSummary {
   double cublas_tflops = 0.0;
 };
 
+class MetricsLog;  // tools/metrics_log.h
+
 struct TrainOutput {
   std::ostream& log;
-  std::ostream* metrics = nullptr;  ///< one JSON object per step
+  /// One JSON object per step; train() calls its begin() with where it resumed, if it did,
+  /// before the first step's line.
+  MetricsLog* metrics = nullptr;
   std::ostream* report = nullptr;   ///< rank 0's memory report after build
   bool terminal = false;            ///< log is a terminal: a progress bar instead of lines
   int columns = 0;                  ///< its width (0: unknown)
