@@ -93,8 +93,9 @@ LoadedCheckpoint load_checkpoint(Engine& engine, const std::filesystem::path& di
 
 // ---- reading without an Engine (export, inspect) ----
 
-/// The verified metadata (checksum checked) of the checkpoint in `dir`; ConfigError naming the
-/// file when `dir` is not a checkpoint or the file is corrupt.
+/// The verified metadata (checksum, format version, save id, lineage fields checked) of the
+/// checkpoint in `dir`, its `config` and `extra` as stored (see encode_byte_strings); ConfigError
+/// naming the file when `dir` is not a checkpoint or the file is corrupt.
 nlohmann::json read_checkpoint_metadata(const std::filesystem::path& dir);
 
 /// One param's values as a checkpoint holds them.
