@@ -264,10 +264,11 @@ class InputFile {
       const ssize_t n = ::pread(fd_, p, bytes, static_cast<off_t>(offset));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0)
-        throw ConfigError(fmt::format("cannot read '{}': {}", path_.string(), std::strerror(errno)));
+        throw ConfigError(
+            fmt::format("cannot read '{}': {}", path_.string(), std::strerror(errno)));
       if (n == 0)
-        throw ConfigError(fmt::format("'{}' ended early: it changed while it was read",
-                                      path_.string()));
+        throw ConfigError(
+            fmt::format("'{}' ended early: it changed while it was read", path_.string()));
       p += n;
       offset += static_cast<std::uint64_t>(n);
       bytes -= static_cast<std::size_t>(n);
@@ -326,8 +327,8 @@ FileRecord file_record(const json& meta, const std::string& name, const fs::path
     if (field<std::string>(f, "name", file) != name) continue;
     const auto hash = field<std::string>(f, "fnv1a64", file);
     if (hash.size() != 16 || !is_lower_hex(hash))
-      throw ConfigError(fmt::format("'{}': the checksum of '{}' is not 16 hex digits",
-                                    file.string(), name));
+      throw ConfigError(
+          fmt::format("'{}': the checksum of '{}' is not 16 hex digits", file.string(), name));
     return {field<std::uint64_t>(f, "bytes", file), std::stoull(hash, nullptr, 16)};
   }
   throw ConfigError(fmt::format("'{}' does not list '{}'", file.string(), name));
@@ -335,9 +336,10 @@ FileRecord file_record(const json& meta, const std::string& name, const fs::path
 
 ConfigError not_of_this_save(const fs::path& path, const std::string& other,
                              const std::string& save_id) {
-  return ConfigError(fmt::format("'{}' belongs to save {}, not to this checkpoint's save {} "
-                                 "(copied from another checkpoint?)",
-                                 path.string(), other, save_id));
+  return ConfigError(
+      fmt::format("'{}' belongs to save {}, not to this checkpoint's save {} "
+                  "(copied from another checkpoint?)",
+                  path.string(), other, save_id));
 }
 
 // The save id in the header of a binary file whose size is not the recorded one, if it has a
@@ -374,9 +376,10 @@ BinaryFile read_binary(const fs::path& dir, const std::string& name, const json&
   if (in.size() != record.bytes) {
     const auto other = header_save_id(in);
     if (other && *other != save_id) throw not_of_this_save(f.path, *other, save_id);
-    throw ConfigError(fmt::format("'{}' holds {} bytes, the metadata says {}: truncated or "
-                                  "replaced",
-                                  path, in.size(), record.bytes));
+    throw ConfigError(
+        fmt::format("'{}' holds {} bytes, the metadata says {}: truncated or "
+                    "replaced",
+                    path, in.size(), record.bytes));
   }
   if (record.bytes < kHeadBytes + kTrailBytes)
     throw ConfigError(fmt::format("'{}' is not a ShardSwap checkpoint file", path));
@@ -387,9 +390,10 @@ BinaryFile read_binary(const fs::path& dir, const std::string& name, const json&
   std::memcpy(&stored, f.bytes.data() + f.bytes.size() - kTrailBytes, kTrailBytes);
   const std::uint64_t computed = fnv1a64(f.bytes.data(), f.bytes.size() - kTrailBytes);
   if (stored != computed)
-    throw ConfigError(fmt::format("'{}': checksum mismatch (stored {}, computed {}): the file is "
-                                  "corrupt",
-                                  path, hex64(stored), hex64(computed)));
+    throw ConfigError(
+        fmt::format("'{}': checksum mismatch (stored {}, computed {}): the file is "
+                    "corrupt",
+                    path, hex64(stored), hex64(computed)));
   std::memcpy(&length, f.bytes.data() + sizeof kMagic, sizeof length);
   if (length > f.bytes.size() - kHeadBytes - kTrailBytes)
     throw ConfigError(fmt::format("'{}': header length {} exceeds the file", path, length));
@@ -399,15 +403,17 @@ BinaryFile read_binary(const fs::path& dir, const std::string& name, const json&
     throw ConfigError(fmt::format("'{}': the header is not a JSON object", path));
   const auto id = f.header.find("save_id");
   if (id == f.header.end() || !id->is_string())
-    throw ConfigError(fmt::format("'{}' carries no save id: it is not a file of this checkpoint's "
-                                  "save {} (copied from a checkpoint of an older format?)",
-                                  path, save_id));
+    throw ConfigError(
+        fmt::format("'{}' carries no save id: it is not a file of this checkpoint's "
+                    "save {} (copied from a checkpoint of an older format?)",
+                    path, save_id));
   if (id->get<std::string>() != save_id)
     throw not_of_this_save(f.path, id->get<std::string>(), save_id);
   if (stored != record.fnv1a64)
-    throw ConfigError(fmt::format("'{}': checksum {} differs from the {} that the metadata records: "
-                                  "not the file this save wrote",
-                                  path, hex64(stored), hex64(record.fnv1a64)));
+    throw ConfigError(
+        fmt::format("'{}': checksum {} differs from the {} that the metadata records: "
+                    "not the file this save wrote",
+                    path, hex64(stored), hex64(record.fnv1a64)));
   f.data_begin = kHeadBytes + length;
   f.data_end = f.bytes.size() - kTrailBytes;
   return f;
@@ -723,9 +729,9 @@ void recover_name(const fs::path& dir, std::vector<std::string>& actions) {
     }
   }
   const auto leftover_why = [&](const std::string& why) {
-    return why.empty() ? fmt::format("a copy left by an interrupted save; '{}' is complete",
-                                     dir.string())
-                       : "incomplete: " + why;
+    return why.empty()
+               ? fmt::format("a copy left by an interrupted save; '{}' is complete", dir.string())
+               : "incomplete: " + why;
   };
   if (tmp_left) remove(tmp, leftover_why(tmp_why));
   if (old_left) remove(old, leftover_why(old_why));
@@ -754,9 +760,10 @@ fs::path save_target(const fs::path& asked, const std::string& run_id) {
   const fs::path own = sibling(asked, "-" + run_id.substr(0, 8));
   recover_name(own, actions);
   if (free_or_own(own)) return own;
-  throw Error(fmt::format("'{}' and '{}' both hold something other than a checkpoint of run {}: "
-                          "refusing to replace either",
-                          asked.string(), own.string(), run_id));
+  throw Error(
+      fmt::format("'{}' and '{}' both hold something other than a checkpoint of run {}: "
+                  "refusing to replace either",
+                  asked.string(), own.string(), run_id));
 }
 
 std::int64_t next_save_sequence(const fs::path& root) {
@@ -773,9 +780,10 @@ fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptio
   if (!options.extra.is_object())
     throw ConfigError("save_checkpoint: SaveOptions::extra must be a JSON object");
   if (!options.run_id.empty() && (options.run_id.size() < 8 || !is_lower_hex(options.run_id)))
-    throw ConfigError(fmt::format("save_checkpoint: SaveOptions::run_id '{}' must be empty or at "
-                                  "least 8 lowercase hex digits (new_random_id())",
-                                  options.run_id));
+    throw ConfigError(
+        fmt::format("save_checkpoint: SaveOptions::run_id '{}' must be empty or at "
+                    "least 8 lowercase hex digits (new_random_id())",
+                    options.run_id));
   const int rank = engine.rank(), world = engine.world_size();
   const int slots = engine.config().optimizer.state_slots();
   const TrainingState state = engine.training_state(rank == 0);
@@ -805,7 +813,8 @@ fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptio
     dir = sibling(asked, "-" + options.run_id.substr(0, 8));
   std::uint64_t id_parts[3] = {};
   for (int i = 0; i < 3; ++i)
-    id_parts[i] = from_rank0(engine, rank == 0 ? std::stoull(save_id.substr(i * 11, 11), nullptr, 16) : 0);
+    id_parts[i] =
+        from_rank0(engine, rank == 0 ? std::stoull(save_id.substr(i * 11, 11), nullptr, 16) : 0);
   save_id = fmt::format("{:011x}{:011x}{:010x}", id_parts[0], id_parts[1], id_parts[2]);
   const fs::path tmp = sibling(dir, ".tmp-save");
   const fs::path old = sibling(dir, ".old-save");
@@ -840,12 +849,8 @@ fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptio
           sources.push_back({&s, f.shard_offset, f.count, shard.numel()});
         }
       }
-      const json header = {{"kind", "rank"},
-                           {"save_id", save_id},
-                           {"rank", rank},
-                           {"world_size", world},
-                           {"state_slots", slots},
-                           {"pieces", pieces}};
+      const json header = {{"kind", "rank"},      {"save_id", save_id},   {"rank", rank},
+                           {"world_size", world}, {"state_slots", slots}, {"pieces", pieces}};
       BinaryWriter out(options.open, path, header);
       for (const auto& src : sources) {
         out.write(src.s->master.data() + src.shard_offset, src.count * 4);
@@ -887,9 +892,9 @@ fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptio
     meta["save_id"] = save_id;
     meta["save_sequence"] = sequence;
     meta["run_id"] = options.run_id;
-    meta["parent"] = options.parent ? json{{"run_id", options.parent->run_id},
-                                           {"step", options.parent->step}}
-                                    : json(nullptr);
+    meta["parent"] = options.parent
+                         ? json{{"run_id", options.parent->run_id}, {"step", options.parent->step}}
+                         : json(nullptr);
     meta["world_size"] = world;
     meta["dtype"] = dtype_name(config.dtype);
     meta["stage"] = config.stage;
@@ -941,8 +946,8 @@ fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptio
       // under a name recover_checkpoints() knows (DIR, then DIR.old-save or DIR.tmp-save).
       // save_target() recovered every leftover of the name, so an .old-save here is not ours.
       if (fs::exists(fs::symlink_status(old)))
-        throw Error(fmt::format("'{}' appeared during the save: refusing to touch it",
-                                old.string()));
+        throw Error(
+            fmt::format("'{}' appeared during the save: refusing to touch it", old.string()));
       const bool replacing = fs::exists(fs::symlink_status(dir));
       if (replacing) fs::rename(dir, old);
       try {
@@ -969,9 +974,10 @@ json read_checkpoint_metadata(const fs::path& dir) {
                                   dir.string(), file.string()));
   const InputFile in(file);
   if (in.size() > kMaxMetadataBytes)
-    throw ConfigError(fmt::format("'{}' holds {} bytes, more than a checkpoint's metadata may "
-                                  "({})",
-                                  file.string(), in.size(), kMaxMetadataBytes));
+    throw ConfigError(
+        fmt::format("'{}' holds {} bytes, more than a checkpoint's metadata may "
+                    "({})",
+                    file.string(), in.size(), kMaxMetadataBytes));
   const auto bytes = in.read_all();
   const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   const std::size_t body = kPrefix.size() + 16 + kMiddle.size();
@@ -991,17 +997,18 @@ json read_checkpoint_metadata(const fs::path& dir) {
     throw ConfigError(fmt::format("'{}': the metadata is not a JSON object", file.string()));
   const int version = field<int>(meta, "format_version", file);
   if (version == 1)
-    throw ConfigError(fmt::format("'{}': format version 1, written before checkpoints recorded "
-                                  "their save id and lineage; this build reads version {} only "
-                                  "(resume it with the shardswap that wrote it)",
-                                  file.string(), kFormatVersion));
+    throw ConfigError(
+        fmt::format("'{}': format version 1, written before checkpoints recorded "
+                    "their save id and lineage; this build reads version {} only "
+                    "(resume it with the shardswap that wrote it)",
+                    file.string(), kFormatVersion));
   if (version != kFormatVersion)
     throw ConfigError(fmt::format("'{}': format version {}; this build reads version {}",
                                   file.string(), version, kFormatVersion));
   const auto save_id = field<std::string>(meta, "save_id", file);
   if (save_id.size() != 32 || !is_lower_hex(save_id))
-    throw ConfigError(fmt::format("'{}': save_id '{}' is not 32 hex digits", file.string(),
-                                  save_id));
+    throw ConfigError(
+        fmt::format("'{}': save_id '{}' is not 32 hex digits", file.string(), save_id));
   (void)field<std::string>(meta, "run_id", file);
   if (field<std::int64_t>(meta, "save_sequence", file) < 1)
     throw ConfigError(fmt::format("'{}': save_sequence must be >= 1", file.string()));
@@ -1069,11 +1076,11 @@ void require_files_present(const fs::path& dir, const json& meta) {
     const auto name = field<std::string>(f, "name", meta_file);
     const auto bytes = field<std::uint64_t>(f, "bytes", meta_file);
     if (name.empty() || name.find('/') != std::string::npos || name == "..")
-      throw ConfigError(fmt::format("'{}': file name '{}' is not a name", meta_file.string(), name));
+      throw ConfigError(
+          fmt::format("'{}': file name '{}' is not a name", meta_file.string(), name));
     std::error_code ec;
     const auto st = fs::status(dir / name, ec);
-    if (!fs::exists(st))
-      throw ConfigError(fmt::format("'{}' is missing", (dir / name).string()));
+    if (!fs::exists(st)) throw ConfigError(fmt::format("'{}' is missing", (dir / name).string()));
     if (!fs::is_regular_file(st))
       throw ConfigError(fmt::format("'{}' is not a regular file", (dir / name).string()));
     const auto size = fs::file_size(dir / name, ec);
@@ -1100,8 +1107,8 @@ CheckpointScan scan_checkpoints(const fs::path& root) {
   if (!fs::exists(root, ec)) return out;
   fs::directory_iterator it(root, ec);
   if (ec)
-    throw ConfigError(fmt::format("cannot list checkpoint directory '{}': {}", root.string(),
-                                  ec.message()));
+    throw ConfigError(
+        fmt::format("cannot list checkpoint directory '{}': {}", root.string(), ec.message()));
   for (const auto& entry : it) {
     const auto step = checkpoint_step(entry.path().filename().string());
     if (!step) continue;
@@ -1234,8 +1241,8 @@ std::string to_hex(std::string_view s) {
 
 std::string from_hex(const std::string& hex) {
   if (hex.size() % 2 != 0 || !is_lower_hex(hex))
-    throw ConfigError(fmt::format("{} '{}' is not an even number of lowercase hex digits",
-                                  kBytesHex, hex));
+    throw ConfigError(
+        fmt::format("{} '{}' is not an even number of lowercase hex digits", kBytesHex, hex));
   std::string out(hex.size() / 2, '\0');
   for (std::size_t i = 0; i < out.size(); ++i)
     out[i] = static_cast<char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
@@ -1291,8 +1298,8 @@ json decode_byte_strings(const json& j) {
     for (const auto& e : j[kObjectEntries]) {
       const json key = e.is_array() && e.size() == 2 ? decode_byte_strings(e[0]) : json();
       if (!key.is_string())
-        throw ConfigError(fmt::format("{} holds {}, not a [key, value] pair", kObjectEntries,
-                                      e.dump()));
+        throw ConfigError(
+            fmt::format("{} holds {}, not a [key, value] pair", kObjectEntries, e.dump()));
       out[key.get<std::string>()] = decode_byte_strings(e[1]);
     }
     return out;

@@ -868,8 +868,9 @@ std::string inspect_error(const fs::path& dir) {
 
 }  // namespace
 
-TEST_CASE("files of another save copied into a checkpoint are refused by load and inspect, "
-          "naming the file") {
+TEST_CASE(
+    "files of another save copied into a checkpoint are refused by load and inspect, "
+    "naming the file") {
   const ScratchFolder folder = scratch("mixed");
   const auto& root = folder.path();
   save_after(2, 3, root / checkpoint_name(10));
@@ -888,8 +889,8 @@ TEST_CASE("files of another save copied into a checkpoint are refused by load an
   CHECK(save10 != save20);
   CHECK(save10.size() == 32);
   {
-    const auto dir = mixed("all-bins", {"weights.bin", "rank-00000-of-00002.bin",
-                                        "rank-00001-of-00002.bin"});
+    const auto dir =
+        mixed("all-bins", {"weights.bin", "rank-00000-of-00002.bin", "rank-00001-of-00002.bin"});
     for (const auto& msg : {load_error(dir), inspect_error(dir)}) {
       INFO(msg);
       CHECK(test::contains(msg, dir.string() + "/"));
@@ -931,17 +932,19 @@ TEST_CASE("a checkpoint of the previous format version is refused with a message
   CHECK(test::contains(inspect_error(dir), "format version 1"));
 }
 
-TEST_CASE("a save interrupted at any rename or removal is completed or rolled back, and latest "
-          "loads the saved state bit for bit") {
+TEST_CASE(
+    "a save interrupted at any rename or removal is completed or rolled back, and latest "
+    "loads the saved state bit for bit") {
   const ScratchFolder folder = scratch("crash");
   const auto& src = folder.path();
   // Saved side by side, so that their save sequence numbers are 1, 2, 3.
   const Saved earlier = save_after(2, 4, src / checkpoint_name(4));  // an older checkpoint
   const Saved s1 = save_after(2, 6, src / checkpoint_name(6));  // what DIR held before the save
   const Saved s2 = save_after(2, 8, src / checkpoint_name(8));  // what the interrupted save wrote
-  const std::map<std::string, fs::path> copies = {
-      {"s1", src / checkpoint_name(6)}, {"s2", src / checkpoint_name(8)},
-      {"partial", src / "partial"}, {"half-removed", src / "half-removed"}};
+  const std::map<std::string, fs::path> copies = {{"s1", src / checkpoint_name(6)},
+                                                  {"s2", src / checkpoint_name(8)},
+                                                  {"partial", src / "partial"},
+                                                  {"half-removed", src / "half-removed"}};
   // A save killed while writing: rank files, no metadata yet.
   fs::copy(copies.at("s2"), src / "partial", fs::copy_options::recursive);
   fs::remove(src / "partial" / "metadata.json");
@@ -1018,8 +1021,8 @@ struct RunSaves {
   std::map<int, TrainingState> states;
 };
 
-RunSaves run_saving(const fs::path& root, const std::string& run_id, const fs::path& resume,
-                    int to, int every, int keep, double lr) {
+RunSaves run_saving(const fs::path& root, const std::string& run_id, const fs::path& resume, int to,
+                    int every, int keep, double lr) {
   RunSaves out;
   run_ranks(1, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, make_host_allocator());
@@ -1049,8 +1052,9 @@ RunSaves run_saving(const fs::path& root, const std::string& run_id, const fs::p
 
 }  // namespace
 
-TEST_CASE("a run resumed from an older step prunes only its own checkpoints, never replaces "
-          "another run's, and is latest") {
+TEST_CASE(
+    "a run resumed from an older step prunes only its own checkpoints, never replaces "
+    "another run's, and is latest") {
   const ScratchFolder folder = scratch("lineage");
   const auto& root = folder.path();
   const std::string a = new_random_id(), b = new_random_id();
@@ -1073,8 +1077,8 @@ TEST_CASE("a run resumed from an older step prunes only its own checkpoints, nev
   for (int step : {20, 25, 30}) {
     INFO(step);
     const auto& path = run_b.paths.at(step);
-    CHECK(path.filename() == (step == 25 ? checkpoint_name(25)
-                                         : checkpoint_name(step) + "-" + b.substr(0, 8)));
+    CHECK(path.filename() ==
+          (step == 25 ? checkpoint_name(25) : checkpoint_name(step) + "-" + b.substr(0, 8)));
     const auto meta = read_checkpoint_metadata(path);
     CHECK(meta.at("run_id") == b);
     CHECK(meta.at("parent") == nlohmann::json({{"run_id", a}, {"step", 10}}));
@@ -1088,8 +1092,9 @@ TEST_CASE("a run resumed from an older step prunes only its own checkpoints, nev
   CHECK(latest->step == 30);
 }
 
-TEST_CASE("a partly deleted checkpoint never lists as complete, and prune leftovers are "
-          "removed by the next prune") {
+TEST_CASE(
+    "a partly deleted checkpoint never lists as complete, and prune leftovers are "
+    "removed by the next prune") {
   const ScratchFolder folder = scratch("prune-interrupted");
   const auto& root = folder.path();
   SaveOptions options;
@@ -1140,7 +1145,8 @@ nlohmann::json random_json(std::uint64_t& seed, int depth) {
   const auto next = [&] { return seed = mix(seed); };
   const auto bytes = [&] {
     std::string s(next() % 6, '\0');
-    for (auto& c : s) c = static_cast<char>(next() % 3 == 0 ? 0x80 + next() % 128 : 'a' + next() % 26);
+    for (auto& c : s)
+      c = static_cast<char>(next() % 3 == 0 ? 0x80 + next() % 128 : 'a' + next() % 26);
     return s;
   };
   switch (depth > 3 ? next() % 3 : next() % 6) {
@@ -1180,8 +1186,9 @@ TEST_CASE("strings that are not UTF-8 survive encoding to JSON text and back, by
   CHECK(encoded_some > 200);
 }
 
-TEST_CASE("a config and trainer state with bytes that are not UTF-8 are saved, into a directory "
-          "named so, and read back exactly") {
+TEST_CASE(
+    "a config and trainer state with bytes that are not UTF-8 are saved, into a directory "
+    "named so, and read back exactly") {
   const ScratchFolder folder = scratch("bytes");
   const fs::path root = folder / "ck_\xe9";
   const nlohmann::json config = {{"checkpoint", {{"dir", root.string()}}},

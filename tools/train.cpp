@@ -216,9 +216,9 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       if (!scan.complete.empty()) {
         const CheckpointEntry& newest = scan.complete.back();  // the most recently written
         latest = newest.path;
-        const auto highest = std::max_element(
-            scan.complete.begin(), scan.complete.end(),
-            [](const auto& a, const auto& b) { return a.step < b.step; });
+        const auto highest =
+            std::max_element(scan.complete.begin(), scan.complete.end(),
+                             [](const auto& a, const auto& b) { return a.step < b.step; });
         if (highest->step > newest.step)
           checkpoint_notes.push_back(fmt::format(
               "note: {} (step {}, run {}) is further along than the most recently written {} "

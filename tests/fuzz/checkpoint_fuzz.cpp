@@ -103,9 +103,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       meta = parsed.dump(1);
     }
-    meta = fmt::format("{{\"format\":\"shardswap-checkpoint\",\"fnv1a64\":\"{:016x}\","
-                       "\"metadata\":{}}}\n",
-                       shardswap::fnv1a64(meta.data(), meta.size()), meta);
+    meta = fmt::format(
+        "{{\"format\":\"shardswap-checkpoint\",\"fnv1a64\":\"{:016x}\","
+        "\"metadata\":{}}}\n",
+        shardswap::fnv1a64(meta.data(), meta.size()), meta);
   }
   files[0] = std::move(meta);
   for (std::size_t i = 0; i < files.size(); ++i) write_file(dir / name_of(i), files[i]);
