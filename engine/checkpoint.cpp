@@ -3,12 +3,19 @@
 // the directory into place. Loading: every rank reads and verifies every file (so every rank
 // fails the same way on bad input), keeps the pieces that fall in its own shard at the current
 // world size, and only then hands the engine one TrainingState to restore.
+//
+// Policy on the directory of checkpoints: a complete copy of every checkpoint exists at every
+// instant of a save or a prune (so a kill anywhere loses at most the save in progress), a name
+// that could list as complete only ever appears by a rename of a complete, fsynced directory, and
+// nothing deletes a checkpoint that another run wrote. recover_checkpoints() turns what a kill
+// left into that state again.
 #include "engine/engine_internals.h"
 #include "optimizer/optimizer.h"
 #include "shardswap/checkpoint.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,7 +24,11 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
+#include <random>
+#include <set>
 #include <system_error>
+#include <tuple>
 
 #include "shardswap/error.h"
 #include "partition/flat_layout.h"
@@ -40,7 +51,8 @@ constexpr char kMagic[8] = {'S', 'S', 'C', 'K', 'P', 'T', '0', '1'};
 constexpr std::size_t kHeadBytes = 16;   // magic + header length
 constexpr std::size_t kTrailBytes = 8;   // FNV-1a 64 of everything before it
 constexpr const char* kFormat = "shardswap-checkpoint";
-constexpr int kFormatVersion = 1;
+// 2: save ids in every file, per-file checksums, lineage and save sequence in the metadata.
+constexpr int kFormatVersion = 2;
 constexpr const char* kMetadataName = "metadata.json";
 constexpr const char* kWeightsName = "weights.bin";
 // metadata.json: this prefix, 16 hex digits of the FNV-1a 64 of the metadata text, kMiddle, the
@@ -53,6 +65,32 @@ std::string rank_file_name(int rank, int world) {
 }
 
 std::string hex64(std::uint64_t v) { return fmt::format("{:016x}", v); }
+
+bool is_lower_hex(std::string_view s) {
+  return std::all_of(s.begin(), s.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// A name under a checkpoint root: "step-" digits, optionally "-" and 8 hex digits of a run id.
+std::optional<std::int64_t> checkpoint_step(std::string_view name) {
+  if (!name.starts_with("step-")) return std::nullopt;
+  name.remove_prefix(5);
+  const std::size_t digits = name.find_first_not_of("0123456789");
+  const std::string_view number = name.substr(0, digits);
+  if (number.empty() || number.size() > 18) return std::nullopt;
+  const std::string_view rest = digits == std::string_view::npos ? "" : name.substr(digits);
+  if (!rest.empty() && !(rest.size() == 9 && rest[0] == '-' && is_lower_hex(rest.substr(1))))
+    return std::nullopt;
+  return std::stoll(std::string(number));
+}
+
+fs::path sibling(const fs::path& dir, std::string_view suffix) {
+  return dir.parent_path() / (dir.filename().string() + std::string(suffix));
+}
+
+fs::path parent_or_dot(const fs::path& dir) {
+  return dir.parent_path().empty() ? fs::path(".") : dir.parent_path();
+}
 
 // ---- writing ----
 
@@ -182,17 +220,75 @@ fs::path normalized(const fs::path& dir, const char* fn) {
 
 // ---- reading ----
 
-std::vector<std::byte> read_all(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(fmt::format("cannot open '{}'", path.string()));
-  in.seekg(0, std::ios::end);
-  const auto size = static_cast<std::size_t>(in.tellg());
-  in.seekg(0);
-  std::vector<std::byte> bytes(size);
-  in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size));
-  if (!in) throw ConfigError(fmt::format("cannot read '{}'", path.string()));
-  return bytes;
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
 }
+
+// A checkpoint file opened for reading only once it is known to be a regular file: a directory,
+// FIFO or device in its place is named and never read (O_NONBLOCK: opening a FIFO must not wait
+// for a writer). Its size is known before anything is allocated.
+class InputFile {
+ public:
+  explicit InputFile(const fs::path& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd_ < 0) {
+      if (errno == ENOENT) throw ConfigError(fmt::format("'{}' is missing", path.string()));
+      throw ConfigError(fmt::format("cannot open '{}': {}", path.string(), std::strerror(errno)));
+    }
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      const int err = errno;
+      ::close(fd_);
+      throw ConfigError(fmt::format("cannot stat '{}': {}", path.string(), std::strerror(err)));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      throw ConfigError(fmt::format("'{}' is {}, not a regular file: a checkpoint file must be one",
+                                    path.string(), file_kind(st.st_mode)));
+    }
+    size_ = static_cast<std::uint64_t>(st.st_size);
+  }
+  ~InputFile() { ::close(fd_); }
+  InputFile(const InputFile&) = delete;
+  InputFile& operator=(const InputFile&) = delete;
+
+  std::uint64_t size() const { return size_; }
+  void read(void* out, std::size_t bytes, std::uint64_t offset) const {
+    auto* p = static_cast<char*>(out);
+    while (bytes > 0) {
+      const ssize_t n = ::pread(fd_, p, bytes, static_cast<off_t>(offset));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0)
+        throw ConfigError(
+            fmt::format("cannot read '{}': {}", path_.string(), std::strerror(errno)));
+      if (n == 0)
+        throw ConfigError(
+            fmt::format("'{}' ended early: it changed while it was read", path_.string()));
+      p += n;
+      offset += static_cast<std::uint64_t>(n);
+      bytes -= static_cast<std::size_t>(n);
+    }
+  }
+  std::vector<std::byte> read_all() const {
+    std::vector<std::byte> bytes(static_cast<std::size_t>(size_));
+    read(bytes.data(), bytes.size(), 0);
+    return bytes;
+  }
+
+ private:
+  fs::path path_;
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+};
+
+// Bounds what a reader allocates for a file whose size no metadata vouches for.
+constexpr std::uint64_t kMaxMetadataBytes = 256ull << 20;
+constexpr std::uint64_t kMaxHeaderBytes = 64ull << 20;
 
 struct BinaryFile {
   fs::path path;
@@ -209,38 +305,6 @@ struct BinaryFile {
   }
 };
 
-BinaryFile read_binary(const fs::path& path, std::uint64_t expected_bytes) {
-  if (!fs::exists(path))
-    throw ConfigError(fmt::format("'{}' is missing", path.string()));
-  BinaryFile f;
-  f.path = path;
-  f.bytes = read_all(path);
-  if (f.bytes.size() != expected_bytes)
-    throw ConfigError(fmt::format("'{}' holds {} bytes, the metadata says {}: truncated or "
-                                  "replaced",
-                                  path.string(), f.bytes.size(), expected_bytes));
-  if (f.bytes.size() < kHeadBytes + kTrailBytes ||
-      std::memcmp(f.bytes.data(), kMagic, sizeof kMagic) != 0)
-    throw ConfigError(fmt::format("'{}' is not a ShardSwap checkpoint file", path.string()));
-  std::uint64_t stored = 0, length = 0;
-  std::memcpy(&stored, f.bytes.data() + f.bytes.size() - kTrailBytes, kTrailBytes);
-  const std::uint64_t computed = fnv1a64(f.bytes.data(), f.bytes.size() - kTrailBytes);
-  if (stored != computed)
-    throw ConfigError(fmt::format("'{}': checksum mismatch (stored {}, computed {}): the file is "
-                                  "corrupt",
-                                  path.string(), hex64(stored), hex64(computed)));
-  std::memcpy(&length, f.bytes.data() + sizeof kMagic, sizeof length);
-  if (length > f.bytes.size() - kHeadBytes - kTrailBytes)
-    throw ConfigError(fmt::format("'{}': header length {} exceeds the file", path.string(), length));
-  const auto* text = reinterpret_cast<const char*>(f.bytes.data() + kHeadBytes);
-  f.header = json::parse(text, text + length, nullptr, false);
-  if (f.header.is_discarded() || !f.header.is_object())
-    throw ConfigError(fmt::format("'{}': the header is not a JSON object", path.string()));
-  f.data_begin = kHeadBytes + length;
-  f.data_end = f.bytes.size() - kTrailBytes;
-  return f;
-}
-
 // Reads a metadata field, turning a missing or mistyped one into an error naming the file.
 template <class T>
 T field(const json& j, const char* key, const fs::path& file) {
@@ -251,10 +315,108 @@ T field(const json& j, const char* key, const fs::path& file) {
   }
 }
 
-std::uint64_t file_bytes(const json& meta, const std::string& name, const fs::path& file) {
-  for (const auto& f : field<json>(meta, "files", file))
-    if (field<std::string>(f, "name", file) == name) return field<std::uint64_t>(f, "bytes", file);
+// What the metadata records of one file of the save: its size and the FNV-1a 64 of its bytes
+// before the trailer (which is the trailer's own value).
+struct FileRecord {
+  std::uint64_t bytes = 0;
+  std::uint64_t fnv1a64 = 0;
+};
+
+FileRecord file_record(const json& meta, const std::string& name, const fs::path& file) {
+  for (const auto& f : field<json>(meta, "files", file)) {
+    if (field<std::string>(f, "name", file) != name) continue;
+    const auto hash = field<std::string>(f, "fnv1a64", file);
+    if (hash.size() != 16 || !is_lower_hex(hash))
+      throw ConfigError(
+          fmt::format("'{}': the checksum of '{}' is not 16 hex digits", file.string(), name));
+    return {field<std::uint64_t>(f, "bytes", file), std::stoull(hash, nullptr, 16)};
+  }
   throw ConfigError(fmt::format("'{}' does not list '{}'", file.string(), name));
+}
+
+ConfigError not_of_this_save(const fs::path& path, const std::string& other,
+                             const std::string& save_id) {
+  return ConfigError(
+      fmt::format("'{}' belongs to save {}, not to this checkpoint's save {} "
+                  "(copied from another checkpoint?)",
+                  path.string(), other, save_id));
+}
+
+// The save id in the header of a binary file whose size is not the recorded one, if it has a
+// readable header: says whether it came from another save or was cut short.
+std::optional<std::string> header_save_id(const InputFile& in) {
+  if (in.size() < kHeadBytes + kTrailBytes) return std::nullopt;
+  char head[kHeadBytes];
+  in.read(head, sizeof head, 0);
+  std::uint64_t length = 0;
+  std::memcpy(&length, head + sizeof kMagic, sizeof length);
+  if (std::memcmp(head, kMagic, sizeof kMagic) != 0 || length > kMaxHeaderBytes ||
+      length > in.size() - kHeadBytes - kTrailBytes)
+    return std::nullopt;
+  std::string text(static_cast<std::size_t>(length), '\0');
+  in.read(text.data(), text.size(), kHeadBytes);
+  const json header = json::parse(text, nullptr, false);
+  if (!header.is_object() || !header.contains("save_id") || !header["save_id"].is_string())
+    return std::nullopt;
+  return header["save_id"].get<std::string>();
+}
+
+// Reads the binary file `name` of the checkpoint in `dir` and checks that it is the file this
+// save wrote: a regular file of the recorded size, intact (its trailer), of this save (its
+// header's save id) and with the recorded checksum. The one path by which load, inspect and
+// export read a binary file.
+BinaryFile read_binary(const fs::path& dir, const std::string& name, const json& meta) {
+  const fs::path meta_file = dir / kMetadataName;
+  const FileRecord record = file_record(meta, name, meta_file);
+  const auto save_id = field<std::string>(meta, "save_id", meta_file);
+  BinaryFile f;
+  f.path = dir / name;
+  const std::string path = f.path.string();
+  const InputFile in(f.path);
+  if (in.size() != record.bytes) {
+    const auto other = header_save_id(in);
+    if (other && *other != save_id) throw not_of_this_save(f.path, *other, save_id);
+    throw ConfigError(
+        fmt::format("'{}' holds {} bytes, the metadata says {}: truncated or "
+                    "replaced",
+                    path, in.size(), record.bytes));
+  }
+  if (record.bytes < kHeadBytes + kTrailBytes)
+    throw ConfigError(fmt::format("'{}' is not a ShardSwap checkpoint file", path));
+  f.bytes = in.read_all();
+  if (std::memcmp(f.bytes.data(), kMagic, sizeof kMagic) != 0)
+    throw ConfigError(fmt::format("'{}' is not a ShardSwap checkpoint file", path));
+  std::uint64_t stored = 0, length = 0;
+  std::memcpy(&stored, f.bytes.data() + f.bytes.size() - kTrailBytes, kTrailBytes);
+  const std::uint64_t computed = fnv1a64(f.bytes.data(), f.bytes.size() - kTrailBytes);
+  if (stored != computed)
+    throw ConfigError(
+        fmt::format("'{}': checksum mismatch (stored {}, computed {}): the file is "
+                    "corrupt",
+                    path, hex64(stored), hex64(computed)));
+  std::memcpy(&length, f.bytes.data() + sizeof kMagic, sizeof length);
+  if (length > f.bytes.size() - kHeadBytes - kTrailBytes)
+    throw ConfigError(fmt::format("'{}': header length {} exceeds the file", path, length));
+  const auto* text = reinterpret_cast<const char*>(f.bytes.data() + kHeadBytes);
+  f.header = json::parse(text, text + length, nullptr, false);
+  if (f.header.is_discarded() || !f.header.is_object())
+    throw ConfigError(fmt::format("'{}': the header is not a JSON object", path));
+  const auto id = f.header.find("save_id");
+  if (id == f.header.end() || !id->is_string())
+    throw ConfigError(
+        fmt::format("'{}' carries no save id: it is not a file of this checkpoint's "
+                    "save {} (copied from a checkpoint of an older format?)",
+                    path, save_id));
+  if (id->get<std::string>() != save_id)
+    throw not_of_this_save(f.path, id->get<std::string>(), save_id);
+  if (stored != record.fnv1a64)
+    throw ConfigError(
+        fmt::format("'{}': checksum {} differs from the {} that the metadata records: "
+                    "not the file this save wrote",
+                    path, hex64(stored), hex64(record.fnv1a64)));
+  f.data_begin = kHeadBytes + length;
+  f.data_end = f.bytes.size() - kTrailBytes;
+  return f;
 }
 
 // One saved param as the metadata declares it.
@@ -305,7 +467,7 @@ void read_pieces(const fs::path& dir, const json& meta, const std::vector<SavedP
   std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> covered(params.size());
   for (int r = 0; r < world; ++r) {
     const auto name = rank_file_name(r, world);
-    const BinaryFile f = read_binary(dir / name, file_bytes(meta, name, meta_file));
+    const BinaryFile f = read_binary(dir, name, meta);
     try {
       if (f.header.at("kind") != "rank" || f.header.at("rank") != r ||
           f.header.at("world_size") != world || f.header.at("state_slots") != slots)
@@ -369,7 +531,7 @@ Weights read_weights(const fs::path& dir, const json& meta, const std::vector<Sa
   Weights w;
   w.dtype = dtype_from_name(field<std::string>(meta, "dtype", meta_file),
                             (meta_file.string() + " dtype"));
-  const BinaryFile f = read_binary(dir / kWeightsName, file_bytes(meta, kWeightsName, meta_file));
+  const BinaryFile f = read_binary(dir, kWeightsName, meta);
   try {
     if (f.header.at("kind") != "weights" || f.header.at("dtype") != dtype_name(w.dtype))
       throw ConfigError("its header does not match the metadata");
@@ -489,8 +651,15 @@ TrainingState read_state_for(const Engine& engine, const fs::path& dir, LoadedCh
   state.scaler.clean_steps = field<std::int64_t>(scaler, "clean_steps", meta_file);
   state.scaler.hysteresis_left = field<int>(scaler, "hysteresis_left", meta_file);
   state.lr = field<double>(meta, "lr", meta_file);
-  out.extra = field<json>(meta, "extra", meta_file);
+  try {
+    out.extra = decode_byte_strings(field<json>(meta, "extra", meta_file));
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("'{}': extra: {}", meta_file.string(), e.what()));
+  }
   out.world_size = field<int>(meta, "world_size", meta_file);
+  out.save_id = field<std::string>(meta, "save_id", meta_file);
+  out.run_id = field<std::string>(meta, "run_id", meta_file);
+  out.save_sequence = field<std::int64_t>(meta, "save_sequence", meta_file);
   return state;
 }
 
@@ -509,30 +678,150 @@ std::unique_ptr<CheckpointFile> open_checkpoint_file(const fs::path& path) {
   return std::make_unique<PosixFile>(path);
 }
 
-void save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptions& options) {
-  const fs::path dir = normalized(dir_in, "save_checkpoint");
+namespace {
+
+// A value only rank 0 knows, given to every rank (exactly: below 2^53, and the others add 0).
+std::uint64_t from_rank0(Engine& engine, std::uint64_t value) {
+  return static_cast<std::uint64_t>(
+      engine.sum_across_ranks(engine.rank() == 0 ? static_cast<double>(value) : 0.0));
+}
+
+// "" when `dir` is a complete checkpoint (every file verified), else why not.
+std::string incomplete_because(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(dir, ec))) return "absent";
+  try {
+    (void)read_checkpoint_tensors(dir, false);
+    return "";
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+}
+
+// What a kill during a save of `dir` can leave, made whole again (see recover_checkpoints).
+void recover_name(const fs::path& dir, std::vector<std::string>& actions) {
+  const fs::path tmp = sibling(dir, ".tmp-save"), old = sibling(dir, ".old-save");
+  std::error_code ec;
+  const bool has_tmp = fs::exists(fs::symlink_status(tmp, ec));
+  const bool has_old = fs::exists(fs::symlink_status(old, ec));
+  if (!has_tmp && !has_old) return;
+  const std::string dir_why = incomplete_because(dir);
+  const std::string tmp_why = has_tmp ? incomplete_because(tmp) : "absent";
+  const std::string old_why = has_old ? incomplete_because(old) : "absent";
+  const auto remove = [&](const fs::path& p, const std::string& why) {
+    fs::remove_all(p);
+    actions.push_back(fmt::format("removed '{}' ({})", p.string(), why));
+  };
+  const auto promote = [&](const fs::path& from, const char* what) {
+    if (dir_why != "absent") remove(dir, "incomplete: " + dir_why);
+    fs::rename(from, dir);
+    fsync_directory(parent_or_dot(dir));
+    actions.push_back(fmt::format("{}: '{}' -> '{}'", what, from.string(), dir.string()));
+  };
+  bool tmp_left = has_tmp, old_left = has_old;
+  if (!dir_why.empty()) {
+    if (has_tmp && tmp_why.empty()) {
+      promote(tmp, "completed an interrupted save");
+      tmp_left = false;
+    } else if (has_old && old_why.empty()) {
+      promote(old, "rolled back an interrupted save");
+      old_left = false;
+    }
+  }
+  const auto leftover_why = [&](const std::string& why) {
+    return why.empty()
+               ? fmt::format("a copy left by an interrupted save; '{}' is complete", dir.string())
+               : "incomplete: " + why;
+  };
+  if (tmp_left) remove(tmp, leftover_why(tmp_why));
+  if (old_left) remove(old, leftover_why(old_why));
+  fsync_directory(parent_or_dot(dir));
+}
+
+bool written_by(const fs::path& dir, const std::string& run_id) {
+  try {
+    return read_checkpoint_metadata(dir).at("run_id") == run_id;
+  } catch (const ConfigError&) {
+    return false;
+  }
+}
+
+// Where a save asked for `asked` goes: `asked`, unless a run id is given and `asked` holds
+// anything but a checkpoint of that run; then `asked`-<the run id's first 8 digits>, which must be
+// free or the run's own. Leftovers of interrupted saves of a name are recovered before it is
+// judged, so that the complete copy decides (and is never deleted).
+fs::path save_target(const fs::path& asked, const std::string& run_id) {
+  std::vector<std::string> actions;
+  recover_name(asked, actions);
+  const auto free_or_own = [&](const fs::path& dir) {
+    return !fs::exists(fs::symlink_status(dir)) || run_id.empty() || written_by(dir, run_id);
+  };
+  if (free_or_own(asked)) return asked;
+  const fs::path own = sibling(asked, "-" + run_id.substr(0, 8));
+  recover_name(own, actions);
+  if (free_or_own(own)) return own;
+  throw Error(
+      fmt::format("'{}' and '{}' both hold something other than a checkpoint of run {}: "
+                  "refusing to replace either",
+                  asked.string(), own.string(), run_id));
+}
+
+std::int64_t next_save_sequence(const fs::path& root) {
+  std::int64_t highest = 0;
+  for (const auto& c : scan_checkpoints(root).complete)
+    highest = std::max(highest, c.save_sequence);
+  return highest + 1;
+}
+
+}  // namespace
+
+fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptions& options) {
+  const fs::path asked = normalized(dir_in, "save_checkpoint");
   if (!options.extra.is_object())
     throw ConfigError("save_checkpoint: SaveOptions::extra must be a JSON object");
+  if (!options.run_id.empty() && (options.run_id.size() < 8 || !is_lower_hex(options.run_id)))
+    throw ConfigError(
+        fmt::format("save_checkpoint: SaveOptions::run_id '{}' must be empty or at "
+                    "least 8 lowercase hex digits (new_random_id())",
+                    options.run_id));
   const int rank = engine.rank(), world = engine.world_size();
   const int slots = engine.config().optimizer.state_slots();
-  const fs::path tmp = dir.parent_path() / (dir.filename().string() + ".tmp-save");
-  const fs::path old = dir.parent_path() / (dir.filename().string() + ".old-save");
   const TrainingState state = engine.training_state(rank == 0);
+
+  // Rank 0 recovers what an interrupted save of the name left, chooses the directory (the name
+  // asked, or the run's suffixed one) and makes the temporary one. A failure here removes
+  // nothing: a leftover it did not get to may be the only complete copy.
+  fs::path dir = asked;
+  std::string save_id;
+  std::int64_t sequence = 0;
+  std::exception_ptr error;
+  attempt(error, [&] {
+    if (rank != 0) return;
+    writing(asked, [&] {
+      if (!asked.parent_path().empty()) fs::create_directories(asked.parent_path());
+      dir = save_target(asked, options.run_id);
+      sequence = next_save_sequence(parent_or_dot(dir));
+      save_id = new_random_id();
+      if (!fs::create_directory(sibling(dir, ".tmp-save")))
+        throw Error(fmt::format("'{}' appeared during the save: refusing to write into it",
+                                sibling(dir, ".tmp-save").string()));
+    });
+  });
+  agree(engine, error, "save_checkpoint");
+  // Every rank writes into rank 0's directory, with rank 0's save id.
+  if (from_rank0(engine, dir != asked ? 1 : 0) != 0)
+    dir = sibling(asked, "-" + options.run_id.substr(0, 8));
+  std::uint64_t id_parts[3] = {};
+  for (int i = 0; i < 3; ++i)
+    id_parts[i] =
+        from_rank0(engine, rank == 0 ? std::stoull(save_id.substr(i * 11, 11), nullptr, 16) : 0);
+  save_id = fmt::format("{:011x}{:011x}{:010x}", id_parts[0], id_parts[1], id_parts[2]);
+  const fs::path tmp = sibling(dir, ".tmp-save");
+  const fs::path old = sibling(dir, ".old-save");
   const auto remove_tmp = [&] {
     std::error_code ec;
     if (rank == 0) fs::remove_all(tmp, ec);
   };
-
-  std::exception_ptr error;
-  attempt(error, [&] {
-    if (rank != 0) return;
-    writing(tmp, [&] {
-      fs::remove_all(tmp);  // a leftover of an interrupted save
-      if (!dir.parent_path().empty()) fs::create_directories(dir.parent_path());
-      fs::create_directory(tmp);
-    });
-  });
-  agree(engine, error, "save_checkpoint", remove_tmp);
 
   // Each rank's pieces: per param, the element range it holds, master then each slot.
   const auto groups = engine.groups();
@@ -560,11 +849,8 @@ void save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptions& 
           sources.push_back({&s, f.shard_offset, f.count, shard.numel()});
         }
       }
-      const json header = {{"kind", "rank"},
-                           {"rank", rank},
-                           {"world_size", world},
-                           {"state_slots", slots},
-                           {"pieces", pieces}};
+      const json header = {{"kind", "rank"},      {"save_id", save_id},   {"rank", rank},
+                           {"world_size", world}, {"state_slots", slots}, {"pieces", pieces}};
       BinaryWriter out(options.open, path, header);
       for (const auto& src : sources) {
         out.write(src.s->master.data() + src.shard_offset, src.count * 4);
@@ -587,6 +873,7 @@ void save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptions& 
       }
       BinaryWriter out(options.open, weights,
                        {{"kind", "weights"},
+                        {"save_id", save_id},
                         {"dtype", dtype_name(engine.config().dtype)},
                         {"params", entries}});
       for (const auto& w : state.weights) out.write(w.data(), w.size());
@@ -602,6 +889,12 @@ void save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptions& 
     json meta;
     meta["format_version"] = kFormatVersion;
     meta["shardswap_version"] = SHARDSWAP_VERSION;
+    meta["save_id"] = save_id;
+    meta["save_sequence"] = sequence;
+    meta["run_id"] = options.run_id;
+    meta["parent"] = options.parent
+                         ? json{{"run_id", options.parent->run_id}, {"step", options.parent->step}}
+                         : json(nullptr);
     meta["world_size"] = world;
     meta["dtype"] = dtype_name(config.dtype);
     meta["stage"] = config.stage;
@@ -622,45 +915,70 @@ void save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptions& 
     meta["groups"] = gs;
     meta["active"] = engine.active_groups();
     json files = json::array();
+    // Each file as it lies on disk: its size, and its trailer (the checksum of the rest).
     const auto add_file = [&](const std::string& name) {
-      files.push_back({{"name", name}, {"bytes", fs::file_size(tmp / name)}});
+      writing(tmp / name, [&] {
+        const InputFile in(tmp / name);
+        std::uint64_t trailer = 0;
+        if (in.size() < kTrailBytes) throw Error("shorter than its trailer");
+        in.read(&trailer, sizeof trailer, in.size() - kTrailBytes);
+        files.push_back({{"name", name}, {"bytes", in.size()}, {"fnv1a64", hex64(trailer)}});
+      });
     };
     add_file(kWeightsName);
     for (int r = 0; r < world; ++r) add_file(rank_file_name(r, world));
     meta["files"] = files;
-    meta["config"] = options.config;
-    meta["extra"] = options.extra;
-    const std::string text = meta.dump(1);
-    const std::string whole = fmt::format("{}{}{}{}}}\n", kPrefix,
-                                          hex64(fnv1a64(text.data(), text.size())), kMiddle, text);
     const fs::path meta_path = tmp / kMetadataName;
     writing(meta_path, [&] {
+      // Strings that are not UTF-8 (a path may hold any bytes) cannot be JSON text as they are.
+      meta["config"] = encode_byte_strings(options.config);
+      meta["extra"] = encode_byte_strings(options.extra);
+      const std::string text = meta.dump(1);
+      const std::string whole = fmt::format(
+          "{}{}{}{}}}\n", kPrefix, hex64(fnv1a64(text.data(), text.size())), kMiddle, text);
       auto file = options.open(meta_path);
       file->write(whole.data(), whole.size());
       file->commit();
     });
     writing(dir, [&] {
       fsync_directory(tmp);
-      // An older checkpoint of the same name goes aside only now that the new one is complete.
-      fs::remove_all(old);
-      const bool replacing = fs::exists(dir);
+      // Renames only, until the new copy is in place: at every instant one complete copy lies
+      // under a name recover_checkpoints() knows (DIR, then DIR.old-save or DIR.tmp-save).
+      // save_target() recovered every leftover of the name, so an .old-save here is not ours.
+      if (fs::exists(fs::symlink_status(old)))
+        throw Error(
+            fmt::format("'{}' appeared during the save: refusing to touch it", old.string()));
+      const bool replacing = fs::exists(fs::symlink_status(dir));
       if (replacing) fs::rename(dir, old);
-      fs::rename(tmp, dir);
-      fsync_directory(dir.parent_path().empty() ? fs::path(".") : dir.parent_path());
+      try {
+        fs::rename(tmp, dir);
+      } catch (...) {
+        std::error_code ec;
+        if (replacing) fs::rename(old, dir, ec);
+        throw;
+      }
+      fsync_directory(parent_or_dot(dir));
       if (replacing) fs::remove_all(old);
     });
   });
   agree(engine, error, "save_checkpoint", remove_tmp);
+  return dir;
 }
 
 json read_checkpoint_metadata(const fs::path& dir) {
   const fs::path file = dir / kMetadataName;
   if (!fs::is_directory(dir))
     throw ConfigError(fmt::format("checkpoint '{}' is not a directory", dir.string()));
-  if (!fs::exists(file))
+  if (!fs::exists(fs::symlink_status(file)))
     throw ConfigError(fmt::format("'{}' is not a ShardSwap checkpoint: '{}' is missing",
                                   dir.string(), file.string()));
-  const auto bytes = read_all(file);
+  const InputFile in(file);
+  if (in.size() > kMaxMetadataBytes)
+    throw ConfigError(
+        fmt::format("'{}' holds {} bytes, more than a checkpoint's metadata may "
+                    "({})",
+                    file.string(), in.size(), kMaxMetadataBytes));
+  const auto bytes = in.read_all();
   const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   const std::size_t body = kPrefix.size() + 16 + kMiddle.size();
   if (text.size() < body + 2 || text.substr(0, kPrefix.size()) != kPrefix ||
@@ -678,9 +996,27 @@ json read_checkpoint_metadata(const fs::path& dir) {
   if (meta.is_discarded() || !meta.is_object())
     throw ConfigError(fmt::format("'{}': the metadata is not a JSON object", file.string()));
   const int version = field<int>(meta, "format_version", file);
+  if (version == 1)
+    throw ConfigError(
+        fmt::format("'{}': format version 1, written before checkpoints recorded "
+                    "their save id and lineage; this build reads version {} only "
+                    "(resume it with the shardswap that wrote it)",
+                    file.string(), kFormatVersion));
   if (version != kFormatVersion)
     throw ConfigError(fmt::format("'{}': format version {}; this build reads version {}",
                                   file.string(), version, kFormatVersion));
+  const auto save_id = field<std::string>(meta, "save_id", file);
+  if (save_id.size() != 32 || !is_lower_hex(save_id))
+    throw ConfigError(
+        fmt::format("'{}': save_id '{}' is not 32 hex digits", file.string(), save_id));
+  (void)field<std::string>(meta, "run_id", file);
+  if (field<std::int64_t>(meta, "save_sequence", file) < 1)
+    throw ConfigError(fmt::format("'{}': save_sequence must be >= 1", file.string()));
+  const json& parent = field<json>(meta, "parent", file);
+  if (!parent.is_null()) {
+    (void)field<std::string>(parent, "run_id", file);
+    (void)field<std::int64_t>(parent, "step", file);
+  }
   return meta;
 }
 
@@ -731,37 +1067,255 @@ std::vector<CheckpointTensor> read_checkpoint_tensors(const fs::path& dir, bool 
 
 std::string checkpoint_name(std::int64_t step) { return fmt::format("step-{:08}", step); }
 
-std::vector<fs::path> list_checkpoints(const fs::path& root) {
-  std::vector<std::pair<std::int64_t, fs::path>> found;
+namespace {
+
+// Throws ConfigError unless every file `meta` lists is in `dir`, regular, of the recorded size.
+void require_files_present(const fs::path& dir, const json& meta) {
+  const fs::path meta_file = dir / kMetadataName;
+  for (const auto& f : field<json>(meta, "files", meta_file)) {
+    const auto name = field<std::string>(f, "name", meta_file);
+    const auto bytes = field<std::uint64_t>(f, "bytes", meta_file);
+    if (name.empty() || name.find('/') != std::string::npos || name == "..")
+      throw ConfigError(
+          fmt::format("'{}': file name '{}' is not a name", meta_file.string(), name));
+    std::error_code ec;
+    const auto st = fs::status(dir / name, ec);
+    if (!fs::exists(st)) throw ConfigError(fmt::format("'{}' is missing", (dir / name).string()));
+    if (!fs::is_regular_file(st))
+      throw ConfigError(fmt::format("'{}' is not a regular file", (dir / name).string()));
+    const auto size = fs::file_size(dir / name, ec);
+    if (ec || size != bytes)
+      throw ConfigError(fmt::format("'{}' holds {} bytes, the metadata says {}",
+                                    (dir / name).string(), size, bytes));
+  }
+}
+
+template <class F>
+auto in_root(const char* fn, const fs::path& root, F&& body) {
+  try {
+    return body();
+  } catch (const fs::filesystem_error& e) {
+    throw Error(fmt::format("{}: under '{}': {}", fn, root.string(), e.what()));
+  }
+}
+
+}  // namespace
+
+CheckpointScan scan_checkpoints(const fs::path& root) {
+  CheckpointScan out;
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    const auto name = entry.path().filename().string();
-    if (!name.starts_with("step-") || name.find('.') != std::string::npos) continue;
-    if (!fs::exists(entry.path() / kMetadataName)) continue;
+  if (!fs::exists(root, ec)) return out;
+  fs::directory_iterator it(root, ec);
+  if (ec)
+    throw ConfigError(
+        fmt::format("cannot list checkpoint directory '{}': {}", root.string(), ec.message()));
+  for (const auto& entry : it) {
+    const auto step = checkpoint_step(entry.path().filename().string());
+    if (!step) continue;
     try {
-      found.emplace_back(std::stoll(name.substr(5)), entry.path());
-    } catch (const std::exception&) {
-      // not one of ours
+      const json meta = read_checkpoint_metadata(entry.path());
+      require_files_present(entry.path(), meta);
+      out.complete.push_back({entry.path(), *step, meta.at("run_id").get<std::string>(),
+                              meta.at("save_sequence").get<std::int64_t>()});
+    } catch (const ConfigError& e) {
+      out.skipped.push_back(e.what());
     }
   }
-  std::sort(found.begin(), found.end());
-  std::vector<fs::path> out;
-  for (auto& [step, path] : found) out.push_back(std::move(path));
+  std::sort(out.complete.begin(), out.complete.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.save_sequence, a.step, a.path) < std::tie(b.save_sequence, b.step, b.path);
+  });
+  std::sort(out.skipped.begin(), out.skipped.end());
   return out;
 }
 
-void prune_checkpoints(const fs::path& root, int keep) {
+std::vector<fs::path> list_checkpoints(const fs::path& root) {
+  auto complete = scan_checkpoints(root).complete;
+  std::stable_sort(complete.begin(), complete.end(),
+                   [](const auto& a, const auto& b) { return a.step < b.step; });
+  std::vector<fs::path> out;
+  for (auto& c : complete) out.push_back(std::move(c.path));
+  return out;
+}
+
+std::optional<CheckpointEntry> latest_checkpoint(const fs::path& root) {
+  auto complete = scan_checkpoints(root).complete;
+  if (complete.empty()) return std::nullopt;
+  return complete.back();
+}
+
+std::vector<std::string> recover_checkpoints(const fs::path& root) {
+  return in_root("recover_checkpoints", root, [&] {
+    std::vector<std::string> actions;
+    std::error_code ec;
+    if (!fs::is_directory(root, ec)) return actions;
+    std::set<std::string> saves;
+    std::vector<fs::path> prunes;
+    for (const auto& entry : fs::directory_iterator(root)) {
+      const std::string name = entry.path().filename().string();
+      const auto base = [&](std::string_view suffix) {
+        return name.ends_with(suffix) &&
+               checkpoint_step(std::string_view(name).substr(0, name.size() - suffix.size()));
+      };
+      if (base(".tmp-save") || base(".old-save")) saves.insert(name.substr(0, name.size() - 9));
+      if (base(".prune")) prunes.push_back(entry.path());
+    }
+    for (const auto& p : prunes) {
+      fs::remove_all(p);
+      actions.push_back(fmt::format("removed '{}' (left by an interrupted prune)", p.string()));
+    }
+    for (const auto& name : saves) recover_name(root / name, actions);
+    if (!actions.empty()) fsync_directory(root);
+    return actions;
+  });
+}
+
+void prune_checkpoints(const fs::path& root, int keep, const std::string& run_id) {
   if (keep < 1)
     throw ConfigError(fmt::format("prune_checkpoints: keep = {} must be >= 1", keep));
-  const auto all = list_checkpoints(root);
-  for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < all.size(); ++i)
-    fs::remove_all(all[i]);
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    const auto name = entry.path().filename().string();
-    // A .old-save directory is left alone: a save interrupted between its two renames leaves
-    // the only complete copy there.
-    if (name.starts_with("step-") && name.ends_with(".tmp-save")) fs::remove_all(entry.path());
+  in_root("prune_checkpoints", root, [&] {
+    recover_checkpoints(root);
+    std::vector<fs::path> own;  // oldest first
+    for (const auto& c : scan_checkpoints(root).complete)
+      if (c.run_id == run_id) own.push_back(c.path);
+    for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < own.size(); ++i) {
+      // Out of the checkpoint names first: a kill during the removal leaves a .prune leftover,
+      // never a partial checkpoint under a name that lists.
+      const fs::path doomed = sibling(own[i], ".prune");
+      fs::rename(own[i], doomed);
+      fsync_directory(root);
+      fs::remove_all(doomed);
+    }
+  });
+}
+
+// ---- strings that are not UTF-8 ----
+
+namespace {
+
+// RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF (what JSON text allows).
+bool valid_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    std::size_t len = 0;
+    std::uint32_t cp = 0;
+    if ((c & 0xe0) == 0xc0) {
+      len = 2, cp = c & 0x1f;
+    } else if ((c & 0xf0) == 0xe0) {
+      len = 3, cp = c & 0x0f;
+    } else if ((c & 0xf8) == 0xf0) {
+      len = 4, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + len > s.size()) return false;
+    for (std::size_t k = 1; k < len; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if ((b & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (b & 0x3f);
+    }
+    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
+        cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+      return false;
+    i += len;
+  }
+  return true;
+}
+
+constexpr const char* kBytesHex = "bytes_hex";
+constexpr const char* kObjectEntries = "object_entries";
+
+bool looks_encoded(const json& j) {
+  return j.is_object() && j.size() == 1 && (j.contains(kBytesHex) || j.contains(kObjectEntries));
+}
+
+std::string to_hex(std::string_view s) {
+  std::string out;
+  out.reserve(2 * s.size());
+  for (unsigned char c : s) out += fmt::format("{:02x}", c);
+  return out;
+}
+
+std::string from_hex(const std::string& hex) {
+  if (hex.size() % 2 != 0 || !is_lower_hex(hex))
+    throw ConfigError(
+        fmt::format("{} '{}' is not an even number of lowercase hex digits", kBytesHex, hex));
+  std::string out(hex.size() / 2, '\0');
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = static_cast<char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  return out;
+}
+
+}  // namespace
+
+json encode_byte_strings(const json& j) {
+  if (j.is_string()) {
+    const auto& s = j.get_ref<const std::string&>();
+    if (valid_utf8(s)) return j;
+    json out = json::object();
+    out[kBytesHex] = to_hex(s);
+    return out;
+  }
+  if (j.is_array()) {
+    json out = json::array();
+    for (const auto& e : j) out.push_back(encode_byte_strings(e));
+    return out;
+  }
+  if (!j.is_object()) return j;
+  bool plain = !looks_encoded(j);
+  for (const auto& [key, value] : j.items()) plain = plain && valid_utf8(key);
+  json out = json::object();
+  if (plain) {
+    for (const auto& [key, value] : j.items()) out[key] = encode_byte_strings(value);
+    return out;
+  }
+  json entries = json::array();
+  for (const auto& [key, value] : j.items())
+    entries.push_back(json::array({encode_byte_strings(json(key)), encode_byte_strings(value)}));
+  out[kObjectEntries] = std::move(entries);
+  return out;
+}
+
+json decode_byte_strings(const json& j) {
+  if (j.is_array()) {
+    json out = json::array();
+    for (const auto& e : j) out.push_back(decode_byte_strings(e));
+    return out;
+  }
+  if (!j.is_object()) return j;
+  if (looks_encoded(j) && j.contains(kBytesHex)) {
+    if (!j[kBytesHex].is_string())
+      throw ConfigError(fmt::format("{} holds {}, not a string", kBytesHex, j[kBytesHex].dump()));
+    return from_hex(j[kBytesHex].get<std::string>());
+  }
+  json out = json::object();
+  if (looks_encoded(j)) {
+    if (!j[kObjectEntries].is_array())
+      throw ConfigError(fmt::format("{} is not an array", kObjectEntries));
+    for (const auto& e : j[kObjectEntries]) {
+      const json key = e.is_array() && e.size() == 2 ? decode_byte_strings(e[0]) : json();
+      if (!key.is_string())
+        throw ConfigError(
+            fmt::format("{} holds {}, not a [key, value] pair", kObjectEntries, e.dump()));
+      out[key.get<std::string>()] = decode_byte_strings(e[1]);
+    }
+    return out;
+  }
+  for (const auto& [key, value] : j.items()) out[key] = decode_byte_strings(value);
+  return out;
+}
+
+std::string new_random_id() {
+  try {
+    std::random_device device;
+    std::string id;
+    for (int i = 0; i < 4; ++i) id += fmt::format("{:08x}", static_cast<std::uint32_t>(device()));
+    return id;
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("new_random_id: no random device: {}", e.what()));
   }
 }
 

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
 #include "optimizer/optimizer.h"
 #include "engine/engine_internals.h"
 #include "shardswap/checkpoint.h"
@@ -634,7 +636,7 @@ TEST_CASE("saving over an existing checkpoint and pruning keep the newest comple
   for (int step : {2, 4, 6, 8}) run_and_save(Setup{}, 2, root / checkpoint_name(step));
   run_and_save(Setup{}, 2, root / checkpoint_name(8));  // replaced in place
   fs::create_directories(root / (checkpoint_name(10) + ".tmp-save"));  // an interrupted save
-  prune_checkpoints(root, 2);
+  prune_checkpoints(root, 2, "");
   const auto left = list_checkpoints(root);
   REQUIRE(left.size() == 2);
   CHECK(left[0].filename() == checkpoint_name(6));
@@ -797,4 +799,414 @@ TEST_CASE("the safetensors export holds the checkpoint's weights and masters, as
     CHECK(test::contains(summary.str(), "world size 2"));
     CHECK(test::contains(summary.str(), "layers.2"));
   }
+}
+
+// ---- one save, one identity; crash windows; lineage; what a reader may be handed ----
+
+namespace {
+
+// A new world-`world` engine (seed 1) trained for `steps` steps and saved into `dir`; returns
+// each rank's state at the save and the directory written.
+struct Saved {
+  fs::path path;
+  std::vector<TrainingState> states;
+};
+
+Saved save_after(int world, int steps, const fs::path& dir, const SaveOptions& given = {}) {
+  Saved out;
+  out.states.resize(world);
+  std::mutex mu;
+  run_ranks(world, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(Setup{}, world), comm, space);
+    build(e, 1);
+    train(e, Setup{}, 0, steps);
+    SaveOptions options = given;
+    options.extra["step"] = steps;
+    const fs::path written = save_checkpoint(e, dir, options);
+    out.states[rank] = e.training_state(true);
+    std::lock_guard lock(mu);
+    out.path = written;
+  });
+  return out;
+}
+
+// Loads `dir` into a new world-`world` engine (other init); each rank's state after the load.
+std::vector<TrainingState> load_states(int world, const fs::path& dir,
+                                       LoadedCheckpoint* loaded = nullptr) {
+  std::vector<TrainingState> states(world);
+  run_ranks(world, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(Setup{}, world), comm, space);
+    build(e, 42);
+    const LoadedCheckpoint l = load_checkpoint(e, dir);
+    if (rank == 0 && loaded) *loaded = l;
+    states[rank] = e.training_state(true);
+  });
+  return states;
+}
+
+void require_states(const std::vector<TrainingState>& want, const std::vector<TrainingState>& got,
+                    const std::string& what) {
+  REQUIRE(want.size() == got.size());
+  for (std::size_t r = 0; r < want.size(); ++r)
+    require_same_state(want[r], got[r], fmt::format("{}, rank {}", what, r));
+}
+
+// The error every reader without an engine gives for `dir`: read_checkpoint_tensors (weights,
+// masters) and describe_checkpoint must all refuse it, with the same message.
+std::string inspect_error(const fs::path& dir) {
+  const auto weights =
+      test::rank_message_of<ConfigError>([&] { read_checkpoint_tensors(dir, false); });
+  const auto masters =
+      test::rank_message_of<ConfigError>([&] { read_checkpoint_tensors(dir, true); });
+  const auto described = test::rank_message_of<ConfigError>([&] { describe_checkpoint(dir); });
+  CHECK(weights == described);
+  CHECK(test::contains(masters, dir.string()));
+  return weights;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "files of another save copied into a checkpoint are refused by load and inspect, "
+    "naming the file") {
+  const ScratchFolder folder = scratch("mixed");
+  const auto& root = folder.path();
+  save_after(2, 3, root / checkpoint_name(10));
+  save_after(2, 5, root / checkpoint_name(20));
+  const auto mixed = [&](const std::string& name, const std::vector<std::string>& files) {
+    const fs::path dir = root / name;
+    fs::copy(root / checkpoint_name(10), dir, fs::copy_options::recursive);
+    for (const auto& f : files)
+      fs::copy_file(root / checkpoint_name(20) / f, dir / f, fs::copy_options::overwrite_existing);
+    return dir;
+  };
+  const std::string save20 =
+      read_checkpoint_metadata(root / checkpoint_name(20)).at("save_id").get<std::string>();
+  const std::string save10 =
+      read_checkpoint_metadata(root / checkpoint_name(10)).at("save_id").get<std::string>();
+  CHECK(save10 != save20);
+  CHECK(save10.size() == 32);
+  {
+    const auto dir =
+        mixed("all-bins", {"weights.bin", "rank-00000-of-00002.bin", "rank-00001-of-00002.bin"});
+    for (const auto& msg : {load_error(dir), inspect_error(dir)}) {
+      INFO(msg);
+      CHECK(test::contains(msg, dir.string() + "/"));
+      CHECK(test::contains(msg, "belongs to save " + save20.substr(0, 8)));
+      CHECK(test::contains(msg, "this checkpoint's save " + save10.substr(0, 8)));
+    }
+  }
+  for (const std::string file : {"rank-00001-of-00002.bin", "weights.bin"}) {
+    const auto dir = mixed("one-" + file, {file});
+    for (const auto& msg : {load_error(dir), inspect_error(dir)}) {
+      INFO(msg);
+      CHECK(test::contains(msg, "'" + (dir / file).string() + "' belongs to save"));
+    }
+  }
+  // The untouched ones still load and inspect.
+  read_checkpoint_tensors(root / checkpoint_name(10), true);
+  CHECK(test::contains(describe_checkpoint(root / checkpoint_name(20)), save20));
+}
+
+TEST_CASE("a checkpoint of the previous format version is refused with a message saying so") {
+  Damaged d;
+  const auto dir = d.copy("version1");
+  const auto path = dir / "metadata.json";
+  std::ifstream in(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  in.close();
+  const std::string middle = "\",\"metadata\":";
+  const auto body = text.find(middle) + middle.size();
+  auto meta = nlohmann::json::parse(text.substr(body, text.size() - body - 2));
+  meta["format_version"] = 1;
+  const std::string inner = meta.dump(1);
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      << "{\"format\":\"shardswap-checkpoint\",\"fnv1a64\":\""
+      << fmt::format("{:016x}", fnv1a64(inner.data(), inner.size())) << middle << inner << "}\n";
+  const auto msg = load_error(dir);
+  INFO(msg);
+  CHECK(test::contains(msg, path.string()));
+  CHECK(test::contains(msg, "format version 1"));
+  CHECK(test::contains(inspect_error(dir), "format version 1"));
+}
+
+TEST_CASE(
+    "a save interrupted at any rename or removal is completed or rolled back, and latest "
+    "loads the saved state bit for bit") {
+  const ScratchFolder folder = scratch("crash");
+  const auto& src = folder.path();
+  // Saved side by side, so that their save sequence numbers are 1, 2, 3.
+  const Saved earlier = save_after(2, 4, src / checkpoint_name(4));  // an older checkpoint
+  const Saved s1 = save_after(2, 6, src / checkpoint_name(6));  // what DIR held before the save
+  const Saved s2 = save_after(2, 8, src / checkpoint_name(8));  // what the interrupted save wrote
+  const std::map<std::string, fs::path> copies = {{"s1", src / checkpoint_name(6)},
+                                                  {"s2", src / checkpoint_name(8)},
+                                                  {"partial", src / "partial"},
+                                                  {"half-removed", src / "half-removed"}};
+  // A save killed while writing: rank files, no metadata yet.
+  fs::copy(copies.at("s2"), src / "partial", fs::copy_options::recursive);
+  fs::remove(src / "partial" / "metadata.json");
+  // A removal killed half way: metadata and weights left, one rank file gone.
+  fs::copy(copies.at("s1"), src / "half-removed", fs::copy_options::recursive);
+  fs::remove(src / "half-removed" / "rank-00000-of-00002.bin");
+
+  const std::string name = checkpoint_name(8);
+  struct Case {
+    const char* what;
+    const char *dir, *tmp, *old;  // copied from src (nullptr: absent)
+    const Saved* expected;        // what latest must load
+    std::string expected_name;
+  };
+  const std::vector<Case> cases = {
+      {"first save, killed while writing", nullptr, "partial", nullptr, &earlier,
+       checkpoint_name(4)},
+      {"first save, killed before its rename", nullptr, "s2", nullptr, &s2, name},
+      {"replacing save, killed while writing", "s1", "partial", nullptr, &s1, name},
+      {"replacing save, killed before the first rename", "s1", "s2", nullptr, &s1, name},
+      {"replacing save, killed after DIR -> DIR.old-save", nullptr, "s2", "s1", &s2, name},
+      {"replacing save, killed after DIR.tmp-save -> DIR", "s2", nullptr, "s1", &s2, name},
+      {"replacing save, killed while removing DIR.old-save", "s2", nullptr, "half-removed", &s2,
+       name},
+      {"an old copy beside an incomplete new one", nullptr, "partial", "s1", &s1, name},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    const ScratchFolder root_folder = scratch("crash-root");
+    const auto& root = root_folder.path();
+    fs::copy(src / checkpoint_name(4), root / checkpoint_name(4), fs::copy_options::recursive);
+    const auto place = [&](const char* from, const std::string& to) {
+      if (from) fs::copy(copies.at(from), root / to, fs::copy_options::recursive);
+    };
+    place(c.dir, name);
+    place(c.tmp, name + ".tmp-save");
+    place(c.old, name + ".old-save");
+    const auto actions = recover_checkpoints(root);
+    for (const auto& a : actions) UNSCOPED_INFO(a);
+    for (const auto& entry : fs::directory_iterator(root))
+      CHECK(entry.path().filename().string().find('.') == std::string::npos);
+    const auto latest = latest_checkpoint(root);
+    REQUIRE(latest.has_value());
+    CHECK(latest->path.filename() == c.expected_name);
+    LoadedCheckpoint loaded;
+    require_states(c.expected->states, load_states(2, latest->path, &loaded), c.what);
+    CHECK(recover_checkpoints(root).empty());  // nothing left to do
+  }
+  // The save after such a crash must not delete the only complete copy, even when it fails.
+  {
+    const ScratchFolder root_folder = scratch("crash-then-full");
+    const auto& root = root_folder.path();
+    fs::copy(copies.at("s2"), root / (name + ".tmp-save"), fs::copy_options::recursive);
+    fs::copy(copies.at("s1"), root / (name + ".old-save"), fs::copy_options::recursive);
+    DiskFull disk;
+    disk.budget = 2000;
+    SaveOptions options;
+    options.open = [&](const fs::path& p) { return std::make_unique<FullDiskFile>(p, disk); };
+    CHECK_THROWS_AS(save_after(2, 9, root / name, options), Error);
+    const auto latest = latest_checkpoint(root);
+    REQUIRE(latest.has_value());
+    CHECK(latest->path.filename() == name);
+    require_states(s2.states, load_states(2, latest->path), "after the failed save");
+  }
+}
+
+namespace {
+
+// One run as the trainer makes it, at world size 1: a new engine (loaded from `resume` if
+// given, then its lr set to `lr`), saving under `root` every `every` steps up to `to`, pruning
+// to `keep` of its own after each save.
+struct RunSaves {
+  std::map<int, fs::path> paths;
+  std::map<int, TrainingState> states;
+};
+
+RunSaves run_saving(const fs::path& root, const std::string& run_id, const fs::path& resume, int to,
+                    int every, int keep, double lr) {
+  RunSaves out;
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(Setup{}, 1), comm, space);
+    build(e, 1);
+    int from = 0;
+    std::optional<CheckpointParent> parent;
+    if (!resume.empty()) {
+      const LoadedCheckpoint loaded = load_checkpoint(e, resume);
+      from = loaded.extra.at("step").get<int>();
+      parent = CheckpointParent{loaded.run_id, from};
+    }
+    e.set_lr(lr);
+    for (int t = from; t < to; t += every) {
+      train(e, Setup{}, t, t + every);
+      SaveOptions options;
+      options.extra = {{"step", t + every}};
+      options.run_id = run_id;
+      options.parent = parent;
+      out.paths[t + every] = save_checkpoint(e, root / checkpoint_name(t + every), options);
+      prune_checkpoints(root, keep, run_id);
+      out.states[t + every] = e.training_state(true);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a run resumed from an older step prunes only its own checkpoints, never replaces "
+    "another run's, and is latest") {
+  const ScratchFolder folder = scratch("lineage");
+  const auto& root = folder.path();
+  const std::string a = new_random_id(), b = new_random_id();
+  REQUIRE(a.size() == 32);
+  REQUIRE(a.substr(0, 8) != b.substr(0, 8));
+  const RunSaves run_a = run_saving(root, a, {}, 30, 10, 3, 0.01);
+  const RunSaves run_b = run_saving(root, b, run_a.paths.at(10), 30, 5, 3, 0.02);
+  // A's checkpoints all survive, with A's state.
+  for (int step : {10, 20, 30}) {
+    INFO(step);
+    const auto& path = run_a.paths.at(step);
+    CHECK(path.filename() == checkpoint_name(step));
+    const auto meta = read_checkpoint_metadata(path);
+    CHECK(meta.at("run_id") == a);
+    CHECK(meta.at("parent").is_null());
+    require_states({run_a.states.at(step)}, load_states(1, path), "A");
+  }
+  // B's newest 3 survive; a name A holds got B's suffix.
+  CHECK(!fs::exists(run_b.paths.at(15)));
+  for (int step : {20, 25, 30}) {
+    INFO(step);
+    const auto& path = run_b.paths.at(step);
+    CHECK(path.filename() ==
+          (step == 25 ? checkpoint_name(25) : checkpoint_name(step) + "-" + b.substr(0, 8)));
+    const auto meta = read_checkpoint_metadata(path);
+    CHECK(meta.at("run_id") == b);
+    CHECK(meta.at("parent") == nlohmann::json({{"run_id", a}, {"step", 10}}));
+    require_states({run_b.states.at(step)}, load_states(1, path), "B");
+  }
+  CHECK(list_checkpoints(root).size() == 6);
+  const auto latest = latest_checkpoint(root);
+  REQUIRE(latest.has_value());
+  CHECK(latest->path == run_b.paths.at(30));
+  CHECK(latest->run_id == b);
+  CHECK(latest->step == 30);
+}
+
+TEST_CASE(
+    "a partly deleted checkpoint never lists as complete, and prune leftovers are "
+    "removed by the next prune") {
+  const ScratchFolder folder = scratch("prune-interrupted");
+  const auto& root = folder.path();
+  SaveOptions options;
+  options.run_id = new_random_id();
+  for (int step : {2, 4, 6}) save_after(2, step, root / checkpoint_name(step), options);
+  // What remove_all can leave when killed: the rank files gone, the metadata kept.
+  for (int r = 0; r < 2; ++r)
+    fs::remove(root / checkpoint_name(2) / fmt::format("rank-{:05}-of-00002.bin", r));
+  // What an interrupted prune leaves: renamed out of the checkpoint names, then partly removed.
+  fs::rename(root / checkpoint_name(4), root / (checkpoint_name(4) + ".prune"));
+  fs::remove(root / (checkpoint_name(4) + ".prune") / "weights.bin");
+  const auto listed = list_checkpoints(root);
+  REQUIRE(listed.size() == 1);
+  CHECK(listed[0].filename() == checkpoint_name(6));
+  const auto scan = scan_checkpoints(root);
+  REQUIRE(scan.skipped.size() == 1);
+  CHECK(test::contains(scan.skipped[0], (root / checkpoint_name(2)).string()));
+  CHECK(test::contains(scan.skipped[0], "rank-00000-of-00002.bin"));
+  prune_checkpoints(root, 3, options.run_id);
+  CHECK(!fs::exists(root / (checkpoint_name(4) + ".prune")));
+  CHECK(list_checkpoints(root).size() == 1);
+}
+
+TEST_CASE("a directory or a FIFO in place of a checkpoint file is refused, naming it") {
+  Damaged d;
+  for (const std::string file : {"weights.bin", "rank-00001-of-00002.bin", "metadata.json"})
+    for (const bool fifo : {false, true}) {
+      const auto dir = d.copy(fmt::format("{}-{}", fifo ? "fifo" : "dir", file));
+      const auto path = dir / file;
+      fs::remove(path);
+      if (fifo)
+        REQUIRE(::mkfifo(path.c_str(), 0644) == 0);
+      else
+        fs::create_directory(path);
+      for (const auto& msg : {load_error(dir), inspect_error(dir)}) {
+        INFO(msg);
+        CHECK(test::contains(msg, "'" + path.string() + "'"));
+        CHECK(test::contains(msg, fifo ? "a FIFO" : "a directory"));
+      }
+    }
+}
+
+namespace {
+
+// Random JSON whose strings and keys hold arbitrary bytes, and objects that look like the
+// encoding's own ({"bytes_hex": ...}, {"object_entries": ...}).
+nlohmann::json random_json(std::uint64_t& seed, int depth) {
+  const auto next = [&] { return seed = mix(seed); };
+  const auto bytes = [&] {
+    std::string s(next() % 6, '\0');
+    for (auto& c : s)
+      c = static_cast<char>(next() % 3 == 0 ? 0x80 + next() % 128 : 'a' + next() % 26);
+    return s;
+  };
+  switch (depth > 3 ? next() % 3 : next() % 6) {
+    case 0:
+      return static_cast<std::int64_t>(next() % 1000);
+    case 1:
+      return bytes();
+    case 2:
+      return nullptr;
+    case 3: {
+      nlohmann::json a = nlohmann::json::array();
+      for (auto n = next() % 4; n > 0; --n) a.push_back(random_json(seed, depth + 1));
+      return a;
+    }
+    case 4:
+      return {{next() % 2 ? "bytes_hex" : "object_entries", random_json(seed, depth + 1)}};
+    default: {
+      nlohmann::json o = nlohmann::json::object();
+      for (auto n = next() % 4; n > 0; --n) o[bytes()] = random_json(seed, depth + 1);
+      return o;
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("strings that are not UTF-8 survive encoding to JSON text and back, byte for byte") {
+  int encoded_some = 0;
+  for (std::uint64_t i = 0; i < 2000; ++i) {
+    std::uint64_t seed = i;
+    const nlohmann::json original = random_json(seed, 0);
+    const std::string text = encode_byte_strings(original).dump();  // throws if not UTF-8
+    encoded_some += test::contains(text, "bytes_hex") || test::contains(text, "object_entries");
+    const nlohmann::json back = decode_byte_strings(nlohmann::json::parse(text));
+    if (back != original) FAIL(fmt::format("input {}: {} came back differently", i, text));
+  }
+  CHECK(encoded_some > 200);
+}
+
+TEST_CASE(
+    "a config and trainer state with bytes that are not UTF-8 are saved, into a directory "
+    "named so, and read back exactly") {
+  const ScratchFolder folder = scratch("bytes");
+  const fs::path root = folder / "ck_\xe9";
+  const nlohmann::json config = {{"checkpoint", {{"dir", root.string()}}},
+                                 {"tensorboard", {{"log\xff", "x"}}}};
+  SaveOptions options;
+  options.config = config;
+  options.extra = {{"path", "/data/\xc3\x28.bin"}, {"lookalike", {{"bytes_hex", "41"}}}};
+  const Saved saved = save_after(1, 3, root / checkpoint_name(3), options);
+  LoadedCheckpoint loaded;
+  require_states(saved.states, load_states(1, saved.path, &loaded), "after the load");
+  nlohmann::json extra = options.extra;
+  extra["step"] = 3;
+  CHECK(loaded.extra == extra);
+  const auto meta = read_checkpoint_metadata(saved.path);
+  CHECK(decode_byte_strings(meta.at("config")) == config);
+  CHECK(decode_byte_strings(meta.at("extra")) == extra);
+  const std::string summary = describe_checkpoint(saved.path);
+  INFO(summary);
+  CHECK(test::contains(summary, "2f646174612fc3282e62696e"));  // "/data/\xc3\x28.bin" in hex
+  CHECK(list_checkpoints(root).size() == 1);
 }

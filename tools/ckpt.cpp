@@ -79,6 +79,16 @@ std::string describe_checkpoint(const fs::path& dir) {
                    dir.string(), meta.at("format_version").get<int>(),
                    meta.at("shardswap_version").get<std::string>(),
                    meta.at("world_size").get<int>());
+  const json& parent = meta.at("parent");
+  const std::string run = meta.at("run_id").get<std::string>();
+  s << fmt::format(
+      "save {} (save sequence {}), run {}, {}\n", meta.at("save_id").get<std::string>(),
+      meta.at("save_sequence").get<std::int64_t>(), run.empty() ? "(none)" : run,
+      parent.is_null()
+          ? std::string("started fresh")
+          : fmt::format("resumed from run {} at step {}", parent.at("run_id").get<std::string>(),
+                        parent.at("step").get<std::int64_t>()));
+  // Strings that are not UTF-8 show as {"bytes_hex": ...}, as the metadata stores them.
   if (extra.contains("step")) s << fmt::format("step {}\n", extra.at("step").dump());
   if (!extra.empty()) s << fmt::format("trainer state: {}\n", extra.dump());
   s << fmt::format("model: {} params, {} elements, {}; optimizer {} ({} state slots); saved at "

@@ -203,6 +203,32 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
 
   TrainSummary summary;
   summary.predicted_bytes = predicted.total();
+  // Checkpoints: this run's id ties what it writes to it (pruning deletes only its own); what a
+  // killed save or prune left is completed or rolled back before `latest` is chosen, once, here.
+  const std::string run_id = new_random_id();
+  std::filesystem::path latest;
+  std::vector<std::string> checkpoint_notes;
+  if (!config.checkpoint.dir.empty()) {
+    checkpoint_notes = recover_checkpoints(config.checkpoint.dir);
+    if (config.checkpoint.load == "latest") {
+      const CheckpointScan scan = scan_checkpoints(config.checkpoint.dir);
+      for (const auto& why : scan.skipped)
+        checkpoint_notes.push_back("not a complete checkpoint, skipped: " + why);
+      if (!scan.complete.empty()) {
+        const CheckpointEntry& newest = scan.complete.back();  // the most recently written
+        latest = newest.path;
+        const auto highest =
+            std::max_element(scan.complete.begin(), scan.complete.end(),
+                             [](const auto& a, const auto& b) { return a.step < b.step; });
+        if (highest->step > newest.step)
+          checkpoint_notes.push_back(fmt::format(
+              "note: {} (step {}, run {}) is further along than the most recently written {} "
+              "(step {}), which is resumed; set checkpoint.load to it to continue that run",
+              highest->path.string(), highest->step, highest->run_id.substr(0, 8),
+              newest.path.string(), newest.step));
+      }
+    }
+  }
   std::mutex mu;  // rank 0 writes the outputs; the lock orders them with the summary's readers
 
   auto per_rank = [&](int rank, Communicator& comm, std::unique_ptr<Allocator> allocator) {
@@ -272,14 +298,14 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     // Resuming: the engine's state from the checkpoint; the schedule's position and the data's
     // are pure functions of the step, so the step and the update count are all the loop needs.
     std::int64_t start = 0;
-    std::filesystem::path resume_from = config.checkpoint.load;
-    if (config.checkpoint.load == "latest") {
-      const auto found = list_checkpoints(config.checkpoint.dir);
-      resume_from = found.empty() ? std::filesystem::path() : found.back();
-    }
+    std::optional<CheckpointParent> parent;
+    for (const auto& note : checkpoint_notes) say(note);
+    const std::filesystem::path resume_from =
+        config.checkpoint.load == "latest" ? latest : std::filesystem::path(config.checkpoint.load);
     if (!resume_from.empty()) {
       const LoadedCheckpoint loaded = load_checkpoint(engine, resume_from);
       start = loaded.extra.at("step").get<std::int64_t>();
+      parent = CheckpointParent{loaded.run_id, start};
       updates = loaded.extra.at("updates").get<std::int64_t>();
       planned = engine.plan().total() + ByteLm::activation_bytes(config.model, micro,
                                                                  config.engine.dtype,
@@ -332,9 +358,12 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
         SaveOptions options;
         options.extra = {{"step", step + 1}, {"updates", updates}, {"seed", config.seed}};
         options.config = config.source;
-        const auto path = std::filesystem::path(config.checkpoint.dir) / checkpoint_name(step + 1);
-        save_checkpoint(engine, path, options);  // collective
-        if (rank == 0) prune_checkpoints(config.checkpoint.dir, config.checkpoint.keep);
+        options.run_id = run_id;
+        options.parent = parent;
+        const auto path = save_checkpoint(  // collective
+            engine, std::filesystem::path(config.checkpoint.dir) / checkpoint_name(step + 1),
+            options);
+        if (rank == 0) prune_checkpoints(config.checkpoint.dir, config.checkpoint.keep, run_id);
         say(fmt::format("checkpoint saved: {}", path.string()));
       }
       if (rank != 0) continue;

@@ -10,12 +10,16 @@
 //   then sections separated by kSeparator: metadata, weights.bin, then the rank files
 //           (rank-0000r-of-0000W.bin, W = the number of rank sections).
 //   In fix-up mode the metadata section is the metadata value only (the harness wraps it as
-//   save_checkpoint does, with its FNV-1a), and each binary section lacks its 8-byte trailer.
+//   save_checkpoint does, with its FNV-1a), and each binary section lacks its 8-byte trailer;
+//   where the metadata parses and lists a file, the harness also writes that file's actual size
+//   and checksum into it (format 2 records both), so that a mutated file is judged by its
+//   header and save id, not refused by the recorded checksum alone.
 #include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -23,6 +27,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "shardswap/checkpoint.h"
 #include "shardswap/error.h"
@@ -74,21 +79,37 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const fs::path& dir = scratch_dir();
   for (const auto& entry : fs::directory_iterator(dir)) fs::remove(entry.path());
   const int world = static_cast<int>(sections.size()) - 2;
-  for (std::size_t i = 0; i < sections.size(); ++i) {
-    std::string bytes(sections[i]);
-    if (fix_up && i == 0) {
-      bytes = fmt::format("{{\"format\":\"shardswap-checkpoint\",\"fnv1a64\":\"{:016x}\","
-                          "\"metadata\":{}}}\n",
-                          shardswap::fnv1a64(bytes.data(), bytes.size()), bytes);
-    } else if (fix_up) {
-      bytes = with_trailer(bytes);
+  const auto name_of = [&](std::size_t i) -> std::string {
+    return i == 0   ? "metadata.json"
+           : i == 1 ? "weights.bin"
+                    : fmt::format("rank-{:05}-of-{:05}.bin", static_cast<int>(i) - 2, world);
+  };
+  std::vector<std::string> files(sections.size());
+  for (std::size_t i = 1; i < sections.size(); ++i)
+    files[i] = fix_up ? with_trailer(sections[i]) : std::string(sections[i]);
+  std::string meta(sections[0]);
+  if (fix_up) {
+    auto parsed = nlohmann::json::parse(meta, nullptr, false);
+    if (parsed.is_object() && parsed.contains("files") && parsed["files"].is_array()) {
+      for (auto& record : parsed["files"]) {
+        if (!record.is_object() || !record.contains("name")) continue;
+        for (std::size_t i = 1; i < files.size(); ++i)
+          if (record["name"] == name_of(i)) {
+            std::uint64_t trailer = 0;
+            std::memcpy(&trailer, files[i].data() + files[i].size() - 8, 8);
+            record["bytes"] = files[i].size();
+            record["fnv1a64"] = fmt::format("{:016x}", trailer);
+          }
+      }
+      meta = parsed.dump(1);
     }
-    const std::string name =
-        i == 0   ? "metadata.json"
-        : i == 1 ? "weights.bin"
-                 : fmt::format("rank-{:05}-of-{:05}.bin", static_cast<int>(i) - 2, world);
-    write_file(dir / name, bytes);
+    meta = fmt::format(
+        "{{\"format\":\"shardswap-checkpoint\",\"fnv1a64\":\"{:016x}\","
+        "\"metadata\":{}}}\n",
+        shardswap::fnv1a64(meta.data(), meta.size()), meta);
   }
+  files[0] = std::move(meta);
+  for (std::size_t i = 0; i < files.size(); ++i) write_file(dir / name_of(i), files[i]);
   try {
     (void)shardswap::read_checkpoint_metadata(dir);
     (void)shardswap::read_checkpoint_tensors(dir, /*master=*/false);

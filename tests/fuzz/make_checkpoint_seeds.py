@@ -2,7 +2,8 @@
 """Packs a real checkpoint directory (made by `shardswap train` with checkpoint.dir) into seeds
 for shardswap_fuzz_checkpoint, in the layout its source describes: a mode byte, then metadata,
 weights.bin and the rank files separated by SEPARATOR. Writes one raw seed and one fix-up seed
-(checksums stripped; the harness adds them back), plus a few fix-up variants.
+(checksums stripped; the harness adds them back, and the metadata's per-file records), plus a
+few fix-up variants.
 
 Usage: make_checkpoint_seeds.py CHECKPOINT_DIR OUT_DIR
 """
@@ -33,6 +34,11 @@ def main():
     header_end = 16 + int.from_bytes(w[8:16], "little")
     (out / "fixup-weights-header-only").write_bytes(
         b"\x01" + SEPARATOR.join([inner, w[:header_end]] + stripped[1:]))
+    # Format 2: weights.bin of another save (its header's save id differs from the metadata's).
+    save_id = json.loads(meta)["metadata"]["save_id"].encode()
+    other = w.replace(save_id, save_id[::-1], 1)
+    (out / "fixup-weights-of-another-save").write_bytes(
+        b"\x01" + SEPARATOR.join([inner, other] + stripped[1:]))
 
 
 if __name__ == "__main__":
