@@ -124,8 +124,8 @@ std::vector<shardswap::InputFile> train_inputs(const ConfigArgs& args,
                                               {"the data file", config.data_path}};
   std::filesystem::path checkpoint = config.checkpoint.load;
   if (config.checkpoint.load == "latest") {
-    const auto found = shardswap::list_checkpoints(config.checkpoint.dir);
-    checkpoint = found.empty() ? std::filesystem::path() : found.back();
+    const auto found = shardswap::latest_checkpoint(config.checkpoint.dir);
+    checkpoint = found ? found->path : std::filesystem::path();
   }
   if (!checkpoint.empty())
     for (auto& input : shardswap::checkpoint_inputs(checkpoint)) inputs.push_back(input);

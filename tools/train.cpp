@@ -205,7 +205,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   summary.predicted_bytes = predicted.total();
   // Checkpoints: this run's id ties what it writes to it (pruning deletes only its own); what a
   // killed save or prune left is completed or rolled back before `latest` is chosen, once, here.
-  const std::string run_id = new_random_id();
+  std::string run_id = new_random_id();
   std::filesystem::path latest;
   std::vector<std::string> checkpoint_notes;
   if (!config.checkpoint.dir.empty()) {
@@ -227,6 +227,22 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
               highest->path.string(), highest->step, highest->run_id.substr(0, 8),
               newest.path.string(), newest.step));
       }
+    }
+    // Resuming the newest checkpoint of a run continues that run (a preempted job resumed again
+    // and again stays one run, whose old checkpoints its prunes may delete); resuming an older
+    // one branches off as a new run, which never deletes what the other wrote.
+    const std::filesystem::path resuming =
+        config.checkpoint.load == "latest" ? latest : std::filesystem::path(config.checkpoint.load);
+    if (!resuming.empty()) {
+      const auto meta = read_checkpoint_metadata(resuming);
+      const auto of_run = meta.at("run_id").get<std::string>();
+      const auto sequence = meta.at("save_sequence").get<std::int64_t>();
+      const CheckpointScan scan = scan_checkpoints(config.checkpoint.dir);
+      const bool newer_of_run = std::any_of(
+          scan.complete.begin(), scan.complete.end(), [&](const CheckpointEntry& e) {
+            return e.run_id == of_run && e.save_sequence > sequence;
+          });
+      if (!of_run.empty() && !newer_of_run) run_id = of_run;
     }
   }
   std::mutex mu;  // rank 0 writes the outputs; the lock orders them with the summary's readers
