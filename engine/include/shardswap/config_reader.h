@@ -21,6 +21,11 @@ namespace shardswap {
 
 class ConfigReader {
  public:
+  /// The deepest nesting of objects and lists a config may have; the top-level object is level 1.
+  static constexpr std::size_t kMaxDepth = 256;
+  /// The largest config file read, in bytes (16 MiB).
+  static constexpr std::size_t kMaxFileBytes = std::size_t{16} << 20;
+
   /// `source` names where the JSON came from (a file path) in error messages.
   ConfigReader(nlohmann::json root, std::string source);
   /// Parses a file. Throws ConfigError naming the file if it cannot be read, and the file, line
