@@ -744,7 +744,8 @@ TEST_CASE("a config nested deeper than the limit is refused naming the file, pos
   for (int trial = 0; trial < 10; ++trial) {
     const std::size_t levels = kDepth + 1 + rng() % 2000;
     const Nested n = nested(rng, levels);
-    const auto m = test::message_of<ConfigError>([&] { ConfigReader::from_text(n.text, "r.json"); });
+    const auto m =
+        test::message_of<ConfigError>([&] { ConfigReader::from_text(n.text, "r.json"); });
     CAPTURE(levels, m);
     REQUIRE(n.steps.size() == kDepth);  // the key path of the container on level kDepth + 1
     REQUIRE(test::config_shaped(m, "r.json:" + n.position, shortened(n.steps)));
@@ -834,8 +835,7 @@ TEST_CASE("a --set value or key path deeper than the limit is refused and change
     REQUIRE(reader.json()["a"]["b"].is_array());
     reader.set("a.b=1");
     const std::size_t levels = ok + 1 + rng() % 5000;
-    const auto m =
-        test::message_of<ConfigError>([&] { reader.set("a.b=" + value_of(levels)); });
+    const auto m = test::message_of<ConfigError>([&] { reader.set("a.b=" + value_of(levels)); });
     CAPTURE(levels, m);
     std::vector<std::string> steps{"a", "b"};
     for (std::size_t i = 0; i + 2 < kDepth; ++i) steps.push_back("[0]");
@@ -850,15 +850,16 @@ TEST_CASE("a --set value or key path deeper than the limit is refused and change
   reader.set(joined(keys, 0, keys.size()) + "=1");
   reader = ConfigReader(before, "s.json");
   keys.push_back("z");
-  const auto m = test::message_of<ConfigError>(
-      [&] { reader.set(joined(keys, 0, keys.size()) + "=1"); });
+  const auto m =
+      test::message_of<ConfigError>([&] { reader.set(joined(keys, 0, keys.size()) + "=1"); });
   CAPTURE(m);
   keys.pop_back();
   REQUIRE(test::contains(m, ": " + shortened(keys) + ": "));
   REQUIRE(reader.json() == before);
 }
 
-TEST_CASE("a config that is not a regular file is refused naming it, without blocking", "[config]") {
+TEST_CASE("a config that is not a regular file is refused naming it, without blocking",
+          "[config]") {
   const test_support::ScratchFolder dir("shardswap-config-files");
   const auto fifo = (dir / "fifo.json").string();
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
@@ -890,10 +891,12 @@ TEST_CASE("a config that is not a regular file is refused naming it, without blo
   REQUIRE(m.rfind(fifo + ": not a regular file (a FIFO)", 0) == 0);
 
   const auto folder = dir.path().string();
-  REQUIRE(test::message_of<ConfigError>([&] { ConfigReader::from_file(folder); })
-              .rfind(folder + ": not a regular file (a directory)", 0) == 0);
-  REQUIRE(test::message_of<ConfigError>([&] { ConfigReader::from_file("/dev/null"); })
-              .rfind("/dev/null: not a regular file (a character device)", 0) == 0);
+  REQUIRE(test::message_of<ConfigError>([&] {
+            ConfigReader::from_file(folder);
+          }).rfind(folder + ": not a regular file (a directory)", 0) == 0);
+  REQUIRE(test::message_of<ConfigError>([&] {
+            ConfigReader::from_file("/dev/null");
+          }).rfind("/dev/null: not a regular file (a character device)", 0) == 0);
 }
 
 TEST_CASE("a config file larger than the limit is refused naming it, one at the limit loads",
@@ -904,8 +907,7 @@ TEST_CASE("a config file larger than the limit is refused naming it, one at the 
   const std::string head = "{\"steps\": 3, \"tensorboard\": \"";
   std::mt19937 rng(19);
   std::string text = head;
-  while (text.size() < ConfigReader::kMaxFileBytes - 2)
-    text += static_cast<char>('a' + rng() % 26);
+  while (text.size() < ConfigReader::kMaxFileBytes - 2) text += static_cast<char>('a' + rng() % 26);
   text += "\"}";
   REQUIRE(text.size() == ConfigReader::kMaxFileBytes);
   std::ofstream(at_limit, std::ios::binary) << text;
