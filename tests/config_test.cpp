@@ -844,6 +844,12 @@ TEST_CASE("a --set value or key path deeper than the limit is refused and change
     REQUIRE(m.size() < 400);
     REQUIRE(reader.json() == before);
   }
+  // A --set value is held to a file's rules: a key repeated in one of its objects is refused.
+  const auto repeated =
+      test::message_of<ConfigError>([&] { reader.set(R"(a.b={"x": 1, "y": {"z": 2, "z": 3}})"); });
+  CAPTURE(repeated);
+  REQUIRE(test::contains(repeated, "a.b.y.z: the key appears twice"));
+  REQUIRE(reader.json() == before);
   // A key path alone may name kDepth keys (the last holds a value, not an object).
   std::vector<std::string> keys;
   for (std::size_t i = 0; i < kDepth; ++i) keys.push_back(fmt::format("k{}", rng() % 10));
