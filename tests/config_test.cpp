@@ -4,12 +4,20 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "shardswap/batch_sizes.h"
@@ -17,6 +25,7 @@
 #include "shardswap/error.h"
 #include "shardswap/lr_schedule.h"
 #include "tests/catch_compat.h"
+#include "tests/support/scratch_folder.h"
 #include "tools/train.h"
 
 using namespace shardswap;
@@ -658,4 +667,270 @@ TEST_CASE("each auto key warns once however often it is read", "[config]") {
   REQUIRE(test::contains(reader.warnings()[0], "a.json: a = \"auto\": "));
   REQUIRE(test::contains(reader.warnings()[0], "default, 2.5"));
   REQUIRE(reader.unread_keys().empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile input: nesting, size and file type are bounded before anything large is built
+
+namespace {
+
+constexpr auto kDepth = ConfigReader::kMaxDepth;
+
+// A key path as messages show it: keys joined with '.', list indices as "[i]".
+std::string joined(const std::vector<std::string>& steps, std::size_t from, std::size_t to) {
+  std::string out;
+  for (std::size_t i = from; i < to; ++i)
+    out += (steps[i][0] == '[' || out.empty()) ? steps[i] : "." + steps[i];
+  return out;
+}
+
+// How messages shorten a long key path: its first six and last three steps.
+std::string shortened(const std::vector<std::string>& steps) {
+  if (steps.size() <= 10) return joined(steps, 0, steps.size());
+  const auto tail = joined(steps, steps.size() - 3, steps.size());
+  return joined(steps, 0, 6) + " ... " + (tail[0] == '[' ? tail : "." + tail);
+}
+
+// A config whose key "tensorboard" (a DeepSpeed key ShardSwap only warns about) holds objects and
+// lists nested at random, with random keys, list elements before the nested one and line breaks,
+// so that its containers reach level `levels` (the top-level object is level 1).
+struct Nested {
+  std::string text;
+  // Where the container of level kDepth + 1 opens ("LINE:COLUMN"), and the steps of its key
+  // path; empty where the text stays within the limit.
+  std::string position;
+  std::vector<std::string> steps;
+};
+
+Nested nested(std::mt19937& rng, std::size_t levels) {
+  Nested n;
+  n.text = "{\n  \"steps\": 3,\n  \"tensorboard\": ";
+  std::vector<std::string> steps{"tensorboard"};
+  std::string closing = "}";
+  std::size_t line = 3;
+  for (std::size_t level = 2; level <= levels; ++level) {
+    if (level == kDepth + 1) {
+      const auto column = n.text.size() - n.text.rfind('\n');
+      n.position = fmt::format("{}:{}", line, column);
+      n.steps = steps;
+    }
+    if (rng() % 2 == 0) {
+      const auto key = fmt::format("k{}", rng() % 1000);
+      n.text += fmt::format("{{\"{}\": ", key);
+      steps.push_back(key);
+      closing += '}';
+    } else {
+      const std::size_t before = rng() % 3;
+      n.text += '[';
+      for (std::size_t i = 0; i < before; ++i) n.text += fmt::format("{}, ", rng() % 100);
+      steps.push_back(fmt::format("[{}]", before));
+      closing += ']';
+    }
+    if (rng() % 8 == 0) {
+      n.text += "\n  ";
+      ++line;
+    }
+  }
+  n.text += "0";
+  n.text.append(closing.rbegin(), closing.rend());
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("a config nested deeper than the limit is refused naming the file, position and key path",
+          "[config]") {
+  std::mt19937 rng(15);
+  for (int trial = 0; trial < 10; ++trial) {
+    const std::size_t levels = kDepth + 1 + rng() % 2000;
+    const Nested n = nested(rng, levels);
+    const auto m =
+        test::message_of<ConfigError>([&] { ConfigReader::from_text(n.text, "r.json"); });
+    CAPTURE(levels, m);
+    REQUIRE(n.steps.size() == kDepth);  // the key path of the container on level kDepth + 1
+    REQUIRE(test::config_shaped(m, "r.json:" + n.position, shortened(n.steps)));
+    REQUIRE(test::contains(m, fmt::format("deeper than {} levels", kDepth)));
+  }
+}
+
+TEST_CASE("a config nested exactly to the limit loads and its keys are listed", "[config]") {
+  std::mt19937 rng(16);
+  for (int trial = 0; trial < 5; ++trial) {
+    const std::size_t levels = kDepth - rng() % 3;
+    const Nested n = nested(rng, levels);
+    auto reader = ConfigReader::from_text(n.text, "r.json");
+    REQUIRE(reader.integer("steps", 0) == 3);
+    const auto unread = reader.unread_keys();
+    REQUIRE(!unread.empty());
+    for (const auto& key : unread) REQUIRE(key.rfind("tensorboard", 0) == 0);
+    // However many leaves, the DeepSpeed key ShardSwap only warns about is one warning.
+    const auto warnings = config_warnings(reader);
+    REQUIRE(keys_of(warnings, "r.json") == std::vector<std::string>{"tensorboard"});
+  }
+}
+
+TEST_CASE("a config thirty thousand levels deep under a warned key is refused, not a crash",
+          "[config]") {
+  std::string text = R"({"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": true}, )"
+                     R"("tensorboard": )";
+  constexpr int kLevels = 30'000;
+  for (int i = 0; i < kLevels; ++i) text += R"({"a": )";
+  text += "1" + std::string(kLevels + 1, '}');
+  const auto m = test::message_of<ConfigError>([&] {
+    auto reader = ConfigReader::from_text(text, "deep.json");
+    load(reader, 1);
+  });
+  CAPTURE(m.substr(0, 500));
+  REQUIRE(test::contains(m, "deep.json:1:"));
+  REQUIRE(test::contains(m, ": tensorboard.a.a.a.a.a ... .a.a.a: "));
+  REQUIRE(m.size() < 300);
+}
+
+TEST_CASE("a long key in a path too deep is shortened in the message", "[config]") {
+  const std::string key(5000, 'x');
+  std::string text = "{\"" + key + "\": ";
+  for (std::size_t i = 0; i < kDepth; ++i) text += "[";
+  text += std::string(kDepth, ']') + "}";
+  const auto m = test::message_of<ConfigError>([&] { ConfigReader::from_text(text, "k.json"); });
+  CAPTURE(m);
+  REQUIRE(test::contains(m, "k.json:1:"));
+  REQUIRE(test::contains(m, std::string(32, 'x') + "...[0][0]"));
+  REQUIRE(m.size() < 300);
+}
+
+TEST_CASE("a JSON value nested deeper than the limit is refused by the reader built from it",
+          "[config]") {
+  std::mt19937 rng(17);
+  const std::size_t levels = kDepth + 1 + rng() % 100;
+  nlohmann::json root = nlohmann::json::object();
+  nlohmann::json* node = &root;
+  std::vector<std::string> steps;
+  for (std::size_t level = 2; level <= levels; ++level) {
+    const auto key = fmt::format("k{}", rng() % 1000);
+    if (level <= kDepth + 1) steps.push_back(key);
+    node = &((*node)[key] = nlohmann::json::object());
+  }
+  const auto m = test::message_of<ConfigError>([&] { ConfigReader(root, "j.json"); });
+  CAPTURE(levels, m);
+  REQUIRE(test::config_shaped(m, "j.json", shortened(steps)));
+  steps.pop_back();  // one level less deep: accepted
+  nlohmann::json shallow = nlohmann::json::object();
+  node = &shallow;
+  for (const auto& key : steps) node = &((*node)[key] = nlohmann::json::object());
+  REQUIRE_NOTHROW(ConfigReader(shallow, "j.json"));
+}
+
+TEST_CASE("a --set value or key path deeper than the limit is refused and changes nothing",
+          "[config]") {
+  std::mt19937 rng(18);
+  ConfigReader reader(nlohmann::json{{"steps", 3}, {"a", {{"b", 1}}}}, "s.json");
+  const auto before = reader.json();
+  const auto value_of = [](std::size_t levels) {
+    return std::string(levels, '[') + "1" + std::string(levels, ']');
+  };
+  for (int trial = 0; trial < 5; ++trial) {
+    // "a.b" puts its value on level 3: a list inside it may go kDepth - 2 levels deep.
+    const std::size_t ok = kDepth - 2;
+    reader.set("a.b=" + value_of(ok));
+    REQUIRE(reader.json()["a"]["b"].is_array());
+    reader.set("a.b=1");
+    const std::size_t levels = ok + 1 + rng() % 5000;
+    const auto m = test::message_of<ConfigError>([&] { reader.set("a.b=" + value_of(levels)); });
+    CAPTURE(levels, m);
+    std::vector<std::string> steps{"a", "b"};
+    for (std::size_t i = 0; i + 2 < kDepth; ++i) steps.push_back("[0]");
+    REQUIRE(test::contains(m, "--set 'a.b=[[[["));
+    REQUIRE(test::contains(m, ": " + shortened(steps) + ": "));
+    REQUIRE(m.size() < 400);
+    REQUIRE(reader.json() == before);
+  }
+  // A --set value is held to a file's rules: a key repeated in one of its objects is refused.
+  const auto repeated =
+      test::message_of<ConfigError>([&] { reader.set(R"(a.b={"x": 1, "y": {"z": 2, "z": 3}})"); });
+  CAPTURE(repeated);
+  REQUIRE(test::contains(repeated, "a.b.y.z: the key appears twice"));
+  REQUIRE(reader.json() == before);
+  // A key path alone may name kDepth keys (the last holds a value, not an object).
+  std::vector<std::string> keys;
+  for (std::size_t i = 0; i < kDepth; ++i) keys.push_back(fmt::format("k{}", rng() % 10));
+  reader.set(joined(keys, 0, keys.size()) + "=1");
+  reader = ConfigReader(before, "s.json");
+  keys.push_back("z");
+  const auto m =
+      test::message_of<ConfigError>([&] { reader.set(joined(keys, 0, keys.size()) + "=1"); });
+  CAPTURE(m);
+  keys.pop_back();
+  REQUIRE(test::contains(m, ": " + shortened(keys) + ": "));
+  REQUIRE(reader.json() == before);
+}
+
+TEST_CASE("a config that is not a regular file is refused naming it, without blocking",
+          "[config]") {
+  const test_support::ScratchFolder dir("shardswap-config-files");
+  const auto fifo = (dir / "fifo.json").string();
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  // Should the reader wait for a writer, this one comes after a while and feeds it a valid
+  // config, which the reader would then accept: the test fails instead of hanging.
+  std::atomic<bool> done{false};
+  std::thread writer([&] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (!done && std::chrono::steady_clock::now() < until) {
+      const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      if (fd >= 0) {
+        [[maybe_unused]] const auto written = ::write(fd, "{}", 2);
+        ::close(fd);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  });
+  struct Joined {  // also when the assertion below fails and unwinds
+    std::atomic<bool>& done;
+    std::thread& writer;
+    ~Joined() {
+      done = true;
+      writer.join();
+    }
+  } joined{done, writer};
+  const auto m = test::message_of<ConfigError>([&] { ConfigReader::from_file(fifo); });
+  CAPTURE(m);
+  REQUIRE(m.rfind(fifo + ": not a regular file (a FIFO)", 0) == 0);
+
+  const auto folder = dir.path().string();
+  REQUIRE(test::message_of<ConfigError>([&] {
+            ConfigReader::from_file(folder);
+          }).rfind(folder + ": not a regular file (a directory)", 0) == 0);
+  REQUIRE(test::message_of<ConfigError>([&] {
+            ConfigReader::from_file("/dev/null");
+          }).rfind("/dev/null: not a regular file (a character device)", 0) == 0);
+}
+
+TEST_CASE("a config file larger than the limit is refused naming it, one at the limit loads",
+          "[config]") {
+  const test_support::ScratchFolder dir("shardswap-config-size");
+  // Exactly the limit: an object whose one string fills it.
+  const auto at_limit = (dir / "at.json").string();
+  const std::string head = "{\"steps\": 3, \"tensorboard\": \"";
+  std::mt19937 rng(19);
+  std::string text = head;
+  while (text.size() < ConfigReader::kMaxFileBytes - 2) text += static_cast<char>('a' + rng() % 26);
+  text += "\"}";
+  REQUIRE(text.size() == ConfigReader::kMaxFileBytes);
+  std::ofstream(at_limit, std::ios::binary) << text;
+  auto reader = ConfigReader::from_file(at_limit);
+  REQUIRE(reader.integer("steps", 0) == 3);
+  // One byte more (a space before the closing brace), and a sparse file far larger.
+  const auto over = (dir / "over.json").string();
+  text.insert(text.size() - 1, " ");
+  std::ofstream(over, std::ios::binary) << text;
+  const auto huge = (dir / "huge.json").string();
+  const int fd = ::open(huge.c_str(), O_WRONLY | O_CREAT, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, off_t{1} << 36) == 0);  // 64 GiB of holes: costs no disk
+  ::close(fd);
+  for (const auto& path : {over, huge}) {
+    const auto m = test::message_of<ConfigError>([&] { ConfigReader::from_file(path); });
+    CAPTURE(m);
+    REQUIRE(m.rfind(path + ": larger than 16 MiB (16777216 bytes)", 0) == 0);
+  }
 }

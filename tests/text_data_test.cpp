@@ -1,17 +1,24 @@
 // ByteCorpus: the split, batches as pure functions of their arguments, and errors that name
 // data.path and the file.
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
+#include "tests/support/scratch_folder.h"
 #include "tools/lm/text_data.h"
 
 using namespace shardswap;
@@ -148,4 +155,87 @@ TEST_CASE("byte corpus errors name data.path and the file, or the bad argument")
   REQUIRE_THROWS_AS(ok.train_batch(0, 0, 0, 0), ConfigError);
   REQUIRE_THROWS_AS(ok.train_batch(-1, 0, 0, 4), ConfigError);
   REQUIRE_THROWS_AS(ok.val_batch(-1, 4), ConfigError);
+}
+
+namespace {
+
+// The bytes of data the process holds now (heap and private writable mappings: what
+// RLIMIT_DATA limits), from /proc/self/status.
+std::uint64_t data_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmData:", 0) == 0) return std::stoull(line.substr(7)) * 1024;
+  FAIL("no VmData in /proc/self/status");
+  return 0;
+}
+
+// Lets the process allocate at most `more` bytes beyond what it holds, until the object goes.
+struct DataLimit {
+  rlimit old{};
+  explicit DataLimit(std::uint64_t more) {
+    REQUIRE(::getrlimit(RLIMIT_DATA, &old) == 0);
+    const rlimit limited{data_bytes() + more, old.rlim_max};
+    REQUIRE(::setrlimit(RLIMIT_DATA, &limited) == 0);
+  }
+  ~DataLimit() { ::setrlimit(RLIMIT_DATA, &old); }
+};
+
+}  // namespace
+
+TEST_CASE("byte corpus maps a data file larger than the memory it may allocate") {
+  const test_support::ScratchFolder dir("shardswap-corpus-huge");
+  const auto path = (dir / "huge.bin").string();
+  // 1 GiB, mostly holes (no disk), with random bytes where the validation split starts.
+  constexpr std::int64_t kSize = std::int64_t{1} << 30;
+  const std::int64_t train = kSize - static_cast<std::int64_t>(std::floor(kSize * 0.1));
+  std::vector<std::uint8_t> tail(64);
+  std::uint32_t x = 99;
+  for (auto& b : tail) b = static_cast<std::uint8_t>((x = x * 1664525u + 1013904223u) >> 24);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, kSize) == 0);
+  REQUIRE(::pwrite(fd, tail.data(), tail.size(), train) == static_cast<ssize_t>(tail.size()));
+  ::close(fd);
+  std::optional<ByteCorpus> corpus;
+  {
+    const DataLimit limit(std::uint64_t{256} << 20);  // a quarter of the file
+    corpus.emplace(path, 7);
+    ByteCorpus again(path, 7);  // the trainer checks the file, then opens it again
+    REQUIRE(again.size() == kSize);
+  }
+  REQUIRE(corpus->size() == kSize);
+  REQUIRE(corpus->train_size() == train);
+  // Validation window 0 is the first 8 bytes of the split: the bytes written there.
+  const auto b = corpus->val_batch(0, 2);
+  REQUIRE(std::equal(b.context.begin(), b.context.begin() + 7, tail.begin()));
+  REQUIRE(b.target[0] == tail[7]);
+  REQUIRE(std::equal(b.context.begin() + 7, b.context.end(), tail.begin() + 8));
+  REQUIRE(b.target[1] == tail[15]);
+}
+
+TEST_CASE("byte corpus refuses a data file that is not a regular file, naming it and its kind") {
+  const test_support::ScratchFolder dir("shardswap-corpus-kinds");
+  const auto fifo = (dir / "fifo").string();
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::pair<std::string, std::string> cases[] = {
+      {fifo, "a FIFO"}, {dir.path().string(), "a directory"}, {"/dev/zero", "a character device"}};
+  for (const auto& [path, kind] : cases) {
+    const auto m = test::message_of<ConfigError>([&] { ByteCorpus c(path, 8); });
+    CAPTURE(m);
+    REQUIRE(m == "data.path = \"" + path + "\": not a regular file (" + kind + ")");
+  }
+}
+
+TEST_CASE("byte corpus batches are the same from every corpus of one file") {
+  const TempFile f(5000, "twice");
+  const ByteCorpus a(f.path, 16), b(f.path, 16);
+  const ByteCorpus copy = a;
+  std::mt19937 rng(3);
+  for (int i = 0; i < 20; ++i) {
+    const int rank = static_cast<int>(rng() % 4), step = static_cast<int>(rng() % 1000);
+    const auto x = a.train_batch(rank, step, 0, 8);
+    REQUIRE(x.context == b.train_batch(rank, step, 0, 8).context);
+    REQUIRE(x.target == copy.train_batch(rank, step, 0, 8).target);
+    for (int s = 0; s < 8; ++s) REQUIRE(position_of(f, x, s, 16) >= 0);
+  }
 }

@@ -17,7 +17,8 @@ expect() {
   shift 2
   cases=$((cases + 1))
   rm -f "$work/m.jsonl"
-  out=$("$bin" train "$@" --metrics "$work/m.jsonl" 2>&1)
+  # Bounded: a command that blocks (on a FIFO, say) fails the case instead of hanging the test.
+  out=$(timeout 60 "$bin" train "$@" --metrics "$work/m.jsonl" 2>&1)
   code=$?
   if [ "$code" -ne 2 ]; then
     echo "FAIL $name: exit $code, expected 2: $out"; failures=$((failures + 1)); return
@@ -74,6 +75,31 @@ expect "unknown key in logging" \
 expect "unknown key in layer_switching" "shardswap: $config: layer_switching.gama: not a key" \
   --config "$config" --set layer_switching.type=lisa \
   --set 'layer_switching.layers=["layers.0","layers.1"]' --set layer_switching.gama=1
+
+# Hostile files: devices, FIFOs, folders and deep nesting are refused before anything is read
+# unboundedly, built or blocked on.
+mkfifo "$work/fifo.json"
+expect "a device as the config" "shardswap: /dev/zero: not a regular file (a character device)" \
+  --config /dev/zero
+expect "a FIFO as the config" "shardswap: $work/fifo.json: not a regular file (a FIFO)" \
+  --config "$work/fifo.json"
+expect "a folder as the config" "shardswap: $work: not a regular file (a directory)" \
+  --config "$work"
+expect "a FIFO as the data file" \
+  "shardswap: $config: data.path = \"$work/fifo.json\": not a regular file (a FIFO)" \
+  --config "$config" --set "data.path=$work/fifo.json"
+# 300 levels of objects under a key ShardSwap only warns about, and 300 of lists in a --set value.
+awk 'BEGIN { printf "{\"steps\": 3, \"tensorboard\": "; for (i = 0; i < 300; i++) printf "{\"a\": ";
+             printf "1"; for (i = 0; i <= 300; i++) printf "}" }' > "$work/deep.json"
+expect "objects nested too deep" \
+  "shardswap: $work/deep.json:1:1559: tensorboard.a.a.a.a.a ... .a.a.a: nested deeper than 256" \
+  --config "$work/deep.json"
+deep_list=$(awk 'BEGIN { for (i = 0; i < 300; i++) printf "["; for (i = 0; i < 300; i++) printf "]" }')
+expect "a --set value nested too deep" \
+  "shardswap: --set 'tensorboard=[[[[" --config "$config" --set "tensorboard=$deep_list"
+expect "the key path of a --set value nested too deep" \
+  ": tensorboard[0][0][0][0][0] ... [0][0][0]: nested deeper than 256" \
+  --config "$config" --set "tensorboard=$deep_list"
 
 cases=$((cases + 1))
 out=$("$bin" plan --config "$config" --set model.depth=-1 2>&1)

@@ -1,14 +1,17 @@
 #include "tools/lm/text_data.h"
-#include "memory/quoted.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
+#include <string_view>
 
+#include "memory/quoted.h"
 #include "shardswap/error.h"
 
 namespace shardswap {
@@ -28,24 +31,36 @@ std::int64_t below(std::uint64_t bits, std::int64_t n) {
       (static_cast<unsigned __int128>(bits) * static_cast<std::uint64_t>(n)) >> 64);
 }
 
-std::vector<std::uint8_t> read_file(const std::string& path) {
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (ec || !std::filesystem::exists(status))
-    throw ConfigError(fmt::format("data.path = {}: no such file", quote_value(path)));
-  if (!std::filesystem::is_regular_file(status))
-    throw ConfigError(fmt::format("data.path = {}: not a regular file", quote_value(path)));
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw ConfigError(
-        fmt::format("data.path = {}: cannot be opened: {}", quote_value(path), std::strerror(errno)));
-  std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)),
-                                  std::istreambuf_iterator<char>());
-  if (in.bad()) throw ConfigError(fmt::format("data.path = {}: could not be read", quote_value(path)));
-  return bytes;
+[[noreturn]] void refuse(const std::string& path, std::string_view why) {
+  throw ConfigError(fmt::format("data.path = {}: {}", quote_value(path), why));
+}
+
+std::string_view file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "of an unknown kind";
+}
+
+void require_regular(const std::string& path, const struct stat& st) {
+  if (!S_ISREG(st.st_mode))
+    refuse(path, fmt::format("not a regular file ({})", file_kind(st.st_mode)));
 }
 
 }  // namespace
+
+struct ByteCorpus::Mapping {
+  void* data = nullptr;
+  std::size_t size = 0;
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() {
+    if (data != nullptr) ::munmap(data, size);
+  }
+};
 
 ByteCorpus::ByteCorpus(const std::string& path, int context, double val_fraction,
                        std::uint64_t seed)
@@ -54,8 +69,41 @@ ByteCorpus::ByteCorpus(const std::string& path, int context, double val_fraction
     throw ConfigError(fmt::format("model.context = {}: must be at least 1", context));
   if (!(val_fraction > 0.0 && val_fraction < 1.0))
     throw ConfigError(fmt::format("data.val_fraction = {}: must be in (0, 1)", val_fraction));
-  bytes_ = read_file(path);
-  const auto total = static_cast<std::int64_t>(bytes_.size());
+  // A FIFO or device is refused from stat() before it is opened (a FIFO's open blocks until a
+  // writer comes, and opening some devices acts), then checked again once open, in case the path
+  // was replaced in between.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) refuse(path, "no such file");
+    refuse(path, fmt::format("cannot be opened: {}", std::strerror(errno)));
+  }
+  require_regular(path, st);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) refuse(path, fmt::format("cannot be opened: {}", std::strerror(errno)));
+  auto mapping = std::make_shared<Mapping>();
+  {
+    struct Closer {
+      int fd;
+      ~Closer() { ::close(fd); }  // the mapping outlives the descriptor
+    } closer{fd};
+    if (::fstat(fd, &st) != 0)
+      refuse(path, fmt::format("cannot be opened: {}", std::strerror(errno)));
+    require_regular(path, st);
+    mapping->size = static_cast<std::size_t>(st.st_size);
+    if (mapping->size > 0) {
+      void* p = ::mmap(nullptr, mapping->size, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (p == MAP_FAILED)
+        refuse(path,
+               fmt::format("cannot be mapped ({} bytes): {}", mapping->size, std::strerror(errno)));
+      mapping->data = p;
+      // Samples start at random positions: read-ahead would fetch pages no sample uses.
+      ::madvise(p, mapping->size, MADV_RANDOM);
+    }
+  }
+  bytes_ = static_cast<const std::uint8_t*>(mapping->data);
+  size_ = static_cast<std::int64_t>(mapping->size);
+  file_ = std::move(mapping);
+  const auto total = size_;
   const auto val = static_cast<std::int64_t>(std::floor(static_cast<double>(total) * val_fraction));
   train_size_ = total - val;
   if (train_size_ < context + 1 || val < context + 1)
@@ -67,7 +115,7 @@ ByteCorpus::ByteCorpus(const std::string& path, int context, double val_fraction
 }
 
 void ByteCorpus::append(TokenBatch& batch, std::int64_t at) const {
-  const auto* p = bytes_.data() + at;
+  const auto* p = bytes_ + at;
   batch.context.insert(batch.context.end(), p, p + context_);
   batch.target.push_back(p[context_]);
   ++batch.size;

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "tools/lm/byte_lm.h"
 
@@ -13,11 +13,15 @@ namespace shardswap {
 
 class ByteCorpus {
  public:
-  /// Reads the whole file at `path` (config key data.path). Its last
-  /// floor(size * val_fraction) bytes are the validation split, the rest the training split.
-  /// Throws ConfigError naming data.path and the file when it is missing, not a regular file,
-  /// unreadable, or too small (either split shorter than context + 1 bytes); naming
-  /// data.val_fraction when val_fraction is not in (0, 1); for context < 1.
+  /// Maps the file at `path` (config key data.path) read-only: nothing is read here, so a corpus
+  /// is cheap to construct (and construct again), and a file larger than memory costs address
+  /// space, its pages read as samples touch them. Its last floor(size * val_fraction) bytes are
+  /// the validation split, the rest the training split. Throws ConfigError naming data.path and
+  /// the file when it is missing, not a regular file (a FIFO, device or directory: refused
+  /// without being opened), cannot be opened or mapped, or is too small (either split shorter
+  /// than context + 1 bytes); naming data.val_fraction when val_fraction is not in (0, 1); for
+  /// context < 1. The file must not shrink while the corpus exists (a mapped page past its end
+  /// reads as SIGBUS). Copies share the mapping.
   ByteCorpus(const std::string& path, int context, double val_fraction = 0.1,
              std::uint64_t seed = 1);
 
@@ -31,7 +35,7 @@ class ByteCorpus {
   /// Throws ConfigError for size < 1 or index < 0.
   TokenBatch val_batch(int index, int size) const;
 
-  std::int64_t size() const { return static_cast<std::int64_t>(bytes_.size()); }
+  std::int64_t size() const { return size_; }
   std::int64_t train_size() const { return train_size_; }
   std::int64_t val_size() const { return size() - train_size_; }
   std::int64_t val_windows() const { return val_size() / (context_ + 1); }
@@ -42,10 +46,14 @@ class ByteCorpus {
   // Appends the sample starting at byte `at` to the batch.
   void append(TokenBatch& batch, std::int64_t at) const;
 
+  struct Mapping;  // the file's read-only mapping, unmapped when the last corpus using it goes
+
   std::string path_;
   int context_;
   std::uint64_t seed_;
-  std::vector<std::uint8_t> bytes_;
+  std::shared_ptr<const Mapping> file_;
+  const std::uint8_t* bytes_ = nullptr;
+  std::int64_t size_ = 0;
   std::int64_t train_size_ = 0;
 };
 

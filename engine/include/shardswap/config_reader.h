@@ -21,12 +21,23 @@ namespace shardswap {
 
 class ConfigReader {
  public:
-  /// `source` names where the JSON came from (a file path) in error messages.
+  /// The deepest nesting of objects and lists a config may have; the top-level object is level 1.
+  static constexpr std::size_t kMaxDepth = 256;
+  /// The largest config file read, in bytes (16 MiB).
+  static constexpr std::size_t kMaxFileBytes = std::size_t{16} << 20;
+
+  /// `source` names where the JSON came from (a file path) in error messages. Throws ConfigError
+  /// naming `source` if `root` is not an object or nests deeper than kMaxDepth: nothing a reader
+  /// holds is deeper, so walking it never recurses further.
   ConfigReader(nlohmann::json root, std::string source);
-  /// Parses a file. Throws ConfigError naming the file if it cannot be read, and the file, line
-  /// and column if it is not JSON or an object repeats a key (DeepSpeed refuses those too).
+  /// Parses a file. Throws ConfigError naming the file if it is not a regular file (a FIFO or
+  /// device is refused without being opened, so nothing blocks), is larger than kMaxFileBytes
+  /// (nothing past the limit is read) or cannot be read; and as from_text does.
   static ConfigReader from_file(const std::string& path);
-  /// Parses `text` as from_file does; `source` names it in messages.
+  /// Parses `text` in time linear in its size; `source` names it in messages. Throws ConfigError
+  /// naming the source, line and column if it is not JSON; the source, line, column and key path
+  /// (shortened) if it nests deeper than kMaxDepth, refused before anything deeper is built; and
+  /// the key path if an object repeats a key (DeepSpeed refuses those too).
   static ConfigReader from_text(std::string_view text, std::string source);
 
   bool has(std::string_view path) const;
@@ -52,7 +63,9 @@ class ConfigReader {
 
   /// Sets a value from a "key.path=value" override (value parsed as JSON, else as a string).
   /// Missing objects on the path are created; an index ("schedule[1].step=5") must name an
-  /// existing list element. A refused override changes nothing.
+  /// existing list element. The path's keys and indices and the value's own nesting together
+  /// stay within kMaxDepth (ConfigError naming the key path otherwise), as in a file; a key
+  /// repeated inside the value is refused too. A refused override changes nothing.
   void set(std::string_view assignment);
   /// Counts the key (and everything under it) as read without reading it: for a caller that has
   /// dealt with it otherwise, e.g. recorded a warning that it is ignored.
