@@ -128,7 +128,8 @@ const char* stop_signal_name(int signal);
 
 /// What train() runs its in-process ranks with: fn(rank, comm) on config.world_size threads over
 /// one InProcessGroup on `backend`, with config.comm_timeout applied. As run_ranks: a rank that
-/// throws aborts the group, and the first failure is rethrown once every thread has joined.
+/// throws aborts the group, and the root cause (the first error that is not a PeerFailure) is
+/// rethrown once every thread has joined.
 void run_in_process_ranks(const TrainConfig& config, const Backend& backend,
                           const std::function<void(int rank, Communicator& comm)>& fn);
 
