@@ -175,15 +175,16 @@ void writing(const fs::path& path, F&& body) {
 }
 
 // Every rank learns whether any rank failed the phase; a failed rank rethrows its own error, the
-// others say that another rank failed (every rank must leave the collective sequence together).
+// others say that another rank failed (every rank must leave the collective sequence together),
+// as a PeerFailure: whoever collects the ranks' errors (run_ranks) shows the failing rank's.
 void agree(Engine& engine, const std::exception_ptr& error, const char* what,
            const std::function<void()>& on_failure = {}) {
   const double failed = engine.sum_across_ranks(error ? 1.0 : 0.0);
   if (failed == 0.0) return;
   if (on_failure) on_failure();
   if (error) std::rethrow_exception(error);
-  throw Error(fmt::format("{}: {} other rank(s) failed (their error names the file)", what,
-                          static_cast<int>(failed)));
+  throw PeerFailure(fmt::format("{}: {} other rank(s) failed (their error names the file)", what,
+                                static_cast<int>(failed)));
 }
 
 template <class F>

@@ -86,16 +86,24 @@ bool holds_objects(const nlohmann::json& j) {
 
 // Recursive, and bounded: a ConfigReader never holds a config nested deeper than kMaxDepth (its
 // constructor and set() refuse one), so neither does this or nlohmann's dump() and copy.
+// `budget` bounds the bytes of the paths collected: a 16 MiB file of long keys nested 250 deep
+// with many leaves would otherwise spell out gigabytes of paths.
 void collect_leaves(const nlohmann::json& j, const std::string& prefix,
-                    std::vector<std::string>& out) {
+                    std::vector<std::string>& out, std::size_t& budget, const std::string& source) {
   if (j.is_object() && !j.empty()) {
     for (const auto& [key, value] : j.items())
-      collect_leaves(value, prefix.empty() ? key : prefix + "." + key, out);
+      collect_leaves(value, prefix.empty() ? key : prefix + "." + key, out, budget, source);
   } else if (holds_objects(j)) {
     // Keys inside a list of objects can be misspelt like any other: report them one by one.
     for (std::size_t i = 0; i < j.size(); ++i)
-      collect_leaves(j[i], fmt::format("{}[{}]", prefix, i), out);
+      collect_leaves(j[i], fmt::format("{}[{}]", prefix, i), out, budget, source);
   } else {
+    if (prefix.size() > budget)
+      throw ConfigError(fmt::format(
+          "{}: its key paths (every leaf's, spelt out) exceed {} MiB, from '{}...' on: a config "
+          "this large cannot be checked key by key",
+          source, ConfigReader::kMaxFileBytes >> 20, prefix.substr(0, 64)));
+    budget -= prefix.size();
     out.push_back(prefix);
   }
 }
@@ -642,7 +650,8 @@ void ConfigReader::set(std::string_view assignment) {
 
 std::vector<std::string> ConfigReader::unread_keys() const {
   std::vector<std::string> leaves;
-  collect_leaves(root_, "", leaves);
+  std::size_t budget = kMaxFileBytes;
+  collect_leaves(root_, "", leaves, budget, source_);
   std::vector<std::string> unread;
   for (const auto& leaf : leaves) {
     // A leaf counts as read if it or anything above it was read: "a.b[0].c", "a.b[0]", "a.b", "a".

@@ -934,3 +934,22 @@ TEST_CASE("a config file larger than the limit is refused naming it, one at the 
     REQUIRE(m.rfind(path + ": larger than 16 MiB (16777216 bytes)", 0) == 0);
   }
 }
+
+TEST_CASE("a config whose spelt-out key paths would exceed the limit is refused, not built",
+          "[config]") {
+  // 240 levels of 32-byte keys, then 2,500 leaves: an 80 KiB file whose unread leaves' paths
+  // would take 2,500 x 7.9 KiB = 19.7 MiB; at 16 MiB the file limit's worth of them it stops.
+  const std::string key(32, 'k');
+  std::string text = "{\"tensorboard\": ";
+  for (int i = 0; i < 240; ++i) text += "{\"" + key + "\": ";
+  text += "{";
+  for (int i = 0; i < 2500; ++i) text += fmt::format("{}\"leaf{}\": {}", i ? ", " : "", i, i);
+  text += "}";
+  for (int i = 0; i < 240; ++i) text += "}";
+  text += "}";
+  const auto reader = ConfigReader::from_text(text, "wide.json");
+  const auto m = test::message_of<ConfigError>([&] { (void)reader.unread_keys(); });
+  CHECK_THAT(m, Catch::Matchers::ContainsSubstring("wide.json"));
+  CHECK_THAT(m, Catch::Matchers::ContainsSubstring("exceed 16 MiB"));
+  CHECK_THAT(m, Catch::Matchers::ContainsSubstring("tensorboard." + key));
+}

@@ -1,8 +1,11 @@
-// The shardswap command line. Exit codes: 0 success, 1 runtime failure, 2 bad input.
+// The shardswap command line. Exit codes: 0 success, 1 runtime failure, 2 bad input; a train
+// stopped by SIGINT, SIGTERM or SIGHUP (after its step, saved): 128 + the signal's number.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
+#include <csignal>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -43,6 +46,9 @@ constexpr const char* kUsage = R"(usage:
                              default), or is counted and reported at the end (warn)
           --set k.path=v     overrides a config key (v is JSON, or a bare string)
           --memory-report    prints rank 0's buffers and their holders after build
+          SIGINT, SIGTERM, SIGHUP (alike): finishes the step, saves it if checkpoint.dir is
+          set, says so and exits 128 + the signal (130, 143, 129); a second signal ends it at
+          once, unsaved. Other exits: 0 done, 1 runtime failure, 2 bad input
   plan    prints the bytes every rank will hold, by tag, before anything is allocated
   shardswap bench switch [--backend cpu|cuda] [--layers 32] [--dim 4096] [--switches 20] [--json FILE]
 
@@ -62,6 +68,41 @@ constexpr const char* kUsage = R"(usage:
   ckpt inspect
           what a checkpoint holds: world size, step, groups, active set, files; checksums verified
 )";
+
+// ---- stopping on a signal (train) ----
+
+// Set once by the first signal, read by train() at the end of every step. Lock-free, so that a
+// signal handler may store it.
+std::atomic<int> stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free);
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+// Async-signal-safe: an atomic exchange, sigaction and raise. The first signal only asks; a
+// second one (any of the three) must not wait for the step: the default action, at once.
+void on_stop_signal(int signal) {
+  if (stop_signal.exchange(signal) == 0) return;
+  struct sigaction action {};
+  action.sa_handler = SIG_DFL;
+  sigemptyset(&action.sa_mask);
+  sigaction(signal, &action, nullptr);
+  raise(signal);  // delivered, and fatal, as the handler returns
+}
+
+// SA_RESTART: the run's reads and writes go on through the signal. A signal that was ignored
+// when the process started stays ignored (nohup's SIGHUP, a shell's SIGINT for its background
+// jobs): whoever started it asked for that.
+void install_stop_handlers() {
+  for (const int signal : kStopSignals) {
+    struct sigaction old {};
+    if (sigaction(signal, nullptr, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    action.sa_flags = SA_RESTART;
+    sigemptyset(&action.sa_mask);
+    for (const int other : kStopSignals) sigaddset(&action.sa_mask, other);
+    sigaction(signal, &action, nullptr);
+  }
+}
 
 struct BadUsage : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -159,16 +200,22 @@ int train_command(const std::vector<std::string>& args) {
     metrics.emplace(metrics_path, train_inputs(config_args, config),
                     metrics_errors.value_or(shardswap::MetricsErrors::fail), std::cerr);
   const bool terminal = isatty(fileno(stdout)) != 0;
-  const shardswap::TrainOutput out{std::cout, metrics ? &*metrics : nullptr,
-                                   memory_report ? &std::cout : nullptr, terminal,
-                                   terminal ? shardswap::terminal_columns(fileno(stdout)) : 0};
+  shardswap::TrainOutput out{std::cout, metrics ? &*metrics : nullptr,
+                             memory_report ? &std::cout : nullptr, terminal,
+                             terminal ? shardswap::terminal_columns(fileno(stdout)) : 0};
+  out.stop_signal = &stop_signal;
+  install_stop_handlers();
   const auto summary = shardswap::train(config, out);
   if (metrics) metrics->finish();
+  const std::string ending =
+      summary.stopped_by != 0
+          ? fmt::format("stopped by {}", shardswap::stop_signal_name(summary.stopped_by))
+          : std::string("done");
   std::cout << fmt::format(
-      "done: {} steps, {} skipped, {} switches; loss {:.4f} -> {:.4f}; validation loss {:.4f} -> "
+      "{}: {} steps, {} skipped, {} switches; loss {:.4f} -> {:.4f}; validation loss {:.4f} -> "
       "{:.4f}; {:.0f} tokens/s; rank 0 peak {:.2f} MiB, predicted {:.2f} MiB\n",
-      summary.steps, summary.skipped, summary.switches, summary.first_loss, summary.final_loss,
-      summary.first_val_loss, summary.final_val_loss, summary.tokens_per_s,
+      ending, summary.steps, summary.skipped, summary.switches, summary.first_loss,
+      summary.final_loss, summary.first_val_loss, summary.final_val_loss, summary.tokens_per_s,
       summary.peak_bytes / 1048576.0, summary.predicted_bytes / 1048576.0);
   if (config.timing) {
     std::cout << fmt::format("step time: {:.1f}% in engine.step() (reduce, optimizer, gather)",
@@ -182,7 +229,7 @@ int train_command(const std::vector<std::string>& args) {
                                summary.cublas_tflops);
     std::cout << "\n";
   }
-  return 0;
+  return summary.stopped_by != 0 ? 128 + summary.stopped_by : 0;
 }
 
 int plan_command(const std::vector<std::string>& args) {

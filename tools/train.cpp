@@ -6,8 +6,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <exception>
 #include <limits>
 #include <mutex>
@@ -16,9 +18,10 @@
 
 #include "shardswap/backend.h"
 #include "shardswap/checkpoint.h"
-#include "shardswap/nccl.h"
+#include "shardswap/checkpoint_dir.h"
 #include "shardswap/config_json.h"
 #include "shardswap/error.h"
+#include "shardswap/nccl.h"
 #include "tools/lm/text_data.h"
 #include "tools/metrics_log.h"
 #include "tools/progress.h"
@@ -186,12 +189,38 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
                      config.engine.stage, formula, mib(static_cast<std::int64_t>(formula)));
 }
 
+const char* stop_signal_name(int signal) {
+  switch (signal) {
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return "a signal";
+  }
+}
+
 void run_in_process_ranks(const TrainConfig& config, const Backend& backend,
                           const std::function<void(int rank, Communicator& comm)>& fn) {
   run_ranks(config.world_size, fn, backend, config.comm_timeout);
 }
 
 TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
+  // The checkpoint directory first, before anything is read or built: one that cannot take files
+  // fails now rather than at the first save, `every` steps of work later; one that another
+  // trainer holds is refused (two runs would overwrite each other's saves). Held to the end.
+  std::optional<CheckpointDirLock> dir_lock;
+  if (!config.checkpoint.dir.empty()) {
+    try {
+      probe_checkpoint_dir(config.checkpoint.dir);
+    } catch (const ConfigError& e) {
+      throw ConfigError(
+          fmt::format("checkpoint.dir = {}: {}", quote_value(config.checkpoint.dir), e.what()));
+    }
+    dir_lock.emplace(config.checkpoint.dir);
+  }
   const ByteCorpus corpus(config.data_path, config.model.context, config.val_fraction, config.seed);
   const Backend backend = backend_from_name(config.backend, "shardswap.backend");
   const LayerSchedule schedule(config.switching, byte_lm_groups(config.model));
@@ -340,6 +369,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     double interval_loss = 0.0, timed_seconds = 0.0, model_seconds = 0.0, engine_seconds = 0.0;
     int interval_steps = 0;
     space.reset_peaks();
+    std::filesystem::path stop_checkpoint;  // the checkpoint saved on a stop signal, if any
     for (std::int64_t step = start; step < config.steps; ++step) {
       const auto started = std::chrono::steady_clock::now();
       std::optional<SwitchReport> switched;
@@ -365,12 +395,97 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       const double engine_s = seconds_since(stepping);
       if (r.applied) ++updates;
       loss = engine.sum_across_ranks(loss) / world;
-      const bool evaluating = (step + 1) % config.eval_interval == 0 || step + 1 == config.steps;
+      // Stop after this step? Every rank adds what it saw, so all decide alike even when the
+      // signal lands between two ranks' reads; the flag never returns to 0, so after the sum
+      // every rank reads a signal from it.
+      const bool stopping = out.stop_signal != nullptr &&
+                            engine.sum_across_ranks(out.stop_signal->load() != 0 ? 1.0 : 0.0) > 0.0;
+      // The last step of a stopped run is evaluated as the last one of a finished run is.
+      const bool evaluating =
+          (step + 1) % config.eval_interval == 0 || step + 1 == config.steps || stopping;
       if (evaluating) val = evaluate();
       const double seconds = seconds_since(started);
       const MemoryStats mem = engine.memory_stats();
-      if (config.checkpoint.every > 0 &&
-          ((step + 1) % config.checkpoint.every == 0 || step + 1 == config.steps)) {
+      // Rank 0's reports of the step, its metrics line first: a checkpoint of the step is saved
+      // only after its line is in the file, so a kill between the two never leaves a resume
+      // point the metrics have not reached.
+      if (rank == 0) {
+        std::lock_guard lock(mu);
+        if (step == start) summary.first_loss = loss;
+        if (step > start) {  // the first step carries one-off work (allocation, cuBLAS warm-up)
+          timed_seconds += seconds;
+          model_seconds += model_s;
+          engine_seconds += engine_s;
+        }
+        summary.steps = step + 1;
+        summary.skipped += r.applied ? 0 : 1;
+        summary.switches += switched ? 1 : 0;
+        summary.peak_bytes = std::max(summary.peak_bytes, mem.requested.peak);
+        if (switched)
+          progress->message(fmt::format(
+              "switch at step {}: in [{}] out [{}], {} freed, {} allocated, {:.3f} ms", step,
+              fmt::join(switched->activated, ", "), fmt::join(switched->deactivated, ", "),
+              mib(switched->bytes_freed), mib(switched->bytes_allocated), switched->seconds * 1e3));
+        if (step == start || switched) {
+          const auto peak = mem.requested.peak;
+          progress->message(fmt::format(
+              "memory of rank 0 after step {}: predicted {}, measured peak {} ({:+.3f}%)", step + 1,
+              mib(planned), mib(peak), 100.0 * static_cast<double>(peak - planned) / planned));
+          space.reset_peaks();  // the next report measures from here
+        }
+        if (evaluating) {
+          progress->message(fmt::format("validation loss after step {}: {:.4f}", step + 1, val));
+          summary.final_val_loss = val;
+        }
+        interval_loss += loss;
+        ++interval_steps;
+        if ((step + 1) % config.log_interval == 0 || step + 1 == config.steps || stopping) {
+          summary.final_loss = interval_loss / interval_steps;
+          interval_loss = 0.0;
+          interval_steps = 0;
+        }
+        const double tokens_per_s = samples_per_step / seconds;
+        if (out.metrics) {
+          nlohmann::json line = {{"step", step + 1},         {"loss", loss},
+                                 {"lr", engine.lr()},        {"loss_scale", r.loss_scale},
+                                 {"grad_norm", r.grad_norm}, {"clip_coef", r.clip_coef},
+                                 {"skipped", !r.applied},    {"tokens_per_s", tokens_per_s},
+                                 {"step_seconds", seconds}};
+          if (!std::isfinite(r.grad_norm)) line["grad_norm"] = nullptr;  // JSON has no Inf
+          if (evaluating) line["val_loss"] = val;
+          nlohmann::json memory;
+          for (Tag t : kAllTags) memory[tag_name(t)] = mem.tag(t).requested.current;
+          memory["total"] = mem.requested.current;
+          memory["peak"] = mem.requested.peak;
+          line["memory_bytes"] = memory;
+          // The driver's view of the GPU (cudaMemGetInfo, the whole device: what a soak watches
+          // for leaks the engine's own counts cannot see), on the same steps as the progress
+          // lines. Rank 0's GPU is its thread's current device: the model and the allocator make
+          // it current at each call.
+          const bool sampled =
+              step == start || (step + 1) % config.log_interval == 0 || step + 1 == config.steps;
+          if (sampled && space.device() == DeviceKind::cuda) {
+            const DeviceMemory device = cuda_device_memory(cuda_current_device());
+            line["device_free_bytes"] = device.free;
+            line["device_total_bytes"] = device.total;
+          }
+          line["active_groups"] = engine.active_groups();
+          if (switched)
+            line["switch"] = {{"in", switched->activated},
+                              {"out", switched->deactivated},
+                              {"bytes_freed", switched->bytes_freed},
+                              {"bytes_allocated", switched->bytes_allocated},
+                              {"seconds", switched->seconds}};
+          out.metrics->write(step + 1, line);
+        }
+        progress->update({.step = step + 1,
+                          .loss = loss,
+                          .throughput = tokens_per_s,
+                          .memory_bytes = mem.requested.current});
+      }
+      if ((config.checkpoint.every > 0 &&
+           ((step + 1) % config.checkpoint.every == 0 || step + 1 == config.steps)) ||
+          (stopping && !config.checkpoint.dir.empty())) {
         SaveOptions options;
         options.extra = {{"step", step + 1}, {"updates", updates}, {"seed", config.seed}};
         options.config = config.source;
@@ -381,90 +496,26 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
             options);
         if (rank == 0) prune_checkpoints(config.checkpoint.dir, config.checkpoint.keep, run_id);
         say(fmt::format("checkpoint saved: {}", path.string()));
+        if (stopping) stop_checkpoint = path;
       }
-      if (rank != 0) continue;
-
-      std::lock_guard lock(mu);
-      if (step == start) summary.first_loss = loss;
-      if (step > start) {  // the first step carries one-off work (allocation, cuBLAS warm-up)
-        timed_seconds += seconds;
-        model_seconds += model_s;
-        engine_seconds += engine_s;
-      }
-      summary.steps = step + 1;
-      summary.skipped += r.applied ? 0 : 1;
-      summary.switches += switched ? 1 : 0;
-      summary.peak_bytes = std::max(summary.peak_bytes, mem.requested.peak);
-      if (switched)
-        progress->message(fmt::format(
-            "switch at step {}: in [{}] out [{}], {} freed, {} allocated, {:.3f} ms", step,
-            fmt::join(switched->activated, ", "), fmt::join(switched->deactivated, ", "),
-            mib(switched->bytes_freed), mib(switched->bytes_allocated), switched->seconds * 1e3));
-      if (step == start || switched) {
-        const auto peak = mem.requested.peak;
-        progress->message(fmt::format(
-            "memory of rank 0 after step {}: predicted {}, measured peak {} ({:+.3f}%)", step + 1,
-            mib(planned), mib(peak), 100.0 * static_cast<double>(peak - planned) / planned));
-        space.reset_peaks();  // the next report measures from here
-      }
-      if (evaluating) {
-        progress->message(fmt::format("validation loss after step {}: {:.4f}", step + 1, val));
-        summary.final_val_loss = val;
-      }
-      interval_loss += loss;
-      ++interval_steps;
-      if ((step + 1) % config.log_interval == 0 || step + 1 == config.steps) {
-        summary.final_loss = interval_loss / interval_steps;
-        interval_loss = 0.0;
-        interval_steps = 0;
-      }
-      const double tokens_per_s = samples_per_step / seconds;
-      if (out.metrics) {
-        nlohmann::json line = {{"step", step + 1},
-                               {"loss", loss},
-                               {"lr", engine.lr()},
-                               {"loss_scale", r.loss_scale},
-                               {"grad_norm", r.grad_norm},
-                               {"clip_coef", r.clip_coef},
-                               {"skipped", !r.applied},
-                               {"tokens_per_s", tokens_per_s},
-                               {"step_seconds", seconds}};
-        if (!std::isfinite(r.grad_norm)) line["grad_norm"] = nullptr;  // JSON has no Inf
-        if (evaluating) line["val_loss"] = val;
-        nlohmann::json memory;
-        for (Tag t : kAllTags) memory[tag_name(t)] = mem.tag(t).requested.current;
-        memory["total"] = mem.requested.current;
-        memory["peak"] = mem.requested.peak;
-        line["memory_bytes"] = memory;
-        // The driver's view of the GPU (cudaMemGetInfo, the whole device: what a soak watches
-        // for leaks the engine's own counts cannot see), on the same steps as the progress
-        // lines. Rank 0's GPU is its thread's current device: the model and the allocator make
-        // it current at each call.
-        const bool sampled =
-            step == start || (step + 1) % config.log_interval == 0 || step + 1 == config.steps;
-        if (sampled && space.device() == DeviceKind::cuda) {
-          const DeviceMemory device = cuda_device_memory(cuda_current_device());
-          line["device_free_bytes"] = device.free;
-          line["device_total_bytes"] = device.total;
+      if (stopping) {
+        if (rank == 0) {
+          std::lock_guard lock(mu);
+          summary.stopped_by = out.stop_signal->load();
+          summary.stop_checkpoint = stop_checkpoint.string();
+          progress->message(fmt::format(
+              "stopping on {} (signal {}) after step {} of {}: {}",
+              stop_signal_name(summary.stopped_by), summary.stopped_by, step + 1, config.steps,
+              summary.stop_checkpoint.empty() ? "no checkpoint (checkpoint.dir is not set)"
+                                              : "checkpoint saved: " + summary.stop_checkpoint));
         }
-        line["active_groups"] = engine.active_groups();
-        if (switched)
-          line["switch"] = {{"in", switched->activated},
-                            {"out", switched->deactivated},
-                            {"bytes_freed", switched->bytes_freed},
-                            {"bytes_allocated", switched->bytes_allocated},
-                            {"seconds", switched->seconds}};
-        out.metrics->write(step + 1, line);
+        break;
       }
-      progress->update({.step = step + 1,
-                        .loss = loss,
-                        .throughput = tokens_per_s,
-                        .memory_bytes = mem.requested.current});
     }
     if (rank == 0) {
       std::lock_guard lock(mu);
       progress->finish();
-      const auto timed_steps = static_cast<double>(config.steps - start - 1);  // after the first
+      const auto timed_steps = static_cast<double>(summary.steps - start - 1);  // after the first
       if (timed_steps > 0) {
         summary.tokens_per_s = samples_per_step * timed_steps / timed_seconds;
         summary.engine_step_share = config.timing
@@ -489,7 +540,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   std::vector<int> devices(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) devices[static_cast<std::size_t>(r)] = r;
   auto comms = make_nccl_communicators(devices, config.comm_timeout);
-  std::vector<std::exception_ptr> errors(devices.size());
+  std::vector<std::exception_ptr> errors;  // in the order they arrived; root_cause picks one
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
@@ -499,16 +550,15 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
         // A collective the watchdog aborted at the very end left garbage in what was read last.
         comms[static_cast<std::size_t>(r)]->check();
       } catch (const std::exception& e) {
-        {
-          std::lock_guard lock(mu);
-          out.log << fmt::format("rank {} failed: {}\n", r, e.what()) << std::flush;
-        }
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
+        std::lock_guard lock(mu);
+        out.log << fmt::format("rank {} failed: {}\n", r, e.what()) << std::flush;
+        errors.push_back(std::current_exception());
       }
     });
   for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  // The failing rank's own error, not another rank's "other rank(s) failed" or the CommError of
+  // a collective its failure aborted.
+  if (const auto cause = root_cause(errors)) std::rethrow_exception(cause);
   return summary;
 }
 

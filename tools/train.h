@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -100,6 +101,10 @@ struct TrainSummary {
   /// With timing, on cuda: cuBLAS's rate for a GEMM of the model's largest shape (micro-batch x
   /// hidden x width), measured in the same run before training.
   double cublas_tflops = 0.0;
+  /// The signal that stopped the run early (TrainOutput::stop_signal), 0 if it ran to the end.
+  int stopped_by = 0;
+  /// Where the stopped run saved its last step ("" if it ran to the end or has no checkpoint.dir).
+  std::string stop_checkpoint;
 };
 
 class MetricsLog;  // tools/metrics_log.h
@@ -112,14 +117,23 @@ struct TrainOutput {
   std::ostream* report = nullptr;   ///< rank 0's memory report after build
   bool terminal = false;            ///< log is a terminal: a progress bar instead of lines
   int columns = 0;                  ///< its width (0: unknown)
+  /// Asks the run to stop early: a signal number (the CLI's SIGINT, SIGTERM and SIGHUP handlers
+  /// store theirs), 0 while it should go on. Read at the end of every step; the ranks agree
+  /// (one all-reduce) so that all stop after the same step, which is finished, logged and, with
+  /// checkpoint.dir set, saved before train() returns. Null: never asked, no all-reduce.
+  const std::atomic<int>* stop_signal = nullptr;
 };
 
 /// Runs the training.
 TrainSummary train(const TrainConfig& config, const TrainOutput& out);
 
+/// "SIGINT", "SIGTERM", "SIGHUP" (the signals the CLI stops on), else "a signal".
+const char* stop_signal_name(int signal);
+
 /// What train() runs its in-process ranks with: fn(rank, comm) on config.world_size threads over
 /// one InProcessGroup on `backend`, with config.comm_timeout applied. As run_ranks: a rank that
-/// throws aborts the group, and the first failure is rethrown once every thread has joined.
+/// throws aborts the group, and the root cause (the first error that is not a PeerFailure) is
+/// rethrown once every thread has joined.
 void run_in_process_ranks(const TrainConfig& config, const Backend& backend,
                           const std::function<void(int rank, Communicator& comm)>& fn);
 

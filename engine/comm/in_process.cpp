@@ -215,7 +215,9 @@ void Shared::rendezvous(int rank, const Call& call, bool post) {
     departed[static_cast<std::size_t>(rank)] = 1;
     arrived_cv.notify_all();
     if (!post) arrived_cv.wait(lock, [&] { return departures() == world_size; });
-    return CommError(fmt::format("{}: rank {} aborted: {}", call.describe(), rank, *abort_reason));
+    // Not this rank's fault: the reason names the rank (or the timeout) that was.
+    return PeerFailure(
+        fmt::format("{}: rank {} aborted: {}", call.describe(), rank, *abort_reason));
   };
   if (abort_reason) throw aborted();
   if (post) calls[static_cast<std::size_t>(rank)] = call;
@@ -470,7 +472,11 @@ void run_ranks(int world_size, const std::function<void(int rank, Communicator& 
   InProcessGroup group(world_size, ops);
   group.set_timeout(timeout);
   std::mutex mutex;
-  std::exception_ptr first;
+  // Every rank's failure, in the order they arrived: the first to arrive is often not the cause
+  // (a rank that fails in its own work is the last to leave the collective it aborted, and the
+  // ranks that learn of a failure from agree-style checks may unwind faster than the failing
+  // one), so the root cause is picked once all have joined.
+  std::vector<std::exception_ptr> errors;
   auto run = [&](int r) {
     try {
       fn(r, group.rank(r));
@@ -484,8 +490,8 @@ void run_ranks(int world_size, const std::function<void(int rank, Communicator& 
       }
       {
         std::lock_guard lock(mutex);
-        if (first) return;  // a later failure, most likely the CommError of our own abort
-        first = std::current_exception();
+        errors.push_back(std::current_exception());
+        if (errors.size() > 1) return;  // the group is aborted already
       }
       group.abort(fmt::format("run_ranks: rank {} failed: {}", r, what));
     }
@@ -501,7 +507,7 @@ void run_ranks(int world_size, const std::function<void(int rank, Communicator& 
     throw;
   }
   for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
+  if (const auto cause = root_cause(errors)) std::rethrow_exception(cause);
 }
 
 void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,

@@ -109,8 +109,9 @@ class InProcessGroup {
 };
 
 /// Runs fn(rank, comm) on world_size threads over one InProcessGroup. If any rank throws, the
-/// group is aborted (so no rank waits forever) and the first rank's exception (by time) is
-/// rethrown here after every thread has joined. `timeout` is the group's (set_timeout), applied
+/// group is aborted (so no rank waits forever) and, once every thread has joined, the root cause
+/// is rethrown here: the first exception (by time) that is not a PeerFailure (the other ranks'
+/// "another rank failed"), else the first. `timeout` is the group's (set_timeout), applied
 /// before any rank starts; zero waits forever.
 void run_ranks(int world_size, const std::function<void(int rank, Communicator& comm)>& fn,
                const Backend& backend = cpu_backend(),

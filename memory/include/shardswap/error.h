@@ -2,8 +2,10 @@
 // Header-only so that partition/ (pure arithmetic) can throw them without linking memory/.
 #pragma once
 
+#include <exception>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace shardswap {
 
@@ -52,6 +54,32 @@ class CommError : public Error {
  public:
   using Error::Error;
 };
+
+/// This rank failed only because another one did: a collective aborted by a failing rank, or a
+/// phase the ranks agreed had failed elsewhere ("N other rank(s) failed"). Never the root cause:
+/// whoever collects the ranks' errors shows the failing rank's own error before this one.
+class PeerFailure : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+/// Of the errors of a group's ranks (in the order they arrived, empty entries skipped), the one a
+/// user should see: the first that is not a PeerFailure, else the first. Empty if none failed.
+inline std::exception_ptr root_cause(const std::vector<std::exception_ptr>& errors) {
+  std::exception_ptr first;
+  for (const auto& e : errors) {
+    if (!e) continue;
+    if (!first) first = e;
+    try {
+      std::rethrow_exception(e);
+    } catch (const PeerFailure&) {
+      continue;
+    } catch (...) {
+      return e;
+    }
+  }
+  return first;
+}
 
 /// A CUDA, cuBLAS or NCCL call failed (the message names the statement, file, line and device).
 class DeviceError : public Error {
