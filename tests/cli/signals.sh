@@ -66,6 +66,8 @@ def lines(name):
     out = []
     for line in open(f"{work}/{name}"):
         m = json.loads(line)
+        if "resumed" in m:  # the line saying where a resumed run resumed
+            continue
         for k in ("tokens_per_s", "step_seconds"):
             m.pop(k, None)
         out.append(m)
