@@ -10,6 +10,7 @@
 // nothing deletes a checkpoint that another run wrote. recover_checkpoints() turns what a kill
 // left into that state again.
 #include "engine/engine_internals.h"
+#include "memory/file_kind.h"
 #include "optimizer/optimizer.h"
 #include "shardswap/checkpoint.h"
 
@@ -220,15 +221,6 @@ fs::path normalized(const fs::path& dir, const char* fn) {
 }
 
 // ---- reading ----
-
-const char* file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
 
 // A checkpoint file opened for reading only once it is known to be a regular file: a directory,
 // FIFO or device in its place is named and never read (O_NONBLOCK: opening a FIFO must not wait

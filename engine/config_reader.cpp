@@ -1,4 +1,5 @@
 #include "shardswap/config_reader.h"
+#include "memory/file_kind.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -318,17 +319,6 @@ std::optional<std::vector<Step>> too_deep_in(const nlohmann::json& root) {
     chain.push_back(Frame{child, child->begin(), 0});
   }
   return std::nullopt;
-}
-
-// What a file's mode says it is, for messages.
-std::string_view file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  if (S_ISLNK(mode)) return "a symbolic link";
-  return "of an unknown kind";
 }
 
 [[noreturn]] void refuse_file(const std::string& path, std::string_view why) {

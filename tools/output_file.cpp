@@ -1,4 +1,5 @@
 #include "tools/output_file.h"
+#include "memory/file_kind.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -20,16 +21,6 @@ namespace {
 // What a checkpoint's metadata.json starts with (docs/checkpoints.md): how a folder is known to be
 // a checkpoint even when the metadata itself is corrupt.
 constexpr std::string_view kCheckpointMetadataStart = R"({"format":"shardswap-checkpoint")";
-
-std::string kind_of(mode_t mode) {
-  if (S_ISLNK(mode)) return "a symbolic link";
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
 
 bool is_checkpoint_metadata(const fs::path& file) {
   // Non-blocking and not following a link: a FIFO or a link named metadata.json is no metadata,
@@ -81,7 +72,7 @@ void check_output_path(std::string_view flag, const fs::path& path,
   const bool exists = ::lstat(path.c_str(), &st) == 0;
   if (!exists && errno != ENOENT)
     throw ConfigError(fmt::format("{} '{}': {}", flag, path.string(), std::strerror(errno)));
-  if (exists && !S_ISREG(st.st_mode)) refuse(flag, path, kind_of(st.st_mode));
+  if (exists && !S_ISREG(st.st_mode)) refuse(flag, path, std::string(file_kind(st.st_mode)));
 
   const std::string name = path.filename().string();
   fs::path absolute_folder = fs::absolute(folder).lexically_normal();

@@ -1,4 +1,5 @@
 #include "tools/lm/text_data.h"
+#include "memory/file_kind.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -33,15 +34,6 @@ std::int64_t below(std::uint64_t bits, std::int64_t n) {
 
 [[noreturn]] void refuse(const std::string& path, std::string_view why) {
   throw ConfigError(fmt::format("data.path = {}: {}", quote_value(path), why));
-}
-
-std::string_view file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "of an unknown kind";
 }
 
 void require_regular(const std::string& path, const struct stat& st) {
