@@ -75,8 +75,8 @@ TrainConfig train_config_from_json(ConfigReader& c) {
 
   t.data_path = c.string("data.path", t.data_path);
   t.val_fraction = c.number("data.val_fraction", t.val_fraction);
-  // Checks the file now (exists, readable, long enough for both splits), before anything is
-  // written or allocated; train() reads it again.
+  // Checks the file now (a regular file, readable, long enough for both splits), before anything
+  // is written or allocated; train() maps it again (a map is cheap: nothing is read up front).
   try {
     ByteCorpus(t.data_path, t.model.context, t.val_fraction, t.seed);
   } catch (const ConfigError& e) {
