@@ -151,7 +151,9 @@ std::vector<StepResult> train(Engine& e, const Setup& s, int from, int to) {
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  // An empty vector's data() may be null, which memcmp must not be given even for 0 bytes.
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
 }
 
 // Throws (naming what differs) unless the two states are equal bit for bit.
