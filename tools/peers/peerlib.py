@@ -94,7 +94,7 @@ def init_nccl(torch, script):
     import torch.distributed as dist
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if os.environ.get("NCCL_NVLS_ENABLE") != "0":
-        fail(script, "NCCL_NVLS_ENABLE must be 0 on the lent machines")
+        fail(script, "NCCL_NVLS_ENABLE must be 0: NVLink multicast (NVLS) stays off for these peer runs")
     rank, world, local = dist_env()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
