@@ -139,8 +139,9 @@ DecoderRefOutput decoder_reference_forward(const DecoderShape& s, const DecoderV
     std::vector<Vec> x(static_cast<std::size_t>(T));
     for (int t = 0; t < T; ++t) {
       const auto tok = static_cast<std::size_t>(tokens.inputs[static_cast<std::size_t>(b * T + t)]);
-      x[static_cast<std::size_t>(t)].assign(embed.begin() + static_cast<std::ptrdiff_t>(tok * D),
-                                            embed.begin() + static_cast<std::ptrdiff_t>((tok + 1) * D));
+      x[static_cast<std::size_t>(t)].assign(
+          embed.begin() + static_cast<std::ptrdiff_t>(tok * D),
+          embed.begin() + static_cast<std::ptrdiff_t>((tok + 1) * D));
     }
     for (int l = 0; l < s.layers; ++l) {
       const Vec& attn_norm = get(w, L(l, "input_layernorm.weight"));
@@ -195,23 +196,27 @@ DecoderRefOutput decoder_reference_forward(const DecoderShape& s, const DecoderV
       }
       for (int t = 0; t < T; ++t) {
         const auto ut = static_cast<std::size_t>(t);
-        for (int e = 0; e < D; ++e) x[ut][static_cast<std::size_t>(e)] += attn[ut][static_cast<std::size_t>(e)];
+        for (int e = 0; e < D; ++e)
+          x[ut][static_cast<std::size_t>(e)] += attn[ut][static_cast<std::size_t>(e)];
         const Vec bn = rms_norm(x[ut], mlp_norm, s.rms_eps);
         const Vec gate = linear(wgate, bn, I);
         const Vec up = linear(wup, bn, I);
         Vec act(I);
         for (std::size_t e = 0; e < I; ++e) act[e] = gate[e] / (1.0 + std::exp(-gate[e])) * up[e];
         const Vec mlp = linear(wdown, act, static_cast<std::size_t>(D));
-        for (int e = 0; e < D; ++e) x[ut][static_cast<std::size_t>(e)] += mlp[static_cast<std::size_t>(e)];
+        for (int e = 0; e < D; ++e)
+          x[ut][static_cast<std::size_t>(e)] += mlp[static_cast<std::size_t>(e)];
       }
     }
     for (int t = 0; t < T; ++t) {
-      const Vec f = rms_norm(x[static_cast<std::size_t>(t)], get(w, "model.norm.weight"), s.rms_eps);
+      const Vec f =
+          rms_norm(x[static_cast<std::size_t>(t)], get(w, "model.norm.weight"), s.rms_eps);
       const Vec z = linear(head, f, static_cast<std::size_t>(V));
       const double m = *std::max_element(z.begin(), z.end());
       double sum = 0.0;
       for (double e : z) sum += std::exp(e - m);
-      const auto target = static_cast<std::size_t>(tokens.targets[static_cast<std::size_t>(b * T + t)]);
+      const auto target =
+          static_cast<std::size_t>(tokens.targets[static_cast<std::size_t>(b * T + t)]);
       total += m + std::log(sum) - z[target];
       out.logits.insert(out.logits.end(), z.begin(), z.end());
     }

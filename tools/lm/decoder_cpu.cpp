@@ -74,8 +74,8 @@ Sizes sizes_of(const DecoderShape& s, int max_sequences, int seq_len) {
 }
 
 std::size_t layer_upcast_floats(const Sizes& z, bool bias) {
-  std::size_t f = 2 * padded(z.d) + padded(z.q * z.d) + 2 * padded(z.kv * z.d) +
-                  padded(z.d * z.q) + 3 * padded(z.inter * z.d);
+  std::size_t f = 2 * padded(z.d) + padded(z.q * z.d) + 2 * padded(z.kv * z.d) + padded(z.d * z.q) +
+                  3 * padded(z.inter * z.d);
   if (bias) f += padded(z.q) + 2 * padded(z.kv);
   return f;
 }
@@ -83,22 +83,22 @@ std::size_t layer_upcast_floats(const Sizes& z, bool bias) {
 // Byte offsets of the regions (fp32 all) for n = max_sequences * seq_len tokens. Per-layer
 // regions hold layer l's rows at l * n * width.
 struct Layout {
-  std::size_t rope_cos, rope_sin;  // seq_len * hd/2
-  std::size_t xs;                  // (layers + 1) * n * d: x_0 .. x_L
-  std::size_t ys;                  // layers * n * d: after attention's residual
+  std::size_t rope_cos, rope_sin;               // seq_len * hd/2
+  std::size_t xs;                               // (layers + 1) * n * d: x_0 .. x_L
+  std::size_t ys;                               // layers * n * d: after attention's residual
   std::size_t rstd_attn, rstd_mlp, rstd_final;  // layers * n, layers * n, n
-  std::size_t qs, ks, vs, os;      // layers * n * (q, kv, kv, q): q, k after RoPE; attention out
-  std::size_t lse;                 // layers * n * heads: attention rows' log-sum-exp
-  std::size_t gates, ups;          // layers * n * I
-  std::size_t normed, act;         // scratch n * d (a norm's output), n * I (silu(gate) * up)
-  std::size_t dx, dn;              // n * d: residual gradient, gradient at a norm's output
-  std::size_t dq, dk, dv, d_o;     // n * (q, kv, kv, q)
-  std::size_t dgate, dup;          // n * I
-  std::size_t scores, dscores;     // seq_len^2: one (sequence, head)'s probabilities
-  std::size_t logits;              // kLossChunkRows * V
-  std::size_t weights;             // one group's weights upcast
-  std::size_t grad;                // one layer param's gradient
-  std::size_t head_grad;           // V * d: the head's gradient, then the lookup's
+  std::size_t qs, ks, vs, os;   // layers * n * (q, kv, kv, q): q, k after RoPE; attention out
+  std::size_t lse;              // layers * n * heads: attention rows' log-sum-exp
+  std::size_t gates, ups;       // layers * n * I
+  std::size_t normed, act;      // scratch n * d (a norm's output), n * I (silu(gate) * up)
+  std::size_t dx, dn;           // n * d: residual gradient, gradient at a norm's output
+  std::size_t dq, dk, dv, d_o;  // n * (q, kv, kv, q)
+  std::size_t dgate, dup;       // n * I
+  std::size_t scores, dscores;  // seq_len^2: one (sequence, head)'s probabilities
+  std::size_t logits;           // kLossChunkRows * V
+  std::size_t weights;          // one group's weights upcast
+  std::size_t grad;             // one layer param's gradient
+  std::size_t head_grad;        // V * d: the head's gradient, then the lookup's
   std::size_t bytes;
 };
 
@@ -142,10 +142,14 @@ Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len) {
 }
 
 void validate(const DecoderShape& s, int max_sequences, int seq_len, const char* fn) {
-  const std::pair<const char*, int> positive[] = {
-      {"vocab", s.vocab},       {"hidden", s.hidden},     {"intermediate", s.intermediate},
-      {"layers", s.layers},     {"heads", s.heads},       {"kv_heads", s.kv_heads},
-      {"head_dim", s.head_dim}, {"max_positions", s.max_positions}};
+  const std::pair<const char*, int> positive[] = {{"vocab", s.vocab},
+                                                  {"hidden", s.hidden},
+                                                  {"intermediate", s.intermediate},
+                                                  {"layers", s.layers},
+                                                  {"heads", s.heads},
+                                                  {"kv_heads", s.kv_heads},
+                                                  {"head_dim", s.head_dim},
+                                                  {"max_positions", s.max_positions}};
   for (const auto& [name, value] : positive)
     if (value < 1)
       throw ConfigError(
@@ -164,8 +168,9 @@ void validate(const DecoderShape& s, int max_sequences, int seq_len, const char*
   if (max_sequences < 1)
     throw ConfigError(fmt::format("{}: max_sequences = {} must be at least 1", fn, max_sequences));
   if (seq_len < 1 || seq_len > s.max_positions)
-    throw ConfigError(fmt::format("{}: seq_len = {} is outside [1, DecoderShape.max_positions = {}]",
-                                  fn, seq_len, s.max_positions));
+    throw ConfigError(
+        fmt::format("{}: seq_len = {} is outside [1, DecoderShape.max_positions = {}]", fn, seq_len,
+                    s.max_positions));
 }
 
 // The Hugging Face name of a param, for messages.
@@ -209,8 +214,8 @@ std::string param_label(ParamId p) {
 }
 
 // y = (x / rms(x)) * w per row, keeping 1/rms for backward.
-void rms_norm(const float* x, std::size_t rows, std::size_t d, const float* w, float eps,
-              float* y, float* rstd) {
+void rms_norm(const float* x, std::size_t rows, std::size_t d, const float* w, float eps, float* y,
+              float* rstd) {
   const CMapRow weight(w, static_cast<Eigen::Index>(d));
   for (std::size_t r = 0; r < rows; ++r) {
     const CMapRow xr(x + r * d, static_cast<Eigen::Index>(d));
@@ -242,7 +247,7 @@ void rms_norm_backward(const float* x, std::size_t rows, std::size_t d, const fl
     if (dw != nullptr) MapRow(dw, D) += (xr * rstd[r]).cwiseProduct(dyr);
     if (dx == nullptr) continue;
     // d/dx of x * (mean(x^2) + eps)^-1/2 applied to g = dy * w.
-    const Eigen::RowVectorXf g = dyr.cwiseProduct(weight);
+    const auto g = dyr.cwiseProduct(weight);  // an expression: nothing allocated per row
     const float inv = rstd[r];
     const float coef = inv * inv * inv * g.dot(xr) / static_cast<float>(d);
     MapRow(dx + r * d, D) += g * inv - xr * coef;
@@ -270,8 +275,7 @@ class CpuCompute final : public Compute {
       }
   }
 
-  double train_step(const Weights& w, const Batch& b, double grad_scale,
-                    GradSink& sink) override {
+  double train_step(const Weights& w, const Batch& b, double grad_scale, GradSink& sink) override {
     check(w, b, "decoder CPU train_step");
     if (!std::isfinite(grad_scale))
       throw ConfigError(
@@ -337,8 +341,9 @@ class CpuCompute final : public Compute {
     if (b.inputs == nullptr || b.targets == nullptr)
       throw ConfigError(fmt::format("{}: the batch's inputs or targets are null", fn));
     if (w.dtype != DType::bf16 && w.dtype != DType::f16 && w.dtype != DType::f32)
-      throw ConfigError(fmt::format("{}: weights of dtype {}; this backend takes bf16, fp16 or fp32",
-                                    fn, dtype_name(w.dtype)));
+      throw ConfigError(
+          fmt::format("{}: weights of dtype {}; this backend takes bf16, fp16 or fp32", fn,
+                      dtype_name(w.dtype)));
     if (w.layers.size() != static_cast<std::size_t>(s_.layers))
       throw ConfigError(fmt::format("{}: weights of {} layers for a model of {}", fn,
                                     w.layers.size(), s_.layers));
@@ -350,21 +355,24 @@ class CpuCompute final : public Compute {
     need(w.final_norm, {ParamKind::final_norm});
     if (s_.tied) {
       if (w.head != w.embed)
-        throw ConfigError(fmt::format(
-            "{}: the head is tied to the embedding, but weight 'lm_head.weight' is not "
-            "'model.embed_tokens.weight'",
-            fn));
+        throw ConfigError(
+            fmt::format("{}: the head is tied to the embedding, but weight 'lm_head.weight' is not "
+                        "'model.embed_tokens.weight'",
+                        fn));
     } else {
       need(w.head, {ParamKind::head});
     }
     for (int l = 0; l < s_.layers; ++l) {
       const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
-      const std::pair<const void*, ParamKind> all[] = {
-          {lw.attn_norm, ParamKind::attn_norm}, {lw.q, ParamKind::q},
-          {lw.k, ParamKind::k},                 {lw.v, ParamKind::v},
-          {lw.o, ParamKind::o},                 {lw.mlp_norm, ParamKind::mlp_norm},
-          {lw.gate, ParamKind::gate},           {lw.up, ParamKind::up},
-          {lw.down, ParamKind::down}};
+      const std::pair<const void*, ParamKind> all[] = {{lw.attn_norm, ParamKind::attn_norm},
+                                                       {lw.q, ParamKind::q},
+                                                       {lw.k, ParamKind::k},
+                                                       {lw.v, ParamKind::v},
+                                                       {lw.o, ParamKind::o},
+                                                       {lw.mlp_norm, ParamKind::mlp_norm},
+                                                       {lw.gate, ParamKind::gate},
+                                                       {lw.up, ParamKind::up},
+                                                       {lw.down, ParamKind::down}};
       for (const auto& [p, kind] : all) need(p, {kind, l});
       const std::pair<const void*, ParamKind> biases[] = {{lw.q_bias, ParamKind::q_bias},
                                                           {lw.k_bias, ParamKind::k_bias},
@@ -380,9 +388,10 @@ class CpuCompute final : public Compute {
     const std::size_t n = tokens(b);
     for (std::size_t i = 0; i < n; ++i)
       if (b.inputs[i] < 0 || b.inputs[i] >= v || b.targets[i] < 0 || b.targets[i] >= v)
-        throw ConfigError(fmt::format("{}: token {} of the batch (input {}, target {}) is outside "
-                                      "[0, vocab = {})",
-                                      fn, i, b.inputs[i], b.targets[i], v));
+        throw ConfigError(
+            fmt::format("{}: token {} of the batch (input {}, target {}) is outside "
+                        "[0, vocab = {})",
+                        fn, i, b.inputs[i], b.targets[i], v));
   }
 
   // ---- weights upcast to fp32 ----
@@ -396,8 +405,7 @@ class CpuCompute final : public Compute {
   }
 
   struct Layer {
-    const float *attn_norm, *q, *q_bias, *k, *k_bias, *v, *v_bias, *o, *mlp_norm, *gate, *up,
-        *down;
+    const float *attn_norm, *q, *q_bias, *k, *k_bias, *v, *v_bias, *o, *mlp_norm, *gate, *up, *down;
   };
   Layer upcast_layer(const Weights& w, int l) const {
     const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
@@ -630,8 +638,7 @@ class CpuCompute final : public Compute {
 
   // Gradients of q, k, v (after RoPE) from that of the attention output (d_o).
   void attention_backward(int l, const Batch& b) const {
-    const std::size_t t = static_cast<std::size_t>(b.seq_len), n = tokens(b),
-                      group = z_.h / z_.k;
+    const std::size_t t = static_cast<std::size_t>(b.seq_len), n = tokens(b), group = z_.h / z_.k;
     const float scale = 1.0f / std::sqrt(static_cast<float>(2 * z_.half));
     float* const q = layer_at(l_.qs, l, z_.q);
     float* const k = layer_at(l_.ks, l, z_.kv);
@@ -656,7 +663,8 @@ class CpuCompute final : public Compute {
         const float* const row_lse = lse + (seq * z_.h + h) * t;
         for (std::size_t i = 0; i < t; ++i) {
           auto row = p.row(cols(i));
-          row.head(cols(i + 1)) = (row.head(cols(i + 1)).array() * scale - row_lse[i]).exp().matrix();
+          row.head(cols(i + 1)) =
+              (row.head(cols(i + 1)).array() * scale - row_lse[i]).exp().matrix();
           row.tail(cols(t - i - 1)).setZero();
         }
         head_block(dv, seq, g, z_.kv, t).noalias() += p.transpose() * doh;
@@ -686,8 +694,9 @@ class CpuCompute final : public Compute {
       if (s_.tied) {
         tied_slot_ = sink.open({ParamKind::embed});
         if (tied_slot_.data == nullptr)
-          throw ConfigError("decoder CPU train_step: the grad slot of 'model.embed_tokens.weight' "
-                            "is null");
+          throw ConfigError(
+              "decoder CPU train_step: the grad slot of 'model.embed_tokens.weight' "
+              "is null");
       } else {
         emit(sink, {ParamKind::head}, at(l_.head_grad), v * d);
       }
@@ -723,7 +732,8 @@ class CpuCompute final : public Compute {
   // `below` (a lower group wants gradients). A frozen layer only carries dx through.
   void layer_backward(const Weights& w, const Batch& b, GradSink& sink, int l, bool active,
                       bool below) {
-    const std::size_t n = tokens(b), d = z_.d, in = z_.inter, t = static_cast<std::size_t>(b.seq_len);
+    const std::size_t n = tokens(b), d = z_.d, in = z_.inter,
+                      t = static_cast<std::size_t>(b.seq_len);
     const Layer lw = upcast_layer(w, l);
     float* const dx = at(l_.dx);
     float* const dn = at(l_.dn);
@@ -779,8 +789,8 @@ class CpuCompute final : public Compute {
     dnm.noalias() = CMapR(dq, rows_i(n), cols(z_.q)) * CMapR(lw.q, cols(z_.q), cols(d));
     dnm.noalias() += CMapR(dk, rows_i(n), cols(z_.kv)) * CMapR(lw.k, cols(z_.kv), cols(d));
     dnm.noalias() += CMapR(dv, rows_i(n), cols(z_.kv)) * CMapR(lw.v, cols(z_.kv), cols(d));
-    rms_norm_backward(x, n, d, lw.attn_norm, layer_at(l_.rstd_attn, l, 1), dn,
-                      active ? g : nullptr, below ? dx : nullptr);
+    rms_norm_backward(x, n, d, lw.attn_norm, layer_at(l_.rstd_attn, l, 1), dn, active ? g : nullptr,
+                      below ? dx : nullptr);
     if (active) emit(sink, {ParamKind::attn_norm, l}, g, d);
   }
 
@@ -804,9 +814,9 @@ std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequenc
   validate(s, max_sequences, seq_len, "make_cpu_compute");
   const std::size_t need = layout_of(s, max_sequences, seq_len).bytes;
   if (memory == nullptr || bytes < need)
-    throw ConfigError(fmt::format(
-        "make_cpu_compute: a block of {} bytes at {}; the backend needs {} (cpu_bytes)", bytes,
-        memory, need));
+    throw ConfigError(
+        fmt::format("make_cpu_compute: a block of {} bytes at {}; the backend needs {} (cpu_bytes)",
+                    bytes, memory, need));
   if (reinterpret_cast<std::uintptr_t>(memory) % kAlign != 0)
     throw ConfigError(
         fmt::format("make_cpu_compute: the block at {} is not {}-byte aligned", memory, kAlign));
