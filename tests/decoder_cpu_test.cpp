@@ -319,6 +319,7 @@ TEST_CASE(
       {"qwen2 bias tied", tiny_qwen2(true), 3, 8, 1, 8},
       {"llama3 rope scaling", tiny_llama3(), 2, 12, 2, 12},
       {"mistral tied, shorter batch", tiny_mistral(), 4, 10, 3, 6},
+      {"llama GQA, two loss chunks", tiny_llama(), 3, 32, 3, 30},
   };
   std::uint64_t seed = 1;
   for (const Case& c : cases) {
@@ -353,7 +354,10 @@ TEST_CASE(
       {"llama GQA", tiny_llama(), 3, 6},
       {"qwen2 bias tied", tiny_qwen2(true), 2, 5},
       {"llama3 rope scaling, K = 1", tiny_llama3(), 1, 9},
+      {"qwen2 bias untied, two loss chunks", tiny_qwen2(false), 3, 30},
   };
+  static_assert(3 * 30 > lm::dec::kLossChunkRows && 3 * 30 < 2 * lm::dec::kLossChunkRows,
+                "the last case's 90 tokens take a full chunk of rows and a partial one");
   std::uint64_t seed = 100;
   for (const Case& c : cases) {
     CAPTURE(c.what);
@@ -494,31 +498,39 @@ TEST_CASE(
   REQUIRE(top <= all);
 }
 
-TEST_CASE("decoder CPU on bf16 weights equals the float64 reference on the same values upcast",
-          "[decoder]") {
-  const DecoderShape s = tiny_qwen2(false);
-  const Model m = random_model(s, 31, DType::bf16);
-  const DecoderTokens t = test_support::random_decoder_tokens(s, 3, 6, 32);
-  Backend be(s, 3, 6);
-  const auto ref = test_support::decoder_reference_forward(s, m.values, t);
-  std::vector<float> logits(ref.logits.size());
-  be.compute->logits(m.weights, batch_of(t), logits.data());
-  REQUIRE(test_support::decoder_normalized_error(std::vector<double>(logits.begin(), logits.end()),
-                                                 ref.logits) < 1e-5);
-  RecordingSink sink(s, RecordingSink::all(s));
-  const double loss = be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
-  REQUIRE(std::abs(loss - ref.loss) < 1e-5 * ref.loss);
-  std::mt19937_64 rng(33);
-  DecoderValues values = m.values;
-  for (const auto& p : test_support::decoder_reference_params(s)) {
-    CAPTURE(p.name);
-    const auto got = sink.grad(p.name);
-    std::vector<double> ours, numeric;
-    for (std::size_t i : sample_of(s, p, t, rng)) {
-      ours.push_back(got[i]);
-      numeric.push_back(test_support::decoder_reference_gradient(s, values, t, p.name, i));
+TEST_CASE(
+    "decoder CPU on bf16 and fp16 weights equals the float64 reference on the same values "
+    "upcast",
+    "[decoder]") {
+  for (const DType dtype : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dtype));
+    const DecoderShape s = tiny_qwen2(dtype == DType::f16);
+    const DecoderValues exact = test_support::random_decoder_weights(s, 31);
+    const Model m = make_model(s, exact, dtype);
+    REQUIRE(m.values.at("model.layers.0.self_attn.q_proj.weight") !=
+            exact.at("model.layers.0.self_attn.q_proj.weight"));  // really rounded
+    const DecoderTokens t = test_support::random_decoder_tokens(s, 3, 6, 32);
+    Backend be(s, 3, 6);
+    const auto ref = test_support::decoder_reference_forward(s, m.values, t);
+    std::vector<float> logits(ref.logits.size());
+    be.compute->logits(m.weights, batch_of(t), logits.data());
+    REQUIRE(test_support::decoder_normalized_error(
+                std::vector<double>(logits.begin(), logits.end()), ref.logits) < 1e-5);
+    RecordingSink sink(s, RecordingSink::all(s));
+    const double loss = be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+    REQUIRE(std::abs(loss - ref.loss) < 1e-5 * ref.loss);
+    std::mt19937_64 rng(33);
+    DecoderValues values = m.values;
+    for (const auto& p : test_support::decoder_reference_params(s)) {
+      CAPTURE(p.name);
+      const auto got = sink.grad(p.name);
+      std::vector<double> ours, numeric;
+      for (std::size_t i : sample_of(s, p, t, rng)) {
+        ours.push_back(got[i]);
+        numeric.push_back(test_support::decoder_reference_gradient(s, values, t, p.name, i));
+      }
+      REQUIRE(test_support::decoder_normalized_error(ours, numeric) < 1e-5);
     }
-    REQUIRE(test_support::decoder_normalized_error(ours, numeric) < 1e-5);
   }
 }
 
