@@ -7,6 +7,10 @@
 // Norm outputs, silu(gate) * up and the attention probabilities are recomputed (the latter from
 // the per-row log-sum-exp), which keeps activations O(tokens x width) per layer instead of
 // O(tokens x seq_len x heads).
+//
+// Gradients: dlogits carry grad_scale / tokens, so everything below them is already scaled. Each
+// param's gradient is formed in fp32 scratch and added into its slot once; a tied embedding's
+// head and lookup parts are summed in fp32 first, so that a bit16 slot is rounded once.
 #include "tools/lm/decoder_cpu.h"
 
 #include <fmt/format.h>
@@ -14,7 +18,6 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "optimizer/optimizer.h"
 #include "shardswap/error.h"
