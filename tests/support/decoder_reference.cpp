@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numbers>
 #include <random>
 
 #include "shardswap/error.h"
@@ -108,7 +109,7 @@ std::vector<float> decoder_reference_inv_freq(const DecoderShape& s) {
       // Wavelengths longer than original / low_freq_factor are stretched by `factor`, those
       // shorter than original / high_freq_factor kept, and those between blended linearly in
       // original / wavelength.
-      const double wavelength = 2.0 * M_PI / f;
+      const double wavelength = 2.0 * std::numbers::pi / f;
       const double original = s.rope_original_max_positions;
       if (wavelength > original / s.rope_low_freq_factor) {
         f /= s.rope_factor;
