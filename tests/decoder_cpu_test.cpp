@@ -1,0 +1,665 @@
+// The decoder's CPU backend against the float64 reference (tests/support/decoder_reference.h):
+// logits and loss over the architecture's variants, every param's gradient against finite
+// differences, frozen groups, bf16 weights and slots, determinism, and its memory block.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "optimizer/optimizer.h"
+#include "shardswap/error.h"
+#include "tests/catch_compat.h"
+#include "tests/support/decoder_reference.h"
+#include "tools/lm/decoder_cpu.h"
+
+using namespace shardswap;
+using lm::dec::ParamId;
+using lm::dec::ParamKind;
+using test_support::DecoderTokens;
+using test_support::DecoderValues;
+
+namespace {
+
+// ---- shapes ----
+
+DecoderShape tiny_llama() {  // GQA (K < H), no bias, untied
+  DecoderShape s;
+  s.family = DecoderFamily::llama;
+  s.vocab = 37;
+  s.hidden = 16;
+  s.intermediate = 24;
+  s.layers = 2;
+  s.heads = 4;
+  s.kv_heads = 2;
+  s.head_dim = 4;
+  s.max_positions = 32;
+  s.rms_eps = 1e-5;
+  return s;
+}
+
+DecoderShape tiny_qwen2(bool tied) {  // K == H, q/k/v biases
+  DecoderShape s = tiny_llama();
+  s.family = DecoderFamily::qwen2;
+  s.heads = 2;
+  s.kv_heads = 2;
+  s.head_dim = 8;
+  s.qkv_bias = true;
+  s.tied = tied;
+  s.rope_theta = 1e6;
+  s.rms_eps = 1e-6;
+  return s;
+}
+
+// head_dim 6 with theta 10^4: inv_freq 1, 0.046, 0.0022 (wavelengths 6.3, 135, 2900); with an
+// original context of 256 the first is kept, the second blended and the third divided.
+DecoderShape tiny_llama3() {
+  DecoderShape s = tiny_llama();
+  s.heads = 3;
+  s.kv_heads = 1;
+  s.head_dim = 6;  // q width 18 != hidden 16
+  s.rope_scaling = RopeScaling::llama3;
+  s.rope_factor = 8.0;
+  s.rope_low_freq_factor = 1.0;
+  s.rope_high_freq_factor = 4.0;
+  s.rope_original_max_positions = 256;
+  s.rope_theta = 10000.0;
+  return s;
+}
+
+DecoderShape tiny_mistral() {  // GQA, three layers, tied
+  DecoderShape s = tiny_llama();
+  s.family = DecoderFamily::mistral;
+  s.layers = 3;
+  s.tied = true;
+  return s;
+}
+
+// ---- params by name, as the reference names them ----
+
+std::string name_of(ParamId p) {
+  const auto layer = [&](const char* what) {
+    return fmt::format("model.layers.{}.{}", p.layer, what);
+  };
+  switch (p.kind) {
+    case ParamKind::embed:
+      return "model.embed_tokens.weight";
+    case ParamKind::attn_norm:
+      return layer("input_layernorm.weight");
+    case ParamKind::q:
+      return layer("self_attn.q_proj.weight");
+    case ParamKind::q_bias:
+      return layer("self_attn.q_proj.bias");
+    case ParamKind::k:
+      return layer("self_attn.k_proj.weight");
+    case ParamKind::k_bias:
+      return layer("self_attn.k_proj.bias");
+    case ParamKind::v:
+      return layer("self_attn.v_proj.weight");
+    case ParamKind::v_bias:
+      return layer("self_attn.v_proj.bias");
+    case ParamKind::o:
+      return layer("self_attn.o_proj.weight");
+    case ParamKind::mlp_norm:
+      return layer("post_attention_layernorm.weight");
+    case ParamKind::gate:
+      return layer("mlp.gate_proj.weight");
+    case ParamKind::up:
+      return layer("mlp.up_proj.weight");
+    case ParamKind::down:
+      return layer("mlp.down_proj.weight");
+    case ParamKind::final_norm:
+      return "model.norm.weight";
+    case ParamKind::head:
+      return "lm_head.weight";
+  }
+  return "?";
+}
+
+int group_of(const DecoderShape& s, const std::string& name) {
+  for (const auto& p : test_support::decoder_reference_params(s))
+    if (p.name == name) return p.group;
+  return -1;
+}
+
+// ---- weights of a dtype, and the exact values they hold ----
+
+struct Model {
+  DecoderShape shape;
+  DecoderValues values;  // what the stored weights are, exactly
+  std::map<std::string, std::vector<std::byte>> storage;
+  lm::dec::Weights weights;
+};
+
+Model make_model(const DecoderShape& s, const DecoderValues& values, DType dtype) {
+  Model m{s, {}, {}, {}};
+  for (const auto& [name, v] : values) {
+    std::vector<float> f(v.begin(), v.end());
+    auto& bytes = m.storage[name];
+    bytes.resize(f.size() * dtype_size(dtype));
+    cpu_device_ops().cast(bytes.data(), dtype, f.data(), DType::f32, f.size());
+    cpu_device_ops().cast(f.data(), DType::f32, bytes.data(), dtype, f.size());
+    m.values[name] = std::vector<double>(f.begin(), f.end());
+  }
+  const auto ptr = [&](const std::string& name) -> const void* {
+    const auto it = m.storage.find(name);
+    return it == m.storage.end() ? nullptr : it->second.data();
+  };
+  auto& w = m.weights;
+  w.dtype = dtype;
+  w.embed = ptr("model.embed_tokens.weight");
+  for (int l = 0; l < s.layers; ++l) {
+    const auto n = [&](ParamKind k) { return ptr(name_of({k, l})); };
+    w.layers.push_back({n(ParamKind::attn_norm), n(ParamKind::q), n(ParamKind::q_bias),
+                        n(ParamKind::k), n(ParamKind::k_bias), n(ParamKind::v),
+                        n(ParamKind::v_bias), n(ParamKind::o), n(ParamKind::mlp_norm),
+                        n(ParamKind::gate), n(ParamKind::up), n(ParamKind::down)});
+  }
+  w.final_norm = ptr("model.norm.weight");
+  w.head = s.tied ? w.embed : ptr("lm_head.weight");
+  return m;
+}
+
+Model random_model(const DecoderShape& s, std::uint64_t seed, DType dtype = DType::f32) {
+  return make_model(s, test_support::random_decoder_weights(s, seed), dtype);
+}
+
+// ---- the backend's block, between guard bytes ----
+
+constexpr std::size_t kGuard = 4096;
+constexpr unsigned char kPattern = 0xA5;
+
+struct Block {
+  std::vector<unsigned char> raw;
+  std::size_t offset = 0, bytes = 0;
+  explicit Block(std::size_t n) : raw(n + 2 * kGuard + 64, kPattern), bytes(n) {
+    const auto base = reinterpret_cast<std::uintptr_t>(raw.data()) + kGuard;
+    offset = kGuard + (64 - base % 64) % 64;
+  }
+  void* data() { return raw.data() + offset; }
+  bool guards_intact() const {
+    for (std::size_t i = 0; i < raw.size(); ++i)
+      if ((i < offset || i >= offset + bytes) && raw[i] != kPattern) return false;
+    return true;
+  }
+};
+
+struct Backend {
+  Block block;
+  std::unique_ptr<lm::dec::Compute> compute;
+  Backend(const DecoderShape& s, int max_sequences, int seq_len)
+      : block(lm::dec::cpu_bytes(s, max_sequences, seq_len)),
+        compute(lm::dec::make_cpu_compute(s, max_sequences, seq_len, block.data(), block.bytes)) {}
+};
+
+lm::dec::Batch batch_of(const DecoderTokens& t) {
+  return {t.sequences, t.seq_len, t.inputs.data(), t.targets.data()};
+}
+
+// ---- a grad sink that records what backward does ----
+
+class RecordingSink final : public lm::dec::GradSink {
+ public:
+  /// Slots of `dtype` for every param, zero or `initial` (rounded to the dtype).
+  RecordingSink(const DecoderShape& s, std::set<int> active, DType dtype = DType::f32,
+                const DecoderValues* initial = nullptr)
+      : s_(s), active_(std::move(active)), dtype_(dtype) {
+    for (const auto& p : test_support::decoder_reference_params(s)) {
+      std::vector<float> f(static_cast<std::size_t>(p.numel()), 0.0f);
+      if (initial != nullptr)
+        std::copy(initial->at(p.name).begin(), initial->at(p.name).end(), f.begin());
+      auto& bytes = slots_[p.name];
+      bytes.resize(f.size() * dtype_size(dtype));
+      cpu_device_ops().cast(bytes.data(), dtype, f.data(), DType::f32, f.size());
+    }
+  }
+  static std::set<int> all(const DecoderShape& s) {
+    std::set<int> g;
+    for (int i = 0; i <= s.layers + 1; ++i) g.insert(i);
+    return g;
+  }
+
+  bool active(int group) const override { return active_.count(group) != 0; }
+  lm::dec::GradSlot open(ParamId param) override {
+    const std::string name = name_of(param);
+    events.push_back("open " + name);
+    if (!open_.insert(name).second) problems.push_back(name + " opened twice at once");
+    if (closed_.count(name) != 0) problems.push_back(name + " opened again after its close");
+    if (!active(group_of(s_, name))) problems.push_back(name + " of a frozen group opened");
+    return {slots_.at(name).data(), dtype_};
+  }
+  void close(ParamId param) override {
+    const std::string name = name_of(param);
+    events.push_back("close " + name);
+    if (open_.erase(name) == 0) problems.push_back(name + " closed without being open");
+    closed_.insert(name);
+  }
+
+  std::vector<double> grad(const std::string& name) const {
+    const auto& bytes = slots_.at(name);
+    std::vector<float> f(bytes.size() / dtype_size(dtype_));
+    cpu_device_ops().cast(f.data(), DType::f32, bytes.data(), dtype_, f.size());
+    return {f.begin(), f.end()};
+  }
+  const std::vector<std::byte>& raw(const std::string& name) const { return slots_.at(name); }
+  bool all_closed() const { return open_.empty(); }
+  const std::set<std::string>& closed() const { return closed_; }
+
+  std::vector<std::string> events;
+  std::vector<std::string> problems;
+
+ private:
+  DecoderShape s_;
+  std::set<int> active_;
+  DType dtype_;
+  std::map<std::string, std::vector<std::byte>> slots_;
+  std::set<std::string> open_, closed_;
+};
+
+// Coordinates at which a param's gradient is compared with finite differences: all of a small
+// param, else 12 at random; for the embedding, rows of tokens the batch uses (the others have
+// no gradient) and, tied, a few of the head's own.
+std::vector<std::size_t> sample_of(const DecoderShape& s, const test_support::DecoderRefParam& p,
+                                   const DecoderTokens& t, std::mt19937_64& rng) {
+  const auto numel = static_cast<std::size_t>(p.numel());
+  std::vector<std::size_t> out;
+  if (numel <= 24) {
+    for (std::size_t i = 0; i < numel; ++i) out.push_back(i);
+    return out;
+  }
+  const auto d = static_cast<std::size_t>(s.hidden);
+  for (int k = 0; k < 12; ++k) {
+    std::size_t i = rng() % numel;
+    if (p.name == "model.embed_tokens.weight" && k % 2 == 0)
+      i = static_cast<std::size_t>(t.inputs[rng() % t.inputs.size()]) * d + rng() % d;
+    out.push_back(i);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "decoder reference: its RoPE frequencies are the seam's rope_inv_freq, llama3 rules included",
+    "[decoder]") {
+  for (const DecoderShape& s : {tiny_llama(), tiny_qwen2(false), tiny_llama3()}) {
+    const auto ours = rope_inv_freq(s), ref = test_support::decoder_reference_inv_freq(s);
+    REQUIRE(ours.size() == ref.size());
+    for (std::size_t i = 0; i < ours.size(); ++i) REQUIRE(ours[i] == Approx(ref[i]).epsilon(1e-6));
+  }
+  // The llama3 shape meets all three regimes: kept, blended, divided by the factor.
+  const auto plain = rope_inv_freq(tiny_llama3());
+  DecoderShape unscaled = tiny_llama3();
+  unscaled.rope_scaling = RopeScaling::none;
+  const auto base = rope_inv_freq(unscaled);
+  REQUIRE(plain[0] == base[0]);
+  REQUIRE(plain[1] < base[1]);
+  REQUIRE(plain[1] > base[1] / 8.0f * 1.01f);
+  REQUIRE(plain[2] == Approx(base[2] / 8.0f).epsilon(1e-6));
+}
+
+TEST_CASE(
+    "decoder CPU forward: logits and loss match the float64 reference (normalized error < 1e-5)",
+    "[decoder]") {
+  struct Case {
+    const char* what;
+    DecoderShape shape;
+    int max_sequences, seq_len, sequences, batch_len;
+  };
+  const Case cases[] = {
+      {"llama GQA", tiny_llama(), 3, 8, 3, 8},
+      {"llama GQA, one sequence", tiny_llama(), 3, 8, 1, 8},
+      {"qwen2 bias untied", tiny_qwen2(false), 3, 8, 3, 8},
+      {"qwen2 bias tied", tiny_qwen2(true), 3, 8, 1, 8},
+      {"llama3 rope scaling", tiny_llama3(), 2, 12, 2, 12},
+      {"mistral tied, shorter batch", tiny_mistral(), 4, 10, 3, 6},
+      {"llama GQA, two loss chunks", tiny_llama(), 3, 32, 3, 30},
+  };
+  std::uint64_t seed = 1;
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    const Model m = random_model(c.shape, seed++);
+    const DecoderTokens t =
+        test_support::random_decoder_tokens(c.shape, c.sequences, c.batch_len, seed++);
+    Backend be(c.shape, c.max_sequences, c.seq_len);
+    const auto ref = test_support::decoder_reference_forward(c.shape, m.values, t);
+    std::vector<float> logits(ref.logits.size());
+    be.compute->logits(m.weights, batch_of(t), logits.data());
+    const double logits_error = test_support::decoder_normalized_error(
+        std::vector<double>(logits.begin(), logits.end()), ref.logits);
+    const double loss = be.compute->loss(m.weights, batch_of(t));
+    CAPTURE(logits_error, loss, ref.loss);
+    REQUIRE(logits_error < 1e-5);
+    REQUIRE(std::abs(loss - ref.loss) / ref.loss < 1e-5);
+    REQUIRE(be.block.guards_intact());
+  }
+}
+
+TEST_CASE(
+    "decoder CPU backward: every param's gradient matches finite differences of the float64 "
+    "reference",
+    "[decoder]") {
+  struct Case {
+    const char* what;
+    DecoderShape shape;
+    int sequences, seq_len;
+  };
+  const Case cases[] = {
+      {"llama GQA", tiny_llama(), 3, 6},
+      {"qwen2 bias tied", tiny_qwen2(true), 2, 5},
+      {"llama3 rope scaling, K = 1", tiny_llama3(), 1, 9},
+      {"qwen2 bias untied, two loss chunks", tiny_qwen2(false), 3, 30},
+  };
+  static_assert(3 * 30 > lm::dec::kLossChunkRows && 3 * 30 < 2 * lm::dec::kLossChunkRows,
+                "the last case's 90 tokens take a full chunk of rows and a partial one");
+  std::uint64_t seed = 100;
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    Model m = random_model(c.shape, seed++);
+    const DecoderTokens t =
+        test_support::random_decoder_tokens(c.shape, c.sequences, c.seq_len, seed++);
+    Backend be(c.shape, c.sequences, c.seq_len + 2);
+    RecordingSink sink(c.shape, RecordingSink::all(c.shape));
+    const double loss = be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+    REQUIRE(sink.problems.empty());
+    REQUIRE(sink.all_closed());
+    const auto params = test_support::decoder_reference_params(c.shape);
+    REQUIRE(sink.closed().size() == params.size());
+    REQUIRE(std::abs(loss - test_support::decoder_reference_forward(c.shape, m.values, t).loss) <
+            1e-5 * loss);
+    std::mt19937_64 rng(seed++);
+    double worst = 0.0;
+    for (const auto& p : params) {
+      CAPTURE(p.name);
+      const auto got = sink.grad(p.name);
+      std::vector<double> ours, numeric;
+      for (std::size_t i : sample_of(c.shape, p, t, rng)) {
+        ours.push_back(got[i]);
+        numeric.push_back(
+            test_support::decoder_reference_gradient(c.shape, m.values, t, p.name, i));
+      }
+      const double err = test_support::decoder_normalized_error(ours, numeric);
+      double norm = 0.0;
+      for (double g : numeric) norm += g * g;
+      CAPTURE(err, norm);
+      REQUIRE(norm > 0.0);  // the sample really has a gradient
+      REQUIRE(err < 1e-5);
+      worst = std::max(worst, err);
+    }
+    UNSCOPED_INFO(c.what << ": worst normalized gradient error " << worst);
+    REQUIRE(be.block.guards_intact());
+  }
+}
+
+TEST_CASE("decoder CPU backward opens each slot once, just before writing it, in backward order",
+          "[decoder]") {
+  for (const bool tied : {false, true}) {
+    CAPTURE(tied);
+    const DecoderShape s = tiny_qwen2(tied);
+    const Model m = random_model(s, 7);
+    const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 5, 8);
+    Backend be(s, 2, 5);
+    RecordingSink sink(s, RecordingSink::all(s));
+    be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+    // The head group, then the layers from the top, each in reverse declaration order, then
+    // the embedding; a tied embedding's slot is open from the head to the end.
+    std::vector<std::string> expected;
+    const auto both = [&](const std::string& name) {
+      expected.push_back("open " + name);
+      expected.push_back("close " + name);
+    };
+    if (tied)
+      expected.push_back("open model.embed_tokens.weight");
+    else
+      both("lm_head.weight");
+    both("model.norm.weight");
+    for (int l = s.layers - 1; l >= 0; --l)
+      for (const ParamKind k :
+           {ParamKind::down, ParamKind::up, ParamKind::gate, ParamKind::mlp_norm, ParamKind::o,
+            ParamKind::v_bias, ParamKind::v, ParamKind::k_bias, ParamKind::k, ParamKind::q_bias,
+            ParamKind::q, ParamKind::attn_norm})
+        both(name_of({k, l}));
+    if (tied)
+      expected.push_back("close model.embed_tokens.weight");
+    else
+      both("model.embed_tokens.weight");
+    REQUIRE(sink.events == expected);
+    REQUIRE(sink.problems.empty());
+  }
+}
+
+TEST_CASE(
+    "decoder CPU frozen groups: only active slots are opened, with the all-active run's gradients",
+    "[decoder]") {
+  for (const bool tied : {false, true}) {
+    CAPTURE(tied);
+    DecoderShape s = tiny_mistral();  // 3 layers: groups 0 embed, 1..3 layers, 4 head
+    s.tied = tied;
+    const Model m = random_model(s, 11);
+    const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 7, 12);
+    Backend be(s, 2, 7);
+    RecordingSink all(s, RecordingSink::all(s));
+    const double loss = be.compute->train_step(m.weights, batch_of(t), 1.0, all);
+    const std::set<int> subsets[] = {{2, 4}, {1}, {0}, {4}, {3}, {0, 4}, {}};
+    for (const std::set<int>& active : subsets) {
+      const std::vector<int> groups(active.begin(), active.end());
+      CAPTURE(groups);
+      RecordingSink sink(s, active);
+      REQUIRE(be.compute->train_step(m.weights, batch_of(t), 1.0, sink) == loss);
+      REQUIRE(sink.problems.empty());
+      REQUIRE(sink.all_closed());
+      std::set<std::string> expected;
+      for (const auto& p : test_support::decoder_reference_params(s)) {
+        // A tied head's matrix is the embedding: its gradient comes with group 0.
+        if (active.count(p.group) == 0) continue;
+        expected.insert(p.name);
+        CAPTURE(p.name);
+        REQUIRE((sink.raw(p.name) == all.raw(p.name)));  // bit for bit
+      }
+      REQUIRE(sink.closed() == expected);
+      // Nothing below the lowest active group is reached: the events name no param below it.
+      const int lowest = active.empty() ? s.layers + 2 : *active.begin();
+      for (const auto& e : sink.events) {
+        CAPTURE(e);
+        REQUIRE(group_of(s, e.substr(e.find(' ') + 1)) >= lowest);
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "decoder CPU with only the head active stops at the head: no layer's backward scratch is "
+    "written",
+    "[decoder]") {
+  const DecoderShape s = tiny_llama();
+  const Model m = random_model(s, 21);
+  const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 8, 22);
+  // Bytes of a fresh block (filled with the guard pattern) that a train_step changed.
+  const auto touched = [&](std::set<int> active) {
+    Backend be(s, 2, 8);
+    RecordingSink sink(s, std::move(active));
+    be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < be.block.bytes; ++i)
+      n += be.block.raw[be.block.offset + i] != kPattern;
+    return n;
+  };
+  const std::size_t none = touched({}), head = touched({s.layers + 1}), top = touched({s.layers}),
+                    all = touched(RecordingSink::all(s));
+  CAPTURE(none, head, top, all);
+  REQUIRE(none < head);  // the head's own gradient work
+  REQUIRE(head < top);   // a layer's backward scratch
+  REQUIRE(top <= all);
+}
+
+TEST_CASE(
+    "decoder CPU on bf16 and fp16 weights equals the float64 reference on the same values "
+    "upcast",
+    "[decoder]") {
+  for (const DType dtype : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dtype));
+    const DecoderShape s = tiny_qwen2(dtype == DType::f16);
+    const DecoderValues exact = test_support::random_decoder_weights(s, 31);
+    const Model m = make_model(s, exact, dtype);
+    REQUIRE(m.values.at("model.layers.0.self_attn.q_proj.weight") !=
+            exact.at("model.layers.0.self_attn.q_proj.weight"));  // really rounded
+    const DecoderTokens t = test_support::random_decoder_tokens(s, 3, 6, 32);
+    Backend be(s, 3, 6);
+    const auto ref = test_support::decoder_reference_forward(s, m.values, t);
+    std::vector<float> logits(ref.logits.size());
+    be.compute->logits(m.weights, batch_of(t), logits.data());
+    REQUIRE(test_support::decoder_normalized_error(
+                std::vector<double>(logits.begin(), logits.end()), ref.logits) < 1e-5);
+    RecordingSink sink(s, RecordingSink::all(s));
+    const double loss = be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+    REQUIRE(std::abs(loss - ref.loss) < 1e-5 * ref.loss);
+    std::mt19937_64 rng(33);
+    DecoderValues values = m.values;
+    for (const auto& p : test_support::decoder_reference_params(s)) {
+      CAPTURE(p.name);
+      const auto got = sink.grad(p.name);
+      std::vector<double> ours, numeric;
+      for (std::size_t i : sample_of(s, p, t, rng)) {
+        ours.push_back(got[i]);
+        numeric.push_back(test_support::decoder_reference_gradient(s, values, t, p.name, i));
+      }
+      REQUIRE(test_support::decoder_normalized_error(ours, numeric) < 1e-5);
+    }
+  }
+}
+
+TEST_CASE("decoder CPU adds into bf16 slots in fp32 and rounds once, the tied embedding included",
+          "[decoder]") {
+  for (const bool tied : {false, true}) {
+    CAPTURE(tied);
+    const DecoderShape s = tiny_qwen2(tied);
+    const Model m = random_model(s, 41, DType::bf16);
+    const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 6, 42);
+    Backend be(s, 2, 6);
+    // Slots that already hold a gradient (bf16 values), once as fp32 and once as bf16.
+    const Model initial = random_model(s, 43, DType::bf16);
+    RecordingSink f32(s, RecordingSink::all(s), DType::f32, &initial.values);
+    RecordingSink b16(s, RecordingSink::all(s), DType::bf16, &initial.values);
+    be.compute->train_step(m.weights, batch_of(t), 1.0, f32);
+    be.compute->train_step(m.weights, batch_of(t), 1.0, b16);
+    for (const auto& p : test_support::decoder_reference_params(s)) {
+      CAPTURE(p.name);
+      // bf16(float(initial) + fp32 gradient): the fp32 slot's sum, rounded once.
+      const std::vector<double> fp32_sum = f32.grad(p.name);
+      std::vector<float> sum(fp32_sum.begin(), fp32_sum.end());
+      std::vector<std::byte> rounded(sum.size() * 2);
+      cpu_device_ops().cast(rounded.data(), DType::bf16, sum.data(), DType::f32, sum.size());
+      REQUIRE((b16.raw(p.name) == rounded));
+      REQUIRE(f32.grad(p.name) != initial.values.at(p.name));
+    }
+  }
+}
+
+TEST_CASE("decoder CPU is deterministic and grad_scale scales the gradient", "[decoder]") {
+  const DecoderShape s = tiny_llama3();
+  const Model m = random_model(s, 51, DType::bf16);
+  const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 9, 52);
+  Backend one(s, 2, 12), other(s, 3, 9);
+  RecordingSink a(s, RecordingSink::all(s)), b(s, RecordingSink::all(s)),
+      c(s, RecordingSink::all(s)), eight(s, RecordingSink::all(s)), third(s, RecordingSink::all(s));
+  const double la = one.compute->train_step(m.weights, batch_of(t), 1.0, a);
+  const double lb = one.compute->train_step(m.weights, batch_of(t), 1.0, b);
+  const double lc = other.compute->train_step(m.weights, batch_of(t), 1.0, c);
+  REQUIRE(la == lb);
+  REQUIRE(la == lc);
+  REQUIRE(one.compute->loss(m.weights, batch_of(t)) == la);
+  one.compute->train_step(m.weights, batch_of(t), 8.0, eight);
+  one.compute->train_step(m.weights, batch_of(t), 1.0 / 3.0, third);
+  for (const auto& p : test_support::decoder_reference_params(s)) {
+    CAPTURE(p.name);
+    REQUIRE((a.raw(p.name) == b.raw(p.name)));
+    REQUIRE((a.raw(p.name) == c.raw(p.name)));
+    const auto g = a.grad(p.name), g8 = eight.grad(p.name), g3 = third.grad(p.name);
+    std::vector<double> times8(g.size()), over3(g.size());
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      times8[i] = 8.0 * g[i];
+      over3[i] = g[i] / 3.0;
+    }
+    REQUIRE(g8 == times8);  // a power of two scales exactly
+    REQUIRE(test_support::decoder_normalized_error(g3, over3) < 1e-6);
+  }
+}
+
+TEST_CASE("decoder CPU works inside its cpu_bytes block and refuses a smaller or misaligned one",
+          "[decoder]") {
+  const DecoderShape s = tiny_qwen2(true);
+  const Model m = random_model(s, 61);
+  const DecoderTokens t = test_support::random_decoder_tokens(s, 3, 8, 62);  // the largest batch
+  Backend be(s, 3, 8);
+  RecordingSink sink(s, RecordingSink::all(s));
+  be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+  std::vector<float> logits(static_cast<std::size_t>(3 * 8 * s.vocab));
+  be.compute->logits(m.weights, batch_of(t), logits.data());
+  be.compute->loss(m.weights, batch_of(t));
+  REQUIRE(be.block.guards_intact());
+
+  const std::size_t bytes = lm::dec::cpu_bytes(s, 3, 8);
+  REQUIRE(bytes % 64 == 0);
+  REQUIRE(lm::dec::cpu_bytes(s, 4, 8) > bytes);
+  REQUIRE(lm::dec::cpu_bytes(s, 3, 9) > bytes);
+  Block block(bytes + 64);
+  const auto small = test::message_of<ConfigError>(
+      [&] { lm::dec::make_cpu_compute(s, 3, 8, block.data(), bytes - 64); });
+  CAPTURE(small);
+  REQUIRE(test::contains(small, "make_cpu_compute"));
+  REQUIRE(test::contains(small, "cpu_bytes"));
+  const auto misaligned = test::message_of<ConfigError>([&] {
+    lm::dec::make_cpu_compute(s, 3, 8, static_cast<unsigned char*>(block.data()) + 4, bytes);
+  });
+  REQUIRE(test::contains(misaligned, "aligned"));
+  REQUIRE(block.guards_intact());
+}
+
+TEST_CASE("decoder CPU refuses shapes and batches it cannot run, naming the field, writing nothing",
+          "[decoder]") {
+  const auto refused = [](DecoderShape s, const char* field, int seq_len = 8) {
+    CAPTURE(field);
+    const auto msg = test::message_of<ConfigError>([&] { lm::dec::cpu_bytes(s, 2, seq_len); });
+    CAPTURE(msg);
+    REQUIRE(test::contains(msg, "cpu_bytes"));
+    REQUIRE(test::contains(msg, field));
+  };
+  DecoderShape s = tiny_llama();
+  s.kv_heads = 3;
+  refused(s, "kv_heads");
+  s = tiny_llama();
+  s.head_dim = 5;
+  refused(s, "head_dim");
+  s = tiny_llama();
+  s.vocab = 0;
+  refused(s, "vocab");
+  refused(tiny_llama(), "max_positions", 33);
+
+  s = tiny_llama();
+  const Model m = random_model(s, 71);
+  Backend be(s, 2, 8);
+  RecordingSink sink(s, RecordingSink::all(s));
+  const auto step = [&](const DecoderTokens& t) {
+    return test::message_of<ConfigError>(
+        [&] { be.compute->train_step(m.weights, batch_of(t), 1.0, sink); });
+  };
+  REQUIRE(test::contains(step(test_support::random_decoder_tokens(s, 3, 8, 1)), "max_sequences"));
+  REQUIRE(test::contains(step(test_support::random_decoder_tokens(s, 2, 9, 1)), "seq_len"));
+  DecoderTokens bad = test_support::random_decoder_tokens(s, 2, 8, 1);
+  bad.targets[5] = s.vocab;
+  REQUIRE(test::contains(step(bad), "vocab"));
+  lm::dec::Weights no_layer = m.weights;
+  no_layer.layers[1].gate = nullptr;
+  const DecoderTokens good = test_support::random_decoder_tokens(s, 2, 8, 1);
+  REQUIRE(test::contains(test::message_of<ConfigError>(
+                             [&] { be.compute->train_step(no_layer, batch_of(good), 1.0, sink); }),
+                         "model.layers.1.mlp.gate_proj.weight"));
+  REQUIRE(sink.events.empty());
+  REQUIRE(be.block.guards_intact());
+}

@@ -1,0 +1,28 @@
+// The CPU backend of the decoder (tools/lm/decoder_compute.h): fp32 Eigen on the host, one
+// thread per call, all working memory carved from one block the caller allocates.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "tools/lm/decoder_compute.h"
+
+namespace shardswap::lm::dec {
+
+/// Exact bytes of the CPU backend's working memory for batches of up to max_sequences x
+/// seq_len tokens (activations kept for backward, backward scratch, the fp32 upcast of one
+/// group's weights, the chunked cross-entropy's logits rows). Throws ConfigError naming the
+/// DecoderShape field or argument that no backend can run.
+std::size_t cpu_bytes(const DecoderShape& s, int max_sequences, int seq_len);
+
+/// The backend on [memory, memory + cpu_bytes(...)) (host memory, 64-byte aligned; the block
+/// must outlive the backend). Batches may have fewer sequences and a shorter seq_len than
+/// configured. Throws ConfigError on a block that is too small or misaligned.
+std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequences, int seq_len,
+                                          void* memory, std::size_t bytes);
+
+/// Rows of logits the cross-entropy holds at once ([rows, vocab] fp32): bounds the logits
+/// memory for large vocabularies while keeping the head's GEMMs large enough to be efficient.
+inline constexpr int kLossChunkRows = 64;
+
+}  // namespace shardswap::lm::dec
