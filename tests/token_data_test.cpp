@@ -258,6 +258,12 @@ TEST_CASE("a token id not below the vocab is refused naming the file, index, id 
   const auto msg = refusal(spec_of(dir / "big.bin"));
   CHECK(msg == "data.train = \"" + (dir / "big.bin").string() +
                    "\": token 1000 (at index 321) is not below the vocab size 1000");
+  // Far into a uint32 file (past the first block of the scan), and an id beyond int32's range.
+  Tokens wide = random_tokens(200000, 151936, 4);
+  wide[150001] = 0xfffffff0u;
+  write_good(dir / "wide.bin", wide, 2);
+  CHECK(test::contains(refusal(spec_of(dir / "wide.bin", 151936)),
+                       "token 4294967280 (at index 150001) is not below the vocab size 151936"));
   // The same file is fine for a larger vocab, and in data.val the key is data.val.
   write_good(dir / "ok.bin", random_tokens(500, 1000, 4), 2);
   auto spec = spec_of(dir / "ok.bin");
@@ -275,6 +281,7 @@ TEST_CASE("a glob that matches nothing is refused naming the pattern", "[data]")
   auto spec = spec_of(dir / "a.bin");
   spec.val = (dir / "val-*.bin").string();
   CHECK(refusal(spec) == "data.val = \"" + spec.val + "\": no file matches");
+  CHECK(refusal(spec_of("")) == "data.train: is empty");
   // A plain path that does not exist says so.
   CHECK(refusal(spec_of(dir / "gone.bin")) ==
         "data.train = \"" + (dir / "gone.bin").string() + "\": no such file");
