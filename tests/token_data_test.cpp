@@ -53,7 +53,8 @@ void write_raw(const std::filesystem::path& path, std::int32_t magic, std::int32
   }
   bytes.resize(bytes.size() + extra_bytes, 0x5a);
   std::ofstream(path, std::ios::binary)
-      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+      .write(reinterpret_cast<const char*>(bytes.data()),
+             static_cast<std::streamsize>(bytes.size()));
 }
 
 void write_good(const std::filesystem::path& path, const Tokens& tokens, int version) {
@@ -170,13 +171,13 @@ TEST_CASE("write_token_file lays out llm.c's header and little-endian tokens", "
 TEST_CASE("write_token_file refuses an id too wide for uint16 and writes nothing", "[data]") {
   ScratchFolder dir("shardswap-token-data");
   const Tokens t = {1, 2, 65536};
-  const auto msg = test::message_of<ConfigError>(
-      [&] { write_token_file((dir / "x.bin").string(), t, 1); });
+  const auto msg =
+      test::message_of<ConfigError>([&] { write_token_file((dir / "x.bin").string(), t, 1); });
   CHECK(test::contains(msg, "x.bin"));
   CHECK(test::contains(msg, "65536"));
   CHECK(test::contains(msg, "index 2"));
-  const auto bad_version = test::message_of<ConfigError>(
-      [&] { write_token_file((dir / "y.bin").string(), t, 3); });
+  const auto bad_version =
+      test::message_of<ConfigError>([&] { write_token_file((dir / "y.bin").string(), t, 3); });
   CHECK(test::contains(bad_version, "version 3"));
   REQUIRE(dir.names().empty());
 }
@@ -220,8 +221,7 @@ TEST_CASE("a token file with a wrong magic is refused naming the key, the patter
                    "\": not a token file (magic 1234, expected 20240520)");
 }
 
-TEST_CASE("a token file of another version is refused naming the file and the version",
-          "[data]") {
+TEST_CASE("a token file of another version is refused naming the file and the version", "[data]") {
   ScratchFolder dir("shardswap-token-data");
   write_raw(dir / "v3.bin", 20240520, 3, 10, random_tokens(10, 1000, 2), 4);
   const auto msg = refusal(spec_of(dir / "v3.bin"));
@@ -245,8 +245,8 @@ TEST_CASE("a token file with bytes after its tokens is refused naming the file",
   ScratchFolder dir("shardswap-token-data");
   write_raw(dir / "long.bin", 20240520, 1, 50, random_tokens(50, 1000, 2), 2, 1);
   const auto msg = refusal(spec_of(dir / "long.bin"));
-  CHECK(test::contains(msg, "data.train = \"" + (dir / "long.bin").string() +
-                                "\": trailing bytes: 1125 bytes"));
+  CHECK(test::contains(
+      msg, "data.train = \"" + (dir / "long.bin").string() + "\": trailing bytes: 1125 bytes"));
 }
 
 TEST_CASE("a token id not below the vocab is refused naming the file, index, id and vocab",
@@ -268,7 +268,8 @@ TEST_CASE("a token id not below the vocab is refused naming the file, index, id 
   write_good(dir / "ok.bin", random_tokens(500, 1000, 4), 2);
   auto spec = spec_of(dir / "ok.bin");
   spec.val = (dir / "big.bin").string();
-  CHECK(test::contains(refusal(spec), "data.val = \"" + (dir / "big.bin").string() + "\": token 1000"));
+  CHECK(test::contains(refusal(spec),
+                       "data.val = \"" + (dir / "big.bin").string() + "\": token 1000"));
   spec.vocab = 1001;
   REQUIRE(TokenDataset(spec).has_val());
 }
@@ -292,8 +293,8 @@ TEST_CASE("a directory or FIFO among the data files is refused as not a regular 
   write_good(dir / "a.bin", random_tokens(100, 1000, 1), 1);
   std::filesystem::create_directory(dir / "b.bin");
   auto msg = refusal(spec_of(dir / "*.bin"));
-  CHECK(test::contains(msg, "\"" + (dir / "b.bin").string() +
-                                "\": not a regular file (a directory)"));
+  CHECK(test::contains(msg,
+                       "\"" + (dir / "b.bin").string() + "\": not a regular file (a directory)"));
   std::filesystem::remove(dir / "b.bin");
   REQUIRE(::mkfifo((dir / "c.bin").c_str(), 0600) == 0);
   msg = refusal(spec_of(dir / "*.bin"));  // must not block opening the FIFO
@@ -354,8 +355,7 @@ TEST_CASE("validation batches walk the validation windows in order and wrap arou
   spec.val.clear();
   const TokenDataset no_val(spec);
   REQUIRE_FALSE(no_val.has_val());
-  CHECK(test::contains(test::message_of<ConfigError>([&] { no_val.val_batch(0, 1); }),
-                       "data.val"));
+  CHECK(test::contains(test::message_of<ConfigError>([&] { no_val.val_batch(0, 1); }), "data.val"));
 }
 
 TEST_CASE("the shuffle is a bijection of [0, n) for every n tried", "[data]") {
@@ -437,9 +437,8 @@ TEST_CASE("the global batch of every step is the same at world sizes 1 to 4 and 
     return out;
   };
   // (world, micro-batch size): accumulation = g / world / micro.
-  const std::vector<std::pair<int, int>> splits = {{1, 12}, {1, 6}, {1, 4}, {1, 1}, {2, 6},
-                                                   {2, 3},  {2, 1}, {3, 4}, {3, 2}, {4, 3},
-                                                   {4, 1}};
+  const std::vector<std::pair<int, int>> splits = {{1, 12}, {1, 6}, {1, 4}, {1, 1}, {2, 6}, {2, 3},
+                                                   {2, 1},  {3, 4}, {3, 2}, {4, 3}, {4, 1}};
   for (std::int64_t step = 0; step < steps; ++step) {
     const auto want = expected(step);
     for (const auto& [world, micro] : splits) {
@@ -503,14 +502,14 @@ TEST_CASE("a run resumed at another world size continues on the same tokens", "[
 TEST_CASE("train_batch refuses a split that does not tile the global batch", "[data]") {
   const Corpus c;
   const TokenDataset d(c.spec());
-  CHECK_THROWS_AS(d.train_batch(0, 12, 0, 5, 0, 1), ConfigError);   // 5 does not divide 12
-  CHECK_THROWS_AS(d.train_batch(0, 12, 4, 4, 0, 3), ConfigError);   // rank beyond the world
-  CHECK_THROWS_AS(d.train_batch(0, 12, 0, 4, 1, 3), ConfigError);   // past the rank's share
+  CHECK_THROWS_AS(d.train_batch(0, 12, 0, 5, 0, 1), ConfigError);  // 5 does not divide 12
+  CHECK_THROWS_AS(d.train_batch(0, 12, 4, 4, 0, 3), ConfigError);  // rank beyond the world
+  CHECK_THROWS_AS(d.train_batch(0, 12, 0, 4, 1, 3), ConfigError);  // past the rank's share
   CHECK_THROWS_AS(d.train_batch(-1, 12, 0, 1, 0, 1), ConfigError);
   CHECK_THROWS_AS(d.train_batch(0, 12, 0, 1, 0, 0), ConfigError);
-  const auto msg =
-      test::message_of<ConfigError>([&] { d.train_batch(0, 12, 0, 5, 0, 1); });
-  CHECK(test::contains(msg, "TokenDataset::train_batch: step 0, global batch 12, rank 0 of world 5"));
+  const auto msg = test::message_of<ConfigError>([&] { d.train_batch(0, 12, 0, 5, 0, 1); });
+  CHECK(
+      test::contains(msg, "TokenDataset::train_batch: step 0, global batch 12, rank 0 of world 5"));
   CHECK_THROWS_AS(d.train_batch(std::int64_t{1} << 61, 12, 0, 1, 0, 1), ConfigError);
 }
 
@@ -526,7 +525,8 @@ TEST_CASE("the byte tokenizer packs a file's bytes and keeps a val_fraction tail
   spec.val_fraction = 0.25;
   const TokenDataset d(spec);
   const std::size_t val = 250;  // floor(1003 * 0.25)
-  const Tokens train_part(bytes.begin(), bytes.end() - val), val_part(bytes.end() - val, bytes.end());
+  const Tokens train_part(bytes.begin(), bytes.end() - val),
+      val_part(bytes.end() - val, bytes.end());
   const auto want_train = reference_windows({train_part}, 8);
   const auto want_val = reference_windows({val_part}, 8);
   REQUIRE(d.train_samples() == static_cast<std::int64_t>(want_train.size()));

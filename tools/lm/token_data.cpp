@@ -97,6 +97,7 @@ std::vector<std::string> expand(const std::string& key, const std::string& patte
   if (!has_glob_characters(pattern)) return {pattern};
   glob_t found{};
   const int rc = ::glob(pattern.c_str(), GLOB_ERR | GLOB_NOSORT, nullptr, &found);
+  const int glob_errno = errno;  // what stopped a GLOB_ABORTED walk, before globfree
   std::vector<std::string> paths;
   if (rc == 0)
     for (std::size_t i = 0; i < found.gl_pathc; ++i) paths.emplace_back(found.gl_pathv[i]);
@@ -105,10 +106,10 @@ std::vector<std::string> expand(const std::string& key, const std::string& patte
     throw ConfigError(fmt::format("{} = {}: no file matches", key, quote_value(pattern)));
   if (rc == GLOB_ABORTED)
     throw ConfigError(fmt::format("{} = {}: a folder on the way cannot be read: {}", key,
-                                  quote_value(pattern), std::strerror(errno)));
+                                  quote_value(pattern), std::strerror(glob_errno)));
   if (rc != 0)
-    throw ConfigError(fmt::format("{} = {}: cannot be expanded (glob error {})", key,
-                                  quote_value(pattern), rc));
+    throw ConfigError(
+        fmt::format("{} = {}: cannot be expanded (glob error {})", key, quote_value(pattern), rc));
   std::sort(paths.begin(), paths.end());
   return paths;
 }
@@ -179,8 +180,7 @@ TokenFile TokenFile::open_llmc(const std::string& path, int vocab, const std::st
                               kTokenFileHeaderBytes));
   const auto magic = static_cast<std::int32_t>(read_le32(bytes));
   if (magic != kTokenFileMagic)
-    refuse(where,
-           fmt::format("not a token file (magic {}, expected {})", magic, kTokenFileMagic));
+    refuse(where, fmt::format("not a token file (magic {}, expected {})", magic, kTokenFileMagic));
   const auto version = static_cast<std::int32_t>(read_le32(bytes + 4));
   if (version != 1 && version != 2)
     refuse(where, fmt::format("token file version {}: supported are 1 (uint16 tokens) and 2 "
@@ -192,8 +192,8 @@ TokenFile TokenFile::open_llmc(const std::string& path, int vocab, const std::st
   const std::int64_t expected = kTokenFileHeaderBytes + std::int64_t{count} * width;
   if (size != expected)
     refuse(where, fmt::format("{}: {} bytes, but the header's {} tokens of {} bytes make {}",
-                              size < expected ? "truncated" : "trailing bytes", size, count,
-                              width, expected));
+                              size < expected ? "truncated" : "trailing bytes", size, count, width,
+                              expected));
   const std::uint8_t* tokens = bytes + kTokenFileHeaderBytes;
   // Every id is checked here, once, so that a batch never carries one the model cannot embed.
   ::madvise(mapping->data, mapping->size, MADV_SEQUENTIAL);
@@ -238,12 +238,12 @@ void TokenFile::copy(std::int64_t begin, std::int64_t count, std::int32_t* out) 
     out[i] = static_cast<std::int32_t>(token_at(tokens_, width_, begin + i));
 }
 
-void write_token_file(const std::string& path, std::span<const std::uint32_t> tokens,
-                      int version) {
+void write_token_file(const std::string& path, std::span<const std::uint32_t> tokens, int version) {
   if (version != 1 && version != 2)
-    throw ConfigError(fmt::format("write_token_file {}: version {}: must be 1 (uint16) or 2 "
-                                  "(uint32)",
-                                  quote_value(path), version));
+    throw ConfigError(
+        fmt::format("write_token_file {}: version {}: must be 1 (uint16) or 2 "
+                    "(uint32)",
+                    quote_value(path), version));
   if (tokens.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
     throw ConfigError(fmt::format("write_token_file {}: {} tokens: the header counts at most {}",
                                   quote_value(path), tokens.size(),
@@ -260,9 +260,10 @@ void write_token_file(const std::string& path, std::span<const std::uint32_t> to
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     const std::uint32_t id = tokens[i];
     if (version == 1 && id > 0xffffu)
-      throw ConfigError(fmt::format("write_token_file {}: token {} (at index {}) does not fit "
-                                    "version 1's uint16; use version 2",
-                                    quote_value(path), id, i));
+      throw ConfigError(
+          fmt::format("write_token_file {}: token {} (at index {}) does not fit "
+                      "version 1's uint16; use version 2",
+                      quote_value(path), id, i));
     const std::size_t at = static_cast<std::size_t>(kTokenFileHeaderBytes) + i * width;
     for (int b = 0; b < width; ++b) bytes[at + b] = static_cast<std::uint8_t>(id >> (8 * b));
   }
@@ -322,9 +323,10 @@ TokenDataset::TokenDataset(const TokenDataSpec& spec)
                       : TokenFile::open_llmc(path, spec.vocab, where);
   };
   if (spec.bytes && spec.vocab < 256)
-    throw ConfigError(fmt::format("data.tokenizer = \"bytes\": byte tokens need a vocab of 256, "
-                                  "the model's vocab size is {}",
-                                  spec.vocab));
+    throw ConfigError(
+        fmt::format("data.tokenizer = \"bytes\": byte tokens need a vocab of 256, "
+                    "the model's vocab size is {}",
+                    spec.vocab));
   const std::vector<std::string> train_paths = expand("data.train", spec.train);
   const bool split_tail = spec.bytes && spec.val.empty();
   if (split_tail) {
@@ -338,14 +340,15 @@ TokenDataset::TokenDataset(const TokenDataSpec& spec)
           quote_value(spec.train), train_paths.size()));
     TokenFile file = open("data.train", spec.train, train_paths[0]);
     const std::int64_t total = file.size();
-    const auto val = static_cast<std::int64_t>(
-        std::floor(static_cast<double>(total) * spec.val_fraction));
+    const auto val =
+        static_cast<std::int64_t>(std::floor(static_cast<double>(total) * spec.val_fraction));
     const std::int64_t train = total - val;
     if (train < seq_len_ + 1 || val < seq_len_ + 1)
-      throw ConfigError(fmt::format(
-          "{}: too small: {} bytes split into {} for training and {} for validation "
-          "(data.val_fraction = {}); each needs at least seq_len + 1 = {}",
-          where_of("data.train", spec.train, train_paths[0]), total, train, val, spec.val_fraction, seq_len_ + 1));
+      throw ConfigError(
+          fmt::format("{}: too small: {} bytes split into {} for training and {} for validation "
+                      "(data.val_fraction = {}); each needs at least seq_len + 1 = {}",
+                      where_of("data.train", spec.train, train_paths[0]), total, train, val,
+                      spec.val_fraction, seq_len_ + 1));
     add(train_, file, 0, train);
     add(val_, std::move(file), train, val);
     return;
@@ -396,8 +399,8 @@ std::int64_t TokenDataset::sample_of_draw(std::int64_t g) const {
 
 TokenSequences TokenDataset::train_sample(std::int64_t index) const {
   if (index < 0 || index >= train_.samples)
-    throw ConfigError(fmt::format("TokenDataset::train_sample: sample {} of {}", index,
-                                  train_.samples));
+    throw ConfigError(
+        fmt::format("TokenDataset::train_sample: sample {} of {}", index, train_.samples));
   TokenSequences out;
   out.seq_len = seq_len_;
   append(train_, index, out);
@@ -406,9 +409,8 @@ TokenSequences TokenDataset::train_sample(std::int64_t index) const {
 
 TokenSequences TokenDataset::train_batch(std::int64_t step, int global_batch, int rank, int world,
                                          int micro_index, int micro_size) const {
-  const bool valid = step >= 0 && global_batch >= 1 && world >= 1 &&
-                     global_batch % world == 0 && rank >= 0 && rank < world &&
-                     micro_size >= 1 && micro_index >= 0 &&
+  const bool valid = step >= 0 && global_batch >= 1 && world >= 1 && global_batch % world == 0 &&
+                     rank >= 0 && rank < world && micro_size >= 1 && micro_index >= 0 &&
                      std::int64_t{micro_index + 1} * micro_size <= global_batch / world;
   if (!valid)
     throw ConfigError(fmt::format(
@@ -420,8 +422,7 @@ TokenSequences TokenDataset::train_batch(std::int64_t step, int global_batch, in
     throw ConfigError(fmt::format(
         "TokenDataset::train_batch: step {} of global batch {}: the draw count overflows", step,
         global_batch));
-  const std::int64_t first = step * global_batch +
-                             std::int64_t{rank} * (global_batch / world) +
+  const std::int64_t first = step * global_batch + std::int64_t{rank} * (global_batch / world) +
                              std::int64_t{micro_index} * micro_size;
   TokenSequences out;
   out.seq_len = seq_len_;
@@ -437,8 +438,7 @@ TokenSequences TokenDataset::val_batch(std::int64_t index, int size) const {
         "TokenDataset::val_batch: index {}, size {}: size must be at least 1, index not "
         "negative",
         index, size));
-  if (!has_val())
-    throw ConfigError("data.val: not set: this dataset has no validation set");
+  if (!has_val()) throw ConfigError("data.val: not set: this dataset has no validation set");
   TokenSequences out;
   out.seq_len = seq_len_;
   out.inputs.reserve(static_cast<std::size_t>(size) * static_cast<std::size_t>(seq_len_));
@@ -454,8 +454,8 @@ TokenSequences TokenDataset::val_batch(std::int64_t index, int size) const {
 std::int64_t TokenDataset::epoch_of(std::int64_t step, int global_batch) const {
   if (step < 0 || global_batch < 1 ||
       step > std::numeric_limits<std::int64_t>::max() / global_batch)
-    throw ConfigError(fmt::format("TokenDataset::epoch_of: step {}, global batch {}", step,
-                                  global_batch));
+    throw ConfigError(
+        fmt::format("TokenDataset::epoch_of: step {}, global batch {}", step, global_batch));
   return step * global_batch / train_.samples;
 }
 

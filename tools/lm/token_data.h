@@ -52,8 +52,7 @@ class TokenFile {
 /// OutputFile (check_output_path's refusals; a complete file replaces the target, or nothing
 /// does). Throws ConfigError, writing nothing, for another version, a token that does not fit
 /// version 1's uint16, or more than 2^31 - 1 tokens (the header's int32 count).
-void write_token_file(const std::string& path, std::span<const std::uint32_t> tokens,
-                      int version);
+void write_token_file(const std::string& path, std::span<const std::uint32_t> tokens, int version);
 
 /// Where the tokens come from: the data.* keys of the config.
 struct TokenDataSpec {
