@@ -507,6 +507,7 @@ TEST_CASE("train_batch refuses a split that does not tile the global batch", "[d
   CHECK_THROWS_AS(d.train_batch(0, 12, 0, 4, 1, 3), ConfigError);  // past the rank's share
   CHECK_THROWS_AS(d.train_batch(-1, 12, 0, 1, 0, 1), ConfigError);
   CHECK_THROWS_AS(d.train_batch(0, 12, 0, 1, 0, 0), ConfigError);
+  CHECK_THROWS_AS(d.train_batch(0, 12, 0, 1, 2147483647, 1), ConfigError);
   const auto msg = test::message_of<ConfigError>([&] { d.train_batch(0, 12, 0, 5, 0, 1); });
   CHECK(
       test::contains(msg, "TokenDataset::train_batch: step 0, global batch 12, rank 0 of world 5"));

@@ -411,7 +411,7 @@ TokenSequences TokenDataset::train_batch(std::int64_t step, int global_batch, in
                                          int micro_index, int micro_size) const {
   const bool valid = step >= 0 && global_batch >= 1 && world >= 1 && global_batch % world == 0 &&
                      rank >= 0 && rank < world && micro_size >= 1 && micro_index >= 0 &&
-                     std::int64_t{micro_index + 1} * micro_size <= global_batch / world;
+                     (std::int64_t{micro_index} + 1) * micro_size <= global_batch / world;
   if (!valid)
     throw ConfigError(fmt::format(
         "TokenDataset::train_batch: step {}, global batch {}, rank {} of world {}, micro-batch "
