@@ -67,33 +67,38 @@ def eos_from_tokenizer(path, tokenizer):
 
 
 def documents(inputs, jsonl, field):
-    """The documents in order, as (where, text)."""
+    """The documents in order, as (where, text). JSON lines are read line by line: a file larger
+    than memory is fine as long as each line fits."""
     for path in inputs:
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            f = open(path, "rb")
         except OSError as e:
             raise BadInput(f"{path}: cannot be read: {e.strerror}")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise BadInput(f"{path}: not UTF-8 (byte {e.start})")
-        if not jsonl:
-            yield path, text
-            continue
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
+        with f:
+            if not jsonl:
+                data = f.read()
+                try:
+                    yield path, data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadInput(f"{path}: not UTF-8 (byte {e.start})")
                 continue
-            where = f"{path} line {number}"
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise BadInput(f"{where}: not JSON: {e}")
-            if not isinstance(record, dict) or field not in record:
-                raise BadInput(f"{where}: no field {field!r}")
-            if not isinstance(record[field], str):
-                raise BadInput(f"{where}: field {field!r} is not a string")
-            yield where, record[field]
+            for number, raw in enumerate(f, 1):
+                where = f"{path} line {number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadInput(f"{where}: not UTF-8 (byte {e.start} of the line)")
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    raise BadInput(f"{where}: not JSON: {e}")
+                if not isinstance(record, dict) or field not in record:
+                    raise BadInput(f"{where}: no field {field!r}")
+                if not isinstance(record[field], str):
+                    raise BadInput(f"{where}: field {field!r} is not a string")
+                yield where, record[field]
 
 
 def batches(items, size):
