@@ -127,7 +127,7 @@ void read_rope(const Fields& top, const json& config, const HfConfigSource& sour
   static const json kEmpty = json::object();
   if (!key.empty() && !config.at(key).is_object()) top.refuse(key, "not an object");
   const json& params = key.empty() ? kEmpty : config.at(key);
-  const Fields rope(params, source, key + ".");
+  const Fields rope(params, source, key.empty() ? "" : key + ".");
   for (const char* layer_type : {"full_attention", "sliding_attention"})
     if (params.contains(layer_type))
       rope.refuse(layer_type, "RoPE parameters per layer type are not supported");
@@ -179,10 +179,12 @@ std::optional<int> window_of(const Fields& f, std::string_view key, int absent) 
 void check_sliding_window(const Fields& f, const DecoderShape& s, int layers,
                           const HfSeqLen& seq_len) {
   const auto refuse = [&](int window) {
-    f.refuse("sliding_window",
-             fmt::format("sliding-window attention is not implemented, and a window of {} would "
-                         "be in use at {} = {}",
-                         window, seq_len.key, seq_len.value));
+    const auto why = fmt::format("sliding-window attention is not implemented, and a window of "
+                                 "{} would be in use at {} = {}",
+                                 window, seq_len.key, seq_len.value);
+    if (f.present("sliding_window")) f.refuse("sliding_window", why);
+    throw ConfigError(fmt::format("{}: absent, so transformers' default of {} applies: {}",
+                                  f.name("sliding_window"), window, why));
   };
   if (s.family == DecoderFamily::mistral) {
     const auto window = window_of(f, "sliding_window", kMistralSlidingWindow);
