@@ -249,8 +249,9 @@ TEST_CASE("each refused config.json field is named with its value and the file",
   // RoPE.
   json r = kLlama;
   r["rope_scaling"]["rope_type"] = "yarn";
-  CHECK(contains(refusal(r), "'rope_scaling.rope_type' = \"yarn\": unsupported RoPE type; "
-                             "supported: default, linear, llama3"));
+  CHECK(contains(refusal(r),
+                 "'rope_scaling.rope_type' = \"yarn\": unsupported RoPE type; "
+                 "supported: default, linear, llama3"));
   r = kLlama5;
   r["rope_parameters"]["rope_type"] = "dynamic";
   CHECK(contains(refusal(r), "'rope_parameters.rope_type' = \"dynamic\""));
@@ -279,9 +280,9 @@ TEST_CASE("each refused config.json field is named with its value and the file",
 
 TEST_CASE("the same fields inline in ShardSwap's config are named by their key", "[hf]") {
   const HfConfigSource inline_source{{}, "model."};
-  json m = {{"model_type", "llama"}, {"vocab_size", 256},      {"hidden_size", 64},
+  json m = {{"model_type", "llama"},    {"vocab_size", 256},      {"hidden_size", 64},
             {"intermediate_size", 160}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
-            {"num_key_value_heads", 2}, {"seq_len", 128},       {"path", nullptr}};
+            {"num_key_value_heads", 2}, {"seq_len", 128},         {"path", nullptr}};
   const auto s = hf_config_from_json(m, inline_source, {128, "model.seq_len"}).shape;
   CHECK(s.vocab == 256);
   CHECK(s.head_dim == 16);
@@ -289,11 +290,11 @@ TEST_CASE("the same fields inline in ShardSwap's config are named by their key",
   m["model_type"] = "bert";
   CHECK(message_of<ConfigError>([&] {
           hf_config_from_json(m, inline_source, {128, "model.seq_len"});
-        }) == "model.model_type = \"bert\": unsupported model type; supported: llama, qwen2, "
-              "mistral");
-  CHECK(message_of<ConfigError>([&] {
-          hf_config_from_json(json::array(), inline_source, {});
-        }) == "model: not a JSON object");
+        }) ==
+        "model.model_type = \"bert\": unsupported model type; supported: llama, qwen2, "
+        "mistral");
+  CHECK(message_of<ConfigError>([&] { hf_config_from_json(json::array(), inline_source, {}); }) ==
+        "model: not a JSON object");
 }
 
 TEST_CASE("config.json written for a shape reads back as that shape", "[hf]") {

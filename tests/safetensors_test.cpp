@@ -53,7 +53,8 @@ std::vector<std::byte> read_bytes(const fs::path& path) {
 
 void write_bytes(const fs::path& path, const std::vector<std::byte>& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
   REQUIRE(out.good());
 }
 
@@ -99,7 +100,7 @@ std::int64_t numel(const std::vector<std::int64_t>& shape) {
 // Random finite values of `dtype`, as bytes: fp32 from a normal distribution; bf16 its top
 // half; fp16 from random sign, exponent (normal range) and mantissa; other dtypes random bytes.
 std::vector<std::byte> stored_values(std::mt19937_64& rng, const std::string& dtype,
-                                   std::int64_t count) {
+                                     std::int64_t count) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<std::byte> out(static_cast<std::size_t>(count) * width_of(dtype));
   for (std::int64_t i = 0; i < count; ++i) {
@@ -116,9 +117,8 @@ std::vector<std::byte> stored_values(std::mt19937_64& rng, const std::string& dt
       }
     } else if (dtype == "F16") {
       const auto r = rng();
-      const std::uint16_t h = static_cast<std::uint16_t>(((r & 1) << 15) |
-                                                         ((1 + (r >> 1) % 30) << 10) |
-                                                         ((r >> 8) & 1023));
+      const std::uint16_t h = static_cast<std::uint16_t>(
+          ((r & 1) << 15) | ((1 + (r >> 1) % 30) << 10) | ((r >> 8) & 1023));
       std::memcpy(p, &h, 2);
     } else {
       for (std::size_t b = 0; b < width_of(dtype); ++b) p[b] = static_cast<std::byte>(rng());
@@ -191,8 +191,8 @@ TEST_CASE("random tensors of every dtype round-trip through the writer and the r
     }
   tensors.push_back({"scalar", "F32", {}, stored_values(rng, "F32", 1)});
   tensors.push_back({"empty", "BF16", {4, 0}, {}});
-  const auto file = write_and_open(folder / "a.safetensors", tensors,
-                                   {{"format", "pt"}, {"note", "x y"}});
+  const auto file =
+      write_and_open(folder / "a.safetensors", tensors, {{"format", "pt"}, {"note", "x y"}});
   REQUIRE(file.tensors().size() == tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const auto& got = file.tensors()[i];  // in the order of the data: the order written
@@ -265,7 +265,8 @@ TEST_CASE("every malformed safetensors file is refused naming the file and the t
   CHECK(refusal_of(folder / "none.safetensors") ==
         "safetensors file '" + (folder / "none.safetensors").string() + "': no such file");
   CHECK(contains(refusal_of(folder.path()), "not a regular file (a directory)"));
-  CHECK(refused({std::byte{1}, std::byte{0}}) == where + "2 bytes: too short for the 8-byte header size");
+  CHECK(refused({std::byte{1}, std::byte{0}}) ==
+        where + "2 bytes: too short for the 8-byte header size");
   // Truncated: the last tensor's data runs past the end.
   auto truncated = whole;
   truncated.pop_back();
@@ -284,9 +285,10 @@ TEST_CASE("every malformed safetensors file is refused naming the file and the t
                        R"("b":{"dtype":"F32","shape":[2],"data_offsets":[20,28]}})",
                        d30)) ==
         where + "tensor \"b\": data_offsets [20, 28] overlap those of \"w\" (ending at 24)");
-  CHECK(contains(refused(header(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
-                                std::vector<std::byte>(8))),
-                 where + "tensor \"w\": data_offsets [4, 8] leave bytes [0, 4) of the data unused"));
+  CHECK(
+      contains(refused(header(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                              std::vector<std::byte>(8))),
+               where + "tensor \"w\": data_offsets [4, 8] leave bytes [0, 4) of the data unused"));
   CHECK(refused(header(R"({"w":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})",
                        std::vector<std::byte>(1))) ==
         where + "tensor \"w\": dtype \"Q7\" is not one this reader knows");
@@ -294,23 +296,25 @@ TEST_CASE("every malformed safetensors file is refused naming the file and the t
                                 std::vector<std::byte>(1))),
                  "tensor \"w\": dtype \"F4\" is not one"));
   CHECK(refused(header(R"({"w":{"dtype":"F32","shape":[2,4],"data_offsets":[0,30]}})", d30)) ==
-        where + "tensor \"w\": shape [2, 4] of F32 (4 bytes an element) does not fill "
-                "data_offsets [0, 30] (30 bytes)");
+        where +
+            "tensor \"w\": shape [2, 4] of F32 (4 bytes an element) does not fill "
+            "data_offsets [0, 30] (30 bytes)");
   CHECK(contains(refused(header(R"({"w":{"dtype":"U8","shape":[4611686018427387904,8],)"
                                 R"("data_offsets":[0,30]}})",
                                 d30)),
                  "tensor \"w\": shape [4611686018427387904, 8] of U8"));
-  CHECK(contains(refused(header(R"({"w":{"dtype":"U8","shape":[-30],"data_offsets":[0,30]}})", d30)),
-                 "tensor \"w\": shape [-30]: not all integers >= 0"));
+  CHECK(
+      contains(refused(header(R"({"w":{"dtype":"U8","shape":[-30],"data_offsets":[0,30]}})", d30)),
+               "tensor \"w\": shape [-30]: not all integers >= 0"));
   CHECK(contains(refused(header(R"({"w":{"dtype":"U8","shape":[30],"data_offsets":[30,0]}})", d30)),
                  "tensor \"w\": data_offsets [30, 0]: end before begin"));
   CHECK(contains(refused(header(R"({"w":{"dtype":"U8","shape":[30],"data_offsets":[0]}})", d30)),
                  "tensor \"w\": data_offsets [0]: not [begin, end]"));
   CHECK(contains(refused(header(R"({"w":{"shape":[30],"data_offsets":[0,30]}})", d30)),
                  "tensor \"w\": dtype missing"));
-  CHECK(contains(refused(header(R"({"w":{"dtype":"U8","shape":[30],"data_offsets":[0,30],"x":1}})",
-                                d30)),
-                 "tensor \"w\": unknown field \"x\""));
+  CHECK(contains(
+      refused(header(R"({"w":{"dtype":"U8","shape":[30],"data_offsets":[0,30],"x":1}})", d30)),
+      "tensor \"w\": unknown field \"x\""));
   CHECK(contains(refused(header(R"({"w":{"dtype":"U8","shape":[15],"data_offsets":[0,15]},)"
                                 R"("w":{"dtype":"U8","shape":[15],"data_offsets":[15,30]}})",
                                 d30)),
@@ -335,15 +339,25 @@ TEST_CASE("the safetensors writer refuses bad entries and short data, leaving no
                    attempt({{{"a", "F32", {1}}, four}, {{"a", "F32", {1}}, four}});
                  }),
                  "write_safetensors '" + target.string() + "': tensor \"a\": named twice"));
-  CHECK(contains(message_of<ConfigError>([&] { attempt({{{"a", "F5", {1}}, four}}); }),
+  CHECK(contains(message_of<ConfigError>([&] {
+                   attempt({{{"a", "F5", {1}}, four}});
+                 }),
                  "tensor \"a\": unknown dtype \"F5\""));
-  CHECK(contains(message_of<ConfigError>([&] { attempt({{{"a", "F32", {-1}}, four}}); }),
+  CHECK(contains(message_of<ConfigError>([&] {
+                   attempt({{{"a", "F32", {-1}}, four}});
+                 }),
                  "tensor \"a\": shape [-1] has a negative size"));
-  CHECK(contains(message_of<ConfigError>([&] { attempt({{{"__metadata__", "F32", {1}}, four}}); }),
+  CHECK(contains(message_of<ConfigError>([&] {
+                   attempt({{{"__metadata__", "F32", {1}}, four}});
+                 }),
                  "not a name a tensor can have"));
-  CHECK(contains(message_of<ConfigError>([&] { attempt({{{"\xff", "F32", {1}}, four}}); }),
+  CHECK(contains(message_of<ConfigError>([&] {
+                   attempt({{{"\xff", "F32", {1}}, four}});
+                 }),
                  "not UTF-8"));
-  CHECK(contains(message_of<Error>([&] { attempt({{{"a", "F32", {2}}, four}}); }),
+  CHECK(contains(message_of<Error>([&] {
+                   attempt({{{"a", "F32", {2}}, four}});
+                 }),
                  "tensor \"a\": 4 bytes given, its header says 8"));
   CHECK(folder.names().empty());  // neither the target nor a temporary
 }
@@ -394,8 +408,8 @@ TEST_CASE("conversion is bit-exact between equal dtypes and rounds to nearest ev
     CHECK(same == data);
     mismatches = 0;
     for (int i = 0; i < n; ++i) {
-      const double x =
-          dtype == "BF16" ? bf16_value(u16(data.data() + 2 * i)) : f16_value(u16(data.data() + 2 * i));
+      const double x = dtype == "BF16" ? bf16_value(u16(data.data() + 2 * i))
+                                       : f16_value(u16(data.data() + 2 * i));
       mismatches += f32(wide.data() + 4 * i) != x;
       const double y = dtype == "BF16" ? f16_value(u16(other.data() + 2 * i))
                                        : bf16_value(u16(other.data() + 2 * i));
@@ -424,8 +438,9 @@ TEST_CASE("a conversion that cannot be done is refused, naming the tensor, writi
   CHECK(contains(message_of<ConfigError>([&] { convert_tensor(src, file, DType::bf16, small); }),
                  "4 elements of bf16 are 8 bytes, the destination holds 6"));
   const SafetensorsTensor ints{"ids", "I8", {4}, data.data(), 4};
-  CHECK(contains(message_of<ConfigError>([&] { convert_tensor(ints, file, DType::bf16, out); }),
-                 "tensor \"ids\" in '" + file.string() + "': stored as I8; supported: BF16, F16, F32"));
+  CHECK(contains(
+      message_of<ConfigError>([&] { convert_tensor(ints, file, DType::bf16, out); }),
+      "tensor \"ids\" in '" + file.string() + "': stored as I8; supported: BF16, F16, F32"));
 }
 
 // ---- model folders ----
@@ -433,11 +448,20 @@ TEST_CASE("a conversion that cannot be done is refused, naming the tensor, writi
 namespace {
 
 json tiny_config(const std::string& model_type, bool tied) {
-  return {{"architectures", {"X"}}, {"model_type", model_type}, {"vocab_size", 11},
-          {"hidden_size", 8},       {"intermediate_size", 12},  {"num_hidden_layers", 2},
-          {"num_attention_heads", 2}, {"num_key_value_heads", 1}, {"max_position_embeddings", 64},
-          {"rope_theta", 10000.0},  {"tie_word_embeddings", tied}, {"torch_dtype", "bfloat16"},
-          {"bos_token_id", 1},      {"transformers_version", "4.45.0"}};
+  return {{"architectures", {"X"}},
+          {"model_type", model_type},
+          {"vocab_size", 11},
+          {"hidden_size", 8},
+          {"intermediate_size", 12},
+          {"num_hidden_layers", 2},
+          {"num_attention_heads", 2},
+          {"num_key_value_heads", 1},
+          {"max_position_embeddings", 64},
+          {"rope_theta", 10000.0},
+          {"tie_word_embeddings", tied},
+          {"torch_dtype", "bfloat16"},
+          {"bos_token_id", 1},
+          {"transformers_version", "4.45.0"}};
 }
 
 // The params of tiny_config, written out by hand from the Hugging Face modules (independent of
@@ -543,8 +567,8 @@ TEST_CASE("a model folder in one file opens with every param in place", "[hf]") 
     std::shuffle(tensors.begin(), tensors.end(), rng);  // file order is free
     auto stored = tensors;
     // A buffer older transformers saved is ignored.
-    stored.push_back({"model.layers.0.self_attn.rotary_emb.inv_freq", "F32", {2},
-                      stored_values(rng, "F32", 2)});
+    stored.push_back(
+        {"model.layers.0.self_attn.rotary_emb.inv_freq", "F32", {2}, stored_values(rng, "F32", 2)});
     write_folder(folder, tiny_config("qwen2", tied), stored);
     const auto ck = HfCheckpoint::open(folder, kSeq);
     CHECK(ck.shape().qkv_bias);
@@ -552,8 +576,9 @@ TEST_CASE("a model folder in one file opens with every param in place", "[hf]") 
     CHECK(ck.files() == std::vector<fs::path>{folder / "model.safetensors"});
     check_holds(ck, tensors);
     CHECK(ck.file_of("model.norm.weight") == folder / "model.safetensors");
-    CHECK(contains(message_of<ConfigError>([&] { ck.tensor("model.layers.0.self_attn.rotary_emb.inv_freq"); }),
-                   "is not a param of the model"));
+    CHECK(contains(
+        message_of<ConfigError>([&] { ck.tensor("model.layers.0.self_attn.rotary_emb.inv_freq"); }),
+        "is not a param of the model"));
   }
 }
 
@@ -592,12 +617,14 @@ TEST_CASE("a sharded folder opens when its index and the files' headers agree", 
   CHECK(contains(open_refusal(folder), index.string() + ": not JSON"));
   std::ofstream(index, std::ios::trunc) << good.dump();
   write_bytes(folder / "model.safetensors", raw_file({}));
-  CHECK(contains(open_refusal(folder), "holds both model.safetensors and "
-                                       "model.safetensors.index.json"));
+  CHECK(contains(open_refusal(folder),
+                 "holds both model.safetensors and "
+                 "model.safetensors.index.json"));
   fs::remove(folder / "model.safetensors");
   fs::remove(index);
   CHECK(contains(open_refusal(folder), "holds neither model.safetensors nor"));
-  CHECK(contains(open_refusal(root / "absent"), "'" + (root / "absent").string() + "': no such folder"));
+  CHECK(contains(open_refusal(root / "absent"),
+                 "'" + (root / "absent").string() + "': no such folder"));
 }
 
 TEST_CASE("a missing, extra, mis-shaped or wrongly typed tensor is refused naming it", "[hf]") {
@@ -619,14 +646,17 @@ TEST_CASE("a missing, extra, mis-shaped or wrongly typed tensor is refused namin
   ts = tensors;
   ts.pop_back();
   ts.erase(ts.begin());
-  CHECK(contains(refused(ts), "2 tensors of the model missing: \"model.embed_tokens.weight\", "
-                              "\"lm_head.weight\""));
+  CHECK(contains(refused(ts),
+                 "2 tensors of the model missing: \"model.embed_tokens.weight\", "
+                 "\"lm_head.weight\""));
   ts = tensors;
-  ts.push_back({"model.layers.0.self_attn.q_proj.bias", "BF16", {8}, stored_values(rng, "BF16", 8)});
+  ts.push_back(
+      {"model.layers.0.self_attn.q_proj.bias", "BF16", {8}, stored_values(rng, "BF16", 8)});
   CHECK(contains(refused(ts), "tensor \"model.layers.0.self_attn.q_proj.bias\" in '" + file +
                                   "' is no param of the model config.json describes"));
   ts = tensors;
-  ts.push_back({"model.layers.2.input_layernorm.weight", "BF16", {8}, stored_values(rng, "BF16", 8)});
+  ts.push_back(
+      {"model.layers.2.input_layernorm.weight", "BF16", {8}, stored_values(rng, "BF16", 8)});
   CHECK(contains(refused(ts), "tensor \"model.layers.2.input_layernorm.weight\""));
   ts = tensors;
   ts[3].shape = {4, 4, 2};
@@ -641,8 +671,8 @@ TEST_CASE("a missing, extra, mis-shaped or wrongly typed tensor is refused namin
   json gpt2 = config;
   gpt2["model_type"] = "gpt2";
   write_folder(folder, gpt2, tensors);
-  CHECK(contains(open_refusal(folder), (folder / "config.json").string() +
-                                           " 'model_type' = \"gpt2\""));
+  CHECK(contains(open_refusal(folder),
+                 (folder / "config.json").string() + " 'model_type' = \"gpt2\""));
   fs::remove(folder / "config.json");
   CHECK(contains(open_refusal(folder), (folder / "config.json").string() + ": no such file"));
 }
@@ -661,7 +691,8 @@ TEST_CASE("a tied model's stored lm_head is accepted only as an exact copy of th
   ts.back().data[5] ^= std::byte{1};
   write_folder(root / "other", tiny_config("qwen2", true), ts);
   CHECK(contains(open_refusal(root / "other"),
-                 "tensor \"lm_head.weight\" in '" + (root / "other" / "model.safetensors").string() +
+                 "tensor \"lm_head.weight\" in '" +
+                     (root / "other" / "model.safetensors").string() +
                      "': config.json ties the head to the embedding, but this head is not a "
                      "copy of it"));
 }
@@ -732,17 +763,20 @@ TEST_CASE("an export of another dtype converts each param; a mixed-dtype folder 
   const auto ck = HfCheckpoint::open(root / "in", kSeq);
   write_hf_folder(
       root / "out", ck.shape(), DType::bf16,
-      [&](const HfTensorSpec& spec, std::span<std::byte> out) { ck.copy(spec.name, DType::bf16, out); },
+      [&](const HfTensorSpec& spec, std::span<std::byte> out) {
+        ck.copy(spec.name, DType::bf16, out);
+      },
       1 << 20);
   const auto back = HfCheckpoint::open(root / "out", kSeq);
   for (const auto& t : tensors) {
     const auto& got = back.tensor(t.name);
     REQUIRE(got.dtype == "BF16");
     for (std::int64_t i = 0; i < numel(t.shape); ++i) {
-      const double x = t.dtype == "BF16" ? bf16_value(u16(t.data.data() + 2 * i))
-                                         : f32(t.data.data() + 4 * i);
+      const double x =
+          t.dtype == "BF16" ? bf16_value(u16(t.data.data() + 2 * i)) : f32(t.data.data() + 4 * i);
       if (bf16_value(u16(got.data + 2 * i)) != round_to(x, 8, -126))
-        FAIL(fmt::format("{}[{}]: {} stored as {}", t.name, i, x, bf16_value(u16(got.data + 2 * i))));
+        FAIL(fmt::format("{}[{}]: {} stored as {}", t.name, i, x,
+                         bf16_value(u16(got.data + 2 * i))));
     }
   }
 }
@@ -750,32 +784,34 @@ TEST_CASE("an export of another dtype converts each param; a mixed-dtype folder 
 TEST_CASE("write_hf_folder refuses a used folder and leaves nothing after a failure", "[hf]") {
   std::mt19937_64 rng(18);
   const ScratchFolder root("hf-folder");
-  const auto shape =
-      hf_config_from_json(tiny_config("llama", false), {{}, "model."}, kSeq).shape;
+  const auto shape = hf_config_from_json(tiny_config("llama", false), {{}, "model."}, kSeq).shape;
   const auto zeros = [](const HfTensorSpec&, std::span<std::byte> out) {
     std::fill(out.begin(), out.end(), std::byte{0x3f});
   };
   fs::create_directories(root / "used");
   std::ofstream(root / "used" / "keep.txt") << "mine";
-  CHECK(message_of<ConfigError>([&] { write_hf_folder(root / "used", shape, DType::bf16, zeros, 1000); }) ==
+  CHECK(message_of<ConfigError>(
+            [&] { write_hf_folder(root / "used", shape, DType::bf16, zeros, 1000); }) ==
         "write_hf_folder '" + (root / "used").string() + "': not empty; refusing to write into it");
   std::ofstream(root / "file") << "x";
-  CHECK(contains(message_of<ConfigError>([&] { write_hf_folder(root / "file", shape, DType::bf16, zeros, 1000); }),
+  CHECK(contains(message_of<ConfigError>(
+                     [&] { write_hf_folder(root / "file", shape, DType::bf16, zeros, 1000); }),
                  "a regular file; refusing to replace it"));
-  CHECK(contains(message_of<ConfigError>([&] {
-                   write_hf_folder(root / "no" / "x", shape, DType::bf16, zeros, 1000);
-                 }),
+  CHECK(contains(message_of<ConfigError>(
+                     [&] { write_hf_folder(root / "no" / "x", shape, DType::bf16, zeros, 1000); }),
                  "does not exist"));
-  CHECK(contains(message_of<ConfigError>([&] { write_hf_folder(root / "x", shape, DType::f64, zeros, 1000); }),
-                 "hf_config_to_json: dtype fp64"));
+  CHECK(contains(
+      message_of<ConfigError>([&] { write_hf_folder(root / "x", shape, DType::f64, zeros, 1000); }),
+      "hf_config_to_json: dtype fp64"));
   // A provider failing half-way: no folder, no temporary.
   int calls = 0;
   const auto failing = [&](const HfTensorSpec& spec, std::span<std::byte> out) {
     if (++calls == 9) throw ConfigError("no weights for " + spec.name);
     zeros(spec, out);
   };
-  CHECK(message_of<ConfigError>([&] { write_hf_folder(root / "x", shape, DType::bf16, failing, 300); }) ==
-        "no weights for " + hf_expected_tensors(shape)[8].name);
+  CHECK(message_of<ConfigError>([&] {
+          write_hf_folder(root / "x", shape, DType::bf16, failing, 300);
+        }) == "no weights for " + hf_expected_tensors(shape)[8].name);
   // An empty folder is taken (and replaced whole, at the end).
   fs::create_directories(root / "empty");
   write_hf_folder(root / "empty", shape, DType::bf16, zeros, 1000);

@@ -24,9 +24,9 @@
 namespace shardswap {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
 using lm::dec::ParamId;
 using lm::dec::ParamKind;
+using nlohmann::json;
 
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian and is copied as it is");
@@ -42,7 +42,9 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 
 // Buffers transformers registers on the model and older versions saved with the weights: not
 // params, computed from the config.
-bool is_known_buffer(std::string_view name) { return name.ends_with(".rotary_emb.inv_freq"); }
+bool is_known_buffer(std::string_view name) {
+  return name.ends_with(".rotary_emb.inv_freq");
+}
 
 template <class T>
 T load(const std::byte* p) {
@@ -79,14 +81,14 @@ bool exists_entry(const fs::path& path) {
 void fsync_path(const fs::path& path, int flags) {
   const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
   if (fd < 0)
-    throw Error(fmt::format("write_hf_folder: cannot open '{}': {}", path.string(),
-                            std::strerror(errno)));
+    throw Error(
+        fmt::format("write_hf_folder: cannot open '{}': {}", path.string(), std::strerror(errno)));
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);
   if (rc != 0)
-    throw Error(fmt::format("write_hf_folder: cannot fsync '{}': {}", path.string(),
-                            std::strerror(err)));
+    throw Error(
+        fmt::format("write_hf_folder: cannot fsync '{}': {}", path.string(), std::strerror(err)));
 }
 
 }  // namespace
@@ -213,8 +215,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len)
   if (::stat(folder.c_str(), &st) != 0)
     throw refuse(errno == ENOENT ? std::string("no such folder")
                                  : fmt::format("cannot be read: {}", std::strerror(errno)));
-  if (!S_ISDIR(st.st_mode))
-    throw refuse(fmt::format("not a folder ({})", file_kind(st.st_mode)));
+  if (!S_ISDIR(st.st_mode)) throw refuse(fmt::format("not a folder ({})", file_kind(st.st_mode)));
 
   HfCheckpoint ck;
   ck.folder_ = folder;
@@ -256,8 +257,8 @@ HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len)
     std::vector<std::pair<std::string, std::string>> mapped;  // tensor, file
     for (const auto& [name, file] : index_json["weight_map"].items()) {
       if (!file.is_string())
-        throw refuse_index(fmt::format("weight_map {} = {}: not a file name", quote_value(name),
-                                       file.dump()));
+        throw refuse_index(
+            fmt::format("weight_map {} = {}: not a file name", quote_value(name), file.dump()));
       const auto f = file.get<std::string>();
       if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos)
         throw refuse_index(fmt::format("weight_map {} = {}: not a file name in the folder",
@@ -282,13 +283,15 @@ HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len)
       for (const auto& t : ck.files_[id].tensors()) {
         const auto it = index_json["weight_map"].find(t.name);
         if (it == index_json["weight_map"].end())
-          throw refuse_index(fmt::format("'{}' holds tensor {}, which the weight_map does not "
-                                         "list",
-                                         f, quote_value(t.name)));
+          throw refuse_index(
+              fmt::format("'{}' holds tensor {}, which the weight_map does not "
+                          "list",
+                          f, quote_value(t.name)));
         if (it->get<std::string>() != f)
-          throw refuse_index(fmt::format("'{}' holds tensor {}, which the weight_map puts in "
-                                         "'{}'",
-                                         f, quote_value(t.name), it->get<std::string>()));
+          throw refuse_index(
+              fmt::format("'{}' holds tensor {}, which the weight_map puts in "
+                          "'{}'",
+                          f, quote_value(t.name), it->get<std::string>()));
       }
   }
 
@@ -329,16 +332,18 @@ HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len)
       const auto& embed = ck.tensor(hf_tensor_name({ParamKind::embed}));
       if (head.dtype != embed.dtype || head.shape != embed.shape ||
           std::memcmp(head.data, embed.data, head.bytes) != 0)
-        throw refuse(fmt::format("tensor {} in '{}': config.json ties the head to the "
-                                 "embedding, but this head is not a copy of it",
-                                 quote_value(name), file_name(p)));
+        throw refuse(
+            fmt::format("tensor {} in '{}': config.json ties the head to the "
+                        "embedding, but this head is not a copy of it",
+                        quote_value(name), file_name(p)));
       continue;
     }
-    throw refuse(fmt::format("tensor {} in '{}' is no param of the model config.json describes "
-                             "({} layers, {}, {} head)",
-                             quote_value(name), file_name(p), ck.shape().layers,
-                             ck.shape().qkv_bias ? "q/k/v biases" : "no biases",
-                             ck.shape().tied ? "a tied" : "an untied"));
+    throw refuse(
+        fmt::format("tensor {} in '{}' is no param of the model config.json describes "
+                    "({} layers, {}, {} head)",
+                    quote_value(name), file_name(p), ck.shape().layers,
+                    ck.shape().qkv_bias ? "q/k/v biases" : "no biases",
+                    ck.shape().tied ? "a tied" : "an untied"));
   }
   return ck;
 }
@@ -371,8 +376,10 @@ void HfCheckpoint::copy(std::string_view name, DType dtype, std::span<std::byte>
   convert_tensor(files_[p.file].tensors()[p.tensor], files_[p.file].path(), dtype, out);
 }
 
-void write_hf_folder(const fs::path& folder, const DecoderShape& shape, DType dtype,
+void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DType dtype,
                      const HfTensorFill& fill, std::uint64_t max_shard_bytes) {
+  // "out/" names the folder "out".
+  const fs::path folder = folder_arg.has_filename() ? folder_arg : folder_arg.parent_path();
   const auto refuse = [&](std::string_view why) {
     return ConfigError(fmt::format("write_hf_folder '{}': {}", folder.string(), why));
   };
@@ -387,8 +394,7 @@ void write_hf_folder(const fs::path& folder, const DecoderShape& shape, DType dt
     if (!S_ISDIR(st.st_mode))
       throw refuse(fmt::format("{}; refusing to replace it", file_kind(st.st_mode)));
     std::error_code ec;
-    if (!fs::is_empty(folder, ec) || ec)
-      throw refuse("not empty; refusing to write into it");
+    if (!fs::is_empty(folder, ec) || ec) throw refuse("not empty; refusing to write into it");
   } else if (errno != ENOENT) {
     throw refuse(std::strerror(errno));
   }
@@ -417,9 +423,7 @@ void write_hf_folder(const fs::path& folder, const DecoderShape& shape, DType dt
                       : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, count);
   };
 
-  std::string tmp_template = folder.string();
-  while (tmp_template.size() > 1 && tmp_template.back() == '/') tmp_template.pop_back();
-  tmp_template += ".tmp-export-XXXXXX";
+  std::string tmp_template = folder.string() + ".tmp-export-XXXXXX";
   if (::mkdtemp(tmp_template.data()) == nullptr)
     throw Error(fmt::format("write_hf_folder '{}': cannot create a temporary folder '{}': {}",
                             folder.string(), tmp_template, std::strerror(errno)));
@@ -441,15 +445,14 @@ void write_hf_folder(const fs::path& folder, const DecoderShape& shape, DType dt
         weight_map[specs[i].name] = shard_name(k);
       }
       OutputFile out("write_hf_folder", tmp / shard_name(k));
-      write_safetensors(
-          out, entries,
-          [&](std::size_t e) {
-            const auto i = shards[k][e];
-            buffer.assign(static_cast<std::size_t>(sizes[i]), std::byte{0});
-            fill(specs[i], buffer);
-            return std::span<const std::byte>(buffer);
-          },
-          {{"format", "pt"}});
+      write_safetensors(out, entries,
+                        [&](std::size_t e) {
+                          const auto i = shards[k][e];
+                          buffer.assign(static_cast<std::size_t>(sizes[i]), std::byte{0});
+                          fill(specs[i], buffer);
+                          return std::span<const std::byte>(buffer);
+                        },
+                        {{"format", "pt"}});
     }
     if (count > 1)
       write_json(kIndexFile, {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
@@ -457,8 +460,8 @@ void write_hf_folder(const fs::path& folder, const DecoderShape& shape, DType dt
     // rename(2) replaces an empty directory and fails on one that is not empty: a folder filled
     // meanwhile is never overwritten.
     if (::rename(tmp.c_str(), folder.c_str()) != 0)
-      throw Error(fmt::format("write_hf_folder '{}': cannot rename '{}' to it: {}",
-                              folder.string(), tmp.string(), std::strerror(errno)));
+      throw Error(fmt::format("write_hf_folder '{}': cannot rename '{}' to it: {}", folder.string(),
+                              tmp.string(), std::strerror(errno)));
   } catch (...) {
     std::error_code ec;
     fs::remove_all(tmp, ec);

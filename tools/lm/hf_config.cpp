@@ -81,8 +81,8 @@ class Fields {
     }
     const json& v = at(key);
     if (!v.is_number_integer()) refuse(key, "not an integer");
-    const bool above = v.is_number_unsigned() ? v.get<std::uint64_t>() > INT_MAX
-                                              : v.get<std::int64_t>() > INT_MAX;
+    const bool above =
+        v.is_number_unsigned() ? v.get<std::uint64_t>() > INT_MAX : v.get<std::int64_t>() > INT_MAX;
     if (above || v.get<std::int64_t>() < min)
       refuse(key, fmt::format("must be in [{}, {}]", min, INT_MAX));
     return v.get<int>();
@@ -137,9 +137,8 @@ void read_rope(const Fields& top, const json& config, const HfConfigSource& sour
   s.rope_theta = rope.has("rope_theta") ? rope.positive("rope_theta", std::nullopt)
                                         : top.positive("rope_theta", kDefaultTheta);
   for (const Fields* f : {&rope, &top})
-    if (f->has("partial_rotary_factor") &&
-        !(f->at("partial_rotary_factor").is_number() &&
-          f->at("partial_rotary_factor").get<double>() == 1.0))
+    if (f->has("partial_rotary_factor") && !(f->at("partial_rotary_factor").is_number() &&
+                                             f->at("partial_rotary_factor").get<double>() == 1.0))
       f->refuse("partial_rotary_factor", "RoPE on part of a head is not implemented (only 1.0)");
 
   if (type == "default") {
@@ -155,8 +154,8 @@ void read_rope(const Fields& top, const json& config, const HfConfigSource& sour
     s.rope_original_max_positions =
         rope.integer("original_max_position_embeddings", std::nullopt, 1);
     if (!(s.rope_high_freq_factor > s.rope_low_freq_factor))
-      rope.refuse("high_freq_factor", fmt::format("must be above low_freq_factor = {}",
-                                                  s.rope_low_freq_factor));
+      rope.refuse("high_freq_factor",
+                  fmt::format("must be above low_freq_factor = {}", s.rope_low_freq_factor));
   } else {
     rope.refuse(type_key, "unsupported RoPE type; supported: default, linear, llama3");
   }
@@ -179,9 +178,10 @@ std::optional<int> window_of(const Fields& f, std::string_view key, int absent) 
 void check_sliding_window(const Fields& f, const DecoderShape& s, int layers,
                           const HfSeqLen& seq_len) {
   const auto refuse = [&](int window) {
-    const auto why = fmt::format("sliding-window attention is not implemented, and a window of "
-                                 "{} would be in use at {} = {}",
-                                 window, seq_len.key, seq_len.value);
+    const auto why = fmt::format(
+        "sliding-window attention is not implemented, and a window of "
+        "{} would be in use at {} = {}",
+        window, seq_len.key, seq_len.value);
     if (f.present("sliding_window")) f.refuse("sliding_window", why);
     throw ConfigError(fmt::format("{}: absent, so transformers' default of {} applies: {}",
                                   f.name("sliding_window"), window, why));
@@ -245,9 +245,10 @@ const char* torch_dtype_name(DType t) {
     case DType::f64:
       break;
   }
-  throw ConfigError(fmt::format("hf_config_to_json: dtype {}: a Hugging Face checkpoint holds "
-                                "bf16, fp16 or fp32 weights",
-                                dtype_name(t)));
+  throw ConfigError(
+      fmt::format("hf_config_to_json: dtype {}: a Hugging Face checkpoint holds "
+                  "bf16, fp16 or fp32 weights",
+                  dtype_name(t)));
 }
 
 }  // namespace
@@ -271,22 +272,21 @@ HfModelConfig hf_config_from_json(const json& config, const HfConfigSource& sour
   s.intermediate = f.integer("intermediate_size", std::nullopt, 1);
   s.layers = f.integer("num_hidden_layers", std::nullopt, 1);
   s.heads = f.integer("num_attention_heads", std::nullopt, 1);
-  s.kv_heads = f.integer("num_key_value_heads",
-                         f.present("num_key_value_heads") ? s.heads : family.kv_heads.value_or(s.heads),
-                         1);
+  s.kv_heads =
+      f.integer("num_key_value_heads",
+                f.present("num_key_value_heads") ? s.heads : family.kv_heads.value_or(s.heads), 1);
   if (s.heads % s.kv_heads != 0)
-    f.refuse("num_key_value_heads",
-             fmt::format("must divide num_attention_heads = {}", s.heads));
+    f.refuse("num_key_value_heads", fmt::format("must divide num_attention_heads = {}", s.heads));
   // LlamaConfig refuses a hidden size that is no multiple of the heads even with a head_dim.
   if ((!f.has("head_dim") || s.family == DecoderFamily::llama) && s.hidden % s.heads != 0)
     f.refuse("num_attention_heads", fmt::format("does not divide hidden_size = {}", s.hidden));
   s.head_dim = f.integer("head_dim", s.hidden / s.heads, 1);
   if (s.head_dim % 2 != 0) {
     if (f.has("head_dim")) f.refuse("head_dim", "must be even (RoPE rotates pairs)");
-    throw ConfigError(fmt::format("{} = {} / {} = {} = {}: the head size must be even (RoPE "
-                                  "rotates pairs)",
-                                  f.name("hidden_size"), s.hidden, f.name("num_attention_heads"),
-                                  s.heads, s.head_dim));
+    throw ConfigError(fmt::format(
+        "{} = {} / {} = {} = {}: the head size must be even (RoPE "
+        "rotates pairs)",
+        f.name("hidden_size"), s.hidden, f.name("num_attention_heads"), s.heads, s.head_dim));
   }
   s.max_positions = f.integer("max_position_embeddings", family.max_positions, 1);
   s.rms_eps = f.positive("rms_norm_eps", kDefaultRmsEps);
@@ -299,8 +299,9 @@ HfModelConfig hf_config_from_json(const json& config, const HfConfigSource& sour
       break;
     case DecoderFamily::llama:
       if (f.boolean("attention_bias", false))
-        f.refuse("attention_bias", "biases on the attention projections (o_proj's included) are "
-                                   "not implemented");
+        f.refuse("attention_bias",
+                 "biases on the attention projections (o_proj's included) are "
+                 "not implemented");
       if (f.boolean("mlp_bias", false))
         f.refuse("mlp_bias", "biases on the MLP projections are not implemented");
       s.qkv_bias = false;
@@ -311,8 +312,7 @@ HfModelConfig hf_config_from_json(const json& config, const HfConfigSource& sour
   }
   check_sliding_window(f, s, s.layers, seq_len);
   if (seq_len.value > s.max_positions)
-    f.refuse("max_position_embeddings",
-             fmt::format("below {} = {}", seq_len.key, seq_len.value));
+    f.refuse("max_position_embeddings", fmt::format("below {} = {}", seq_len.key, seq_len.value));
   out.dtype = dtype_field(f);
   return out;
 }
@@ -346,17 +346,19 @@ json hf_config_to_json(const DecoderShape& s, DType dtype) {
     return ConfigError(fmt::format("hf_config_to_json: {}", why));
   };
   const char* torch_dtype = torch_dtype_name(dtype);
-  for (const int v : {s.vocab, s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads,
-                      s.head_dim, s.max_positions})
+  for (const int v : {s.vocab, s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.head_dim,
+                      s.max_positions})
     if (v < 1) throw refuse(fmt::format("a size of {}: every size must be at least 1", v));
   if (s.heads % s.kv_heads != 0 || s.head_dim % 2 != 0)
-    throw refuse(fmt::format("{} heads, {} kv heads, head_dim {}: the kv heads must divide the "
-                             "heads, head_dim be even",
-                             s.heads, s.kv_heads, s.head_dim));
+    throw refuse(
+        fmt::format("{} heads, {} kv heads, head_dim {}: the kv heads must divide the "
+                    "heads, head_dim be even",
+                    s.heads, s.kv_heads, s.head_dim));
   if (s.family == DecoderFamily::llama && s.hidden % s.heads != 0)
-    throw refuse(fmt::format("a llama of hidden size {} and {} heads: transformers refuses a "
-                             "hidden size that is no multiple of the heads",
-                             s.hidden, s.heads));
+    throw refuse(
+        fmt::format("a llama of hidden size {} and {} heads: transformers refuses a "
+                    "hidden size that is no multiple of the heads",
+                    s.hidden, s.heads));
   if (s.qkv_bias != (s.family == DecoderFamily::qwen2))
     throw refuse(s.qkv_bias ? "q/k/v biases without o_proj's exist only in qwen2"
                             : "a qwen2 always has q/k/v biases");

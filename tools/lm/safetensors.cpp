@@ -34,18 +34,16 @@ struct DTypeInfo {
 };
 // Every dtype of the format whose elements are whole bytes.
 constexpr DTypeInfo kDTypes[] = {
-    {"BOOL", 1}, {"U8", 1},       {"I8", 1},       {"F8_E5M2", 1}, {"F8_E4M3", 1},
-    {"F8_E8M0", 1}, {"I16", 2},   {"U16", 2},      {"F16", 2},     {"BF16", 2},
-    {"I32", 4},  {"U32", 4},      {"F32", 4},      {"I64", 8},     {"U64", 8},
-    {"F64", 8},  {"C64", 8},
+    {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"F8_E8M0", 1},
+    {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},     {"U32", 4},
+    {"F32", 4},  {"I64", 8}, {"U64", 8}, {"F64", 8},     {"C64", 8},
 };
 
 [[noreturn]] void refuse(const fs::path& path, std::string_view why) {
   throw ConfigError(fmt::format("safetensors file '{}': {}", path.string(), why));
 }
 
-[[noreturn]] void refuse_tensor(const fs::path& path, std::string_view name,
-                                std::string_view why) {
+[[noreturn]] void refuse_tensor(const fs::path& path, std::string_view name, std::string_view why) {
   throw ConfigError(
       fmt::format("safetensors file '{}': tensor {}: {}", path.string(), quote_value(name), why));
 }
@@ -139,8 +137,7 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
     if (!S_ISREG(st.st_mode))
       refuse(path, fmt::format("not a regular file ({})", file_kind(st.st_mode)));
     const auto size = static_cast<std::uint64_t>(st.st_size);
-    if (size < 8)
-      refuse(path, fmt::format("{} bytes: too short for the 8-byte header size", size));
+    if (size < 8) refuse(path, fmt::format("{} bytes: too short for the 8-byte header size", size));
     void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED)
       refuse(path, fmt::format("cannot be mapped ({} bytes): {}", size, std::strerror(errno)));
@@ -154,8 +151,8 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
   if (n > kMaxHeaderBytes)
     refuse(path, fmt::format("header size {} is above the limit of {} bytes", n, kMaxHeaderBytes));
   if (n > size - 8)
-    refuse(path, fmt::format("header size {} is beyond the file ({} bytes after the size)", n,
-                             size - 8));
+    refuse(path,
+           fmt::format("header size {} is beyond the file ({} bytes after the size)", n, size - 8));
   const char* text = reinterpret_cast<const char*>(base + 8);
 
   // Repeated names would leave which entry counts to the parser: refused.
@@ -208,7 +205,8 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
     if (!entry.contains("shape") || !entry["shape"].is_array())
       refuse_tensor(path, name, "shape missing or not an array");
     for (const auto& d : entry["shape"]) {
-      if (!d.is_number_integer() || (d.is_number_unsigned() && d.get<std::uint64_t>() > INT64_MAX) ||
+      if (!d.is_number_integer() ||
+          (d.is_number_unsigned() && d.get<std::uint64_t>() > INT64_MAX) ||
           (!d.is_number_unsigned() && d.get<std::int64_t>() < 0))
         refuse_tensor(path, name,
                       fmt::format("shape {}: not all integers >= 0", entry["shape"].dump()));
@@ -217,9 +215,9 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
     const auto& offsets = entry.contains("data_offsets") ? entry["data_offsets"] : ordered_json();
     if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
         !offsets[1].is_number_unsigned())
-      refuse_tensor(path, name,
-                    fmt::format("data_offsets {}: not [begin, end] of integers >= 0",
-                                offsets.dump()));
+      refuse_tensor(
+          path, name,
+          fmt::format("data_offsets {}: not [begin, end] of integers >= 0", offsets.dump()));
     const auto begin = offsets[0].get<std::uint64_t>();
     const auto end = offsets[1].get<std::uint64_t>();
     if (end < begin)
@@ -246,8 +244,8 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
   for (const auto& p : placed) {
     if (p.begin < at)
       refuse_tensor(path, p.tensor.name,
-                    fmt::format("data_offsets [{}, {}] overlap those of {} (ending at {})",
-                                p.begin, p.end, quote_value(*previous), at));
+                    fmt::format("data_offsets [{}, {}] overlap those of {} (ending at {})", p.begin,
+                                p.end, quote_value(*previous), at));
     if (p.begin > at)
       refuse_tensor(path, p.tensor.name,
                     fmt::format("data_offsets [{}, {}] leave bytes [{}, {}) of the data unused",
@@ -277,8 +275,8 @@ void write_safetensors(OutputFile& out, const std::vector<SafetensorsEntry>& ent
                        const std::map<std::string, std::string>& metadata) {
   const auto target = out.target().string();
   const auto refuse_entry = [&](const std::string& name, std::string_view why) {
-    return ConfigError(fmt::format("write_safetensors '{}': tensor {}: {}", target,
-                                   quote_value(name), why));
+    return ConfigError(
+        fmt::format("write_safetensors '{}': tensor {}: {}", target, quote_value(name), why));
   };
   // Strict UTF-8: a name the JSON could only hold with replaced bytes would be another name.
   const auto utf8 = [](const std::string& s) {
@@ -313,7 +311,8 @@ void write_safetensors(OutputFile& out, const std::vector<SafetensorsEntry>& ent
     if (!count || *count > (UINT64_MAX >> 4) / width)
       throw refuse_entry(e.name, fmt::format("shape {} is too large", shape_text(e.shape)));
     const std::uint64_t bytes = *count * width;
-    header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[e.name] = {
+        {"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
     sizes.push_back(static_cast<std::size_t>(bytes));
     offset += bytes;
   }
