@@ -9,56 +9,12 @@
 #include <sstream>
 
 #include "shardswap/error.h"
+#include "tools/lm/safetensors.h"
 
 namespace shardswap {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-namespace {
-
-const char* safetensors_dtype(DType t) {
-  switch (t) {
-    case DType::bf16:
-      return "BF16";
-    case DType::f16:
-      return "F16";
-    case DType::f32:
-      return "F32";
-    case DType::f64:
-      return "F64";
-  }
-  return "?";
-}
-
-}  // namespace
-
-void write_safetensors(const std::vector<CheckpointTensor>& tensors, OutputFile& out,
-                       const std::map<std::string, std::string>& metadata) {
-  json header = json::object();
-  std::int64_t offset = 0;
-  for (const auto& t : tensors) {
-    const auto bytes = static_cast<std::int64_t>(t.data.size());
-    header[t.name] = {{"dtype", safetensors_dtype(t.dtype)},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
-  }
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::string text = header.dump(-1, ' ', false, json::error_handler_t::replace);
-  text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
-  const std::uint64_t length = text.size();
-  try {
-    out.write(&length, sizeof length);  // little-endian: checkpoint.cpp asserts the host is
-    out.write(text);
-    for (const auto& t : tensors) out.write(t.data.data(), t.data.size());
-    out.commit();
-  } catch (const ConfigError&) {
-    throw;  // the target was refused at the last check: its message says why
-  } catch (const std::exception& e) {
-    throw Error(fmt::format("write_safetensors: {}", e.what()));
-  }
-}
 
 std::string describe_checkpoint(const fs::path& dir) {
   const json meta = read_checkpoint_metadata(dir);
@@ -161,11 +117,15 @@ int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
       {"weights", master ? "fp32 master" : "bit16"},
       {"shardswap_version", meta.at("shardswap_version").get<std::string>()}};
   if (meta.at("extra").contains("step")) metadata["step"] = meta.at("extra").at("step").dump();
-  write_safetensors(tensors, target, metadata);
+  std::vector<SafetensorsData> data;
+  data.reserve(tensors.size());
+  for (const auto& t : tensors)
+    data.push_back({{t.name, safetensors_dtype_name(t.dtype), t.shape}, t.data});
+  write_safetensors(target, data, metadata);
   std::uint64_t bytes = 0;
   for (const auto& t : tensors) bytes += t.data.size();
   out << fmt::format("wrote {}: {} tensors, {} bytes of {} data\n", file, tensors.size(), bytes,
-                     master ? "F32" : safetensors_dtype(tensors.front().dtype));
+                     master ? "F32" : safetensors_dtype_name(tensors.front().dtype));
   return 0;
 }
 

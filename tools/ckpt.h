@@ -13,15 +13,6 @@
 
 namespace shardswap {
 
-/// Writes `tensors` in the safetensors format: an 8-byte little-endian header length, a JSON
-/// header {name: {dtype: BF16|F16|F32, shape, data_offsets: [begin, end]}, "__metadata__":
-/// `metadata`} padded with spaces so the data starts 8-byte aligned, then the raw little-endian
-/// data in the order given. Written through `out` (its temporary, fsynced, renamed over the
-/// target). Throws Error naming the file, or ConfigError if the target was replaced by something
-/// it must not overwrite meanwhile.
-void write_safetensors(const std::vector<CheckpointTensor>& tensors, OutputFile& out,
-                       const std::map<std::string, std::string>& metadata);
-
 /// A summary of the checkpoint in `dir` after verifying every file: world size, step, model,
 /// groups with their state and step count, the active set, loss scaler, files and bytes.
 std::string describe_checkpoint(const std::filesystem::path& dir);
