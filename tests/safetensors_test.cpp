@@ -173,6 +173,41 @@ SafetensorsFile write_and_open(const fs::path& path, const std::vector<Raw>& ten
   return SafetensorsFile::open(path);
 }
 
+// The tensors of a file as its raw bytes say, checked the way the format's reference
+// implementation checks them: the header size, a JSON object, each entry's size, and data
+// covering the rest of the file without gap or overlap.
+std::map<std::string, Raw> raw_read(const fs::path& path) {
+  const auto bytes = read_bytes(path);
+  REQUIRE(bytes.size() >= 8);
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(bytes[i]);
+  REQUIRE(8 + n <= bytes.size());
+  const json header = json::parse(reinterpret_cast<const char*>(bytes.data()) + 8,
+                                  reinterpret_cast<const char*>(bytes.data()) + 8 + n);
+  REQUIRE(header.is_object());
+  std::map<std::string, Raw> out;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+  for (const auto& [name, e] : header.items()) {
+    if (name == "__metadata__") continue;
+    Raw t{name, e.at("dtype"), e.at("shape").get<std::vector<std::int64_t>>(), {}};
+    const std::uint64_t begin = e.at("data_offsets")[0], end = e.at("data_offsets")[1];
+    REQUIRE(end - begin == static_cast<std::uint64_t>(numel(t.shape)) * width_of(t.dtype));
+    REQUIRE(8 + n + end <= bytes.size());
+    t.data.assign(bytes.begin() + static_cast<std::ptrdiff_t>(8 + n + begin),
+                  bytes.begin() + static_cast<std::ptrdiff_t>(8 + n + end));
+    ranges.emplace_back(begin, end);
+    out[name] = std::move(t);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  std::uint64_t at = 0;
+  for (const auto& [b, e] : ranges) {
+    REQUIRE(b == at);
+    at = e;
+  }
+  REQUIRE(8 + n + at == bytes.size());
+  return out;
+}
+
 std::string refusal_of(const fs::path& path) {
   return message_of<ConfigError>([&] { SafetensorsFile::open(path); });
 }
@@ -716,6 +751,15 @@ TEST_CASE("load then export is bit-exact, in one file and sharded above the limi
       write_hf_folder(out, ck.shape(), t, fill, limit);
       const auto back = HfCheckpoint::open(out, kSeq);
       check_holds(back, tensors);
+      // And as the raw bytes of the files say, read without the code under test.
+      std::map<std::string, Raw> raw;
+      for (const auto& f : back.files()) raw.merge(raw_read(f));
+      REQUIRE(raw.size() == tensors.size());
+      for (const auto& x : tensors) {
+        CHECK(raw.at(x.name).dtype == x.dtype);
+        CHECK(raw.at(x.name).shape == x.shape);
+        CHECK(raw.at(x.name).data == x.data);
+      }
       // The folder holds exactly its files, nothing temporary beside it.
       std::set<std::string> names;
       for (const auto& e : fs::directory_iterator(out)) names.insert(e.path().filename());
