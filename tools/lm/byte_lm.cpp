@@ -15,6 +15,7 @@
 #include "shardswap/error.h"
 #include "optimizer/optimizer.h"
 #include "tools/lm/byte_lm_compute.h"
+#include "tools/lm/init_random.h"
 
 namespace shardswap {
 
@@ -29,36 +30,6 @@ lm::Dims dims_of(const ByteLmShape& s) {
 
 std::string layer_group(int i) {
   return fmt::format("layers.{}", i);
-}
-
-// ---- init: FNV-1a of the name mixed with the seed drives an mt19937_64; the mapping of its
-// 64-bit outputs to uniform and normal values is ours, so every platform draws the same. ----
-
-std::uint64_t fnv1a(std::string_view s) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (const char ch : s) {
-    h ^= static_cast<unsigned char>(ch);
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// [0, 1) with 53 random bits.
-double uniform01(std::mt19937_64& rng) {
-  return static_cast<double>(rng() >> 11) * 0x1.0p-53;
-}
-
-// Box-Muller; 1 - u keeps the logarithm's argument in (0, 1].
-double normal01(std::mt19937_64& rng) {
-  const double u1 = 1.0 - uniform01(rng), u2 = uniform01(rng);
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
 
 bool ends_with(std::string_view s, std::string_view suffix) {
@@ -604,12 +575,12 @@ void ByteLm::declare(const ByteLmShape& shape, Engine& engine) {
 void ByteLm::init(const ByteLmShape& shape, const ParamInfo& param, std::span<float> values,
                   std::uint64_t seed) {
   const std::string_view name = param.name;
-  std::mt19937_64 rng(splitmix64(fnv1a(name) ^ splitmix64(seed)));
+  std::mt19937_64 rng = lm::param_rng(name, seed);
   const auto uniform = [&](double bound) {
-    for (auto& v : values) v = static_cast<float>(bound * (2.0 * uniform01(rng) - 1.0));
+    for (auto& v : values) v = static_cast<float>(bound * (2.0 * lm::uniform01(rng) - 1.0));
   };
   if (name == "embed.weight") {
-    for (auto& v : values) v = static_cast<float>(0.02 * normal01(rng));
+    for (auto& v : values) v = static_cast<float>(0.02 * lm::normal01(rng));
   } else if (ends_with(name, "norm.weight")) {  // layers.i.norm and final_norm
     std::fill(values.begin(), values.end(), 1.0f);
   } else if (ends_with(name, ".bias")) {

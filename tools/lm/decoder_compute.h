@@ -154,9 +154,10 @@ class GradSink {
  public:
   virtual ~GradSink() = default;
   virtual bool active(int group) const = 0;
-  /// The slot to add the param's gradient into, asked for just before it is first written.
-  /// A tied embedding's slot is opened when the head's gradient is added and stays open until
-  /// the lookup's gradient is added at the end of backward.
+  /// The slot to add the param's gradient into, asked for just before it is written and
+  /// closed right after: one slot open at a time (the engine reduces a stage-2 bucket when
+  /// backward moves on to another group). A tied embedding's head and lookup gradients are
+  /// summed by the backend and written once, at the end of backward.
   virtual GradSlot open(ParamId param) = 0;
   /// The gradient in the slot is complete (on a device: queued on the calling thread's stream).
   virtual void close(ParamId param) = 0;

@@ -10,7 +10,8 @@
 //
 // Gradients: dlogits carry grad_scale / tokens, so everything below them is already scaled. Each
 // param's gradient is formed in fp32 scratch and added into its slot once; a tied embedding's
-// head and lookup parts are summed in fp32 first, so that a bit16 slot is rounded once.
+// head and lookup parts are summed in fp32 first and written at the end of backward, so that a
+// bit16 slot is rounded once.
 #include "tools/lm/decoder_cpu.h"
 
 #include <fmt/format.h>
@@ -690,20 +691,11 @@ class CpuCompute final : public Compute {
     float* const dx = at(l_.dx);
     float* const dn = at(l_.dn);
     float* const g = at(l_.grad);
-    // The head group: the head matrix (a tied one is the embedding: its slot stays open, and
-    // the lookup's gradient joins the head's in fp32, so that a bit16 slot is rounded once),
-    // then the final norm.
-    if (head_matrix) {
-      if (s_.tied) {
-        tied_slot_ = sink.open({ParamKind::embed});
-        if (tied_slot_.data == nullptr)
-          throw ConfigError(
-              "decoder CPU train_step: the grad slot of 'model.embed_tokens.weight' "
-              "is null");
-      } else {
-        emit(sink, {ParamKind::head}, at(l_.head_grad), v * d);
-      }
-    }
+    // The head group: the head matrix, then the final norm. A tied head's matrix is the
+    // embedding: its gradient stays in head_grad (fp32), the lookup's joins it there and the
+    // slot is written once at the end. The engine's slot is never held open across other
+    // params' gradients: a stage-2 bucket is reduced once backward moves on to another group.
+    if (head_matrix && !s_.tied) emit(sink, {ParamKind::head}, at(l_.head_grad), v * d);
     {
       const Head hw = upcast_head(w);
       const float* const x_last = layer_at(l_.xs, s_.layers, d);
@@ -721,14 +713,7 @@ class CpuCompute final : public Compute {
     if (!s_.tied) table.setZero();
     for (std::size_t r = 0; r < n; ++r)
       table.row(static_cast<Eigen::Index>(b.inputs[r])) += CMapRow(dx + r * d, cols(d));
-    if (s_.tied) {
-      cpu_device_ops().accumulate(tied_slot_.data, tied_slot_.dtype, table.data(), DType::f32,
-                                  v * d);
-      tied_slot_ = {};
-      sink.close({ParamKind::embed});
-    } else {
-      emit(sink, {ParamKind::embed}, table.data(), v * d);
-    }
+    emit(sink, {ParamKind::embed}, table.data(), v * d);
   }
 
   // Layer l's backward from dx (the gradient at x_{l+1}); leaves the one at x_l in dx when
@@ -802,7 +787,6 @@ class CpuCompute final : public Compute {
   Sizes z_;
   std::byte* mem_;
   Layout l_;
-  GradSlot tied_slot_{};  // a tied embedding's slot, open from the head to the lookup
 };
 
 }  // namespace
