@@ -6,15 +6,22 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <cstring>
+#include <map>
 #include <sstream>
 
 #include "shardswap/error.h"
+#include "tools/lm/hf_checkpoint.h"
+#include "tools/lm/hf_config.h"
 #include "tools/lm/safetensors.h"
 
 namespace shardswap {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+// 5 GB a shard: save_pretrained's default max_shard_size in transformers 4.
+constexpr std::uint64_t kHfShardBytes = 5'000'000'000;
 
 std::string describe_checkpoint(const fs::path& dir) {
   const json meta = read_checkpoint_metadata(dir);
@@ -77,10 +84,55 @@ std::string describe_checkpoint(const fs::path& dir) {
   return s.str();
 }
 
+namespace {
+
+// `ckpt export DIR --format hf --out FOLDER`: the weights under their Hugging Face names with
+// the config.json the trainer recorded in the checkpoint (extra.hf_config).
+int export_hf_folder(const fs::path& dir, const fs::path& folder, bool master,
+                     std::uint64_t max_shard_bytes, std::ostream& out) {
+  const json meta = read_checkpoint_metadata(dir);
+  const json& extra = meta.at("extra");
+  if (!extra.contains("hf_config"))
+    throw ConfigError(fmt::format(
+        "ckpt export --format hf: checkpoint '{}' has no Hugging Face config (it was not saved "
+        "by a decoder run); export it as safetensors",
+        dir.string()));
+  const DecoderShape shape =
+      hf_config_from_json(extra.at("hf_config"),
+                          HfConfigSource{{}, fmt::format("{}: extra.hf_config.", dir.string())},
+                          HfSeqLen{})
+          .shape;
+  const auto tensors = read_checkpoint_tensors(dir, master);
+  std::map<std::string, const CheckpointTensor*> by_name;
+  for (const auto& t : tensors) by_name[t.name] = &t;
+  const DType dtype = master ? DType::f32 : tensors.front().dtype;
+  std::uint64_t bytes = 0;
+  write_hf_folder(
+      folder, shape, dtype,
+      [&](const HfTensorSpec& spec, std::span<std::byte> dst) {
+        const auto it = by_name.find(spec.name);
+        if (it == by_name.end() || it->second->shape != spec.shape ||
+            it->second->data.size() != dst.size())
+          throw ConfigError(fmt::format(
+              "ckpt export --format hf: checkpoint '{}' has no param '{}' of the shape its "
+              "config.json gives",
+              dir.string(), spec.name));
+        std::memcpy(dst.data(), it->second->data.data(), dst.size());
+        bytes += dst.size();
+      },
+      max_shard_bytes);
+  out << fmt::format("wrote {}: config.json and {} tensors, {} bytes of {} data\n",
+                     folder.string(), tensors.size(), bytes, safetensors_dtype_name(dtype));
+  return 0;
+}
+
+}  // namespace
+
 int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
   const auto usage = [](const std::string& why) {
     return ConfigError(fmt::format(
         "ckpt: {}; usage: shardswap ckpt export DIR --out FILE.safetensors [--master] | "
+        "shardswap ckpt export DIR --format hf --out FOLDER [--master] [--max-shard-bytes N] | "
         "shardswap ckpt inspect DIR",
         why));
   };
@@ -91,14 +143,34 @@ int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
     return 0;
   }
   if (args[0] != "export") throw usage(fmt::format("unknown subcommand '{}'", args[0]));
-  std::string dir, file;
+  std::string dir, file, format = "safetensors";
   bool master = false;
+  std::uint64_t max_shard_bytes = kHfShardBytes;
   for (std::size_t i = 1; i < args.size(); ++i) {
+    const auto value = [&](const char* flag) -> const std::string& {
+      if (i + 1 >= args.size()) throw usage(fmt::format("{} needs a value", flag));
+      return args[++i];
+    };
     if (args[i] == "--out") {
-      if (i + 1 >= args.size()) throw usage("--out needs a value");
-      file = args[++i];
+      file = value("--out");
     } else if (args[i] == "--master") {
       master = true;
+    } else if (args[i] == "--format") {
+      format = value("--format");
+      if (format != "safetensors" && format != "hf")
+        throw usage(fmt::format("--format '{}': expected safetensors or hf", format));
+    } else if (args[i] == "--max-shard-bytes") {
+      const std::string& v = value("--max-shard-bytes");
+      std::size_t used = 0;
+      unsigned long long n = 0;
+      try {
+        n = std::stoull(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != v.size() || n == 0 || v.front() == '-')
+        throw usage(fmt::format("--max-shard-bytes '{}': expected a positive number of bytes", v));
+      max_shard_bytes = n;
     } else if (dir.empty() && !args[i].starts_with("--")) {
       dir = args[i];
     } else {
@@ -107,6 +179,7 @@ int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
   }
   if (dir.empty()) throw usage("export needs a checkpoint directory");
   if (file.empty()) throw usage("export needs --out FILE");
+  if (format == "hf") return export_hf_folder(dir, file, master, max_shard_bytes, out);
   // Checked before the checkpoint is read: a refused --out costs nothing and changes nothing.
   OutputFile target("--out", file, checkpoint_inputs(dir));
   const json meta = read_checkpoint_metadata(dir);

@@ -36,6 +36,7 @@ constexpr const char* kUsage = R"(usage:
   shardswap train --config FILE [--metrics FILE [--metrics-errors=fail|warn]]
                   [--set key.path=value]... [--memory-report]
   shardswap plan --config FILE [--set key.path=value]...
+  shardswap eval --config FILE [--checkpoint DIR] [--set key.path=value]...
 
   shardswap bench optimizer [--backend cpu|cuda] [--sizes 64M,256M,1G] [--iters N] [--json FILE]
 
@@ -50,6 +51,8 @@ constexpr const char* kUsage = R"(usage:
           set, says so and exits 128 + the signal (130, 143, 129); a second signal ends it at
           once, unsaved. Other exits: 0 done, 1 runtime failure, 2 bad input
   plan    prints the bytes every rank will hold, by tag, before anything is allocated
+  eval    prints the mean validation loss of the config's model (model.path or from scratch),
+          or of checkpoint DIR's weights
   shardswap bench switch [--backend cpu|cuda] [--layers 32] [--dim 4096] [--switches 20] [--json FILE]
 
   bench optimizer
@@ -232,6 +235,25 @@ int train_command(const std::vector<std::string>& args) {
   return summary.stopped_by != 0 ? 128 + summary.stopped_by : 0;
 }
 
+int eval_command(const std::vector<std::string>& args) {
+  std::string checkpoint;
+  const auto config_args =
+      ConfigArgs::parse(args, [&](const std::string& flag, const ConfigArgs::TakeValue& value) {
+        if (flag != "--checkpoint") return false;
+        checkpoint = value();
+        return true;
+      });
+  const auto config = load_config(config_args);
+  if (!checkpoint.empty()) shardswap::read_checkpoint_metadata(checkpoint);  // checked first
+  const auto summary = shardswap::evaluate(config, checkpoint);
+  std::cout << fmt::format("validation loss {:.6f} ({} batches of {} sequences; {})\n",
+                           summary.val_loss, summary.batches, summary.sequences_per_batch,
+                           summary.step < 0 ? std::string("initial weights")
+                                            : fmt::format("checkpoint {} at step {}", checkpoint,
+                                                          summary.step));
+  return 0;
+}
+
 int plan_command(const std::vector<std::string>& args) {
   shardswap::print_plan(load_config(ConfigArgs::parse(args)), std::cout);
   return 0;
@@ -248,6 +270,7 @@ int main(int argc, char** argv) {
     }
     if (args[0] == "train") return train_command({args.begin() + 1, args.end()});
     if (args[0] == "plan") return plan_command({args.begin() + 1, args.end()});
+    if (args[0] == "eval") return eval_command({args.begin() + 1, args.end()});
     if (args[0] == "bench" && args.size() > 1 && args[1] == "optimizer")
       return shardswap::bench_optimizer({args.begin() + 2, args.end()}, std::cout);
     if (args[0] == "bench" && args.size() > 1 && args[1] == "switch")

@@ -22,7 +22,9 @@
 #include "shardswap/config_json.h"
 #include "shardswap/error.h"
 #include "shardswap/nccl.h"
+#include "tools/lm/decoder.h"
 #include "tools/lm/text_data.h"
+#include "tools/run_model.h"
 #include "tools/metrics_log.h"
 #include "tools/progress.h"
 
@@ -66,21 +68,27 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   t.lr = lr_schedule_from_json(c, t.engine.optimizer.lr);
 
   const auto type = c.string("model.type", "byte_lm");
-  if (type != "byte_lm")
-    c.fail("model.type", quote_value(type), "the built-in model is byte_lm");
-  t.model.context = static_cast<int>(positive("model.context", t.model.context, 1 << 12));
-  t.model.width = static_cast<int>(positive("model.width", t.model.width, 1 << 16));
-  t.model.hidden = static_cast<int>(positive("model.hidden", t.model.hidden, 1 << 18));
-  t.model.depth = static_cast<int>(positive("model.depth", t.model.depth, 4096));
-
-  t.data_path = c.string("data.path", t.data_path);
-  t.val_fraction = c.number("data.val_fraction", t.val_fraction);
-  // Checks the file now (a regular file, readable, long enough for both splits), before anything
-  // is written or allocated; train() maps it again (a map is cheap: nothing is read up front).
-  try {
-    ByteCorpus(t.data_path, t.model.context, t.val_fraction, t.seed);
-  } catch (const ConfigError& e) {
-    c.rethrow_naming_file(e);  // "data.path = ...: what": add the file
+  if (type == "decoder") {
+    t.model_type = ModelType::decoder;
+    decoder_config_from_json(c, t);
+  } else if (type == "byte_lm") {
+    t.model.context = static_cast<int>(positive("model.context", t.model.context, 1 << 12));
+    t.model.width = static_cast<int>(positive("model.width", t.model.width, 1 << 16));
+    t.model.hidden = static_cast<int>(positive("model.hidden", t.model.hidden, 1 << 18));
+    t.model.depth = static_cast<int>(positive("model.depth", t.model.depth, 4096));
+    t.data_path = c.string("data.path", t.data_path);
+    t.val_fraction = c.number("data.val_fraction", t.val_fraction);
+    // Checks the file now (a regular file, readable, long enough for both splits), before
+    // anything is written or allocated; train() maps it again (a map is cheap: nothing is read
+    // up front).
+    try {
+      ByteCorpus(t.data_path, t.model.context, t.val_fraction, t.seed);
+    } catch (const ConfigError& e) {
+      c.rethrow_naming_file(e);  // "data.path = ...: what": add the file
+    }
+  } else {
+    c.fail("model.type", quote_value(type),
+           "expected \"decoder\" (Llama / Qwen2 / Mistral) or \"byte_lm\"");
   }
 
   t.log_interval = static_cast<int>(positive("logging.interval", 10, 1 << 30));
@@ -127,8 +135,22 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   }
 
   t.switching = layer_switching_from_json(c);
+  const auto groups =
+      t.model_type == ModelType::decoder ? decoder_groups(t.decoder.shape) : byte_lm_groups(t.model);
+  // The decoder's LISA and BAdam switch its layers: absent lists mean every "layers.N" group
+  // and, for LISA, the embedding and head always active (the LISA paper's choice; BAdam's is
+  // none). The byte LM's configs list both.
+  const bool switches_layers =
+      t.model_type == ModelType::decoder &&
+      (t.switching.type == SwitchingType::lisa || t.switching.type == SwitchingType::badam);
+  if (switches_layers && !c.has("layer_switching.layers"))
+    for (const auto& g : groups)
+      if (g.starts_with("layers.")) t.switching.layers.push_back(g);
+  if (switches_layers && t.switching.type == SwitchingType::lisa &&
+      !c.has("layer_switching.always_active"))
+    t.switching.always_active = {"embed", "head"};
   try {
-    LayerSchedule check(t.switching, byte_lm_groups(t.model));  // validates; allocates nothing
+    LayerSchedule check(t.switching, groups);  // validates; allocates nothing
   } catch (const ConfigError& e) {
     c.rethrow_naming_file(e);  // "layer_switching.KEY = ...: what": add the file
   }
@@ -142,22 +164,24 @@ PlannedMemory plan_memory(const TrainConfig& config, int rank) {
   InProcessGroup group(config.world_size);
   MemorySpace space(rank, make_host_allocator());
   Engine engine(config.engine, group.rank(rank), space);
-  ByteLm::declare(config.model, engine);
-  const LayerSchedule schedule(config.switching, byte_lm_groups(config.model));
+  const auto model = make_run_model(config);
+  model->declare(engine);
+  const LayerSchedule schedule(config.switching, model->groups());
   PlannedMemory p;
   p.engine = engine.plan(schedule.active_at(0));
-  p.activation = ByteLm::activation_bytes(config.model, config.batches.micro_samples,
-                                          config.engine.dtype, device_of(config.backend));
+  p.activation = model->activation_bytes(config.batches.micro_samples, config.engine.dtype,
+                                         device_of(config.backend));
   return p;
 }
 
 void print_plan(const TrainConfig& config, std::ostream& out) {
-  const auto params = byte_lm_param_count(config.model);
+  const auto model = make_run_model(config);
+  const auto params = model->param_count();
   const int n = config.world_size;
   out << fmt::format(
-      "plan: byte_lm, {} params, world size {}, ZeRO stage {}, {}, {}, micro-batch {}, "
+      "plan: {}, {} params, world size {}, ZeRO stage {}, {}, {}, micro-batch {}, "
       "backend {}\n",
-      params, n, config.engine.stage, dtype_name(config.engine.dtype),
+      model->type_name(), params, n, config.engine.stage, dtype_name(config.engine.dtype),
       optimizer_type_name(config.engine.optimizer.type), config.batches.micro_samples,
       config.backend);
   const int shown = std::min(n, 8);
@@ -187,6 +211,35 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
   const double formula = config.engine.stage == 1 ? 4 * psi + 12 * psi / n : 2 * psi + 14 * psi / n;
   out << fmt::format("ZeRO-{} formula, every group active, Adam: {:.0f} bytes ({})\n",
                      config.engine.stage, formula, mib(static_cast<std::int64_t>(formula)));
+}
+
+EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint) {
+  const auto run = make_run_model(config);
+  const Backend backend = backend_from_name(config.backend, "shardswap.backend");
+  const LayerSchedule schedule(config.switching, run->groups());
+  const int world = config.world_size;
+  EvalSummary summary;
+  summary.batches = config.eval_batches;
+  summary.sequences_per_batch = config.batches.micro_samples;
+  // In-process ranks on the config's backend (an NCCL config's ranks share one device here):
+  // evaluation moves no gradients, and a checkpoint loads at any world size.
+  run_in_process_ranks(config, backend, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, backend.make_allocator(rank));
+    Engine engine(config.engine, comm, space, backend);
+    run->declare(engine);
+    engine.build([&](const ParamInfo& p, std::span<float> v) { run->init(p, v); },
+                 schedule.active_at(0));
+    if (!checkpoint.empty()) {
+      const LoadedCheckpoint loaded = load_checkpoint(engine, checkpoint);
+      if (rank == 0) summary.step = loaded.extra.at("step").get<std::int64_t>();
+    }
+    auto model = run->make_rank_model(config.batches.micro_samples, config.engine.dtype, space);
+    double sum = 0.0;
+    for (int b = rank; b < config.eval_batches; b += world) sum += model->val_loss(engine, b);
+    const double mean = engine.sum_across_ranks(sum) / config.eval_batches;
+    if (rank == 0) summary.val_loss = mean;
+  });
+  return summary;
 }
 
 const char* stop_signal_name(int signal) {
@@ -221,14 +274,15 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     }
     dir_lock.emplace(config.checkpoint.dir);
   }
-  const ByteCorpus corpus(config.data_path, config.model.context, config.val_fraction, config.seed);
+  const auto run = make_run_model(config);  // the model and its data
   const Backend backend = backend_from_name(config.backend, "shardswap.backend");
-  const LayerSchedule schedule(config.switching, byte_lm_groups(config.model));
+  const LayerSchedule schedule(config.switching, run->groups());
   const PlannedMemory predicted = plan_memory(config, 0);
   const int world = config.world_size;
   const int micro = config.batches.micro_samples;
   const int accumulation = config.batches.gradient_accumulation_steps;
-  const double samples_per_step = static_cast<double>(micro) * accumulation * world;
+  const double tokens_per_step =
+      static_cast<double>(micro) * accumulation * world * static_cast<double>(run->tokens_per_sample());
 
   TrainSummary summary;
   summary.predicted_bytes = predicted.total();
@@ -279,18 +333,17 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   auto per_rank = [&](int rank, Communicator& comm, std::unique_ptr<Allocator> allocator) {
     MemorySpace space(rank, std::move(allocator));
     Engine engine(config.engine, comm, space, backend);
-    ByteLm::declare(config.model, engine);
-    engine.build(
-        [&](const ParamInfo& p, std::span<float> v) { ByteLm::init(config.model, p, v, config.seed); },
-        schedule.active_at(0));
-    auto model = make_byte_lm(config.model, micro, config.engine.dtype, space);
+    run->declare(engine);
+    engine.build([&](const ParamInfo& p, std::span<float> v) { run->init(p, v); },
+                 schedule.active_at(0));
+    auto model = run->make_rank_model(micro, config.engine.dtype, space);
     const auto sync = [&] { backend.synchronize(); };
 
     // Validation: batches rank, rank + world, ... of eval_batches, summed over ranks.
     const auto evaluate = [&] {
       double sum = 0.0;
       for (int b = rank; b < config.eval_batches; b += world)
-        sum += model->loss(engine, corpus.val_batch(b, micro));
+        sum += model->val_loss(engine, b);
       return engine.sum_across_ranks(sum) / config.eval_batches;
     };
 
@@ -298,15 +351,12 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     if (rank == 0) {
       std::lock_guard lock(mu);
       out.log << fmt::format(
-          "shardswap train: byte_lm {} params ({} groups), context {}, width {}, hidden {}, "
-          "depth {}; world size {} ({}, {}), ZeRO stage {}, {}, {}; batch {} = {} x {} x {}; "
-          "data {} ({} bytes train, {} validation)\n",
-          byte_lm_param_count(config.model), engine.groups().size(), config.model.context,
-          config.model.width, config.model.hidden, config.model.depth, world, backend.name(),
+          "shardswap train: {} ({} groups); world size {} ({}, {}), ZeRO stage {}, {}, {}; "
+          "batch {} = {} x {} x {}; {}\n",
+          run->describe(), engine.groups().size(), world, backend.name(),
           config.comm == CommKind::nccl ? "nccl" : "in-process", config.engine.stage,
           dtype_name(config.engine.dtype), optimizer_type_name(config.engine.optimizer.type),
-          config.batches.train_samples, micro, accumulation, world, corpus.path(),
-          corpus.train_size(), corpus.val_size());
+          config.batches.train_samples, micro, accumulation, world, run->describe_data());
       if (schedule.enabled())
         out.log << fmt::format("layer switching: {} every {} steps, policy {}; active now: {}\n",
                                switching_type_name(config.switching.type),
@@ -326,13 +376,14 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     };
 
     if (rank == 0 && config.timing && space.device() == DeviceKind::cuda) {
-      const double rate = measure_cublas_gemm_tflops(micro, config.model.hidden,
-                                                     config.model.width, config.engine.dtype);
+      const auto gemm = run->reference_gemm(micro);
+      const double rate = measure_cublas_gemm_tflops(gemm.at(0), gemm.at(1), gemm.at(2),
+                                                     config.engine.dtype);
       std::lock_guard lock(mu);
       summary.cublas_tflops = rate;
       progress->message(fmt::format("cuBLAS {} GEMM {} x {} x {}: {:.1f} TFLOP/s", 
-                                    dtype_name(config.engine.dtype), micro, config.model.hidden,
-                                    config.model.width, rate));
+                                    dtype_name(config.engine.dtype), gemm.at(0), gemm.at(1),
+                                    gemm.at(2), rate));
     }
     double val = evaluate();
     say(fmt::format("validation loss before training: {:.4f}", val));
@@ -352,9 +403,8 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       start = loaded.extra.at("step").get<std::int64_t>();
       parent = CheckpointParent{loaded.run_id, start};
       updates = loaded.extra.at("updates").get<std::int64_t>();
-      planned = engine.plan().total() + ByteLm::activation_bytes(config.model, micro,
-                                                                 config.engine.dtype,
-                                                                 space.device());
+      planned = engine.plan().total() +
+                run->activation_bytes(micro, config.engine.dtype, space.device());
       say(fmt::format("resumed from {} (saved at world size {}): step {}, {} updates",
                       resume_from.string(), loaded.world_size, start, updates));
     } else if (config.checkpoint.load == "latest") {
@@ -378,14 +428,13 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
         if (wanted != engine.active_groups()) {
           switched = engine.set_active(wanted, schedule.policy());
           planned = engine.plan().total() +
-                    ByteLm::activation_bytes(config.model, micro, config.engine.dtype,
-                                             space.device());
+                    run->activation_bytes(micro, config.engine.dtype, space.device());
         }
       }
       engine.set_lr(config.lr.lr_at(updates));
       double loss = 0.0;
       for (int m = 0; m < accumulation; ++m)
-        loss += model->train_step(engine, corpus.train_batch(rank, step, m, micro));
+        loss += model->train_micro(engine, step, rank, world, m);
       loss /= accumulation;
       if (config.timing) sync();
       const double model_s = seconds_since(started);
@@ -444,7 +493,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           interval_loss = 0.0;
           interval_steps = 0;
         }
-        const double tokens_per_s = samples_per_step / seconds;
+        const double tokens_per_s = tokens_per_step / seconds;
         if (out.metrics) {
           nlohmann::json line = {{"step", step + 1},         {"loss", loss},
                                  {"lr", engine.lr()},        {"loss_scale", r.loss_scale},
@@ -488,6 +537,9 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           (stopping && !config.checkpoint.dir.empty())) {
         SaveOptions options;
         options.extra = {{"step", step + 1}, {"updates", updates}, {"seed", config.seed}};
+        // What `ckpt export --format hf` writes as the folder's config.json.
+        if (config.model_type == ModelType::decoder)
+          options.extra["hf_config"] = config.decoder.hf_config;
         options.config = config.source;
         options.run_id = run_id;
         options.parent = parent;
@@ -517,12 +569,12 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       progress->finish();
       const auto timed_steps = static_cast<double>(summary.steps - start - 1);  // after the first
       if (timed_steps > 0) {
-        summary.tokens_per_s = samples_per_step * timed_steps / timed_seconds;
+        summary.tokens_per_s = tokens_per_step * timed_steps / timed_seconds;
         summary.engine_step_share = config.timing
                                         ? engine_seconds / (engine_seconds + model_seconds)
                                         : std::numeric_limits<double>::quiet_NaN();
         if (config.timing && space.device() == DeviceKind::cuda && !schedule.enabled())
-          summary.model_tflops = byte_lm_step_flops(config.model, micro) * accumulation *
+          summary.model_tflops = run->micro_flops(micro) * accumulation *
                                  timed_steps / model_seconds / 1e12;
       }
     }

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <ostream>
 #include <string>
@@ -20,6 +21,7 @@
 #include "shardswap/schedule.h"
 #include "shardswap/lr_schedule.h"
 #include "tools/lm/byte_lm.h"
+#include "tools/lm/decoder_compute.h"
 
 namespace shardswap {
 
@@ -38,11 +40,36 @@ struct CheckpointConfig {
   std::string load;
 };
 
+/// Config key model.type.
+enum class ModelType {
+  byte_lm,  ///< the byte-level MLP LM over a text file (model.context, width, hidden, depth)
+  decoder,  ///< a Llama / Qwen2 / Mistral decoder (docs/models.md) over token files
+};
+
+/// The decoder's part of the config (model.type = "decoder").
+struct DecoderRunConfig {
+  DecoderShape shape;     ///< from model.path's config.json, or the model.* fields
+  std::string path;       ///< model.path: a Hugging Face model folder to start from ("": scratch)
+  nlohmann::json hf_config;  ///< the config.json a Hugging Face export of it carries
+  int seq_len = 128;      ///< data.seq_len: tokens per sample
+  std::string data_train;  ///< data.train: a path or glob of token files (docs/data.md)
+  std::string data_val;    ///< data.val: the validation set's ("": the tail of a bytes file)
+  bool bytes = false;      ///< data.tokenizer = "bytes": a file's bytes are its tokens
+};
+
+struct TrainConfig;
+/// Reads the decoder's keys into t.decoder (model.path or the inline config.json fields under
+/// model.*, data.seq_len, data.train, data.val, data.tokenizer, data.val_fraction) and checks the
+/// model folder's tensors and every data file now. Throws ConfigError naming the key and file.
+void decoder_config_from_json(ConfigReader& c, TrainConfig& t);
+
 struct TrainConfig {
   EngineConfig engine;
   BatchSizes batches;
   LrSchedule lr;
-  ByteLmShape model;
+  ModelType model_type = ModelType::byte_lm;
+  ByteLmShape model;  ///< model.type = "byte_lm"
+  DecoderRunConfig decoder;  ///< model.type = "decoder"
   int world_size = 1;
   std::int64_t steps = 100;
   std::uint64_t seed = 1;
@@ -126,6 +153,17 @@ struct TrainOutput {
 
 /// Runs the training.
 TrainSummary train(const TrainConfig& config, const TrainOutput& out);
+
+struct EvalSummary {
+  double val_loss = 0.0;     ///< mean over the eval batches
+  int batches = 0;           ///< logging.eval_batches
+  int sequences_per_batch = 0;  ///< the micro-batch
+  std::int64_t step = -1;    ///< the checkpoint's step; -1: the initial weights
+};
+/// `shardswap eval`: the mean validation loss over logging.eval_batches micro-batches of the
+/// weights of `checkpoint` (a checkpoint directory; empty: the config's initial weights, as
+/// model.path or the seed gives them), on config.world_size in-process ranks.
+EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint);
 
 /// "SIGINT", "SIGTERM", "SIGHUP" (the signals the CLI stops on), else "a signal".
 const char* stop_signal_name(int signal);

@@ -1,0 +1,226 @@
+// The decoder as `shardswap train` runs it: from a Hugging Face folder (the transformers fixtures
+// of tests/fixtures/decoder) through the engine's bit16 groups, LISA switching its layers from
+// JSON, checkpoints exported back as a Hugging Face folder, and a resume at another world size
+// continuing on the same tokens.
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "shardswap/checkpoint.h"
+#include "shardswap/error.h"
+#include "tests/catch_compat.h"
+#include "tests/support/scratch_folder.h"
+#include "tools/ckpt.h"
+#include "tools/lm/decoder.h"
+#include "tools/lm/hf_checkpoint.h"
+#include "tools/lm/safetensors.h"
+#include "tools/lm/token_data.h"
+#include "tools/metrics_log.h"
+#include "tools/run_model.h"
+#include "tools/train.h"
+
+using namespace shardswap;
+using shardswap::test_support::ScratchFolder;
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kFixtures = fs::path(SHARDSWAP_TEST_DIR) / "fixtures" / "decoder";
+
+// Random token files of ids below `vocab`: a training and a validation set.
+void write_tokens(const fs::path& path, int count, int vocab, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::uint32_t> ids(static_cast<std::size_t>(count));
+  for (auto& id : ids) id = rng() % static_cast<std::uint32_t>(vocab);
+  write_token_file(path.string(), ids, 1);
+}
+
+nlohmann::json decoder_run(const ScratchFolder& dir, const std::string& fixture) {
+  write_tokens(dir / "train.bin", 6000, 96, 1);
+  write_tokens(dir / "val.bin", 2000, 96, 2);
+  nlohmann::json j = nlohmann::json::parse(R"({
+    "world_size": 2, "steps": 8, "seed": 5, "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.01}},
+    "bf16": {"enabled": true}, "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5000},
+    "model": {"type": "decoder"},
+    "data": {"seq_len": 24},
+    "logging": {"interval": 4, "eval_interval": 4, "eval_batches": 2}
+  })");
+  j["model"]["path"] = (kFixtures / fixture).string();
+  j["data"]["train"] = (dir / "train.bin").string();
+  j["data"]["val"] = (dir / "val.bin").string();
+  return j;
+}
+
+TrainConfig load(const nlohmann::json& j) {
+  ConfigReader reader(j, "test.json");
+  return train_config_from_json(reader);
+}
+
+std::vector<nlohmann::json> run(const TrainConfig& config, std::string* log_text = nullptr) {
+  std::ostringstream log, metrics;
+  MetricsStream lines(metrics);
+  train(config, TrainOutput{log, &lines});
+  if (log_text) *log_text = log.str();
+  std::vector<nlohmann::json> out;
+  std::istringstream in(metrics.str());
+  for (std::string line; std::getline(in, line);) {
+    auto m = nlohmann::json::parse(line);
+    if (m.contains("step")) out.push_back(m);
+  }
+  return out;
+}
+
+int export_hf(const fs::path& checkpoint, const fs::path& folder) {
+  std::ostringstream out;
+  return ckpt_command({"export", checkpoint.string(), "--format", "hf", "--out", folder.string()},
+                      out);
+}
+
+std::vector<std::byte> bytes_of(const SafetensorsTensor& t) {
+  return {t.data, t.data + t.bytes};
+}
+
+}  // namespace
+
+TEST_CASE("a decoder loaded from a Hugging Face folder gives transformers' logits through the "
+          "engine",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-logits");
+  for (const char* fixture : {"llama3", "qwen2_tied"}) {
+    INFO("fixture " << fixture);
+    auto j = decoder_run(dir, fixture);
+    j["world_size"] = 1;
+    const TrainConfig config = load(j);
+    const auto model = make_run_model(config);
+    InProcessGroup group(1);
+    MemorySpace space(0, make_host_allocator());
+    Engine engine(config.engine, group.rank(0), space);
+    model->declare(engine);
+    engine.build([&](const ParamInfo& p, std::span<float> v) { model->init(p, v); },
+                 model->groups());
+    const SafetensorsFile batch = SafetensorsFile::open(kFixtures / fixture / "batch.safetensors");
+    const auto* inputs = batch.find("inputs");
+    const auto* targets = batch.find("targets");
+    const auto* logits = batch.find("logits");
+    REQUIRE((inputs && targets && logits));
+    DecoderBatch b;
+    b.sequences = static_cast<int>(inputs->shape[0]);
+    b.seq_len = static_cast<int>(inputs->shape[1]);
+    b.inputs.resize(inputs->bytes / 4);
+    b.targets.resize(targets->bytes / 4);
+    std::memcpy(b.inputs.data(), inputs->data, inputs->bytes);
+    std::memcpy(b.targets.data(), targets->data, targets->bytes);
+    auto decoder = make_decoder(config.decoder.shape, b.sequences, b.seq_len, config.engine.dtype,
+                                space);
+    const std::vector<float> ours = decoder->logits(engine, b);
+    std::vector<float> theirs(logits->bytes / 4);
+    std::memcpy(theirs.data(), logits->data, logits->bytes);
+    REQUIRE(ours.size() == theirs.size());
+    double diff = 0.0, norm = 0.0;
+    for (std::size_t i = 0; i < ours.size(); ++i) {
+      diff += (ours[i] - theirs[i]) * static_cast<double>(ours[i] - theirs[i]);
+      norm += theirs[i] * static_cast<double>(theirs[i]);
+    }
+    CHECK(std::sqrt(diff / norm) < 2e-5);  // the engine holds the checkpoint's bf16 exactly
+  }
+}
+
+TEST_CASE("a LISA fine-tune of a Hugging Face folder exports as one: frozen layers bit for bit, "
+          "trained ones changed, load -> export exact",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-lisa");
+  auto j = decoder_run(dir, "qwen2_untied");
+  j["layer_switching"] = {{"type", "lisa"}, {"interval", 4}, {"gamma", 1}, {"seed", 3}};
+  j["checkpoint"] = {{"dir", (dir / "ckpt").string()}, {"every", 8}};
+  std::string log;
+  const auto metrics = run(load(j), &log);
+  CAPTURE(log);
+  REQUIRE(metrics.size() == 8);
+  // Layers are switched from the JSON alone: every layers.N sampled, embed and head always on.
+  std::vector<std::string> ever;
+  for (const auto& m : metrics)
+    for (const auto& g : m.at("active_groups")) ever.push_back(g.get<std::string>());
+  CHECK(std::count(ever.begin(), ever.end(), "embed") == 8);
+  CHECK(std::count(ever.begin(), ever.end(), "head") == 8);
+  const auto first_active = metrics.front().at("active_groups");
+  const auto last_val = metrics.back().at("val_loss").get<double>();
+  CHECK(std::isfinite(last_val));
+
+  REQUIRE(export_hf(dir / "ckpt" / checkpoint_name(8), dir / "hf") == 0);
+  const HfCheckpoint exported = HfCheckpoint::open(dir / "hf", {24, "seq_len"});
+  const SafetensorsFile original =
+      SafetensorsFile::open(kFixtures / "qwen2_untied" / "model.safetensors");
+  int changed = 0, same = 0;
+  for (const auto& p : decoder_params(exported.shape())) {
+    INFO(p.name);
+    const auto* before = original.find(p.name);
+    REQUIRE(before != nullptr);
+    const bool equal = bytes_of(*before) == bytes_of(exported.tensor(p.name));
+    const bool trained = std::find(ever.begin(), ever.end(), p.group) != ever.end();
+    if (!trained) CHECK(equal);  // a layer LISA never drew is the checkpoint's, bit for bit
+    (equal ? same : changed) += 1;
+  }
+  CHECK(changed > 0);
+  (void)first_active;
+}
+
+TEST_CASE("a decoder loaded and exported unchanged is the Hugging Face folder it came from, bit "
+          "for bit",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-roundtrip");
+  for (const char* fixture : {"qwen2_tied", "llama3"}) {
+    INFO("fixture " << fixture);
+    auto j = decoder_run(dir, fixture);
+    j["steps"] = 1;
+    j["optimizer"]["params"]["lr"] = 0.0;  // a step that changes nothing
+    j["optimizer"]["params"]["weight_decay"] = 0.0;
+    const auto ck = dir / (std::string("ckpt-") + fixture);
+    j["checkpoint"] = {{"dir", ck.string()}, {"every", 1}};
+    run(load(j));
+    const auto out = dir / (std::string("hf-") + fixture);
+    REQUIRE(export_hf(ck / checkpoint_name(1), out) == 0);
+    const SafetensorsFile original = SafetensorsFile::open(kFixtures / fixture / "model.safetensors");
+    const HfCheckpoint exported = HfCheckpoint::open(out, {24, "seq_len"});
+    for (const auto& p : decoder_params(exported.shape())) {
+      INFO(p.name);
+      const auto* before = original.find(p.name);
+      REQUIRE(before != nullptr);
+      CHECK(bytes_of(*before) == bytes_of(exported.tensor(p.name)));
+    }
+  }
+}
+
+TEST_CASE("a decoder run resumed at another world size continues on the same tokens", "[decoder]") {
+  const ScratchFolder dir("decoder-resume");
+  auto j = decoder_run(dir, "llama3");
+  j["checkpoint"] = {{"dir", (dir / "ckpt").string()}, {"every", 4}, {"keep", 4}};
+  const auto whole = run(load(j));  // world 2, steps 1..8, saved at 4 and 8
+  REQUIRE(whole.size() == 8);
+  for (const int world : {1, 4}) {
+    INFO("resumed at world size " << world);
+    auto r = j;
+    r["world_size"] = world;
+    r["train_micro_batch_size_per_gpu"] = 8 / world / 2;  // the same global batch of 8
+    r["checkpoint"]["dir"] = (dir / ("ckpt-" + std::to_string(world))).string();
+    r["checkpoint"]["load"] = (dir / "ckpt" / checkpoint_name(4)).string();
+    const auto resumed = run(load(r));
+    REQUIRE(resumed.size() == 4);
+    for (std::size_t i = 0; i < 4; ++i) {
+      const double a = resumed[i].at("loss").get<double>(), b = whole[4 + i].at("loss").get<double>();
+      INFO("step " << resumed[i].at("step") << ": " << a << " vs " << b);
+      CHECK(resumed[i].at("step") == whole[4 + i].at("step"));
+      // The same sequences in every step: only the order of float sums differs.
+      CHECK(std::abs(a - b) <= 1e-4 * std::abs(b));
+    }
+  }
+}
