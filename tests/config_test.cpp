@@ -201,7 +201,7 @@ TEST_CASE("a DeepSpeed project's fp16 ZeRO-2 config loads with exactly the expec
 }
 
 TEST_CASE("the example configs load without a single warning", "[config]") {
-  for (const char* name : {"quickstart.json", "lisa.json"}) {
+  for (const char* name : {"quickstart.json", "lisa.json", "byte_lm.json"}) {
     auto reader = ConfigReader::from_file(std::string(SHARDSWAP_TEST_DIR "/../configs/") + name);
     const auto t = train_config_from_json(reader);
     lr_schedule_from_json(reader, t.engine.optimizer.lr);

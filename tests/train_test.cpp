@@ -310,7 +310,7 @@ TEST_CASE("a bad layer_switching section is refused before anything is allocated
 
 TEST_CASE("every config in configs/ plans its memory to within 2% of the measured peak") {
   // The CPU ones train two steps here; the GPU ones are checked by tools/gpu-check.sh.
-  for (const char* name : {"quickstart.json", "lisa.json"}) {
+  for (const char* name : {"quickstart.json", "lisa.json", "byte_lm.json"}) {
     auto reader = ConfigReader::from_file(std::string(SHARDSWAP_TEST_DIR "/../configs/") + name);
     reader.set("steps=2");
     const auto config = train_config_from_json(reader);

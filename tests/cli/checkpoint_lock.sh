@@ -6,7 +6,7 @@
 # Usage: checkpoint_lock.sh SHARDSWAP CONFIGS_DIR
 set -u
 bin=$1
-config=$2/quickstart.json
+config=$2/byte_lm.json
 work=$(mktemp -d)
 first=
 trap '[ -n "$first" ] && kill "$first" 2>/dev/null; rm -rf "$work"' EXIT

@@ -6,7 +6,7 @@
 set -u
 export LC_ALL=C  # the paths are bytes: grep and sed must not read them as UTF-8
 bin=$1
-config=$2/quickstart.json
+config=$2/byte_lm.json
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL $*"; exit 1; }

@@ -6,7 +6,7 @@
 # Usage: output_targets.sh SHARDSWAP CONFIGS_DIR
 set -u
 bin=$1
-config=$2/quickstart.json
+config=$2/byte_lm.json
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failures=0

@@ -6,7 +6,7 @@
 # Usage: signals.sh SHARDSWAP CONFIGS_DIR
 set -u
 bin=$1
-config=$2/quickstart.json
+config=$2/byte_lm.json
 work=$(mktemp -d)
 pid=
 trap '[ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null; rm -rf "$work"' EXIT
