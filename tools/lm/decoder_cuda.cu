@@ -836,6 +836,13 @@ class CudaCompute final : public Compute {
                         std::to_string(seq_len_) + "]");
     if (b.inputs == nullptr || b.targets == nullptr)
       throw ConfigError(where + "the batch's inputs or targets are null");
+    const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
+    for (std::size_t i = 0; i < n; ++i)
+      for (const auto* ids : {b.inputs, b.targets})
+        if (ids[i] < 0 || ids[i] >= s_.vocab)
+          throw ConfigError(where + (ids == b.inputs ? "inputs[" : "targets[") +
+                            std::to_string(i) + "] = " + std::to_string(ids[i]) +
+                            ": not a token id below vocab = " + std::to_string(s_.vocab));
     if (w.dtype != dtype_of<T>())
       throw ConfigError(where + "weights of dtype " + dtype_name(w.dtype) + ", the backend's is " +
                         dtype_name(dtype_of<T>()));
