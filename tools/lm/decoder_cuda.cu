@@ -778,6 +778,7 @@ class CudaCompute final : public Compute {
   double train_step(const Weights& w, const Batch& b, double grad_scale, GradSink& sink) override {
     check(w, b, "train_step");
     SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    tied_slot_ = {};  // nothing left from a call that failed
     upload(b, true);
     forward(w, b);
     const int lowest = lowest_active_group(sink);

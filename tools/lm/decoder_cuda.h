@@ -69,10 +69,13 @@ inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_l
     throw ConfigError("decoder (cuda): " + what);
   };
   if (max_sequences < 1) fail("max_sequences = " + std::to_string(max_sequences) + ": not >= 1");
+  if (max_sequences > 65535)  // a grid dimension of the attention kernels
+    fail("max_sequences = " + std::to_string(max_sequences) + ": above 65535");
   if (seq_len < 1) fail("seq_len = " + std::to_string(seq_len) + ": not >= 1");
   if (s.vocab < 1 || s.hidden < 1 || s.intermediate < 1 || s.layers < 0 || s.heads < 1 ||
       s.kv_heads < 1)
     fail("vocab, hidden, intermediate, heads and kv_heads must be >= 1, layers >= 0");
+  if (s.heads > 65535) fail("heads = " + std::to_string(s.heads) + ": above 65535");
   if (s.heads % s.kv_heads != 0)
     fail("kv_heads = " + std::to_string(s.kv_heads) + " does not divide heads = " +
          std::to_string(s.heads));
