@@ -1,0 +1,922 @@
+// The decoder's CUDA backend (tools/lm/decoder_cuda.h) against a float64 host reference on
+// random weights and tokens: logits, loss and every gradient over shapes that cover GQA and
+// multi-head attention, q/k/v biases, a tied head, llama3 RoPE scaling, head dims of 1 to 4
+// lanes a warp, one to 128 positions and several sequences; frozen groups; bitwise equal runs;
+// no device memory beyond cuda_bytes; refusals. The reference itself is checked by finite
+// differences.
+#define CATCH_CONFIG_EXTERNAL_INTERFACES  // Catch2 v2: listeners outside main.cpp
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "shardswap/error.h"
+#include "tests/catch_compat.h"
+#include "tools/lm/decoder_cuda.h"
+
+using namespace shardswap;
+using namespace shardswap::lm::dec;
+
+namespace {
+
+using Vec = std::vector<double>;
+
+// ---- the float64 reference (decoder_compute.h's math, written out) ----
+
+struct LayerParams {
+  Vec attn_norm, q, q_bias, k, k_bias, v, v_bias, o, mlp_norm, gate, up, down;
+};
+struct Params {
+  Vec embed, final_norm, head;  // head empty when tied
+  std::vector<LayerParams> layers;
+};
+
+struct ParamSpec {
+  ParamId id;
+  std::string name;
+  std::size_t size;
+  int group;
+};
+
+std::vector<ParamSpec> param_specs(const DecoderShape& s) {
+  const auto d = static_cast<std::size_t>(s.hidden), in = static_cast<std::size_t>(s.intermediate),
+             qw = static_cast<std::size_t>(s.q_width()), kw = static_cast<std::size_t>(s.kv_width()),
+             v = static_cast<std::size_t>(s.vocab);
+  std::vector<ParamSpec> p{{{ParamKind::embed}, "embed", v * d, 0}};
+  for (int l = 0; l < s.layers; ++l) {
+    const std::string at = "layers." + std::to_string(l) + ".";
+    const auto add = [&](ParamKind kind, const char* name, std::size_t size) {
+      p.push_back({{kind, l}, at + name, size, l + 1});
+    };
+    add(ParamKind::attn_norm, "attn_norm", d);
+    add(ParamKind::q, "q", qw * d);
+    if (s.qkv_bias) add(ParamKind::q_bias, "q_bias", qw);
+    add(ParamKind::k, "k", kw * d);
+    if (s.qkv_bias) add(ParamKind::k_bias, "k_bias", kw);
+    add(ParamKind::v, "v", kw * d);
+    if (s.qkv_bias) add(ParamKind::v_bias, "v_bias", kw);
+    add(ParamKind::o, "o", d * qw);
+    add(ParamKind::mlp_norm, "mlp_norm", d);
+    add(ParamKind::gate, "gate", in * d);
+    add(ParamKind::up, "up", in * d);
+    add(ParamKind::down, "down", d * in);
+  }
+  p.push_back({{ParamKind::final_norm}, "final_norm", d, s.layers + 1});
+  if (!s.tied) p.push_back({{ParamKind::head}, "head", v * d, s.layers + 1});
+  return p;
+}
+
+Vec& param(Params& p, ParamId id) {
+  if (id.layer < 0) {
+    switch (id.kind) {
+      case ParamKind::embed:
+        return p.embed;
+      case ParamKind::final_norm:
+        return p.final_norm;
+      default:
+        return p.head;
+    }
+  }
+  LayerParams& l = p.layers[static_cast<std::size_t>(id.layer)];
+  switch (id.kind) {
+    case ParamKind::attn_norm:
+      return l.attn_norm;
+    case ParamKind::q:
+      return l.q;
+    case ParamKind::q_bias:
+      return l.q_bias;
+    case ParamKind::k:
+      return l.k;
+    case ParamKind::k_bias:
+      return l.k_bias;
+    case ParamKind::v:
+      return l.v;
+    case ParamKind::v_bias:
+      return l.v_bias;
+    case ParamKind::o:
+      return l.o;
+    case ParamKind::mlp_norm:
+      return l.mlp_norm;
+    case ParamKind::gate:
+      return l.gate;
+    case ParamKind::up:
+      return l.up;
+    default:
+      return l.down;
+  }
+}
+
+const Vec& param(const Params& p, ParamId id) {
+  return param(const_cast<Params&>(p), id);
+}
+
+ParamSpec spec_named(const DecoderShape& s, const std::string& name) {
+  for (const ParamSpec& spec : param_specs(s))
+    if (spec.name == name) return spec;
+  FAIL("no param " << name);
+  return {};
+}
+
+Params zeros_like(const DecoderShape& s) {
+  Params p;
+  p.layers.resize(static_cast<std::size_t>(s.layers));
+  for (const ParamSpec& spec : param_specs(s)) param(p, spec.id).assign(spec.size, 0.0);
+  return p;
+}
+
+// y[n, o] = x[n, i] w[o, i]^T (+ bias)
+Vec linear(const Vec& x, const Vec& w, int n, int o, int i, const Vec* bias = nullptr) {
+  Vec y(static_cast<std::size_t>(n) * o);
+  for (int t = 0; t < n; ++t)
+    for (int r = 0; r < o; ++r) {
+      double acc = bias ? (*bias)[r] : 0.0;
+      for (int k = 0; k < i; ++k) acc += x[t * i + k] * w[r * i + k];
+      y[t * o + r] = acc;
+    }
+  return y;
+}
+// dx[n, i] (+)= dy[n, o] w[o, i]; dw[o, i] += dy^T x when dw is given.
+void linear_back(const Vec& dy, const Vec& w, const Vec& x, int n, int o, int i, Vec& dx,
+                 Vec* dw, Vec* dbias = nullptr) {
+  for (int t = 0; t < n; ++t)
+    for (int r = 0; r < o; ++r) {
+      const double g = dy[t * o + r];
+      for (int k = 0; k < i; ++k) {
+        dx[t * i + k] += g * w[r * i + k];
+        if (dw) (*dw)[r * i + k] += g * x[t * i + k];
+      }
+      if (dbias) (*dbias)[r] += g;
+    }
+}
+
+Vec rms_norm(const Vec& x, const Vec& w, int n, int d, double eps, Vec& rstd) {
+  Vec y(x.size());
+  rstd.assign(static_cast<std::size_t>(n), 0.0);
+  for (int t = 0; t < n; ++t) {
+    double sq = 0;
+    for (int k = 0; k < d; ++k) sq += x[t * d + k] * x[t * d + k];
+    rstd[t] = 1.0 / std::sqrt(sq / d + eps);
+    for (int k = 0; k < d; ++k) y[t * d + k] = x[t * d + k] * rstd[t] * w[k];
+  }
+  return y;
+}
+// dx += the gradient at the norm's input; dw += its weight gradient.
+void rms_norm_back(const Vec& dz, const Vec& x, const Vec& rstd, const Vec& w, int n, int d,
+                   Vec& dx, Vec& dw) {
+  for (int t = 0; t < n; ++t) {
+    double mean = 0;
+    for (int k = 0; k < d; ++k) mean += dz[t * d + k] * w[k] * x[t * d + k] * rstd[t];
+    mean /= d;
+    for (int k = 0; k < d; ++k) {
+      const double xhat = x[t * d + k] * rstd[t];
+      dx[t * d + k] += rstd[t] * (dz[t * d + k] * w[k] - xhat * mean);
+      dw[k] += dz[t * d + k] * xhat;
+    }
+  }
+}
+
+// Rotate-half RoPE on x [n, heads * hd] in place; `inverse` applies the transpose.
+void rope(Vec& x, const DecoderShape& s, int heads, int seq_len, bool inverse) {
+  const std::vector<float> inv_freq = rope_inv_freq(s);
+  const int hd = s.head_dim, half = hd / 2, n = static_cast<int>(x.size()) / (heads * hd);
+  for (int t = 0; t < n; ++t)
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < half; ++i) {
+        const float angle = static_cast<float>(t % seq_len) * inv_freq[i];  // as transformers
+        const double c = std::cos(static_cast<double>(angle)),
+                     sn = (inverse ? -1.0 : 1.0) * std::sin(static_cast<double>(angle));
+        double& a = x[static_cast<std::size_t>(t) * heads * hd + h * hd + i];
+        double& b = x[static_cast<std::size_t>(t) * heads * hd + h * hd + i + half];
+        const double na = a * c - b * sn, nb = b * c + a * sn;
+        a = na;
+        b = nb;
+      }
+}
+
+struct Tokens {
+  int sequences = 0, seq_len = 0;
+  std::vector<std::int32_t> inputs, targets;
+};
+
+struct RefResult {
+  double loss = 0;
+  Vec logits;
+  Params grads;  // of grad_scale * the mean loss
+};
+
+RefResult reference(const DecoderShape& s, const Params& w, const Tokens& b, double grad_scale) {
+  const int n = b.sequences * b.seq_len, d = s.hidden, in = s.intermediate, V = s.vocab;
+  const int H = s.heads, K = s.kv_heads, hd = s.head_dim, T = b.seq_len, G = H / K;
+  const int qw = H * hd, kw = K * hd;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  struct Saved {
+    Vec x, a, r1, q, k, v, p, o, y, bn, r2, gate, up, act;
+  };
+  std::vector<Saved> saved(static_cast<std::size_t>(s.layers));
+  Vec x(static_cast<std::size_t>(n) * d);
+  for (int t = 0; t < n; ++t)
+    for (int k = 0; k < d; ++k) x[t * d + k] = w.embed[b.inputs[t] * d + k];
+  for (int l = 0; l < s.layers; ++l) {
+    const LayerParams& lw = w.layers[l];
+    Saved& sv = saved[l];
+    sv.x = x;
+    sv.a = rms_norm(x, lw.attn_norm, n, d, s.rms_eps, sv.r1);
+    sv.q = linear(sv.a, lw.q, n, qw, d, s.qkv_bias ? &lw.q_bias : nullptr);
+    sv.k = linear(sv.a, lw.k, n, kw, d, s.qkv_bias ? &lw.k_bias : nullptr);
+    sv.v = linear(sv.a, lw.v, n, kw, d, s.qkv_bias ? &lw.v_bias : nullptr);
+    rope(sv.q, s, H, T, false);
+    rope(sv.k, s, K, T, false);
+    sv.p.assign(static_cast<std::size_t>(b.sequences) * H * T * T, 0.0);
+    sv.o.assign(static_cast<std::size_t>(n) * qw, 0.0);
+    for (int sq = 0; sq < b.sequences; ++sq)
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < T; ++i) {
+          double* p = &sv.p[((static_cast<std::size_t>(sq) * H + h) * T + i) * T];
+          const double* qi = &sv.q[(sq * T + i) * qw + h * hd];
+          double m = -1e300;
+          for (int j = 0; j <= i; ++j) {
+            const double* kj = &sv.k[(sq * T + j) * kw + (h / G) * hd];
+            double dot = 0;
+            for (int e = 0; e < hd; ++e) dot += qi[e] * kj[e];
+            p[j] = dot * scale;
+            m = std::max(m, p[j]);
+          }
+          double sum = 0;
+          for (int j = 0; j <= i; ++j) sum += p[j] = std::exp(p[j] - m);
+          for (int j = 0; j <= i; ++j) {
+            p[j] /= sum;
+            for (int e = 0; e < hd; ++e)
+              sv.o[(sq * T + i) * qw + h * hd + e] +=
+                  p[j] * sv.v[(sq * T + j) * kw + (h / G) * hd + e];
+          }
+        }
+    sv.y = linear(sv.o, lw.o, n, d, qw);
+    for (std::size_t e = 0; e < x.size(); ++e) sv.y[e] += x[e];
+    sv.bn = rms_norm(sv.y, lw.mlp_norm, n, d, s.rms_eps, sv.r2);
+    sv.gate = linear(sv.bn, lw.gate, n, in, d);
+    sv.up = linear(sv.bn, lw.up, n, in, d);
+    sv.act.resize(sv.gate.size());
+    for (std::size_t e = 0; e < sv.act.size(); ++e)
+      sv.act[e] = sv.gate[e] / (1.0 + std::exp(-sv.gate[e])) * sv.up[e];
+    x = linear(sv.act, lw.down, n, d, in);
+    for (std::size_t e = 0; e < x.size(); ++e) x[e] += sv.y[e];
+  }
+  Vec rf;
+  const Vec f = rms_norm(x, w.final_norm, n, d, s.rms_eps, rf);
+  const Vec& head = s.tied ? w.embed : w.head;
+  RefResult r;
+  r.logits = linear(f, head, n, V, d);
+  r.grads = zeros_like(s);
+  Params& g = r.grads;
+  Vec dlogits(r.logits.size());
+  for (int t = 0; t < n; ++t) {
+    const double* z = &r.logits[static_cast<std::size_t>(t) * V];
+    double m = -1e300, sum = 0;
+    for (int c = 0; c < V; ++c) m = std::max(m, z[c]);
+    for (int c = 0; c < V; ++c) sum += std::exp(z[c] - m);
+    const double lse = m + std::log(sum);
+    r.loss += (lse - z[b.targets[t]]) / n;
+    for (int c = 0; c < V; ++c)
+      dlogits[t * V + c] =
+          grad_scale * (std::exp(z[c] - lse) - (c == b.targets[t] ? 1.0 : 0.0)) / n;
+  }
+  Vec df(f.size(), 0.0);
+  linear_back(dlogits, head, f, n, V, d, df, s.tied ? &g.embed : &g.head);
+  Vec dx(x.size(), 0.0);
+  rms_norm_back(df, x, rf, w.final_norm, n, d, dx, g.final_norm);
+  for (int l = s.layers - 1; l >= 0; --l) {
+    const LayerParams& lw = w.layers[l];
+    LayerParams& lg = g.layers[l];
+    const Saved& sv = saved[l];
+    Vec dact(sv.act.size(), 0.0);
+    linear_back(dx, lw.down, sv.act, n, d, in, dact, &lg.down);
+    Vec dgate(dact.size()), dup(dact.size());
+    for (std::size_t e = 0; e < dact.size(); ++e) {
+      const double gt = sv.gate[e], sig = 1.0 / (1.0 + std::exp(-gt));
+      dgate[e] = dact[e] * sv.up[e] * sig * (1.0 + gt * (1.0 - sig));
+      dup[e] = dact[e] * gt * sig;
+    }
+    Vec dbn(sv.bn.size(), 0.0);
+    linear_back(dgate, lw.gate, sv.bn, n, in, d, dbn, &lg.gate);
+    linear_back(dup, lw.up, sv.bn, n, in, d, dbn, &lg.up);
+    Vec dy = dx;
+    rms_norm_back(dbn, sv.y, sv.r2, lw.mlp_norm, n, d, dy, lg.mlp_norm);
+    Vec dout(sv.o.size(), 0.0);
+    linear_back(dy, lw.o, sv.o, n, d, qw, dout, &lg.o);
+    Vec dq(sv.q.size(), 0.0), dk(sv.k.size(), 0.0), dv(sv.v.size(), 0.0);
+    for (int sq = 0; sq < b.sequences; ++sq)
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < T; ++i) {
+          const double* p = &sv.p[((static_cast<std::size_t>(sq) * H + h) * T + i) * T];
+          const std::size_t qi = static_cast<std::size_t>(sq * T + i) * qw + h * hd;
+          Vec dp(static_cast<std::size_t>(i) + 1);
+          double mean = 0;
+          for (int j = 0; j <= i; ++j) {
+            const std::size_t kj = static_cast<std::size_t>(sq * T + j) * kw + (h / G) * hd;
+            for (int e = 0; e < hd; ++e) dp[j] += dout[qi + e] * sv.v[kj + e];
+            mean += p[j] * dp[j];
+          }
+          for (int j = 0; j <= i; ++j) {
+            const std::size_t kj = static_cast<std::size_t>(sq * T + j) * kw + (h / G) * hd;
+            const double ds = p[j] * (dp[j] - mean) * scale;
+            for (int e = 0; e < hd; ++e) {
+              dq[qi + e] += ds * sv.k[kj + e];
+              dk[kj + e] += ds * sv.q[qi + e];
+              dv[kj + e] += p[j] * dout[qi + e];
+            }
+          }
+        }
+    rope(dq, s, H, T, true);
+    rope(dk, s, K, T, true);
+    Vec da(sv.a.size(), 0.0);
+    linear_back(dq, lw.q, sv.a, n, qw, d, da, &lg.q, s.qkv_bias ? &lg.q_bias : nullptr);
+    linear_back(dk, lw.k, sv.a, n, kw, d, da, &lg.k, s.qkv_bias ? &lg.k_bias : nullptr);
+    linear_back(dv, lw.v, sv.a, n, kw, d, da, &lg.v, s.qkv_bias ? &lg.v_bias : nullptr);
+    dx = dy;
+    rms_norm_back(da, sv.x, sv.r1, lw.attn_norm, n, d, dx, lg.attn_norm);
+  }
+  for (int t = 0; t < n; ++t)
+    for (int k = 0; k < d; ++k) g.embed[b.inputs[t] * d + k] += dx[t * d + k];
+  return r;
+}
+
+// ---- random models and batches ----
+
+// Round to the nearest bf16 / fp16 (ties to even), so host and device hold the same weights.
+double round_to(DType t, double x) {
+  if (t == DType::f16) {  // 11 significant bits, or multiples of 2^-24 below 2^-14
+    if (std::fabs(x) < std::ldexp(1.0, -14)) return std::nearbyint(std::ldexp(x, 24)) / (1 << 24);
+    int e = 0;
+    const double m = std::frexp(x, &e);
+    return std::ldexp(std::nearbyint(std::ldexp(m, 11)), e - 11);
+  }
+  float f = static_cast<float>(x);
+  std::uint32_t u = 0;
+  std::memcpy(&u, &f, 4);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// The bits of x, which is already a value of type t (round_to).
+std::uint16_t bits_of(DType t, double x) {
+  if (t == DType::bf16) {
+    const float f = static_cast<float>(x);
+    std::uint32_t u = 0;
+    std::memcpy(&u, &f, 4);
+    return static_cast<std::uint16_t>(u >> 16);
+  }
+  const std::uint16_t sign = std::signbit(x) ? 0x8000 : 0;
+  const double a = std::fabs(x);
+  if (a < std::ldexp(1.0, -14))
+    return static_cast<std::uint16_t>(sign | std::lround(std::ldexp(a, 24)));
+  int e = 0;
+  const double m = std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1)
+  const auto mantissa = static_cast<std::uint16_t>(std::lround((m * 2.0 - 1.0) * 1024.0));
+  return static_cast<std::uint16_t>(sign | ((e - 1 + 15) << 10) | mantissa);
+}
+double value_of(DType t, std::uint16_t b) {
+  if (t == DType::bf16) {
+    const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+    float f = 0;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  const int exponent = (b >> 10) & 31, mantissa = b & 1023;
+  const double v = exponent == 0 ? std::ldexp(mantissa, -24)
+                                 : std::ldexp(1024 + mantissa, exponent - 25);
+  return (b & 0x8000) ? -v : v;
+}
+
+// Weights of useful size: norms around 1, biases around 0, matrices that give attention
+// scores of order 1 to a few (far from uniform) and unit-variance activations.
+Params random_params(const DecoderShape& s, DType dtype, unsigned seed) {
+  std::mt19937 rng(seed);
+  Params p = zeros_like(s);
+  for (const ParamSpec& spec : param_specs(s)) {
+    const ParamKind kind = spec.id.kind;
+    double lo = -1, hi = 1;
+    const double fan_in = kind == ParamKind::o      ? static_cast<double>(s.q_width())
+                          : kind == ParamKind::down ? s.intermediate
+                                                    : s.hidden;
+    if (kind == ParamKind::attn_norm || kind == ParamKind::mlp_norm ||
+        kind == ParamKind::final_norm) {
+      lo = 0.7, hi = 1.3;
+    } else if (kind == ParamKind::q_bias || kind == ParamKind::k_bias ||
+               kind == ParamKind::v_bias) {
+      lo = -0.5, hi = 0.5;
+    } else if (kind != ParamKind::embed) {
+      const double a = (kind == ParamKind::q || kind == ParamKind::k ? 2.0 : 1.7) /
+                       std::sqrt(fan_in);
+      lo = -a, hi = a;
+    }
+    std::uniform_real_distribution<double> u(lo, hi);
+    for (double& v : param(p, spec.id)) v = round_to(dtype, u(rng));
+  }
+  return p;
+}
+
+Tokens random_tokens(const DecoderShape& s, int sequences, int seq_len, unsigned seed) {
+  std::mt19937 rng(seed);
+  // A small vocabulary slice repeats tokens (several positions per embedding row).
+  std::uniform_int_distribution<int> u(0, s.vocab - 1);
+  Tokens b{sequences, seq_len, {}, {}};
+  for (int i = 0; i < sequences * seq_len; ++i) {
+    b.inputs.push_back(u(rng));
+    b.targets.push_back(u(rng));
+  }
+  return b;
+}
+
+// ---- the device side ----
+
+void cuda_ok(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+struct DeviceBlock {
+  void* p = nullptr;
+  explicit DeviceBlock(std::size_t bytes) {
+    cuda_ok(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
+    cuda_ok(cudaMemset(p, 0, bytes), "cudaMemset");
+  }
+  DeviceBlock(const DeviceBlock&) = delete;
+  DeviceBlock& operator=(const DeviceBlock&) = delete;
+  ~DeviceBlock() { cudaFree(p); }
+};
+
+// The params as device bit16 tensors.
+struct DeviceParams {
+  std::map<std::string, std::unique_ptr<DeviceBlock>> blocks;
+  Weights w;
+  DeviceParams(const DecoderShape& s, const Params& p, DType dtype) {
+    w.dtype = dtype;
+    w.layers.resize(static_cast<std::size_t>(s.layers));
+    for (const ParamSpec& spec : param_specs(s)) {
+      const Vec& v = param(p, spec.id);
+      std::vector<std::uint16_t> bits(v.size());
+      for (std::size_t i = 0; i < v.size(); ++i) bits[i] = bits_of(dtype, v[i]);
+      auto block = std::make_unique<DeviceBlock>(bits.size() * 2);
+      cuda_ok(cudaMemcpy(block->p, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice),
+              "cudaMemcpy");
+      const void* at = block->p;
+      blocks[spec.name] = std::move(block);
+      const auto l = static_cast<std::size_t>(std::max(spec.id.layer, 0));
+      switch (spec.id.kind) {
+        case ParamKind::embed: w.embed = at; break;
+        case ParamKind::final_norm: w.final_norm = at; break;
+        case ParamKind::head: w.head = at; break;
+        case ParamKind::attn_norm: w.layers[l].attn_norm = at; break;
+        case ParamKind::q: w.layers[l].q = at; break;
+        case ParamKind::q_bias: w.layers[l].q_bias = at; break;
+        case ParamKind::k: w.layers[l].k = at; break;
+        case ParamKind::k_bias: w.layers[l].k_bias = at; break;
+        case ParamKind::v: w.layers[l].v = at; break;
+        case ParamKind::v_bias: w.layers[l].v_bias = at; break;
+        case ParamKind::o: w.layers[l].o = at; break;
+        case ParamKind::mlp_norm: w.layers[l].mlp_norm = at; break;
+        case ParamKind::gate: w.layers[l].gate = at; break;
+        case ParamKind::up: w.layers[l].up = at; break;
+        case ParamKind::down: w.layers[l].down = at; break;
+      }
+    }
+    if (s.tied) w.head = w.embed;
+  }
+};
+
+std::string name_of(const DecoderShape& s, ParamId id) {
+  for (const ParamSpec& spec : param_specs(s))
+    if (spec.id.kind == id.kind && spec.id.layer == id.layer) return spec.name;
+  return "unknown param";
+}
+
+// Zeroed device slots for the params of the active groups; records every open and close and
+// any misuse (a frozen param's slot asked for, a slot opened twice, closed unopened).
+class SlotSink final : public GradSink {
+ public:
+  SlotSink(const DecoderShape& s, std::set<int> active, DType dtype)
+      : s_(s), active_(std::move(active)), dtype_(dtype) {
+    for (const ParamSpec& spec : param_specs(s))
+      if (active_.count(spec.group) != 0)
+        slots_[spec.name] = std::make_unique<DeviceBlock>(spec.size * dtype_size(dtype));
+  }
+  bool active(int group) const override { return active_.count(group) != 0; }
+  GradSlot open(ParamId id) override {
+    const std::string name = name_of(s_, id);
+    const auto slot = slots_.find(name);
+    if (slot == slots_.end()) {
+      problems.push_back("opened " + name + ", which has no slot (frozen)");
+      return {};
+    }
+    if (opened.count(name) != 0) problems.push_back("opened " + name + " twice");
+    opened.insert(name);
+    return {slot->second->p, dtype_};
+  }
+  void close(ParamId id) override {
+    const std::string name = name_of(s_, id);
+    if (opened.count(name) == 0 || closed.count(name) != 0)
+      problems.push_back("closed " + name + " unopened or twice");
+    closed.insert(name);
+  }
+  Vec read(const std::string& name) const {
+    const ParamSpec spec = spec_named(s_, name);
+    Vec out(spec.size);
+    if (dtype_ == DType::f32) {
+      std::vector<float> f(spec.size);
+      cuda_ok(cudaMemcpy(f.data(), slots_.at(name)->p, spec.size * 4, cudaMemcpyDeviceToHost),
+              "cudaMemcpy");
+      std::copy(f.begin(), f.end(), out.begin());
+    } else {
+      std::vector<std::uint16_t> b(spec.size);
+      cuda_ok(cudaMemcpy(b.data(), slots_.at(name)->p, spec.size * 2, cudaMemcpyDeviceToHost),
+              "cudaMemcpy");
+      for (std::size_t i = 0; i < b.size(); ++i) out[i] = value_of(dtype_, b[i]);
+    }
+    return out;
+  }
+  std::vector<std::string> problems;
+  std::set<std::string> opened, closed;
+
+ private:
+  DecoderShape s_;
+  std::set<int> active_;
+  DType dtype_;
+  std::map<std::string, std::unique_ptr<DeviceBlock>> slots_;
+};
+
+// ||got - want|| / ||want||; the absolute ||got|| where want is zero (e.g. q and k at one
+// position per sequence, where attention is constant).
+double normalized_error(const Vec& got, const Vec& want) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    diff += (got[i] - want[i]) * (got[i] - want[i]);
+    norm += want[i] * want[i];
+  }
+  return norm == 0 ? std::sqrt(diff) : std::sqrt(diff / norm);
+}
+
+struct Case {
+  const char* label;
+  DecoderShape shape;
+  int max_sequences, seq_len;  // configured
+  int sequences, batch_len;    // the batch (at most the configured)
+  DType dtype = DType::bf16;
+  DType slot_dtype = DType::f32;
+};
+
+DecoderShape small_shape() {
+  DecoderShape s;
+  s.vocab = 150;
+  s.hidden = 64;
+  s.intermediate = 96;
+  s.layers = 2;
+  s.heads = 4;
+  s.kv_heads = 2;
+  s.head_dim = 16;
+  s.max_positions = 256;
+  s.rms_eps = 1e-5;
+  return s;
+}
+
+std::vector<Case> shape_cases() {
+  std::vector<Case> cases;
+  {  // Llama 3: GQA, llama3 RoPE scaling whose bands all occur at these positions
+    Case c{"llama3 GQA, 3 x 17", small_shape(), 3, 17, 3, 17};
+    c.shape.vocab = 300;  // two rounds of the cross-entropy's in-place gradient
+    c.shape.rope_scaling = RopeScaling::llama3;
+    c.shape.rope_factor = 8.0;
+    c.shape.rope_original_max_positions = 32;
+    cases.push_back(c);
+  }
+  {  // Qwen2: q/k/v biases, tied head, multi-head (K == H), head_dim 32 (one lane's worth)
+    Case c{"qwen2 tied, K == H, 2 x 128", small_shape(), 2, 128, 2, 128};
+    c.shape.family = DecoderFamily::qwen2;
+    c.shape.vocab = 700;  // three rounds of the cross-entropy's in-place gradient
+    c.shape.qkv_bias = true;
+    c.shape.tied = true;
+    c.shape.kv_heads = 4;
+    c.shape.head_dim = 32;
+    c.shape.rope_theta = 1e6;
+    cases.push_back(c);
+  }
+  {  // Qwen2 untied with one kv head, head_dim 80 (3 lanes), a batch below the configured size
+    Case c{"qwen2 untied, K = 1, hd 80, 2 x 45 of 3 x 60", small_shape(), 3, 60, 2, 45};
+    c.shape.qkv_bias = true;
+    c.shape.heads = 2;
+    c.shape.kv_heads = 1;
+    c.shape.head_dim = 80;
+    cases.push_back(c);
+  }
+  {  // Mistral-like with head_dim 128 (4 lanes, the limit), odd-sized heads of work
+    Case c{"mistral hd 128, 3 x 33", small_shape(), 3, 33, 3, 33};
+    c.shape.family = DecoderFamily::mistral;
+    c.shape.heads = 2;
+    c.shape.kv_heads = 2;
+    c.shape.head_dim = 128;
+    cases.push_back(c);
+  }
+  {  // one position per sequence, head_dim 12 (part of a lane row), fp16, bit16 slots
+    Case c{"fp16, 3 x 1, hd 12, fp16 slots", small_shape(), 3, 1, 3, 1, DType::f16, DType::f16};
+    c.shape.head_dim = 12;
+    c.shape.heads = 6;
+    c.shape.kv_heads = 3;
+    cases.push_back(c);
+  }
+  {  // linear RoPE scaling, bf16 slots, more layers, head_dim 64 (2 lanes)
+    Case c{"linear rope, 4 layers, hd 64, bf16 slots, 3 x 40", small_shape(), 3, 40, 3, 40,
+           DType::bf16, DType::bf16};
+    c.shape.layers = 4;
+    c.shape.head_dim = 64;
+    c.shape.rope_scaling = RopeScaling::linear;
+    c.shape.rope_factor = 2.0;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+// GEMM inputs and attention operands are rounded to bit16 on the GPU (as in a bf16 model in
+// transformers). Normalized (L2) errors against float64 measured on an H200 (these shapes and
+// seeds): bf16 logits 4.8e-3 to 7.8e-3, gradients up to 1.8e-2 (2.3e-2 in the frozen cases);
+// fp16 logits 4.3e-4, gradients 7.5e-4: the errors scale with the type's precision, a wrong
+// formula gives order 1. The worst are k and its bias: softmax is invariant to a per-row shift of
+// the scores, so k's bias gradient is what little RoPE leaves of a cancellation.
+double grad_tolerance(DType dtype) {
+  return dtype == DType::bf16 ? 3e-2 : 5e-3;
+}
+double logits_tolerance(DType dtype) {
+  return dtype == DType::bf16 ? 1e-2 : 2e-3;
+}
+
+struct CudaRun {
+  double loss = 0, eval_loss = 0;
+  std::vector<float> logits;
+  std::map<std::string, Vec> grads;
+  std::vector<std::string> problems;
+  std::set<std::string> opened;
+};
+
+CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_scale,
+                 const std::set<int>& active) {
+  const DeviceParams dev(c.shape, p, c.dtype);
+  const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len);
+  DeviceBlock block(bytes);
+  auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes);
+  const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data()};
+  SlotSink sink(c.shape, active, c.slot_dtype);
+  CudaRun r;
+  r.loss = compute->train_step(dev.w, batch, grad_scale, sink);
+  for (const ParamSpec& spec : param_specs(c.shape))
+    if (active.count(spec.group) != 0) r.grads[spec.name] = sink.read(spec.name);
+  r.problems = sink.problems;
+  r.opened = sink.opened;
+  if (sink.opened != sink.closed) r.problems.push_back("an opened slot was not closed");
+  r.eval_loss = compute->loss(dev.w, batch);
+  r.logits.resize(static_cast<std::size_t>(b.sequences) * b.seq_len * c.shape.vocab);
+  compute->logits(dev.w, batch, r.logits.data());
+  return r;
+}
+
+std::set<int> all_groups(const DecoderShape& s) {
+  std::set<int> g;
+  for (int i = 0; i <= s.layers + 1; ++i) g.insert(i);
+  return g;
+}
+
+constexpr double kGradScale = 2.5;
+
+// The backend's kernels (and the cuBLAS kernels for its GEMMs) load into device memory on first
+// use and stay until the process ends (2 MiB on an H200): load them before the first test case,
+// so that the suite's per-test-case check of free device memory sees only what tests allocate.
+using test::ListenerBase;
+struct DecoderKernelWarmUp : ListenerBase {
+  using ListenerBase::ListenerBase;
+  void testRunStarting(Catch::TestRunInfo const& info) override {
+    ListenerBase::testRunStarting(info);
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) return;
+    try {
+      for (const Case& c : shape_cases()) {  // every dtype, slot type and head_dim class
+        const DeviceParams dev(c.shape, random_params(c.shape, c.dtype, 1), c.dtype);
+        const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len);
+        const DeviceBlock block(bytes);
+        auto compute =
+            make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes);
+        const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 2);
+        const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data()};
+        SlotSink sink(c.shape, all_groups(c.shape), c.slot_dtype);
+        compute->train_step(dev.w, batch, 1.0, sink);
+      }
+    } catch (const std::exception& e) {
+      std::printf("decoder warm-up failed (the test cases will say why): %s\n", e.what());
+    }
+  }
+};
+
+}  // namespace
+
+CATCH_REGISTER_LISTENER(DecoderKernelWarmUp)
+
+TEST_CASE("decoder reference: its gradients match finite differences of its loss",
+          "[decoder][gpu]") {
+  for (bool tied : {false, true}) {
+    DecoderShape s;
+    s.vocab = 11;
+    s.hidden = 8;
+    s.intermediate = 12;
+    s.layers = 2;
+    s.heads = 4;
+    s.kv_heads = 2;
+    s.head_dim = 4;
+    s.qkv_bias = true;
+    s.tied = tied;
+    s.rope_scaling = RopeScaling::llama3;
+    s.rope_factor = 4.0;
+    s.rope_original_max_positions = 8;
+    Params p = random_params(s, DType::bf16, 7);
+    const Tokens b = random_tokens(s, 2, 5, 8);
+    const RefResult r = reference(s, p, b, 1.0);
+    std::mt19937 rng(9);
+    double worst = 0;
+    for (const ParamSpec& spec : param_specs(s)) {
+      Vec& v = param(p, spec.id);
+      const Vec& g = param(r.grads, spec.id);
+      for (int trial = 0; trial < 4; ++trial) {
+        const std::size_t i = std::uniform_int_distribution<std::size_t>(0, v.size() - 1)(rng);
+        const double keep = v[i], h = 1e-5;
+        v[i] = keep + h;
+        const double up = reference(s, p, b, 1.0).loss;
+        v[i] = keep - h;
+        const double down = reference(s, p, b, 1.0).loss;
+        v[i] = keep;
+        const double fd = (up - down) / (2 * h);
+        const double err = std::fabs(fd - g[i]) / std::max(1e-3, std::fabs(fd));
+        CAPTURE(spec.name, i, fd, g[i]);
+        REQUIRE(err < 1e-5);
+        worst = std::max(worst, err);
+      }
+    }
+    std::printf("decoder reference (tied %d): worst relative finite-difference error %.2e\n",
+                tied, worst);
+  }
+}
+
+TEST_CASE("cuda decoder: logits, loss and every gradient match the float64 reference",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases()) {
+    CAPTURE(c.label);
+    Params p = random_params(c.shape, c.dtype, 11);
+    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
+    const RefResult ref = reference(c.shape, p, b, kGradScale);
+    const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    CAPTURE(got.problems);
+    REQUIRE(got.problems.empty());
+    const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
+    const double logits_error =
+        normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits);
+    double worst = 0;
+    std::string worst_name;
+    for (const ParamSpec& spec : param_specs(c.shape)) {
+      const Vec& want = param(ref.grads, spec.id);
+      const double err = normalized_error(got.grads.at(spec.name), want);
+      CAPTURE(spec.name, err);
+      REQUIRE(err < grad_tolerance(c.dtype));
+      if (err > worst) worst = err, worst_name = spec.name;
+    }
+    std::printf(
+        "cuda decoder %s: loss error %.2e, logits error %.2e, worst gradient error %.2e (%s)\n",
+        c.label, loss_error, logits_error, worst, worst_name.c_str());
+    REQUIRE(got.opened.size() == param_specs(c.shape).size());
+    REQUIRE(loss_error < logits_tolerance(c.dtype));
+    REQUIRE(got.eval_loss == got.loss);  // loss() runs the same forward
+    REQUIRE(logits_error < logits_tolerance(c.dtype));
+  }
+}
+
+TEST_CASE("cuda decoder: frozen groups open no slot; the active ones get the reference's",
+          "[decoder][gpu]") {
+  for (bool tied : {false, true}) {
+    Case c{"frozen", small_shape(), 2, 20, 2, 20};
+    c.shape.layers = 3;
+    c.shape.tied = tied;
+    c.shape.qkv_bias = true;
+    Params p = random_params(c.shape, c.dtype, 21);
+    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 22);
+    const RefResult ref = reference(c.shape, p, b, kGradScale);
+    const int head = c.shape.layers + 1;
+    for (const std::set<int>& active : {std::set<int>{head}, std::set<int>{2}, std::set<int>{0},
+                                        std::set<int>{1, head}, std::set<int>{}}) {
+      CAPTURE(tied, std::vector<int>(active.begin(), active.end()));
+      const CudaRun got = run_cuda(c, p, b, kGradScale, active);
+      CAPTURE(got.problems);
+      REQUIRE(got.problems.empty());
+      std::set<std::string> expected;
+      for (const ParamSpec& spec : param_specs(c.shape))
+        if (active.count(spec.group) != 0) expected.insert(spec.name);
+      REQUIRE(got.opened == expected);
+      for (const std::string& name : expected) {
+        CAPTURE(name);
+        REQUIRE(normalized_error(got.grads.at(name), param(ref.grads, spec_named(c.shape, name).id)) <
+                grad_tolerance(c.dtype));
+      }
+      REQUIRE(std::fabs(got.loss - ref.loss) / ref.loss < logits_tolerance(c.dtype));
+    }
+  }
+}
+
+TEST_CASE("cuda decoder: two runs from the same weights and tokens give the same bits",
+          "[decoder][gpu]") {
+  Case c = shape_cases()[1];  // biases, tied, 128 positions: every kernel
+  Params p = random_params(c.shape, c.dtype, 31);
+  const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 32);
+  const CudaRun first = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+  const CudaRun second = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+  REQUIRE(first.problems.empty());
+  REQUIRE(first.loss == second.loss);
+  REQUIRE(first.logits == second.logits);
+  REQUIRE(first.grads == second.grads);
+}
+
+TEST_CASE("cuda decoder: a step uses the cuda_bytes block and no other device memory",
+          "[decoder][gpu]") {
+  Case c = shape_cases()[0];
+  Params p = random_params(c.shape, c.dtype, 41);
+  const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 42);
+  const DeviceParams dev(c.shape, p, c.dtype);
+  const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len);
+  DeviceBlock block(bytes);
+  SlotSink sink(c.shape, all_groups(c.shape), DType::f32);
+  const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data()};
+  const auto free_now = [] {
+    std::size_t free = 0, total = 0;
+    cuda_ok(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+    return static_cast<std::int64_t>(free);
+  };
+  const std::int64_t before = free_now();
+  auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes);
+  const std::int64_t built = free_now();
+  compute->train_step(dev.w, batch, 1.0, sink);  // warm: our kernels and cuBLAS's load once
+  const std::int64_t warm = free_now();
+  for (int step = 0; step < 3; ++step) {
+    compute->train_step(dev.w, batch, 1.0, sink);
+    compute->loss(dev.w, batch);
+    REQUIRE(free_now() == warm);
+  }
+  std::printf(
+      "cuda decoder: block %zu bytes; the cuBLAS handle took %lld bytes of its own, the first "
+      "step %lld, later steps 0\n",
+      bytes, static_cast<long long>(before - built), static_cast<long long>(built - warm));
+  // The handle's own device memory (64 MiB on an H200, cuBLAS 13) is outside the block:
+  // bounded here so that growth shows.
+  REQUIRE(before - warm <= (std::int64_t{72} << 20));
+}
+
+TEST_CASE("cuda decoder: refuses a block, shape or batch it cannot run, naming it",
+          "[decoder][gpu]") {
+  DecoderShape s = small_shape();
+  s.head_dim = 160;
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { cuda_bytes(s, 2, 8); }),
+                         "head_dim = 160"));
+  s = small_shape();
+  s.kv_heads = 3;
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { cuda_bytes(s, 2, 8); }),
+                         "kv_heads = 3"));
+  s = small_shape();
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { cuda_bytes(s, 2, 300); }),
+                         "max_position_embeddings"));
+  const std::size_t bytes = cuda_bytes(s, 2, 8);
+  DeviceBlock block(bytes);
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] {
+                           make_cuda_compute(s, 2, 8, DType::bf16, block.p, bytes - 256);
+                         }),
+                         "make_cuda_compute"));
+  REQUIRE_THROWS_AS(make_cuda_compute(s, 2, 8, DType::f32, block.p, bytes), ConfigError);
+  auto compute = make_cuda_compute(s, 2, 8, DType::bf16, block.p, bytes);
+  Params p = random_params(s, DType::bf16, 51);
+  const DeviceParams dev(s, p, DType::bf16);
+  const Tokens too_long = random_tokens(s, 2, 9, 52), too_many = random_tokens(s, 3, 8, 53);
+  SlotSink sink(s, all_groups(s), DType::f32);
+  const Batch long_batch{2, 9, too_long.inputs.data(), too_long.targets.data()};
+  const Batch many_batch{3, 8, too_many.inputs.data(), too_many.targets.data()};
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([&] { compute->train_step(dev.w, long_batch, 1.0, sink); }),
+      "seq_len = 9"));
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([&] { compute->loss(dev.w, many_batch); }),
+      "3 sequences"));
+  Tokens bad = random_tokens(s, 2, 8, 54);
+  bad.targets[5] = s.vocab;
+  const Batch bad_batch{2, 8, bad.inputs.data(), bad.targets.data()};
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([&] { compute->train_step(dev.w, bad_batch, 1.0, sink); }),
+      "targets[5] = 150"));
+  REQUIRE(sink.opened.empty());  // refused before anything was queued
+}

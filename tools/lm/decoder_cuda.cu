@@ -1,0 +1,1238 @@
+// The decoder's CUDA backend (the math is decoder_compute.h's). Every projection is a cuBLAS GEMM
+// (cublasGemmEx, bit16 inputs, fp32 accumulation, CUBLAS_COMPUTE_32F); weight gradients are
+// written by the GEMM straight into the engine's grad slot (beta = 1, alpha = grad scale /
+// tokens). Small kernels do the rest: embedding gather, RMSNorm, bias + RoPE, causal GQA
+// attention (flash style), SwiGLU, the chunked cross-entropy, bias and norm gradients and the
+// embedding gradient.
+//
+// Precision: the residual stream, GEMM outputs that feed a reduction, norm statistics and the
+// softmaxes are fp32; GEMM inputs and attention's operands are rounded to the weights' type, as a
+// bf16 model in transformers rounds them. Activation gradients are those of the summed loss,
+// O(1) per token whatever the batch or the loss scale, so fp16 neither underflows nor overflows
+// there; grad_scale / tokens enters only where a param gradient is written.
+//
+// Reproducibility: no atomics. Sums over tokens (bias and norm gradients) are fixed two-pass
+// trees; attention's dK and dV are summed by the block that owns the key tile, over queries in
+// order; the embedding gradient is one warp per distinct token, over its positions in order;
+// cuBLAS is deterministic for a given handle, stream and workspace. Two runs give the same bits.
+//
+// Ordering: everything is queued on cudaStreamPerThread (the engine's contract); the host waits
+// only to read the loss (or the logits) back.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "memory/cuda/cuda_check.h"
+#include "shardswap/error.h"
+#include "tools/lm/cublas_check.cuh"
+#include "tools/lm/decoder_cuda.h"
+
+namespace shardswap::lm::dec {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarpsPerBlock = 8;
+// Attention: a block of kAttnWarps warps; a tile is kAttnTile keys (forward, dQ: each warp takes
+// kAttnTile / kAttnWarps of the block's kAttnTile query rows) or kAttnTile queries (dK, dV: each
+// warp owns kAttnTile / kAttnWarps keys).
+constexpr int kAttnWarps = 8;
+constexpr int kAttnTile = 32;
+constexpr int kAttnRowsPerWarp = kAttnTile / kAttnWarps;
+constexpr int kCeThreads = 256;
+
+// ---- element conversions ----
+
+__device__ __forceinline__ float to_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+__device__ __forceinline__ float to_float(__half x) {
+  return __half2float(x);
+}
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+template <class T>
+constexpr cudaDataType_t cuda_type();
+template <>
+constexpr cudaDataType_t cuda_type<__nv_bfloat16>() {
+  return CUDA_R_16BF;
+}
+template <>
+constexpr cudaDataType_t cuda_type<__half>() {
+  return CUDA_R_16F;
+}
+template <class T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<__nv_bfloat16>() {
+  return DType::bf16;
+}
+template <>
+constexpr DType dtype_of<__half>() {
+  return DType::f16;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+// A fixed tree over the block (blockDim.x == kCeThreads); every thread gets the result.
+template <bool kMax>
+__device__ float block_reduce(float v, float* shared) {
+  __syncthreads();  // shared is free (an earlier reduction has been read)
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int stride = kCeThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      const float other = shared[threadIdx.x + stride];
+      shared[threadIdx.x] = kMax ? fmaxf(shared[threadIdx.x], other) : shared[threadIdx.x] + other;
+    }
+    __syncthreads();
+  }
+  return shared[0];
+}
+
+// ---- kernels; activations are row-major [token, feature], token = sequence * T + position ----
+
+#define GRID_STRIDE(i, count)                                                      \
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; \
+       i < (count); i += static_cast<long long>(gridDim.x) * blockDim.x)
+
+// x0[t, :] = embed[tokens[t], :]
+template <class T>
+__global__ void embed_forward(const T* __restrict__ table, const int* __restrict__ tokens, int n,
+                              int d, float* __restrict__ x0) {
+  GRID_STRIDE(i, static_cast<long long>(n) * d) {
+    x0[i] = to_float(table[static_cast<long long>(tokens[i / d]) * d + i % d]);
+  }
+}
+
+// One warp per row: y = x / rms(x) * w in T; keeps 1 / rms when rstd is not null.
+template <class T>
+__global__ void rms_norm_forward(const float* __restrict__ x, const T* __restrict__ w, int n,
+                                 int d, float eps, T* __restrict__ y, float* __restrict__ rstd) {
+  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const float* xr = x + static_cast<long long>(row) * d;
+  float sq = 0.0f;
+  for (int k = lane; k < d; k += 32) sq += xr[k] * xr[k];
+  const float r = rsqrtf(warp_sum(sq) / d + eps);
+  T* yr = y + static_cast<long long>(row) * d;
+  for (int k = lane; k < d; k += 32) yr[k] = from_float<T>(xr[k] * r * to_float(w[k]));
+  if (rstd != nullptr && lane == 0) rstd[row] = r;
+}
+
+// One warp per row, given dz at the norm's output: dx (= or +=) the gradient at its input,
+// r (g - xhat mean(g xhat)) with g = dz w, xhat = x r.
+template <class T>
+__global__ void rms_norm_backward(const float* __restrict__ dz, const float* __restrict__ x,
+                                  const float* __restrict__ rstd, const T* __restrict__ w, int n,
+                                  int d, float* __restrict__ dx, bool accumulate) {
+  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const long long base = static_cast<long long>(row) * d;
+  const float r = rstd[row];
+  float s = 0.0f;
+  for (int k = lane; k < d; k += 32) s += dz[base + k] * to_float(w[k]) * x[base + k] * r;
+  const float mean = warp_sum(s) / d;
+  for (int k = lane; k < d; k += 32) {
+    const float v = r * (dz[base + k] * to_float(w[k]) - x[base + k] * r * mean);
+    dx[base + k] = accumulate ? dx[base + k] + v : v;
+  }
+}
+
+// The q|k|v projections' units of work: a rotated pair (i, i + hd/2) of a q or k head, or one
+// element of v. unit_place finds a unit's first column in the q|k|v row, its output tensor
+// (0 q, 1 k, 2 v), its column there and its frequency index (-1 for v).
+struct QkvUnit {
+  int column, part, out_column, freq;
+};
+__device__ __forceinline__ QkvUnit unit_place(int u, int heads, int kv_heads, int hd) {
+  const int half = hd / 2;
+  if (u < heads * half) return {u / half * hd + u % half, 0, u / half * hd + u % half, u % half};
+  u -= heads * half;
+  const int qw = heads * hd;
+  if (u < kv_heads * half) {
+    const int c = u / half * hd + u % half;
+    return {qw + c, 1, c, u % half};
+  }
+  u -= kv_heads * half;
+  return {qw + kv_heads * hd + u, 2, u, -1};
+}
+
+// From the projections qkv [n, (H + 2K) hd] (fp32): q, k with their bias and RoPE (rotate-half:
+// (a, b) -> (a cos - b sin, b cos + a sin) at angle pos * inv_freq[i]), v with its bias, in T.
+template <class T>
+__global__ void qkv_forward(const float* __restrict__ qkv, const T* __restrict__ bq,
+                            const T* __restrict__ bk, const T* __restrict__ bv,
+                            const float* __restrict__ inv_freq, int n, int seq_len, int heads,
+                            int kv_heads, int hd, T* __restrict__ q, T* __restrict__ k,
+                            T* __restrict__ v) {
+  const int half = hd / 2, width = (heads + 2 * kv_heads) * hd;
+  const int units = (heads + kv_heads) * half + kv_heads * hd;
+  GRID_STRIDE(i, static_cast<long long>(n) * units) {
+    const long long t = i / units;
+    const QkvUnit p = unit_place(static_cast<int>(i % units), heads, kv_heads, hd);
+    const float* row = qkv + t * width;
+    if (p.part == 2) {
+      v[t * kv_heads * hd + p.out_column] =
+          from_float<T>(row[p.column] + (bv ? to_float(bv[p.out_column]) : 0.0f));
+      continue;
+    }
+    const T* bias = p.part == 0 ? bq : bk;
+    T* out = p.part == 0 ? q : k;
+    const long long ld = static_cast<long long>(p.part == 0 ? heads : kv_heads) * hd;
+    const float a = row[p.column] + (bias ? to_float(bias[p.out_column]) : 0.0f);
+    const float b = row[p.column + half] + (bias ? to_float(bias[p.out_column + half]) : 0.0f);
+    const float angle = static_cast<float>(t % seq_len) * inv_freq[p.freq];
+    const float c = cosf(angle), s = sinf(angle);
+    out[t * ld + p.out_column] = from_float<T>(a * c - b * s);
+    out[t * ld + p.out_column + half] = from_float<T>(b * c + a * s);
+  }
+}
+
+// Backward of qkv_forward's RoPE on dq|dk|dv [n, (H + 2K) hd] (fp32, in place: the gradient at
+// the projections, which the bias gradients sum), and the same rounded to T into g16.
+template <class T>
+__global__ void qkv_backward(float* __restrict__ g, const float* __restrict__ inv_freq, int n,
+                             int seq_len, int heads, int kv_heads, int hd, T* __restrict__ g16) {
+  const int half = hd / 2, width = (heads + 2 * kv_heads) * hd;
+  const int units = (heads + kv_heads) * half + kv_heads * hd;
+  GRID_STRIDE(i, static_cast<long long>(n) * units) {
+    const long long t = i / units;
+    const QkvUnit p = unit_place(static_cast<int>(i % units), heads, kv_heads, hd);
+    float* row = g + t * width;
+    T* row16 = g16 + t * width;
+    if (p.part == 2) {
+      row16[p.column] = from_float<T>(row[p.column]);
+      continue;
+    }
+    const float da = row[p.column], db = row[p.column + half];
+    const float angle = static_cast<float>(t % seq_len) * inv_freq[p.freq];
+    const float c = cosf(angle), s = sinf(angle);
+    const float ga = da * c + db * s, gb = db * c - da * s;  // the rotation's transpose
+    row[p.column] = ga;
+    row[p.column + half] = gb;
+    row16[p.column] = from_float<T>(ga);
+    row16[p.column + half] = from_float<T>(gb);
+  }
+}
+
+// Loads a head vector's elements d = lane + 32 p (p < P) of row `row` (zero past hd).
+template <int P, class T>
+__device__ __forceinline__ void load_lanes(const T* row, int hd, int lane, float (&out)[P]) {
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+    const int d = lane + 32 * p;
+    out[p] = d < hd ? to_float(row[d]) : 0.0f;
+  }
+}
+
+// Rows [t0, t0 + kAttnTile) of one head (columns [col, col + hd) of rows of length ld) into
+// shared memory as fp32 [kAttnTile][hd], zero past the sequence's end.
+template <class T>
+__device__ void load_tile(const T* __restrict__ src, long long first_row, int t0, int seq_len,
+                          long long ld, int col, int hd, float* __restrict__ tile) {
+  for (int e = threadIdx.x; e < kAttnTile * hd; e += blockDim.x) {
+    const int r = e / hd, d = e % hd;
+    tile[e] = t0 + r < seq_len ? to_float(src[(first_row + t0 + r) * ld + col + d]) : 0.0f;
+  }
+}
+
+// Flash-style causal attention forward: a block holds kAttnTile query rows of head h in sequence
+// b (grid: query tiles, H, B) and walks the key tiles up to its last row through shared memory,
+// keeping per row the running max m, the running sum l and the unnormalized output, so memory is
+// O(T) per head. Writes o (T) and the row's logsumexp m + log l.
+template <class T, int P>
+__global__ void __launch_bounds__(32 * kAttnWarps)
+    attention_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      int seq_len, int heads, int kv_heads, int hd, float scale,
+                      T* __restrict__ o, float* __restrict__ lse) {
+  __shared__ float ks[kAttnTile * kCudaMaxHeadDim], vs[kAttnTile * kCudaMaxHeadDim];
+  const int h = blockIdx.y, g = h / (heads / kv_heads);
+  const long long first = static_cast<long long>(blockIdx.z) * seq_len;
+  const long long qw = static_cast<long long>(heads) * hd, kw = static_cast<long long>(kv_heads) * hd;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int q0 = blockIdx.x * kAttnTile;
+  float qr[kAttnRowsPerWarp][P], acc[kAttnRowsPerWarp][P], m[kAttnRowsPerWarp],
+      l[kAttnRowsPerWarp];
+  // The warp's rows are interleaved (q0 + warp + kAttnWarps r) to share the causal work evenly.
+#pragma unroll
+  for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+    const int i = q0 + warp + kAttnWarps * r;
+    if (i < seq_len) {
+      load_lanes<P>(q + (first + i) * qw + h * hd, hd, lane, qr[r]);
+    } else {
+#pragma unroll
+      for (int p = 0; p < P; ++p) qr[r][p] = 0.0f;
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) acc[r][p] = 0.0f;
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  const int last = min(seq_len, q0 + kAttnTile) - 1;
+  for (int j0 = 0; j0 <= last; j0 += kAttnTile) {
+    __syncthreads();  // the previous tile is consumed
+    load_tile(k, first, j0, seq_len, kw, g * hd, hd, ks);
+    load_tile(v, first, j0, seq_len, kw, g * hd, hd, vs);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+      const int i = q0 + warp + kAttnWarps * r;
+      if (i >= seq_len || j0 > i) continue;  // the same for the whole warp
+      float s_mine = -INFINITY;  // lane j: the score of key j0 + j
+      for (int j = 0; j < kAttnTile; ++j) {
+        float part = 0.0f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          const int d = lane + 32 * p;
+          if (d < hd) part += qr[r][p] * ks[j * hd + d];
+        }
+        const float s = warp_sum(part) * scale;
+        if (lane == j && j0 + j <= i) s_mine = s;
+      }
+      const float m_new = fmaxf(m[r], warp_max(s_mine));  // finite: key j0 <= i is in the tile
+      const float correction = expf(m[r] - m_new);         // 0 on the first tile
+      const float p_mine = expf(s_mine - m_new);           // 0 for masked keys
+      l[r] = l[r] * correction + warp_sum(p_mine);
+#pragma unroll
+      for (int p = 0; p < P; ++p) acc[r][p] *= correction;
+      for (int j = 0; j < kAttnTile; ++j) {
+        const float pj = __shfl_sync(kFullMask, p_mine, j);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          const int d = lane + 32 * p;
+          if (d < hd) acc[r][p] += pj * vs[j * hd + d];
+        }
+      }
+      m[r] = m_new;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+    const int i = q0 + warp + kAttnWarps * r;
+    if (i >= seq_len) continue;
+    const float inv = 1.0f / l[r];
+    T* out = o + (first + i) * qw + h * hd;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int d = lane + 32 * p;
+      if (d < hd) out[d] = from_float<T>(acc[r][p] * inv);
+    }
+    if (lane == 0) lse[(first + i) * heads + h] = m[r] + logf(l[r]);
+  }
+}
+
+// delta[t, h] = sum_d dout[t, h, d] * o[t, h, d]: one warp per (token, head).
+template <class T>
+__global__ void attention_delta(const T* __restrict__ dout, const T* __restrict__ o, int rows,
+                                int hd, float* __restrict__ delta) {
+  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const long long base = static_cast<long long>(row) * hd;
+  float s = 0.0f;
+  for (int d = lane; d < hd; d += 32) s += to_float(dout[base + d]) * to_float(o[base + d]);
+  s = warp_sum(s);
+  if (lane == 0) delta[row] = s;
+}
+
+// Attention backward, dQ: blocks as attention_forward's; per query row i, with the probabilities
+// recomputed from the saved logsumexp, dq_i = scale sum_j p_ij (dp_ij - delta_i) k_j where
+// dp_ij = dout_i . v_j. Writes fp32 into dq (rows of length ld).
+template <class T, int P>
+__global__ void __launch_bounds__(32 * kAttnWarps)
+    attention_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          const T* __restrict__ dout, const float* __restrict__ lse,
+                          const float* __restrict__ delta, int seq_len, int heads, int kv_heads,
+                          int hd, float scale, float* __restrict__ dq, long long ld) {
+  __shared__ float ks[kAttnTile * kCudaMaxHeadDim], vs[kAttnTile * kCudaMaxHeadDim];
+  const int h = blockIdx.y, g = h / (heads / kv_heads);
+  const long long first = static_cast<long long>(blockIdx.z) * seq_len;
+  const long long qw = static_cast<long long>(heads) * hd, kw = static_cast<long long>(kv_heads) * hd;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int q0 = blockIdx.x * kAttnTile;
+  float qr[kAttnRowsPerWarp][P], dor[kAttnRowsPerWarp][P], acc[kAttnRowsPerWarp][P],
+      row_lse[kAttnRowsPerWarp], row_delta[kAttnRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+    const int i = min(q0 + warp + kAttnWarps * r, seq_len - 1);  // rows past the end: unused
+    load_lanes<P>(q + (first + i) * qw + h * hd, hd, lane, qr[r]);
+    load_lanes<P>(dout + (first + i) * qw + h * hd, hd, lane, dor[r]);
+#pragma unroll
+    for (int p = 0; p < P; ++p) acc[r][p] = 0.0f;
+    row_lse[r] = lse[(first + i) * heads + h];
+    row_delta[r] = delta[(first + i) * heads + h];
+  }
+  const int last = min(seq_len, q0 + kAttnTile) - 1;
+  for (int j0 = 0; j0 <= last; j0 += kAttnTile) {
+    __syncthreads();
+    load_tile(k, first, j0, seq_len, kw, g * hd, hd, ks);
+    load_tile(v, first, j0, seq_len, kw, g * hd, hd, vs);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+      const int i = q0 + warp + kAttnWarps * r;
+      if (i >= seq_len || j0 > i) continue;
+      float ds_mine = 0.0f;  // lane j: p_ij (dp_ij - delta_i) of key j0 + j
+      for (int j = 0; j < kAttnTile; ++j) {
+        float ps = 0.0f, pd = 0.0f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          const int d = lane + 32 * p;
+          if (d < hd) {
+            ps += qr[r][p] * ks[j * hd + d];
+            pd += dor[r][p] * vs[j * hd + d];
+          }
+        }
+        const float s = warp_sum(ps) * scale, dp = warp_sum(pd);
+        if (lane == j && j0 + j <= i) ds_mine = expf(s - row_lse[r]) * (dp - row_delta[r]);
+      }
+      for (int j = 0; j < kAttnTile; ++j) {
+        const float dsj = __shfl_sync(kFullMask, ds_mine, j);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          const int d = lane + 32 * p;
+          if (d < hd) acc[r][p] += dsj * ks[j * hd + d];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+    const int i = q0 + warp + kAttnWarps * r;
+    if (i >= seq_len) continue;
+    float* out = dq + (first + i) * ld + h * hd;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int d = lane + 32 * p;
+      if (d < hd) out[d] = acc[r][p] * scale;
+    }
+  }
+}
+
+// Attention backward, dK and dV: a block owns kAttnTile keys of kv head g in sequence b (grid:
+// key tiles, K, B), each warp kAttnRowsPerWarp of them in registers, and walks, for each query
+// head of the group in order, the query tiles at and after its keys through shared memory:
+// dv_j = sum_i p_ij dout_i, dk_j = scale sum_i p_ij (dp_ij - delta_i) q_i. Every sum has one
+// owner and a fixed order: no atomics. Writes fp32 into dk, dv (rows of length ld).
+template <class T, int P>
+__global__ void __launch_bounds__(32 * kAttnWarps)
+    attention_backward_dkv(const T* __restrict__ q, const T* __restrict__ k,
+                           const T* __restrict__ v, const T* __restrict__ dout,
+                           const float* __restrict__ lse, const float* __restrict__ delta,
+                           int seq_len, int heads, int kv_heads, int hd, float scale,
+                           float* __restrict__ dk, float* __restrict__ dv, long long ld) {
+  __shared__ float qs[kAttnTile * kCudaMaxHeadDim], dos[kAttnTile * kCudaMaxHeadDim];
+  __shared__ float lse_s[kAttnTile], delta_s[kAttnTile];
+  const int g = blockIdx.y, group = heads / kv_heads;
+  const long long first = static_cast<long long>(blockIdx.z) * seq_len;
+  const long long qw = static_cast<long long>(heads) * hd, kw = static_cast<long long>(kv_heads) * hd;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int k0 = blockIdx.x * kAttnTile;
+  float kr[kAttnRowsPerWarp][P], vr[kAttnRowsPerWarp][P], dkr[kAttnRowsPerWarp][P],
+      dvr[kAttnRowsPerWarp][P];
+#pragma unroll
+  for (int c = 0; c < kAttnRowsPerWarp; ++c) {
+    const int j = min(k0 + warp * kAttnRowsPerWarp + c, seq_len - 1);  // past the end: unused
+    load_lanes<P>(k + (first + j) * kw + g * hd, hd, lane, kr[c]);
+    load_lanes<P>(v + (first + j) * kw + g * hd, hd, lane, vr[c]);
+#pragma unroll
+    for (int p = 0; p < P; ++p) dkr[c][p] = dvr[c][p] = 0.0f;
+  }
+  for (int hh = 0; hh < group; ++hh) {
+    const int h = g * group + hh;
+    for (int i0 = k0; i0 < seq_len; i0 += kAttnTile) {
+      __syncthreads();
+      load_tile(q, first, i0, seq_len, qw, h * hd, hd, qs);
+      load_tile(dout, first, i0, seq_len, qw, h * hd, hd, dos);
+      for (int r = threadIdx.x; r < kAttnTile; r += blockDim.x) {
+        const bool in = i0 + r < seq_len;
+        lse_s[r] = in ? lse[(first + i0 + r) * heads + h] : 0.0f;
+        delta_s[r] = in ? delta[(first + i0 + r) * heads + h] : 0.0f;
+      }
+      __syncthreads();
+      const int rows = min(kAttnTile, seq_len - i0);
+      for (int r = 0; r < rows; ++r) {
+        const int i = i0 + r;
+#pragma unroll
+        for (int c = 0; c < kAttnRowsPerWarp; ++c) {
+          float ps = 0.0f, pd = 0.0f;
+#pragma unroll
+          for (int p = 0; p < P; ++p) {
+            const int d = lane + 32 * p;
+            if (d < hd) {
+              ps += kr[c][p] * qs[r * hd + d];
+              pd += vr[c][p] * dos[r * hd + d];
+            }
+          }
+          const float s = warp_sum(ps) * scale, dp = warp_sum(pd);
+          const int j = k0 + warp * kAttnRowsPerWarp + c;
+          if (j > i) continue;  // causal (and keys past the end, as j > i there)
+          const float prob = expf(s - lse_s[r]), ds = prob * (dp - delta_s[r]);
+#pragma unroll
+          for (int p = 0; p < P; ++p) {
+            const int d = lane + 32 * p;
+            if (d < hd) {
+              dvr[c][p] += prob * dos[r * hd + d];
+              dkr[c][p] += ds * qs[r * hd + d];
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kAttnRowsPerWarp; ++c) {
+    const int j = k0 + warp * kAttnRowsPerWarp + c;
+    if (j >= seq_len) continue;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int d = lane + 32 * p;
+      if (d < hd) {
+        dk[(first + j) * ld + g * hd + d] = dkr[c][p] * scale;
+        dv[(first + j) * ld + g * hd + d] = dvr[c][p];
+      }
+    }
+  }
+}
+
+// act = silu(gate) * up in T.
+template <class T>
+__global__ void swiglu_forward(const T* __restrict__ gate, const T* __restrict__ up,
+                               long long count, T* __restrict__ act) {
+  GRID_STRIDE(i, count) {
+    const float g = to_float(gate[i]);
+    act[i] = from_float<T>(g / (1.0f + expf(-g)) * to_float(up[i]));
+  }
+}
+
+// Given dact (fp32), gate and up are replaced by their gradients (T): they are not needed after.
+template <class T>
+__global__ void swiglu_backward(const float* __restrict__ dact, T* __restrict__ gate,
+                                T* __restrict__ up, long long count) {
+  GRID_STRIDE(i, count) {
+    const float g = to_float(gate[i]), u = to_float(up[i]), da = dact[i];
+    const float sig = 1.0f / (1.0f + expf(-g));
+    gate[i] = from_float<T>(da * u * sig * (1.0f + g * (1.0f - sig)));
+    up[i] = from_float<T>(da * g * sig);
+  }
+}
+
+template <class T>
+__global__ void to_bit16(const float* __restrict__ x, T* __restrict__ y, long long count) {
+  GRID_STRIDE(i, count) { y[i] = from_float<T>(x[i]); }
+}
+
+// One block per token row of the chunk: loss = logsumexp(z) - z[target]; with `grad`, the row
+// is replaced in place by dz = softmax(z) - onehot(target) (the gradient of the summed loss) in
+// T, at the row's start (so rows of T are 2 V apart). In place is safe: each round of kCeThreads
+// columns is read before the barrier and written after it, and writes of round t reach only fp32
+// columns below kCeThreads (t + 1) / 2, all read by then.
+template <class T>
+__global__ void __launch_bounds__(kCeThreads)
+    cross_entropy_rows(float* logits, int vocab, const int* __restrict__ targets,
+                       float* __restrict__ row_loss, bool grad) {
+  __shared__ float shared[kCeThreads];
+  float* z = logits + static_cast<long long>(blockIdx.x) * vocab;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < vocab; j += kCeThreads) m = fmaxf(m, z[j]);
+  m = block_reduce<true>(m, shared);
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < vocab; j += kCeThreads) sum += expf(z[j] - m);
+  const float lse = m + logf(block_reduce<false>(sum, shared));
+  const int target = targets[blockIdx.x];
+  if (threadIdx.x == 0) row_loss[blockIdx.x] = lse - z[target];  // before any write below
+  if (!grad) return;
+  T* dz = reinterpret_cast<T*>(z);
+  for (int base = 0; base < vocab; base += kCeThreads) {
+    const int j = base + threadIdx.x;
+    const float value = j < vocab ? expf(z[j] - lse) - (j == target ? 1.0f : 0.0f) : 0.0f;
+    __syncthreads();
+    if (j < vocab) dz[j] = from_float<T>(value);
+  }
+}
+
+// One block: out = mean of loss[0..n) in double, by a fixed tree.
+__global__ void mean_of(const float* __restrict__ loss, int n, double* __restrict__ out) {
+  __shared__ double partial[256];
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) acc += loss[i];
+  partial[threadIdx.x] = acc;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = partial[0] / n;
+}
+
+// First pass of a column sum of x [n, w] (rows ld apart): partials[chunk * w + k] = the sum
+// over the chunk's kCudaRowsPerPartial rows.
+__global__ void column_partials(const float* __restrict__ x, int n, int w, long long ld,
+                                float* __restrict__ partials) {
+  const int k = blockIdx.y * blockDim.x + threadIdx.x, chunk = blockIdx.x;
+  if (k >= w) return;
+  const int end = min(n, (chunk + 1) * kCudaRowsPerPartial);
+  float acc = 0.0f;
+  for (int s = chunk * kCudaRowsPerPartial; s < end; ++s) acc += x[s * ld + k];
+  partials[static_cast<long long>(chunk) * w + k] = acc;
+}
+
+// First pass of an RMSNorm's weight gradient: per chunk, sum of dz * x * rstd.
+__global__ void norm_partials(const float* __restrict__ dz, const float* __restrict__ x,
+                              const float* __restrict__ rstd, int n, int d,
+                              float* __restrict__ partials) {
+  const int k = blockIdx.y * blockDim.x + threadIdx.x, chunk = blockIdx.x;
+  if (k >= d) return;
+  const int end = min(n, (chunk + 1) * kCudaRowsPerPartial);
+  float acc = 0.0f;
+  for (int s = chunk * kCudaRowsPerPartial; s < end; ++s) {
+    const long long i = static_cast<long long>(s) * d + k;
+    acc += dz[i] * x[i] * rstd[s];
+  }
+  partials[static_cast<long long>(chunk) * d + k] = acc;
+}
+
+// Second pass: slot[k] += alpha * (the partials summed over the chunks, in order).
+template <class G>
+__global__ void finish_columns(const float* __restrict__ partials, int chunks, int w, float alpha,
+                               G* __restrict__ slot) {
+  const int k = blockIdx.x * blockDim.x + threadIdx.x;
+  if (k >= w) return;
+  float acc = 0.0f;
+  for (int b = 0; b < chunks; ++b) acc += partials[static_cast<long long>(b) * w + k];
+  slot[k] = from_float<G>(to_float(slot[k]) + alpha * acc);
+}
+
+// One warp per distinct input token u: slot[rows[u], :] += alpha * the sum of dx over the
+// positions that hold it, in ascending order. Rows no position uses are left untouched.
+template <class G>
+__global__ void embed_backward(const float* __restrict__ dx, const int* __restrict__ rows,
+                               const int* __restrict__ starts, const int* __restrict__ positions,
+                               int distinct, int d, float alpha, G* __restrict__ slot) {
+  const int u = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (u >= distinct) return;
+  G* out = slot + static_cast<long long>(rows[u]) * d;
+  for (int k = lane; k < d; k += 32) {
+    float acc = 0.0f;
+    for (int e = starts[u]; e < starts[u + 1]; ++e)
+      acc += dx[static_cast<long long>(positions[e]) * d + k];
+    out[k] = from_float<G>(to_float(out[k]) + alpha * acc);
+  }
+}
+
+// ---- launching ----
+
+int blocks_for(long long count, int threads = 256) {
+  const long long b = (count + threads - 1) / threads;
+  return static_cast<int>(b < 65535 * 8 ? b : 65535 * 8);
+}
+int warp_blocks(long long rows) {
+  return static_cast<int>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+void check_launch() {
+  SHARDSWAP_CUDA_CHECK(cudaGetLastError());
+}
+
+std::string param_name(ParamId id) {
+  static const char* const names[] = {
+      "embed", "attn_norm", "q",        "q_bias", "k",    "k_bias", "v",   "v_bias",
+      "o",     "mlp_norm",  "gate",     "up",     "down", "final_norm", "head"};
+  std::string name = names[static_cast<int>(id.kind)];
+  if (id.layer >= 0) name = "layers." + std::to_string(id.layer) + "." + name;
+  return name;
+}
+
+// Calls f(G{}) with G the device type of a gradient slot: fp32 or the weights' type T.
+template <class T, class F>
+void with_slot_type(const GradSlot& slot, ParamId id, F&& f) {
+  if (slot.data == nullptr)
+    throw ConfigError("decoder (cuda): the grad slot of " + param_name(id) + " is null");
+  if (slot.dtype == DType::f32) return f(float{});
+  if (slot.dtype == dtype_of<T>()) return f(T{});
+  throw ConfigError("decoder (cuda): the grad slot of " + param_name(id) + " is " +
+                    dtype_name(slot.dtype) + ", neither fp32 nor the weights' " +
+                    dtype_name(dtype_of<T>()));
+}
+
+cudaDataType_t slot_type(DType t) {
+  return t == DType::f32 ? CUDA_R_32F : t == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+// Owns a cuBLAS handle (not copyable) on cudaStreamPerThread with a given workspace.
+class CublasHandle {
+ public:
+  CublasHandle(void* workspace, std::size_t bytes) {
+    SHARDSWAP_CUBLAS_CHECK(cublasCreate(&handle_));
+    try {
+      // setStream resets the workspace to cuBLAS's own pool: set ours after it, so that cuBLAS
+      // allocates nothing.
+      SHARDSWAP_CUBLAS_CHECK(cublasSetStream(handle_, cudaStreamPerThread));
+      SHARDSWAP_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace, bytes));
+    } catch (...) {
+      cublasDestroy(handle_);
+      throw;
+    }
+  }
+  CublasHandle(const CublasHandle&) = delete;
+  CublasHandle& operator=(const CublasHandle&) = delete;
+  ~CublasHandle() {
+    const cublasStatus_t status = cublasDestroy(handle_);
+    if (status != CUBLAS_STATUS_SUCCESS)
+      std::fprintf(stderr, "warning: cublasDestroy failed: %s\n", cublasGetStatusName(status));
+  }
+  cublasHandle_t get() const { return handle_; }
+
+ private:
+  cublasHandle_t handle_ = nullptr;
+};
+
+// Row-major C[M, N] = alpha op(A) op(B) + beta C, with A stored [M, K] (or [K, M] when
+// transposed) with row length lda, and B likewise: cuBLAS is column-major, so it computes
+// C^T = op(B)^T op(A)^T on the same memory, the operands swapped.
+void gemm(cublasHandle_t handle, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+          const void* a, cudaDataType_t at, long long lda, const void* b, cudaDataType_t bt,
+          long long ldb, float beta, void* c, cudaDataType_t ct, long long ldc) {
+  SHARDSWAP_CUBLAS_CHECK(cublasGemmEx(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                      trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b, bt,
+                                      static_cast<int>(ldb), a, at, static_cast<int>(lda), &beta,
+                                      c, ct, static_cast<int>(ldc), CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
+}
+
+// The device `p` lives on, made current on the calling thread.
+int use_device_of(const void* p) {
+  cudaPointerAttributes attr{};
+  SHARDSWAP_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
+  if (attr.type != cudaMemoryTypeDevice)
+    throw ConfigError("make_cuda_compute: the block is not device memory");
+  SHARDSWAP_CUDA_CHECK(cudaSetDevice(attr.device));
+  return attr.device;
+}
+
+// Calls f(std::integral_constant<int, P>) with P = head_dim / 32 rounded up (1..4).
+template <class F>
+void with_lanes(int hd, F&& f) {
+  switch ((hd + 31) / 32) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    default:
+      return f(std::integral_constant<int, 4>{});
+  }
+}
+
+template <class T>
+class CudaCompute final : public Compute {
+ public:
+  CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, std::byte* memory)
+      : s_(s),
+        max_sequences_(max_sequences),
+        seq_len_(seq_len),
+        n_max_(static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len)),
+        mem_(memory),
+        l_(cuda_layout(s, max_sequences, seq_len)),
+        device_(use_device_of(memory)),  // current before the handle is made on it
+        cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
+        inv_freq_(rope_inv_freq(s)) {
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at(l_.inv_freq), inv_freq_.data(),
+                                         inv_freq_.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                         cudaStreamPerThread));
+  }
+
+  double train_step(const Weights& w, const Batch& b, double grad_scale, GradSink& sink) override {
+    check(w, b, "train_step");
+    SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    tied_slot_ = {};  // nothing left from a call that failed
+    upload(b, true);
+    forward(w, b);
+    const int lowest = lowest_active_group(sink);
+    head_and_loss(w, b, lowest <= s_.layers + 1 ? &sink : nullptr, grad_scale, nullptr);
+    if (lowest <= s_.layers + 1) backward(w, b, grad_scale, sink, lowest);
+    return read_loss();
+  }
+
+  double loss(const Weights& w, const Batch& b) override {
+    check(w, b, "loss");
+    SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    upload(b, false);
+    forward(w, b);
+    head_and_loss(w, b, nullptr, 0.0, nullptr);
+    return read_loss();
+  }
+
+  void logits(const Weights& w, const Batch& b, float* out) override {
+    check(w, b, "logits");
+    if (out == nullptr) throw ConfigError("decoder (cuda): logits: the output is null");
+    SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    upload(b, false);
+    forward(w, b);
+    head_and_loss(w, b, nullptr, 0.0, out);
+    SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+  }
+
+ private:
+  using K = ParamKind;
+  static constexpr cudaDataType_t t16 = cuda_type<T>();
+
+  template <class U = float>
+  U* at(std::size_t offset) const {
+    return reinterpret_cast<U*>(mem_ + offset);
+  }
+  static const T* cw(const void* p) { return static_cast<const T*>(p); }
+  // A per-layer region holds n_max_ rows of `width` per layer: layer l's starts at l n_max_ width.
+  template <class U>
+  U* layer(std::size_t offset, int l, std::int64_t width) const {
+    return at<U>(offset) + static_cast<std::size_t>(l) * n_max_ * static_cast<std::size_t>(width);
+  }
+  float* xs(int l) const { return layer<float>(l_.xs, l, s_.hidden); }
+  float* ys(int l) const { return layer<float>(l_.ys, l, s_.hidden); }
+  float* rstd(int which) const { return layer<float>(l_.rstd, which, 1); }
+  std::int64_t qkv_width() const { return s_.q_width() + 2 * s_.kv_width(); }
+
+  // Refuses, before anything is queued, a batch or weights this backend cannot run.
+  void check(const Weights& w, const Batch& b, const char* call) const {
+    const std::string where = std::string("decoder (cuda): ") + call + ": ";
+    if (b.sequences < 1 || b.sequences > max_sequences_)
+      throw ConfigError(where + "batch of " + std::to_string(b.sequences) +
+                        " sequences: not in [1, max_sequences = " +
+                        std::to_string(max_sequences_) + "]");
+    if (b.seq_len < 1 || b.seq_len > seq_len_)
+      throw ConfigError(where + "seq_len = " + std::to_string(b.seq_len) + ": not in [1, " +
+                        std::to_string(seq_len_) + "]");
+    if (b.inputs == nullptr || b.targets == nullptr)
+      throw ConfigError(where + "the batch's inputs or targets are null");
+    const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
+    for (std::size_t i = 0; i < n; ++i)
+      for (const auto* ids : {b.inputs, b.targets})
+        if (ids[i] < 0 || ids[i] >= s_.vocab)
+          throw ConfigError(where + (ids == b.inputs ? "inputs[" : "targets[") +
+                            std::to_string(i) + "] = " + std::to_string(ids[i]) +
+                            ": not a token id below vocab = " + std::to_string(s_.vocab));
+    if (w.dtype != dtype_of<T>())
+      throw ConfigError(where + "weights of dtype " + dtype_name(w.dtype) + ", the backend's is " +
+                        dtype_name(dtype_of<T>()));
+    if (w.layers.size() != static_cast<std::size_t>(s_.layers))
+      throw ConfigError(where + std::to_string(w.layers.size()) + " layers of weights, the shape has " +
+                        std::to_string(s_.layers));
+    if (w.embed == nullptr || w.final_norm == nullptr || w.head == nullptr)
+      throw ConfigError(where + "embed, final_norm or head weight is null");
+    if (s_.tied && w.head != w.embed)
+      throw ConfigError(where + "the head is tied, but its weight is not the embedding");
+    for (std::size_t l = 0; l < w.layers.size(); ++l) {
+      const LayerWeights& lw = w.layers[l];
+      const bool any_null = !lw.attn_norm || !lw.q || !lw.k || !lw.v || !lw.o || !lw.mlp_norm ||
+                            !lw.gate || !lw.up || !lw.down;
+      const bool biases = lw.q_bias && lw.k_bias && lw.v_bias;
+      const bool no_biases = !lw.q_bias && !lw.k_bias && !lw.v_bias;
+      if (any_null || (s_.qkv_bias ? !biases : !no_biases))
+        throw ConfigError(where + "layers." + std::to_string(l) +
+                          ": a weight is null, or q/k/v biases do not match qkv_bias");
+    }
+  }
+
+  // Tokens and targets to the device; for train_step also the embedding gradient's grouping of
+  // positions by token (made here, on the host, from the host batch).
+  void upload(const Batch& b, bool embed_groups) {
+    const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
+    const cudaStream_t stream = cudaStreamPerThread;
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.tokens), b.inputs, n * sizeof(int),
+                                         cudaMemcpyHostToDevice, stream));
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.targets), b.targets, n * sizeof(int),
+                                         cudaMemcpyHostToDevice, stream));
+    if (!embed_groups) return;
+    positions_.resize(n);
+    for (std::size_t i = 0; i < n; ++i) positions_[i] = static_cast<int>(i);
+    std::stable_sort(positions_.begin(), positions_.end(),
+                     [&](int x, int y) { return b.inputs[x] < b.inputs[y]; });
+    rows_.clear();
+    starts_.clear();
+    for (std::size_t e = 0; e < n; ++e)
+      if (e == 0 || b.inputs[positions_[e]] != b.inputs[positions_[e - 1]]) {
+        rows_.push_back(b.inputs[positions_[e]]);
+        starts_.push_back(static_cast<int>(e));
+      }
+    starts_.push_back(static_cast<int>(n));
+    // Pageable host memory: each copy has read its source when the call returns.
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.embed_rows), rows_.data(),
+                                         rows_.size() * sizeof(int), cudaMemcpyHostToDevice,
+                                         stream));
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.embed_starts), starts_.data(),
+                                         starts_.size() * sizeof(int), cudaMemcpyHostToDevice,
+                                         stream));
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.embed_positions), positions_.data(),
+                                         n * sizeof(int), cudaMemcpyHostToDevice, stream));
+  }
+
+  // out[n, o] (= or +=, of type ct) = in16[n, i] W^T for W [o, i].
+  void linear(int n, int o, int i, const T* in, long long ld_in, const void* w, float beta,
+              void* out, cudaDataType_t ct, long long ld_out) {
+    gemm(cublas_.get(), false, true, n, o, i, 1.0f, in, t16, ld_in, w, t16, i, beta, out, ct,
+         ld_out);
+  }
+  // din[n, i] (= or +=, fp32) = dout16[n, o] W for W [o, i].
+  void linear_input_grad(int n, int o, int i, const T* dout, long long ld_dout, const void* w,
+                         float beta, float* din) {
+    gemm(cublas_.get(), false, false, n, i, o, 1.0f, dout, t16, ld_dout, w, t16, i, beta, din,
+         CUDA_R_32F, i);
+  }
+
+  void rms_norm(const float* x, const void* w, int n, T* y, float* rstd_out) {
+    rms_norm_forward<T><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
+        x, cw(w), n, s_.hidden, static_cast<float>(s_.rms_eps), y, rstd_out);
+    check_launch();
+  }
+
+  void forward(const Weights& w, const Batch& b) {
+    const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
+    const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
+    const long long width = qkv_width();
+    const cudaStream_t stream = cudaStreamPerThread;
+    T* normed = at<T>(l_.normed);
+    float* qkv = at(l_.qkv32);
+    embed_forward<T><<<blocks_for(static_cast<long long>(n) * d), 256, 0, stream>>>(
+        cw(w.embed), at<int>(l_.tokens), n, d, xs(0));
+    check_launch();
+    for (int l = 0; l < s_.layers; ++l) {
+      const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+      T* q = layer<T>(l_.q, l, qw);
+      T* k = layer<T>(l_.k, l, kw);
+      T* v = layer<T>(l_.v, l, kw);
+      T* o = layer<T>(l_.o, l, qw);
+      rms_norm(xs(l), lw.attn_norm, n, normed, rstd(l));
+      linear(n, qw, d, normed, d, lw.q, 0.0f, qkv, CUDA_R_32F, width);
+      linear(n, kw, d, normed, d, lw.k, 0.0f, qkv + qw, CUDA_R_32F, width);
+      linear(n, kw, d, normed, d, lw.v, 0.0f, qkv + qw + kw, CUDA_R_32F, width);
+      const long long units =
+          static_cast<long long>(n) * ((s_.heads + s_.kv_heads) * (s_.head_dim / 2) + kw);
+      qkv_forward<T><<<blocks_for(units), 256, 0, stream>>>(
+          qkv, cw(lw.q_bias), cw(lw.k_bias), cw(lw.v_bias), at(l_.inv_freq), n, b.seq_len,
+          s_.heads, s_.kv_heads, s_.head_dim, q, k, v);
+      check_launch();
+      attention(b, q, k, v, o, layer<float>(l_.lse, l, s_.heads));
+      // y = x + o Wo^T: the GEMM adds onto a copy of x (fp32 sum of the fp32 product).
+      SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(ys(l), xs(l), sizeof(float) * n * d,
+                                           cudaMemcpyDeviceToDevice, stream));
+      linear(n, d, qw, o, qw, lw.o, 1.0f, ys(l), CUDA_R_32F, d);
+      rms_norm(ys(l), lw.mlp_norm, n, normed, rstd(s_.layers + l));
+      T* gate = layer<T>(l_.gate, l, in);
+      T* up = layer<T>(l_.up, l, in);
+      linear(n, in, d, normed, d, lw.gate, 0.0f, gate, t16, in);
+      linear(n, in, d, normed, d, lw.up, 0.0f, up, t16, in);
+      swiglu_forward<T><<<blocks_for(static_cast<long long>(n) * in), 256, 0, stream>>>(
+          gate, up, static_cast<long long>(n) * in, at<T>(l_.act));
+      check_launch();
+      SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(xs(l + 1), ys(l), sizeof(float) * n * d,
+                                           cudaMemcpyDeviceToDevice, stream));
+      linear(n, d, in, at<T>(l_.act), in, lw.down, 1.0f, xs(l + 1), CUDA_R_32F, d);
+    }
+    rms_norm(xs(s_.layers), w.final_norm, n, normed, rstd(2 * s_.layers));
+  }
+
+  void attention(const Batch& b, const T* q, const T* k, const T* v, T* o, float* lse) {
+    const dim3 grid((b.seq_len + kAttnTile - 1) / kAttnTile, s_.heads, b.sequences);
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s_.head_dim)));
+    with_lanes(s_.head_dim, [&](auto lanes) {
+      attention_forward<T, decltype(lanes)::value>
+          <<<grid, 32 * kAttnWarps, 0, cudaStreamPerThread>>>(
+              q, k, v, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, scale, o, lse);
+    });
+    check_launch();
+  }
+
+  // The head over chunks of token rows: logits, per-row loss and the mean loss; with a sink,
+  // also the head's weight gradient (when its group is active) and the gradient at the final
+  // norm's output into dz; with `out`, the logits rows copied to the host.
+  void head_and_loss(const Weights& w, const Batch& b, GradSink* sink, double grad_scale,
+                     float* out) {
+    const int n = b.sequences * b.seq_len, d = s_.hidden, vocab = s_.vocab;
+    const cudaStream_t stream = cudaStreamPerThread;
+    const cublasHandle_t cb = cublas_.get();
+    const T* f = at<T>(l_.normed);
+    float* logits = at(l_.logits);
+    const T* dlogits = at<T>(l_.logits);  // in place, rows 2 V apart
+    const float alpha = static_cast<float>(grad_scale / n);
+    const bool head_matrix =
+        sink != nullptr && sink->active(s_.tied ? 0 : s_.layers + 1);
+    const ParamId head_id{s_.tied ? K::embed : K::head};
+    GradSlot slot{};
+    if (head_matrix) {
+      slot = sink->open(head_id);
+      with_slot_type<T>(slot, head_id, [](auto) {});
+      if (s_.tied) tied_slot_ = slot;
+    }
+    for (int r0 = 0; r0 < n; r0 += kCudaLossChunkRows) {
+      const int rows = std::min(kCudaLossChunkRows, n - r0);
+      gemm(cb, false, true, rows, vocab, d, 1.0f, f + static_cast<long long>(r0) * d, t16, d,
+           w.head, t16, d, 0.0f, logits, CUDA_R_32F, vocab);
+      if (out != nullptr)
+        SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(out + static_cast<long long>(r0) * vocab, logits,
+                                             sizeof(float) * rows * vocab, cudaMemcpyDeviceToHost,
+                                             stream));
+      cross_entropy_rows<T><<<rows, kCeThreads, 0, stream>>>(
+          logits, vocab, at<int>(l_.targets) + r0, at(l_.row_loss) + r0, sink != nullptr);
+      check_launch();
+      if (sink == nullptr) continue;
+      if (head_matrix)  // slot [V, D] += alpha dlogits^T f
+        gemm(cb, true, false, vocab, d, rows, alpha, dlogits, t16, 2LL * vocab,
+             f + static_cast<long long>(r0) * d, t16, d, 1.0f, slot.data, slot_type(slot.dtype),
+             d);
+      gemm(cb, false, false, rows, d, vocab, 1.0f, dlogits, t16, 2LL * vocab, w.head, t16, d,
+           0.0f, at(l_.dz) + static_cast<long long>(r0) * d, CUDA_R_32F, d);
+    }
+    if (head_matrix && !s_.tied) sink->close(head_id);
+    mean_of<<<1, 256, 0, stream>>>(at(l_.row_loss), n, at<double>(l_.mean_loss));
+    check_launch();
+  }
+
+  double read_loss() const {
+    double loss = 0.0;
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(&loss, at<double>(l_.mean_loss), sizeof(double),
+                                         cudaMemcpyDeviceToHost, cudaStreamPerThread));
+    SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+    return loss;
+  }
+
+  int lowest_active_group(const GradSink& sink) const {
+    int group = 0;
+    while (group <= s_.layers + 1 && !sink.active(group)) ++group;
+    return group;
+  }
+
+  // slot [rows, cols] += alpha dy^T x for dy [n, rows] (row length ld_dy), x [n, cols]: the
+  // weight gradient, written by the GEMM into the slot in its own dtype.
+  void weight_grad(GradSink& sink, ParamId id, int n, int rows, int cols, float alpha,
+                   const T* dy, long long ld_dy, const T* x, long long ld_x) {
+    const GradSlot slot = sink.open(id);
+    with_slot_type<T>(slot, id, [](auto) {});
+    gemm(cublas_.get(), true, false, rows, cols, n, alpha, dy, t16, ld_dy, x, t16, ld_x, 1.0f,
+         slot.data, slot_type(slot.dtype), cols);
+    sink.close(id);
+  }
+
+  // slot [w] += alpha * the column sums of x [n, w] (rows ld apart, fp32).
+  void column_grad(GradSink& sink, ParamId id, int n, int w, float alpha, const float* x,
+                   long long ld) {
+    const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+    column_partials<<<dim3(chunks, (w + 127) / 128), 128, 0, cudaStreamPerThread>>>(
+        x, n, w, ld, at(l_.partials));
+    check_launch();
+    finish(sink, id, chunks, w, alpha);
+  }
+
+  // An RMSNorm's weight gradient, slot [D] += alpha sum_t dz x rstd.
+  void norm_grad(GradSink& sink, ParamId id, int n, float alpha, const float* dz, const float* x,
+                 const float* r) {
+    const int d = s_.hidden;
+    const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+    norm_partials<<<dim3(chunks, (d + 127) / 128), 128, 0, cudaStreamPerThread>>>(
+        dz, x, r, n, d, at(l_.partials));
+    check_launch();
+    finish(sink, id, chunks, d, alpha);
+  }
+
+  void finish(GradSink& sink, ParamId id, int chunks, int w, float alpha) {
+    const GradSlot slot = sink.open(id);
+    with_slot_type<T>(slot, id, [&](auto g) {
+      using G = decltype(g);
+      finish_columns<G><<<(w + 255) / 256, 256, 0, cudaStreamPerThread>>>(
+          at(l_.partials), chunks, w, alpha, static_cast<G*>(slot.data));
+    });
+    check_launch();
+    sink.close(id);
+  }
+
+  void norm_backward(const float* dz, const float* x, const float* r, const void* w, int n,
+                     bool accumulate) {
+    rms_norm_backward<T><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
+        dz, x, r, cw(w), n, s_.hidden, at(l_.dx), accumulate);
+    check_launch();
+  }
+
+  // Entered with dz = the gradient at the final norm's output (head_and_loss).
+  void backward(const Weights& w, const Batch& b, double grad_scale, GradSink& sink, int lowest) {
+    const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
+    const int L = s_.layers, head_group = L + 1;
+    const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
+    const long long width = qkv_width();
+    const float alpha = static_cast<float>(grad_scale / n);
+    const cudaStream_t stream = cudaStreamPerThread;
+    float *dx = at(l_.dx), *dz = at(l_.dz), *g32 = at(l_.qkv32);
+    T *d16 = at<T>(l_.d16), *normed = at<T>(l_.normed), *g16 = at<T>(l_.qkv16);
+    T *act = at<T>(l_.act), *dout = at<T>(l_.dout);
+    const auto round_to_t = [&](const float* x, T* y, long long count) {
+      to_bit16<T><<<blocks_for(count), 256, 0, stream>>>(x, y, count);
+      check_launch();
+    };
+
+    if (sink.active(head_group))
+      norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd(2 * L));
+    if (lowest <= L) norm_backward(dz, xs(L), rstd(2 * L), w.final_norm, n, false);
+    for (int l = L - 1; l >= 0 && l + 1 >= lowest; --l) {
+      const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+      const bool active = sink.active(l + 1);
+      T* gate = layer<T>(l_.gate, l, in);
+      T* up = layer<T>(l_.up, l, in);
+      // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
+      round_to_t(dx, d16, static_cast<long long>(n) * d);
+      if (active) {
+        swiglu_forward<T><<<blocks_for(static_cast<long long>(n) * in), 256, 0, stream>>>(
+            gate, up, static_cast<long long>(n) * in, act);
+        check_launch();
+        weight_grad(sink, {K::down, l}, n, d, in, alpha, d16, d, act, in);
+      }
+      linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
+      swiglu_backward<T><<<blocks_for(static_cast<long long>(n) * in), 256, 0, stream>>>(
+          at(l_.dact), gate, up, static_cast<long long>(n) * in);
+      check_launch();
+      if (active) {
+        rms_norm(ys(l), lw.mlp_norm, n, normed, nullptr);
+        weight_grad(sink, {K::gate, l}, n, in, d, alpha, gate, in, normed, d);
+        weight_grad(sink, {K::up, l}, n, in, d, alpha, up, in, normed, d);
+      }
+      linear_input_grad(n, in, d, gate, in, lw.gate, 0.0f, dz);
+      linear_input_grad(n, in, d, up, in, lw.up, 1.0f, dz);
+      if (active) norm_grad(sink, {K::mlp_norm, l}, n, alpha, dz, ys(l), rstd(L + l));
+      norm_backward(dz, ys(l), rstd(L + l), lw.mlp_norm, n, true);  // dx: now at y
+      // Attention: y = x + o Wo^T.
+      const T* q = layer<T>(l_.q, l, qw);
+      const T* k = layer<T>(l_.k, l, kw);
+      const T* v = layer<T>(l_.v, l, kw);
+      const T* o = layer<T>(l_.o, l, qw);
+      const float* lse = layer<float>(l_.lse, l, s_.heads);
+      round_to_t(dx, d16, static_cast<long long>(n) * d);
+      if (active) weight_grad(sink, {K::o, l}, n, d, qw, alpha, d16, d, o, qw);
+      gemm(cublas_.get(), false, false, n, qw, d, 1.0f, d16, t16, d, lw.o, t16, qw, 0.0f, dout,
+           t16, qw);
+      attention_delta<T><<<warp_blocks(static_cast<long long>(n) * s_.heads),
+                           32 * kWarpsPerBlock, 0, stream>>>(dout, o, n * s_.heads,
+                                                             s_.head_dim, at(l_.delta));
+      check_launch();
+      attention_backward(b, q, k, v, dout, lse, g32, width);
+      const long long units =
+          static_cast<long long>(n) * ((s_.heads + s_.kv_heads) * (s_.head_dim / 2) + kw);
+      qkv_backward<T><<<blocks_for(units), 256, 0, stream>>>(
+          g32, at(l_.inv_freq), n, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, g16);
+      check_launch();
+      if (active) {
+        rms_norm(xs(l), lw.attn_norm, n, normed, nullptr);
+        weight_grad(sink, {K::q, l}, n, qw, d, alpha, g16, width, normed, d);
+        if (s_.qkv_bias) column_grad(sink, {K::q_bias, l}, n, qw, alpha, g32, width);
+        weight_grad(sink, {K::k, l}, n, kw, d, alpha, g16 + qw, width, normed, d);
+        if (s_.qkv_bias) column_grad(sink, {K::k_bias, l}, n, kw, alpha, g32 + qw, width);
+        weight_grad(sink, {K::v, l}, n, kw, d, alpha, g16 + qw + kw, width, normed, d);
+        if (s_.qkv_bias) column_grad(sink, {K::v_bias, l}, n, kw, alpha, g32 + qw + kw, width);
+      }
+      linear_input_grad(n, qw, d, g16, width, lw.q, 0.0f, dz);
+      linear_input_grad(n, kw, d, g16 + qw, width, lw.k, 1.0f, dz);
+      linear_input_grad(n, kw, d, g16 + qw + kw, width, lw.v, 1.0f, dz);
+      if (active) norm_grad(sink, {K::attn_norm, l}, n, alpha, dz, xs(l), rstd(l));
+      if (l + 1 > lowest) norm_backward(dz, xs(l), rstd(l), lw.attn_norm, n, true);  // at x_l
+    }
+    if (lowest > 0) return;
+    const ParamId id{K::embed};
+    const GradSlot slot = s_.tied && tied_slot_.data != nullptr ? tied_slot_ : sink.open(id);
+    tied_slot_ = {};
+    with_slot_type<T>(slot, id, [&](auto g) {
+      using G = decltype(g);
+      const int distinct = static_cast<int>(rows_.size());
+      embed_backward<G><<<warp_blocks(distinct), 32 * kWarpsPerBlock, 0, stream>>>(
+          dx, at<int>(l_.embed_rows), at<int>(l_.embed_starts), at<int>(l_.embed_positions),
+          distinct, d, alpha, static_cast<G*>(slot.data));
+    });
+    check_launch();
+    sink.close(id);
+  }
+
+  void attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* dout,
+                          const float* lse, float* g32, long long width) {
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s_.head_dim)));
+    const int tiles = (b.seq_len + kAttnTile - 1) / kAttnTile;
+    const long long qw = s_.q_width(), kw = s_.kv_width();
+    with_lanes(s_.head_dim, [&](auto lanes) {
+      constexpr int P = decltype(lanes)::value;
+      attention_backward_dq<T, P>
+          <<<dim3(tiles, s_.heads, b.sequences), 32 * kAttnWarps, 0, cudaStreamPerThread>>>(
+              q, k, v, dout, lse, at(l_.delta), b.seq_len, s_.heads, s_.kv_heads, s_.head_dim,
+              scale, g32, width);
+      check_launch();
+      attention_backward_dkv<T, P>
+          <<<dim3(tiles, s_.kv_heads, b.sequences), 32 * kAttnWarps, 0, cudaStreamPerThread>>>(
+              q, k, v, dout, lse, at(l_.delta), b.seq_len, s_.heads, s_.kv_heads, s_.head_dim,
+              scale, g32 + qw, g32 + qw + kw, width);
+      check_launch();
+    });
+  }
+
+  DecoderShape s_;
+  int max_sequences_, seq_len_;
+  std::size_t n_max_;
+  std::byte* mem_;
+  CudaLayout l_;
+  int device_;
+  CublasHandle cublas_;
+  std::vector<float> inv_freq_;
+  std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
+  GradSlot tied_slot_{};  // a tied embedding's slot, open from the head to the lookup
+};
+
+}  // namespace
+
+std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
+                                           DType dtype, void* memory, std::size_t bytes) {
+  const std::size_t expected = cuda_bytes(s, max_sequences, seq_len);
+  if (bytes != expected)
+    throw ConfigError("make_cuda_compute: the block has " + std::to_string(bytes) +
+                      " bytes, the layout " + std::to_string(expected));
+  if (memory == nullptr) throw ConfigError("make_cuda_compute: the block is null");
+  if (reinterpret_cast<std::uintptr_t>(memory) % 256 != 0)
+    throw ConfigError("make_cuda_compute: the block is not 256-byte aligned");
+  auto* base = static_cast<std::byte*>(memory);
+  switch (dtype) {
+    case DType::bf16:
+      return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, base);
+    case DType::f16:
+      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, base);
+    default:
+      break;
+  }
+  throw ConfigError(std::string("make_cuda_compute: dtype ") + dtype_name(dtype) +
+                    " is not bf16 or fp16");
+}
+
+}  // namespace shardswap::lm::dec

@@ -1,0 +1,164 @@
+// The decoder's CUDA backend (tools/lm/decoder_cuda.cu; a stub throwing BackendUnavailable in a
+// build without CUDA): its memory layout, whose byte count the plan uses, and its factory.
+// C++17 and free of the engine so that nvcc compiles it.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "shardswap/error.h"
+#include "tools/lm/decoder_compute.h"
+
+namespace shardswap::lm::dec {
+
+/// Token rows of fp32 logits the cross-entropy holds at once ([rows, vocab]): 78 MB for a
+/// 152k vocabulary, and GEMMs of 128 rows still run near the tensor cores' rate.
+inline constexpr int kCudaLossChunkRows = 128;
+/// Rows per partial sum of the deterministic column sums (bias and norm gradients): partials
+/// of this many token rows, then one ordered sum of the partials.
+inline constexpr int kCudaRowsPerPartial = 64;
+/// The attention kernel keeps a head's vector spread over a warp, at most 4 values a lane.
+inline constexpr int kCudaMaxHeadDim = 128;
+/// cuBLAS workspace, handed to cuBLAS from the block so that it allocates none itself (32 MiB:
+/// cuBLAS's own default on Hopper).
+inline constexpr std::size_t kCudaCublasWorkspaceBytes = std::size_t{32} << 20;
+
+/// Byte offsets of the backend's regions in its one block, for n = max_sequences * seq_len
+/// tokens. "b16" regions hold the weights' type (bf16 or fp16): GEMM inputs and attention's
+/// operands; the residual stream, norm statistics and reductions are fp32.
+struct CudaLayout {
+  std::size_t inv_freq;       // f32 head_dim / 2 (RoPE), uploaded once
+  std::size_t tokens;         // i32 n: the batch's inputs
+  std::size_t targets;        // i32 n
+  std::size_t embed_rows;     // i32 n: the distinct input tokens, ascending
+  std::size_t embed_starts;   // i32 n + 1: where each one's positions start in embed_positions
+  std::size_t embed_positions;  // i32 n: positions grouped by token, ascending within a token
+  // Kept from forward for backward, per layer l at l * (the per-layer count):
+  std::size_t xs;    // f32 (L + 1) n D: the residual stream entering each layer, then x_L
+  std::size_t ys;    // f32 L n D: the residual stream after attention
+  std::size_t rstd;  // f32 (2L + 1) n: 1 / rms of the attention norms, MLP norms, final norm
+  std::size_t q, k, v;  // b16 L n H hd, L n K hd, L n K hd: after bias and RoPE
+  std::size_t o;        // b16 L n H hd: attention's output
+  std::size_t lse;      // f32 L n H: logsumexp of each attention row
+  std::size_t gate, up;  // b16 L n I: the MLP's two input projections
+  // Scratch, one of each:
+  std::size_t normed;  // b16 n D: a norm's output (recomputed in backward)
+  std::size_t qkv32;   // f32 n (H + 2K) hd: q|k|v projections; in backward dq|dk|dv
+  std::size_t qkv16;   // b16 n (H + 2K) hd: dq|dk|dv before RoPE, as GEMM inputs
+  std::size_t act;     // b16 n I: silu(gate) * up
+  std::size_t dact;    // f32 n I: its gradient
+  std::size_t dx;      // f32 n D: gradient of the residual stream
+  std::size_t dz;      // f32 n D: gradient at a norm's output
+  std::size_t d16;     // b16 n D: dx rounded, a GEMM input
+  std::size_t dout;    // b16 n H hd: gradient of attention's output
+  std::size_t delta;   // f32 n H: rowsum(dout * o) per head
+  std::size_t logits;  // f32 min(n, kCudaLossChunkRows) V; its rows' gradient in place (b16)
+  std::size_t row_loss;   // f32 n
+  std::size_t mean_loss;  // f64 1
+  std::size_t partials;   // f32 ceil(n / kCudaRowsPerPartial) max(D, H hd)
+  std::size_t workspace;  // kCudaCublasWorkspaceBytes
+  std::size_t bytes;      // total
+};
+
+/// Throws ConfigError naming the field or argument the CUDA backend cannot run.
+inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_len) {
+  const auto fail = [](const std::string& what) {
+    throw ConfigError("decoder (cuda): " + what);
+  };
+  if (max_sequences < 1) fail("max_sequences = " + std::to_string(max_sequences) + ": not >= 1");
+  if (max_sequences > 65535)  // a grid dimension of the attention kernels
+    fail("max_sequences = " + std::to_string(max_sequences) + ": above 65535");
+  if (seq_len < 1) fail("seq_len = " + std::to_string(seq_len) + ": not >= 1");
+  if (s.vocab < 1 || s.hidden < 1 || s.intermediate < 1 || s.layers < 0 || s.heads < 1 ||
+      s.kv_heads < 1)
+    fail("vocab, hidden, intermediate, heads and kv_heads must be >= 1, layers >= 0");
+  if (s.heads > 65535) fail("heads = " + std::to_string(s.heads) + ": above 65535");
+  if (s.heads % s.kv_heads != 0)
+    fail("kv_heads = " + std::to_string(s.kv_heads) + " does not divide heads = " +
+         std::to_string(s.heads));
+  if (s.head_dim < 2 || s.head_dim % 2 != 0 || s.head_dim > kCudaMaxHeadDim)
+    fail("head_dim = " + std::to_string(s.head_dim) + ": not even and in [2, " +
+         std::to_string(kCudaMaxHeadDim) + "]");
+  if (seq_len > s.max_positions)
+    fail("seq_len = " + std::to_string(seq_len) + " is above max_position_embeddings = " +
+         std::to_string(s.max_positions));
+  if (std::int64_t{max_sequences} * seq_len > (std::int64_t{1} << 30))
+    fail("max_sequences * seq_len = " + std::to_string(std::int64_t{max_sequences} * seq_len) +
+         " tokens: above 2^30");
+}
+
+inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_len) {
+  check_cuda_shape(s, max_sequences, seq_len);
+  struct Arena {  // regions at multiples of 256 bytes
+    std::size_t bytes = 0;
+    std::size_t take(std::size_t count, std::size_t size) {
+      const std::size_t at = bytes;
+      bytes += (count * size + 255) / 256 * 256;
+      return at;
+    }
+  } a;
+  constexpr std::size_t f32 = 4, b16 = 2, i32 = 4;
+  const auto n = static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len);
+  const auto d = static_cast<std::size_t>(s.hidden), in = static_cast<std::size_t>(s.intermediate),
+             layers = static_cast<std::size_t>(s.layers), h = static_cast<std::size_t>(s.heads),
+             v = static_cast<std::size_t>(s.vocab);
+  const auto qw = static_cast<std::size_t>(s.q_width()),
+             kw = static_cast<std::size_t>(s.kv_width());
+  const std::size_t rows = std::min<std::size_t>(n, kCudaLossChunkRows);
+  const std::size_t partials = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+  CudaLayout l{};
+  l.inv_freq = a.take(static_cast<std::size_t>(s.head_dim / 2), f32);
+  l.tokens = a.take(n, i32);
+  l.targets = a.take(n, i32);
+  l.embed_rows = a.take(n, i32);
+  l.embed_starts = a.take(n + 1, i32);
+  l.embed_positions = a.take(n, i32);
+  l.xs = a.take((layers + 1) * n * d, f32);
+  l.ys = a.take(layers * n * d, f32);
+  l.rstd = a.take((2 * layers + 1) * n, f32);
+  l.q = a.take(layers * n * qw, b16);
+  l.k = a.take(layers * n * kw, b16);
+  l.v = a.take(layers * n * kw, b16);
+  l.o = a.take(layers * n * qw, b16);
+  l.lse = a.take(layers * n * h, f32);
+  l.gate = a.take(layers * n * in, b16);
+  l.up = a.take(layers * n * in, b16);
+  l.normed = a.take(n * d, b16);
+  l.qkv32 = a.take(n * (qw + 2 * kw), f32);
+  l.qkv16 = a.take(n * (qw + 2 * kw), b16);
+  l.act = a.take(n * in, b16);
+  l.dact = a.take(n * in, f32);
+  l.dx = a.take(n * d, f32);
+  l.dz = a.take(n * d, f32);
+  l.d16 = a.take(n * d, b16);
+  l.dout = a.take(n * qw, b16);
+  l.delta = a.take(n * h, f32);
+  l.logits = a.take(rows * v, f32);
+  l.row_loss = a.take(n, f32);
+  l.mean_loss = a.take(1, 8);
+  l.partials = a.take(partials * std::max(d, qw), f32);
+  l.workspace = a.take(kCudaCublasWorkspaceBytes, 1);
+  l.bytes = a.bytes;
+  return l;
+}
+
+/// Exact bytes of the CUDA backend's device block for batches of up to max_sequences x seq_len
+/// tokens: every activation it keeps, its scratch, the chunked cross-entropy's logits rows and
+/// the cuBLAS workspace. Nothing else is allocated on the device by train_step or loss.
+/// Throws ConfigError as check_cuda_shape.
+inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_len) {
+  return cuda_layout(s, max_sequences, seq_len).bytes;
+}
+
+/// The backend on [memory, memory + bytes) of the device that holds it (bytes ==
+/// cuda_bytes(...); the block must outlive the backend). dtype is the weights' type, bf16 or
+/// fp16. Batches may have fewer sequences and a shorter seq_len than configured. Everything is
+/// queued on cudaStreamPerThread; the host waits only to read the loss (or logits) back.
+/// Defined in decoder_cuda.cu, or in the stub of a build without CUDA (BackendUnavailable).
+std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
+                                           DType dtype, void* memory, std::size_t bytes);
+
+}  // namespace shardswap::lm::dec
