@@ -24,6 +24,7 @@
 #include "tools/bench_optimizer.h"
 #include "tools/bench_switch.h"
 #include "tools/ckpt.h"
+#include "tools/lm/safetensors.h"
 #include "tools/metrics_log.h"
 #include "tools/output_file.h"
 #include "tools/plot.h"
@@ -36,7 +37,7 @@ constexpr const char* kUsage = R"(usage:
   shardswap train --config FILE [--metrics FILE [--metrics-errors=fail|warn]]
                   [--set key.path=value]... [--memory-report]
   shardswap plan --config FILE [--set key.path=value]...
-  shardswap eval --config FILE [--checkpoint DIR] [--set key.path=value]...
+  shardswap eval --config FILE [--checkpoint DIR] [--logits FILE.safetensors] [--set k.path=v]...
 
   shardswap bench optimizer [--backend cpu|cuda] [--sizes 64M,256M,1G] [--iters N] [--json FILE]
 
@@ -52,7 +53,8 @@ constexpr const char* kUsage = R"(usage:
           once, unsaved. Other exits: 0 done, 1 runtime failure, 2 bad input
   plan    prints the bytes every rank will hold, by tag, before anything is allocated
   eval    prints the mean validation loss of the config's model (model.path or from scratch),
-          or of checkpoint DIR's weights
+          or of checkpoint DIR's weights; --logits writes validation batch 0's inputs and
+          logits (decoder)
   shardswap bench switch [--backend cpu|cuda] [--layers 32] [--dim 4096] [--switches 20] [--json FILE]
 
   bench optimizer
@@ -236,16 +238,36 @@ int train_command(const std::vector<std::string>& args) {
 }
 
 int eval_command(const std::vector<std::string>& args) {
-  std::string checkpoint;
+  std::string checkpoint, logits_path;
   const auto config_args =
       ConfigArgs::parse(args, [&](const std::string& flag, const ConfigArgs::TakeValue& value) {
-        if (flag != "--checkpoint") return false;
-        checkpoint = value();
+        if (flag == "--checkpoint")
+          checkpoint = value();
+        else if (flag == "--logits")
+          logits_path = value();
+        else
+          return false;
         return true;
       });
   const auto config = load_config(config_args);
   if (!checkpoint.empty()) shardswap::read_checkpoint_metadata(checkpoint);  // checked first
-  const auto summary = shardswap::evaluate(config, checkpoint);
+  std::optional<shardswap::OutputFile> logits_file;
+  if (!logits_path.empty()) {
+    std::vector<shardswap::InputFile> inputs = {{"the config file", config_args.path}};
+    if (!checkpoint.empty())
+      for (auto& input : shardswap::checkpoint_inputs(checkpoint)) inputs.push_back(input);
+    logits_file.emplace("--logits", logits_path, inputs);
+  }
+  const auto summary = shardswap::evaluate(config, checkpoint, logits_file.has_value());
+  if (logits_file) {
+    const auto& l = summary.logits;
+    const std::vector<std::int64_t> tokens = {l.sequences, l.seq_len};
+    shardswap::write_safetensors(
+        *logits_file,
+        {{{"inputs", "I32", tokens}, std::as_bytes(std::span(l.inputs))},
+         {{"logits", "F32", {l.sequences, l.seq_len, l.vocab}}, std::as_bytes(std::span(l.logits))}},
+        {{"source", "shardswap eval --logits: validation batch 0"}});
+  }
   std::cout << fmt::format("validation loss {:.6f} ({} batches of {} sequences; {})\n",
                            summary.val_loss, summary.batches, summary.sequences_per_batch,
                            summary.step < 0 ? std::string("initial weights")

@@ -71,6 +71,11 @@ class DecoderRank final : public RankModel {
   double val_loss(const Engine& engine, int index) override {
     return model_->loss(engine, to_batch(data_.val_batch(index, micro_)));
   }
+  ValLogits val_logits(const Engine& engine, int index) override {
+    DecoderBatch b = to_batch(data_.val_batch(index, micro_));
+    ValLogits out{b.sequences, b.seq_len, data_.vocab(), b.inputs, model_->logits(engine, b)};
+    return out;
+  }
 
  private:
   std::unique_ptr<Decoder> model_;

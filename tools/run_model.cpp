@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "shardswap/error.h"
 #include "tools/lm/byte_lm.h"
 #include "tools/lm/text_data.h"
 #include "tools/train.h"
@@ -25,6 +26,10 @@ class ByteLmRank final : public RankModel {
   }
   double val_loss(const Engine& engine, int index) override {
     return model_->loss(engine, corpus_.val_batch(index, micro_));
+  }
+  ValLogits val_logits(const Engine&, int) override {
+    throw ConfigError("eval --logits: the byte LM has no logits output; it is for model.type "
+                      "\"decoder\"");
   }
 
  private:

@@ -18,6 +18,12 @@ namespace shardswap {
 
 struct TrainConfig;  // tools/train.h
 
+struct ValLogits {
+  int sequences = 0, seq_len = 0, vocab = 0;
+  std::vector<std::int32_t> inputs;  ///< sequences * seq_len
+  std::vector<float> logits;         ///< sequences * seq_len * vocab
+};
+
 /// One rank's model with its working memory, made once per rank.
 class RankModel {
  public:
@@ -28,6 +34,9 @@ class RankModel {
                              int micro) = 0;
   /// The mean loss of validation batch `index` (a fixed slice of the validation data).
   virtual double val_loss(const Engine& engine, int index) = 0;
+  /// The inputs of validation batch `index` and every position's logits ([inputs, vocab]),
+  /// for checks against another implementation. ConfigError for a model that has none.
+  virtual ValLogits val_logits(const Engine& engine, int index) = 0;
 };
 
 class RunModel {

@@ -213,7 +213,8 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
                      config.engine.stage, formula, mib(static_cast<std::int64_t>(formula)));
 }
 
-EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint) {
+EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint,
+                     bool logits) {
   const auto run = make_run_model(config);
   const Backend backend = backend_from_name(config.backend, "shardswap.backend");
   const LayerSchedule schedule(config.switching, run->groups());
@@ -237,7 +238,10 @@ EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& che
     double sum = 0.0;
     for (int b = rank; b < config.eval_batches; b += world) sum += model->val_loss(engine, b);
     const double mean = engine.sum_across_ranks(sum) / config.eval_batches;
-    if (rank == 0) summary.val_loss = mean;
+    if (rank == 0) {
+      summary.val_loss = mean;
+      if (logits) summary.logits = model->val_logits(engine, 0);
+    }
   });
   return summary;
 }

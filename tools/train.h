@@ -22,6 +22,7 @@
 #include "shardswap/lr_schedule.h"
 #include "tools/lm/byte_lm.h"
 #include "tools/lm/decoder_compute.h"
+#include "tools/run_model.h"
 
 namespace shardswap {
 
@@ -159,11 +160,14 @@ struct EvalSummary {
   int batches = 0;           ///< logging.eval_batches
   int sequences_per_batch = 0;  ///< the micro-batch
   std::int64_t step = -1;    ///< the checkpoint's step; -1: the initial weights
+  ValLogits logits;          ///< validation batch 0's, when asked for
 };
 /// `shardswap eval`: the mean validation loss over logging.eval_batches micro-batches of the
 /// weights of `checkpoint` (a checkpoint directory; empty: the config's initial weights, as
 /// model.path or the seed gives them), on config.world_size in-process ranks.
-EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint);
+/// With `logits`, also validation batch 0's inputs and logits (RankModel::val_logits).
+EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint,
+                     bool logits = false);
 
 /// "SIGINT", "SIGTERM", "SIGHUP" (the signals the CLI stops on), else "a signal".
 const char* stop_signal_name(int signal);

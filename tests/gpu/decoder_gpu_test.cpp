@@ -500,7 +500,9 @@ std::string name_of(const DecoderShape& s, ParamId id) {
 }
 
 // Zeroed device slots for the params of the active groups; records every open and close and
-// any misuse (a frozen param's slot asked for, a slot opened twice, closed unopened).
+// any misuse: a frozen param's slot asked for, a slot opened while another is open (the engine
+// reduces a stage-2 bucket once backward moves on), opened twice (only a tied embedding is
+// opened again: for its head gradient and for its lookup's), closed without being open.
 class SlotSink final : public GradSink {
  public:
   SlotSink(const DecoderShape& s, std::set<int> active, DType dtype)
@@ -517,15 +519,18 @@ class SlotSink final : public GradSink {
       problems.push_back("opened " + name + ", which has no slot (frozen)");
       return {};
     }
-    if (opened.count(name) != 0) problems.push_back("opened " + name + " twice");
+    if (!open_now_.empty()) problems.push_back("opened " + name + " while " + open_now_ + " is open");
+    const bool again_allowed = s_.tied && id.kind == ParamKind::embed;
+    if (opened.count(name) != 0 && !again_allowed) problems.push_back("opened " + name + " twice");
     opened.insert(name);
+    open_now_ = name;
     return {slot->second->p, dtype_};
   }
   void close(ParamId id) override {
     const std::string name = name_of(s_, id);
-    if (opened.count(name) == 0 || closed.count(name) != 0)
-      problems.push_back("closed " + name + " unopened or twice");
+    if (open_now_ != name) problems.push_back("closed " + name + ", which is not open");
     closed.insert(name);
+    open_now_.clear();
   }
   Vec read(const std::string& name) const {
     const ParamSpec spec = spec_named(s_, name);
@@ -551,6 +556,7 @@ class SlotSink final : public GradSink {
   std::set<int> active_;
   DType dtype_;
   std::map<std::string, std::unique_ptr<DeviceBlock>> slots_;
+  std::string open_now_;  // the slot open at the moment, if any
 };
 
 // ||got - want|| / ||want||; the absolute ||got|| where want is zero (e.g. q and k at one

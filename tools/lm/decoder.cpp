@@ -11,6 +11,7 @@
 
 #include "shardswap/error.h"
 #include "tools/lm/decoder_cpu.h"
+#include "tools/lm/decoder_cuda.h"
 #include "tools/lm/init_random.h"
 
 namespace shardswap {
@@ -369,11 +370,9 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
   if (!is_bit16(dtype))
     throw ConfigError(fmt::format("Decoder::activation_bytes: dtype {} is not bf16 or fp16",
                                   dtype_name(dtype)));
-  if (device != DeviceKind::host)
-    throw BackendUnavailable(
-        "Decoder::activation_bytes: the decoder runs on the CPU only in this build (its CUDA "
-        "backend is not written yet); set shardswap.backend = \"cpu\"");
-  return static_cast<std::int64_t>(lm::dec::cpu_bytes(shape, max_sequences, seq_len));
+  return static_cast<std::int64_t>(device == DeviceKind::cuda
+                                       ? lm::dec::cuda_bytes(shape, max_sequences, seq_len)
+                                       : lm::dec::cpu_bytes(shape, max_sequences, seq_len));
 }
 
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
@@ -386,7 +385,11 @@ std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequenc
   void* const base = memory.data();
   auto model = std::make_unique<EngineDecoder>(shape, max_sequences, seq_len, dtype,
                                                std::move(memory));
-  model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes));
+  if (space.device() == DeviceKind::cuda)
+    model->set_compute(
+        lm::dec::make_cuda_compute(shape, max_sequences, seq_len, dtype, base, bytes));
+  else
+    model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes));
   return model;
 }
 

@@ -82,12 +82,12 @@ class Decoder {
                                        int seq_len, DType dtype, DeviceKind device);
 };
 
-/// The CPU (Eigen) backend when space.device() is the host. All activation and workspace memory
+/// The CPU (Eigen) backend when space.device() is the host, the CUDA one (cuBLAS GEMMs, own
+/// fused kernels and attention) on a CUDA device. All activation and workspace memory
 /// is allocated once, here, from `space` with Tag::activation (activation_bytes() of it,
 /// exactly). `dtype` is the weights' (the engine's config dtype: bf16 or fp16). Throws
 /// ConfigError for a bad shape, max_sequences or seq_len < 1, seq_len above max_positions or a
-/// dtype that is not bit16; BackendUnavailable for a device this build has no decoder backend
-/// for.
+/// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA.
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
                                       DType dtype, MemorySpace& space);
 

@@ -778,7 +778,6 @@ class CudaCompute final : public Compute {
   double train_step(const Weights& w, const Batch& b, double grad_scale, GradSink& sink) override {
     check(w, b, "train_step");
     SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
-    tied_slot_ = {};  // nothing left from a call that failed
     upload(b, true);
     forward(w, b);
     const int lowest = lowest_active_group(sink);
@@ -994,7 +993,6 @@ class CudaCompute final : public Compute {
     if (head_matrix) {
       slot = sink->open(head_id);
       with_slot_type<T>(slot, head_id, [](auto) {});
-      if (s_.tied) tied_slot_ = slot;
     }
     for (int r0 = 0; r0 < n; r0 += kCudaLossChunkRows) {
       const int rows = std::min(kCudaLossChunkRows, n - r0);
@@ -1015,7 +1013,9 @@ class CudaCompute final : public Compute {
       gemm(cb, false, false, rows, d, vocab, 1.0f, dlogits, t16, 2LL * vocab, w.head, t16, d,
            0.0f, at(l_.dz) + static_cast<long long>(r0) * d, CUDA_R_32F, d);
     }
-    if (head_matrix && !s_.tied) sink->close(head_id);
+    // Closed here even when tied: one slot is open at a time (a stage-2 bucket is reduced once
+    // backward moves on to another group); the lookup's gradient opens the embedding again.
+    if (head_matrix) sink->close(head_id);
     mean_of<<<1, 256, 0, stream>>>(at(l_.row_loss), n, at<double>(l_.mean_loss));
     check_launch();
   }
@@ -1166,8 +1166,7 @@ class CudaCompute final : public Compute {
     }
     if (lowest > 0) return;
     const ParamId id{K::embed};
-    const GradSlot slot = s_.tied && tied_slot_.data != nullptr ? tied_slot_ : sink.open(id);
-    tied_slot_ = {};
+    const GradSlot slot = sink.open(id);  // tied: a second time, after the head's gradient
     with_slot_type<T>(slot, id, [&](auto g) {
       using G = decltype(g);
       const int distinct = static_cast<int>(rows_.size());
@@ -1208,7 +1207,6 @@ class CudaCompute final : public Compute {
   CublasHandle cublas_;
   std::vector<float> inv_freq_;
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
-  GradSlot tied_slot_{};  // a tied embedding's slot, open from the head to the lookup
 };
 
 }  // namespace
