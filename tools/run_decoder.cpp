@@ -193,6 +193,18 @@ void decoder_config_from_json(ConfigReader& c, TrainConfig& t) {
   }
 }
 
+std::vector<std::filesystem::path> decoder_input_files(const TrainConfig& t) {
+  std::vector<std::filesystem::path> files;
+  const TokenDataset data(token_spec(t));
+  for (const auto& f : data.train_files()) files.emplace_back(f);
+  if (!t.decoder.path.empty()) {
+    const HfCheckpoint model = HfCheckpoint::open(t.decoder.path, {t.decoder.seq_len, "data.seq_len"});
+    files.push_back(std::filesystem::path(t.decoder.path) / "config.json");
+    for (const auto& f : model.files()) files.push_back(f);
+  }
+  return files;
+}
+
 std::unique_ptr<RunModel> make_decoder_run(const TrainConfig& config) {
   return std::make_unique<DecoderRun>(config);
 }
