@@ -93,10 +93,9 @@ random_tokens "$work/q-val.bin" 40000 151936 4
 q=(--set 'model={"type": "decoder"}' --set model.path="$work/qwen05b"
    --set "data.train=$work/q-train.bin" --set "data.val=$work/q-val.bin" --set data.tokenizer=llmc
    --set steps=25 --set layer_switching.interval=10 --set logging.interval=5)
-for run in "world 1 over NCCL:--set world_size=1 --set shardswap.communicator=nccl" \
-           "2 in-process ranks on one GPU:--set world_size=2 --set shardswap.communicator=in_process --set train_micro_batch_size_per_gpu=4"; do
-  name=${run%%:*}; read -r -a extra <<< "${run#*:}"
-  tag=$(echo "$name" | tr -c 'a-z0-9' '-')
+for run in "nccl1:world 1 over NCCL:--set world_size=1 --set shardswap.communicator=nccl" \
+           "inproc2:2 in-process ranks on one GPU:--set world_size=2 --set shardswap.communicator=in_process --set train_micro_batch_size_per_gpu=4"; do
+  tag=${run%%:*}; rest=${run#*:}; name=${rest%%:*}; read -r -a extra <<< "${rest#*:}"
   echo "--- $name"
   $bin train --config configs/qwen2.5-0.5b-lisa.json "${q[@]}" "${extra[@]}" \
     --set checkpoint.dir="$work/q-ckpt-$tag" --set checkpoint.every=25 \
@@ -106,10 +105,10 @@ for run in "world 1 over NCCL:--set world_size=1 --set shardswap.communicator=nc
   awk '/measured peak/ { gsub(/[()%+]/, "", $NF); if ($NF > 0.01 || $NF < -0.01) bad = 1 }
        END { exit bad }' "$OUT/qwen05b-$tag.log" || { echo "plan != peak"; status=1; }
 done
-{ $bin ckpt export "$work/q-ckpt-world-1-over-nccl/step-00000025" --format hf --out "$work/q-hf" &&
+{ $bin ckpt export "$work/q-ckpt-nccl1/step-00000025" --format hf --out "$work/q-hf" &&
   $bin eval --config configs/qwen2.5-0.5b-lisa.json "${q[@]}" --set world_size=1 \
     --set shardswap.communicator=in_process --set train_micro_batch_size_per_gpu=2 \
-    --set data.seq_len=256 --checkpoint "$work/q-ckpt-world-1-over-nccl/step-00000025" \
+    --set data.seq_len=256 --checkpoint "$work/q-ckpt-nccl1/step-00000025" \
     --logits "$work/q-logits.safetensors" &&
   compare_logits "$work/q-hf" "$work/q-logits.safetensors" 2e-2; } > "$OUT/qwen05b-export.log" 2>&1 || status=1
 grep -E "wrote|validation loss|transformers|error" "$OUT/qwen05b-export.log"

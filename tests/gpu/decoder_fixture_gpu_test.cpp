@@ -29,8 +29,12 @@ using lm::dec::ParamId;
 using lm::dec::ParamKind;
 
 const fs::path kFixtures = fs::path(SHARDSWAP_TEST_DIR) / "fixtures" / "decoder";
-constexpr double kLogitsTolerance = 1e-2;  // measured 2-5e-3 (bf16 GEMM inputs)
-constexpr double kGradTolerance = 3e-2;    // k's bias is a small remainder after cancellation
+// Measured on an NVIDIA H200: logits 7.6e-3 to 1.08e-2, gradients at most 3.4e-2 (k's bias:
+// softmax ignores a shift shared by a row of scores, so its gradient is a small remainder after
+// cancellation); the float32 CPU run of the same fixtures is at 1e-6, so this is bf16's rounding
+// of every GEMM input (8 bits of mantissa), several times a layer.
+constexpr double kLogitsTolerance = 2e-2;
+constexpr double kGradTolerance = 5e-2;
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) FAIL(what << ": " << cudaGetErrorString(e));
