@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian packages ShardSwap builds against, only those missing (idempotent).
+# Installs the Debian packages ShardSwap builds against, only those missing (idempotent), and the
+# Python package its tokenizer tool needs.
 # pkg-config reads shardswap.pc in tools/consumer-check.sh.
 # gnuplot-nox draws `shardswap plot`; its CLI tests need it.
 # strace injects the kills of tools/kill_campaign.py at chosen system calls.
@@ -8,6 +9,14 @@ set -euo pipefail
 packages=(build-essential cmake ninja-build libeigen3-dev libspdlog-dev libfmt-dev
           nlohmann-json3-dev catch2 libopenmpi-dev gnuplot-nox pkg-config
           clang libclang-rt-14-dev strace)
+# tools/tokenize_data.py uses Hugging Face tokenizers (PyPI), and so does its CLI test, which
+# reports as skipped, saying why, where it cannot be installed.
+if ! python3 -c "import tokenizers" 2>/dev/null; then
+  echo "install-deps: pip install --user tokenizers"
+  python3 -m pip install --quiet --user tokenizers 2>/dev/null ||
+    python3 -m pip install --quiet --user --break-system-packages tokenizers ||
+    echo "install-deps: tokenizers could not be installed; the tokenizer tool's test is skipped"
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
