@@ -200,6 +200,21 @@ TEST_CASE("a decoder loaded and exported unchanged is the Hugging Face folder it
   }
 }
 
+TEST_CASE("a decoder's BAdam section without layers walks every layer, with nothing always on",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-badam");
+  auto j = decoder_run(dir, "llama3");
+  j["layer_switching"] = {{"type", "badam"}, {"interval", 2}, {"always_active", nlohmann::json::array()}};
+  const auto metrics = run(load(j));
+  REQUIRE(metrics.size() == 8);
+  // Two blocks (layers.0, layers.1) of two steps each, in ascending order, then again.
+  for (std::size_t i = 0; i < metrics.size(); ++i) {
+    INFO("step " << i + 1);
+    const auto want = nlohmann::json::array({"layers." + std::to_string((i / 2) % 2)});
+    CHECK(metrics[i].at("active_groups") == want);
+  }
+}
+
 TEST_CASE("a decoder run resumed at another world size continues on the same tokens", "[decoder]") {
   const ScratchFolder dir("decoder-resume");
   auto j = decoder_run(dir, "llama3");
@@ -212,6 +227,7 @@ TEST_CASE("a decoder run resumed at another world size continues on the same tok
     r["world_size"] = world;
     r["train_micro_batch_size_per_gpu"] = 8 / world / 2;  // the same global batch of 8
     r["checkpoint"]["dir"] = (dir / ("ckpt-" + std::to_string(world))).string();
+    r["checkpoint"]["every"] = 2;  // 6 and 8: the second resume below starts at 6
     r["checkpoint"]["load"] = (dir / "ckpt" / checkpoint_name(4)).string();
     const auto resumed = run(load(r));
     REQUIRE(resumed.size() == 4);
@@ -221,6 +237,19 @@ TEST_CASE("a decoder run resumed at another world size continues on the same tok
       CHECK(resumed[i].at("step") == whole[4 + i].at("step"));
       // The same sequences in every step: only the order of float sums differs.
       CHECK(std::abs(a - b) <= 1e-4 * std::abs(b));
+    }
+    // Resumed again at this world size from its own step 6: steps 7 and 8 bit for bit as the
+    // run that went on from there.
+    auto again = r;
+    again["checkpoint"]["dir"] = (dir / ("again-" + std::to_string(world))).string();
+    again["checkpoint"]["load"] =
+        (dir / ("ckpt-" + std::to_string(world)) / checkpoint_name(6)).string();
+    const auto continued = run(load(again));
+    REQUIRE(continued.size() == 2);
+    for (std::size_t i = 0; i < 2; ++i) {
+      CHECK(continued[i].at("step") == resumed[2 + i].at("step"));
+      CHECK(continued[i].at("loss") == resumed[2 + i].at("loss"));
+      CHECK(continued[i].at("grad_norm") == resumed[2 + i].at("grad_norm"));
     }
   }
 }

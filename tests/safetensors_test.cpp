@@ -500,7 +500,7 @@ json tiny_config(const std::string& model_type, bool tied) {
 }
 
 // The params of tiny_config, written out by hand from the Hugging Face modules (independent of
-// hf_expected_tensors): hidden 8, 2 heads of 4 (q 8 wide), 1 kv head (4 wide), intermediate 12.
+// decoder_params): hidden 8, 2 heads of 4 (q 8 wide), 1 kv head (4 wide), intermediate 12.
 std::vector<std::pair<std::string, std::vector<std::int64_t>>> tiny_params(bool bias, bool tied) {
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> p = {
       {"model.embed_tokens.weight", {11, 8}}};
@@ -582,13 +582,13 @@ TEST_CASE("the expected tensors are the Hugging Face params in declaration order
       const auto s =
           hf_config_from_json(tiny_config(bias ? "qwen2" : "llama", tied), {{}, "model."}, kSeq)
               .shape;
-      const auto specs = hf_expected_tensors(s);
+      const auto specs = decoder_params(s);
       const auto want = tiny_params(bias, tied);
       REQUIRE(specs.size() == want.size());
       for (std::size_t i = 0; i < specs.size(); ++i) {
         CHECK(specs[i].name == want[i].first);
         CHECK(specs[i].shape == want[i].second);
-        CHECK(hf_tensor_name(specs[i].id) == specs[i].name);
+        CHECK(decoder_param_name(specs[i].id) == specs[i].name);
       }
     }
 }
@@ -855,7 +855,7 @@ TEST_CASE("write_hf_folder refuses a used folder and leaves nothing after a fail
   };
   CHECK(message_of<ConfigError>([&] {
           write_hf_folder(root / "x", shape, DType::bf16, failing, 300);
-        }) == "no weights for " + hf_expected_tensors(shape)[8].name);
+        }) == "no weights for " + decoder_params(shape)[8].name);
   // An empty folder is taken (and replaced whole, at the end).
   fs::create_directories(root / "empty");
   write_hf_folder(root / "empty", shape, DType::bf16, zeros, 1000);

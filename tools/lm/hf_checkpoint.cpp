@@ -93,71 +93,6 @@ void fsync_path(const fs::path& path, int flags) {
 
 }  // namespace
 
-std::string hf_tensor_name(ParamId id) {
-  const auto layer = [&](std::string_view rest) {
-    return fmt::format("model.layers.{}.{}", id.layer, rest);
-  };
-  switch (id.kind) {
-    case ParamKind::embed:
-      return "model.embed_tokens.weight";
-    case ParamKind::attn_norm:
-      return layer("input_layernorm.weight");
-    case ParamKind::q:
-      return layer("self_attn.q_proj.weight");
-    case ParamKind::q_bias:
-      return layer("self_attn.q_proj.bias");
-    case ParamKind::k:
-      return layer("self_attn.k_proj.weight");
-    case ParamKind::k_bias:
-      return layer("self_attn.k_proj.bias");
-    case ParamKind::v:
-      return layer("self_attn.v_proj.weight");
-    case ParamKind::v_bias:
-      return layer("self_attn.v_proj.bias");
-    case ParamKind::o:
-      return layer("self_attn.o_proj.weight");
-    case ParamKind::mlp_norm:
-      return layer("post_attention_layernorm.weight");
-    case ParamKind::gate:
-      return layer("mlp.gate_proj.weight");
-    case ParamKind::up:
-      return layer("mlp.up_proj.weight");
-    case ParamKind::down:
-      return layer("mlp.down_proj.weight");
-    case ParamKind::final_norm:
-      return "model.norm.weight";
-    case ParamKind::head:
-      return "lm_head.weight";
-  }
-  return "?";
-}
-
-std::vector<HfTensorSpec> hf_expected_tensors(const DecoderShape& s) {
-  const std::int64_t d = s.hidden, q = s.q_width(), kv = s.kv_width(), i = s.intermediate;
-  std::vector<HfTensorSpec> out;
-  const auto add = [&](ParamKind kind, int layer, std::vector<std::int64_t> shape) {
-    const ParamId id{kind, layer};
-    out.push_back({hf_tensor_name(id), std::move(shape), id});
-  };
-  add(ParamKind::embed, -1, {s.vocab, d});
-  for (int l = 0; l < s.layers; ++l) {
-    add(ParamKind::attn_norm, l, {d});
-    add(ParamKind::q, l, {q, d});
-    if (s.qkv_bias) add(ParamKind::q_bias, l, {q});
-    add(ParamKind::k, l, {kv, d});
-    if (s.qkv_bias) add(ParamKind::k_bias, l, {kv});
-    add(ParamKind::v, l, {kv, d});
-    if (s.qkv_bias) add(ParamKind::v_bias, l, {kv});
-    add(ParamKind::o, l, {d, q});
-    add(ParamKind::mlp_norm, l, {d});
-    add(ParamKind::gate, l, {i, d});
-    add(ParamKind::up, l, {i, d});
-    add(ParamKind::down, l, {d, i});
-  }
-  add(ParamKind::final_norm, -1, {d});
-  if (!s.tied) add(ParamKind::head, -1, {s.vocab, d});
-  return out;
-}
 
 void convert_tensor(const SafetensorsTensor& src, const fs::path& file, DType dtype,
                     std::span<std::byte> out) {
@@ -296,7 +231,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len)
   }
 
   const auto file_name = [&](const Place& p) { return ck.files_[p.file].path().string(); };
-  const auto specs = hf_expected_tensors(ck.shape());
+  const auto specs = decoder_params(ck.shape());
   std::vector<std::string> missing;
   for (const auto& spec : specs) {
     const auto it = stored.find(spec.name);
@@ -324,12 +259,12 @@ HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len)
   }
   for (const auto& [name, p] : stored) {
     if (ck.params_.contains(name) || is_known_buffer(name)) continue;
-    if (ck.shape().tied && name == hf_tensor_name({ParamKind::head})) {
+    if (ck.shape().tied && name == decoder_param_name({ParamKind::head})) {
       // Some converters store a tied head as well. Loaded tied, the embedding is the head, so
       // a stored head is accepted only when it is the embedding to the byte: anything else
       // would be a different model silently reduced to a tied one.
       const auto& head = ck.files_[p.file].tensors()[p.tensor];
-      const auto& embed = ck.tensor(hf_tensor_name({ParamKind::embed}));
+      const auto& embed = ck.tensor(decoder_param_name({ParamKind::embed}));
       if (head.dtype != embed.dtype || head.shape != embed.shape ||
           std::memcmp(head.data, embed.data, head.bytes) != 0)
         throw refuse(
@@ -400,7 +335,7 @@ void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DTyp
   }
 
   // Shards: params in order, a new file where the next param would pass the limit.
-  const auto specs = hf_expected_tensors(shape);
+  const auto specs = decoder_params(shape);
   std::vector<std::vector<std::size_t>> shards(1);
   std::vector<std::uint64_t> shard_bytes(1, 0);
   std::uint64_t total = 0;

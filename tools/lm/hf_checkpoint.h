@@ -12,25 +12,15 @@
 #include <string_view>
 #include <vector>
 
-#include "tools/lm/decoder_compute.h"
+#include "tools/lm/decoder.h"
 #include "tools/lm/hf_config.h"
 #include "tools/lm/safetensors.h"
 
 namespace shardswap {
 
-/// A param of the decoder by its Hugging Face name.
-struct HfTensorSpec {
-  std::string name;  ///< "model.layers.3.self_attn.q_proj.weight"
-  std::vector<std::int64_t> shape;
-  lm::dec::ParamId id;
-};
-
-/// The Hugging Face name of a param.
-std::string hf_tensor_name(lm::dec::ParamId id);
-
-/// Every param of `shape`, in declaration order (the order of lm::dec::ParamKind, layer by
-/// layer): the q/k/v biases only with qkv_bias, lm_head.weight only untied.
-std::vector<HfTensorSpec> hf_expected_tensors(const DecoderShape& shape);
+/// A param of the decoder: its Hugging Face name, shape and group (decoder_params(shape) lists
+/// them in declaration order).
+using HfTensorSpec = DecoderParam;
 
 /// Copies `src` into `out` as `dtype` (bf16, fp16 or fp32; `out` holds exactly numel elements),
 /// element by element: bit-exact when the dtypes agree, exact when widening, round to nearest
@@ -47,7 +37,7 @@ class HfCheckpoint {
   /// Reads FOLDER/config.json (read_hf_config, checked at `seq_len`) and maps the weights:
   /// model.safetensors, or model.safetensors.index.json {"weight_map": {name: file}} and the
   /// files it names (plain names in the folder), each file's header agreeing with the index.
-  /// Checks that every tensor of hf_expected_tensors is there with its shape and a stored dtype
+  /// Checks that every tensor of decoder_params is there with its shape and a stored dtype
   /// of BF16, F16 or F32, and that nothing else is (rotary_emb.inv_freq buffers aside; a tied
   /// model's lm_head.weight only as an exact copy of the embedding). Throws ConfigError naming
   /// the folder, the file and the tensor.
@@ -83,7 +73,7 @@ class HfCheckpoint {
 using HfTensorFill = std::function<void(const HfTensorSpec& spec, std::span<std::byte> out)>;
 
 /// Writes `shape`'s model as a Hugging Face folder: config.json (hf_config_to_json), the
-/// params of hf_expected_tensors in `dtype` (bf16, fp16 or fp32), asked of `fill` one at a
+/// params of decoder_params in `dtype` (bf16, fp16 or fp32), asked of `fill` one at a
 /// time, as model.safetensors when their bytes are at most `max_shard_bytes`, else as
 /// model-0000i-of-0000n.safetensors (params in order, a new file where the next would pass the
 /// limit; a larger param alone) with model.safetensors.index.json. `folder` must be absent or
