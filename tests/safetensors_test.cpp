@@ -47,7 +47,7 @@ std::vector<std::byte> read_bytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   std::vector<char> c((std::istreambuf_iterator<char>(in)), {});
   std::vector<std::byte> out(c.size());
-  std::memcpy(out.data(), c.data(), c.size());
+  if (!c.empty()) std::memcpy(out.data(), c.data(), c.size());
   return out;
 }
 
@@ -236,7 +236,8 @@ TEST_CASE("random tensors of every dtype round-trip through the writer and the r
     CHECK(got.dtype == want.dtype);
     CHECK(got.shape == want.shape);
     REQUIRE(got.bytes == want.data.size());
-    CHECK(std::memcmp(got.data, want.data.data(), got.bytes) == 0);
+    // (An empty tensor has no bytes to compare: memcmp must not see an empty vector's null data.)
+    if (got.bytes > 0) CHECK(std::memcmp(got.data, want.data.data(), got.bytes) == 0);
     CHECK(file.find(want.name) == &got);
   }
   CHECK(file.find("absent") == nullptr);

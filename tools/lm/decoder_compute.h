@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "shardswap/dtype.h"
@@ -118,6 +119,10 @@ struct ParamId {
   ParamKind kind;
   int layer = -1;  ///< for the layer params
 };
+
+/// The param's Hugging Face name ("model.layers.3.self_attn.q_proj.weight"), which is also its
+/// name in the engine (tools/lm/decoder_names.cpp).
+std::string param_name(ParamId id);
 
 struct LayerWeights {
   const void* attn_norm = nullptr;

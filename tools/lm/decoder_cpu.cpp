@@ -177,46 +177,6 @@ void validate(const DecoderShape& s, int max_sequences, int seq_len, const char*
                     s.max_positions));
 }
 
-// The Hugging Face name of a param, for messages.
-std::string param_label(ParamId p) {
-  const auto layer = [&](const char* what) {
-    return fmt::format("model.layers.{}.{}", p.layer, what);
-  };
-  switch (p.kind) {
-    case ParamKind::embed:
-      return "model.embed_tokens.weight";
-    case ParamKind::attn_norm:
-      return layer("input_layernorm.weight");
-    case ParamKind::q:
-      return layer("self_attn.q_proj.weight");
-    case ParamKind::q_bias:
-      return layer("self_attn.q_proj.bias");
-    case ParamKind::k:
-      return layer("self_attn.k_proj.weight");
-    case ParamKind::k_bias:
-      return layer("self_attn.k_proj.bias");
-    case ParamKind::v:
-      return layer("self_attn.v_proj.weight");
-    case ParamKind::v_bias:
-      return layer("self_attn.v_proj.bias");
-    case ParamKind::o:
-      return layer("self_attn.o_proj.weight");
-    case ParamKind::mlp_norm:
-      return layer("post_attention_layernorm.weight");
-    case ParamKind::gate:
-      return layer("mlp.gate_proj.weight");
-    case ParamKind::up:
-      return layer("mlp.up_proj.weight");
-    case ParamKind::down:
-      return layer("mlp.down_proj.weight");
-    case ParamKind::final_norm:
-      return "model.norm.weight";
-    case ParamKind::head:
-      return "lm_head.weight";
-  }
-  return "?";
-}
-
 // y = (x / rms(x)) * w per row, keeping 1/rms for backward.
 void rms_norm(const float* x, std::size_t rows, std::size_t d, const float* w, float eps, float* y,
               float* rstd) {
@@ -353,7 +313,7 @@ class CpuCompute final : public Compute {
                                     w.layers.size(), s_.layers));
     const auto need = [&](const void* p, ParamId id) {
       if (p == nullptr)
-        throw ConfigError(fmt::format("{}: weight '{}' is null", fn, param_label(id)));
+        throw ConfigError(fmt::format("{}: weight '{}' is null", fn, param_name(id)));
     };
     need(w.embed, {ParamKind::embed});
     need(w.final_norm, {ParamKind::final_norm});
@@ -385,7 +345,7 @@ class CpuCompute final : public Compute {
         if (s_.qkv_bias) need(p, {kind, l});
         if (!s_.qkv_bias && p != nullptr)
           throw ConfigError(fmt::format("{}: weight '{}' is given but the model has no qkv bias",
-                                        fn, param_label({kind, l})));
+                                        fn, param_name({kind, l})));
       }
     }
     const auto v = static_cast<std::int32_t>(s_.vocab);
@@ -618,7 +578,7 @@ class CpuCompute final : public Compute {
     const GradSlot slot = sink.open(id);
     if (slot.data == nullptr)
       throw ConfigError(
-          fmt::format("decoder CPU train_step: the grad slot of '{}' is null", param_label(id)));
+          fmt::format("decoder CPU train_step: the grad slot of '{}' is null", param_name(id)));
     cpu_device_ops().accumulate(slot.data, slot.dtype, g, DType::f32, count);
     sink.close(id);
   }

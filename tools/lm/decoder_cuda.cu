@@ -666,15 +666,6 @@ void check_launch() {
   SHARDSWAP_CUDA_CHECK(cudaGetLastError());
 }
 
-std::string param_name(ParamId id) {
-  static const char* const names[] = {
-      "embed", "attn_norm", "q",        "q_bias", "k",    "k_bias", "v",   "v_bias",
-      "o",     "mlp_norm",  "gate",     "up",     "down", "final_norm", "head"};
-  std::string name = names[static_cast<int>(id.kind)];
-  if (id.layer >= 0) name = "layers." + std::to_string(id.layer) + "." + name;
-  return name;
-}
-
 // Calls f(G{}) with G the device type of a gradient slot: fp32 or the weights' type T.
 template <class T, class F>
 void with_slot_type(const GradSlot& slot, ParamId id, F&& f) {

@@ -110,7 +110,7 @@ void convert_tensor(const SafetensorsTensor& src, const fs::path& file, DType dt
     throw refuse(fmt::format("{} elements of {} are {} bytes, the destination holds {}", n,
                              dtype_name(dtype), n * dtype_size(dtype), out.size()));
   if (*from == dtype) {
-    std::memcpy(out.data(), src.data, out.size());
+    if (!out.empty()) std::memcpy(out.data(), src.data, out.size());  // an empty one may be null
     return;
   }
   const std::size_t in_width = dtype_size(*from);
@@ -266,7 +266,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len)
       const auto& head = ck.files_[p.file].tensors()[p.tensor];
       const auto& embed = ck.tensor(decoder_param_name({ParamKind::embed}));
       if (head.dtype != embed.dtype || head.shape != embed.shape ||
-          std::memcmp(head.data, embed.data, head.bytes) != 0)
+          (head.bytes > 0 && std::memcmp(head.data, embed.data, head.bytes) != 0))
         throw refuse(
             fmt::format("tensor {} in '{}': config.json ties the head to the "
                         "embedding, but this head is not a copy of it",
