@@ -64,7 +64,7 @@ gpu_train() {  # name, then --set overrides
   grep -E "memory of rank 0 after step 1|cuBLAS|validation loss (before|after step 60)|^done|step time|failed|error" "$OUT/train-$name.log"
 }
 $bin plan --config configs/gpu-300m.json | tee "$OUT/plan-300m.txt" || status=1
-for c in quickstart lisa; do  # the CPU configs on the GPU backend: plan against measured peak
+for c in quickstart byte_lm lisa; do  # the CPU configs on the GPU backend: plan = measured peak
   echo "--- configs/$c.json on cuda"
   $bin train --config configs/$c.json --set shardswap.backend=cuda --set steps=41 \
     --set logging.eval_interval=1000 2>&1 | grep -E "memory of rank 0|^done|error" || status=1
