@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -289,6 +290,11 @@ int plan_command(const std::vector<std::string>& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Every cuBLAS handle ShardSwap makes is given a workspace from the engine's plan
+  // (cublasSetWorkspace); without this cuBLAS would also keep a pool of its own per handle
+  // (64 MiB on an H200, cuBLAS 13), outside the plan (docs/memory.md). Before any thread and
+  // any CUDA call; a value the user set wins.
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0", /*overwrite=*/0);
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     if (args.empty() || args[0] == "--help" || args[0] == "-h") {

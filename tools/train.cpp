@@ -333,6 +333,15 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     }
   }
   std::mutex mu;  // rank 0 writes the outputs; the lock orders them with the summary's readers
+  // Rank 0's GPU as the driver sees it before this run puts anything there (its CUDA context
+  // exists from here on, so the context itself is not counted): after step 1 the bytes the
+  // process gained since are set against the plans of the ranks on that GPU, and the rest is
+  // what NCCL, cuBLAS's own state and the kernels' code keep outside the plan (docs/memory.md).
+  const int rank0_device = config.comm == CommKind::nccl ? 0 : backend.device();
+  const std::int64_t device_free_before =
+      backend.kind() == DeviceKind::cuda
+          ? static_cast<std::int64_t>(cuda_device_memory(rank0_device).free)
+          : 0;
 
   auto per_rank = [&](int rank, Communicator& comm, std::unique_ptr<Allocator> allocator) {
     MemorySpace space(rank, std::move(allocator));
@@ -459,6 +468,14 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       if (evaluating) val = evaluate();
       const double seconds = seconds_since(started);
       const MemoryStats mem = engine.memory_stats();
+      // The plans of every rank on rank 0's GPU (in-process ranks share it; over NCCL a rank
+      // has a GPU of its own): a collective, so every rank computes it, on the same step.
+      std::int64_t plan_on_gpu = 0;
+      if (step == start && space.device() == DeviceKind::cuda)
+        plan_on_gpu = config.comm == CommKind::nccl
+                          ? planned
+                          : static_cast<std::int64_t>(
+                                engine.sum_across_ranks(static_cast<double>(planned)));
       // Rank 0's reports of the step, its metrics line first: a checkpoint of the step is saved
       // only after its line is in the file, so a kill between the two never leaves a resume
       // point the metrics have not reached.
@@ -485,6 +502,19 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
               "memory of rank 0 after step {}: predicted {}, measured peak {} ({:+.3f}%)", step + 1,
               mib(planned), mib(peak), 100.0 * static_cast<double>(peak - planned) / planned));
           space.reset_peaks();  // the next report measures from here
+        }
+        if (step == start && space.device() == DeviceKind::cuda) {
+          const std::int64_t gained =
+              device_free_before -
+              static_cast<std::int64_t>(cuda_device_memory(rank0_device).free);
+          summary.device_outside_plan_bytes = gained - plan_on_gpu;
+          progress->message(fmt::format(
+              "GPU {} after step {}: the process took {} since its CUDA context was made, the "
+              "plan{} is {}: {} outside it (NCCL, cuBLAS's own state, kernel code)",
+              rank0_device, step + 1, mib(gained), world > 1 && config.comm != CommKind::nccl
+                                                      ? " of its " + std::to_string(world) + " ranks"
+                                                      : "",
+              mib(plan_on_gpu), mib(summary.device_outside_plan_bytes)));
         }
         if (evaluating) {
           progress->message(fmt::format("validation loss after step {}: {:.4f}", step + 1, val));

@@ -132,6 +132,9 @@ struct TrainSummary {
   /// With timing, on cuda: cuBLAS's rate for a GEMM of the model's largest shape (micro-batch x
   /// hidden x width), measured in the same run before training.
   double cublas_tflops = 0.0;
+  /// On cuda: the device memory rank 0's GPU lost between the start and step 1
+  /// (cudaMemGetInfo) minus the plans of the ranks on it; 0 on the cpu.
+  std::int64_t device_outside_plan_bytes = 0;
   /// The signal that stopped the run early (TrainOutput::stop_signal), 0 if it ran to the end.
   int stopped_by = 0;
   /// Where the stopped run saved its last step ("" if it ran to the end or has no checkpoint.dir).

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -56,6 +57,9 @@ struct DeviceMemoryListener : ListenerBase {
 CATCH_REGISTER_LISTENER(DeviceMemoryListener)
 
 int main(int argc, char* argv[]) {
+  // As the CLI does (tools/main.cpp): cuBLAS keeps no workspace pool of its own per handle,
+  // the handles use the workspace they are given.
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0", /*overwrite=*/0);
   bool listing = false;
   for (int i = 1; i < argc; ++i) listing = listing || std::string(argv[i]).rfind("--list", 0) == 0;
   if (!listing && shardswap::cuda_device_count() == 0) {
