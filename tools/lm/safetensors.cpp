@@ -1,19 +1,12 @@
 #include "tools/lm/safetensors.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "memory/file_kind.h"
 #include "memory/quoted.h"
 #include "shardswap/error.h"
 
@@ -102,50 +95,14 @@ std::int64_t SafetensorsTensor::numel() const {
   return n;
 }
 
-struct SafetensorsFile::Mapping {
-  void* data = nullptr;
-  std::size_t size = 0;
-  Mapping() = default;
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  ~Mapping() {
-    if (data != nullptr) ::munmap(data, size);
-  }
-};
-
 SafetensorsFile SafetensorsFile::open(const fs::path& path) {
   SafetensorsFile file;
   file.path_ = path;
-  // A FIFO or device is refused from stat() before it is opened (opening one may block or act),
-  // and again once open, in case the path was replaced in between.
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0)
-    refuse(path, errno == ENOENT ? std::string("no such file")
-                                 : fmt::format("cannot be opened: {}", std::strerror(errno)));
-  if (!S_ISREG(st.st_mode))
-    refuse(path, fmt::format("not a regular file ({})", file_kind(st.st_mode)));
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) refuse(path, fmt::format("cannot be opened: {}", std::strerror(errno)));
-  auto mapping = std::make_shared<Mapping>();
-  {
-    struct Closer {
-      int fd;
-      ~Closer() { ::close(fd); }  // the mapping outlives the descriptor
-    } closer{fd};
-    if (::fstat(fd, &st) != 0)
-      refuse(path, fmt::format("cannot be opened: {}", std::strerror(errno)));
-    if (!S_ISREG(st.st_mode))
-      refuse(path, fmt::format("not a regular file ({})", file_kind(st.st_mode)));
-    const auto size = static_cast<std::uint64_t>(st.st_size);
-    if (size < 8) refuse(path, fmt::format("{} bytes: too short for the 8-byte header size", size));
-    void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (p == MAP_FAILED)
-      refuse(path, fmt::format("cannot be mapped ({} bytes): {}", size, std::strerror(errno)));
-    mapping->data = p;
-    mapping->size = size;
-  }
-  const auto* base = static_cast<const std::byte*>(mapping->data);
-  const std::uint64_t size = mapping->size;
+  auto mapping = MappedFile::open(path, fmt::format("safetensors file '{}'", path.string()));
+  if (mapping->size() < 8)
+    refuse(path, fmt::format("{} bytes: too short for the 8-byte header size", mapping->size()));
+  const std::byte* base = mapping->data();
+  const std::uint64_t size = mapping->size();
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(base[i]);
   if (n > kMaxHeaderBytes)

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "shardswap/dtype.h"
+#include "tools/lm/mapped_file.h"
 #include "tools/output_file.h"
 
 namespace shardswap {
@@ -62,10 +63,8 @@ class SafetensorsFile {
   std::uint64_t header_bytes() const { return header_bytes_; }
 
  private:
-  struct Mapping;
-
   std::filesystem::path path_;
-  std::shared_ptr<const Mapping> mapping_;
+  std::shared_ptr<const MappedFile> mapping_;
   std::vector<SafetensorsTensor> tensors_;
   std::map<std::string, std::size_t, std::less<>> index_;
   std::map<std::string, std::string> metadata_;

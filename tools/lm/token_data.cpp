@@ -1,11 +1,8 @@
 #include "tools/lm/token_data.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <glob.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
@@ -15,7 +12,6 @@
 #include <limits>
 #include <string_view>
 
-#include "memory/file_kind.h"
 #include "memory/quoted.h"
 #include "shardswap/error.h"
 #include "tools/output_file.h"
@@ -80,11 +76,6 @@ std::int64_t first_not_below(const std::uint8_t* tokens, std::int64_t count, int
   throw ConfigError(fmt::format("{}: {}", where, why));
 }
 
-void require_regular(const std::string& where, const struct stat& st) {
-  if (!S_ISREG(st.st_mode))
-    refuse(where, fmt::format("not a regular file ({})", file_kind(st.st_mode)));
-}
-
 bool has_glob_characters(const std::string& pattern) {
   return pattern.find_first_of("*?[") != std::string::npos;
 }
@@ -122,59 +113,12 @@ std::string where_of(const std::string& key, const std::string& pattern, const s
 
 }  // namespace
 
-struct TokenFile::Mapping {
-  void* data = nullptr;
-  std::size_t size = 0;
-  Mapping() = default;
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  ~Mapping() {
-    if (data != nullptr) ::munmap(data, size);
-  }
-};
-
-namespace {
-
-// Maps a regular file read-only. A FIFO or device is refused from stat() before it is opened
-// (a FIFO's open blocks until a writer comes, and opening some devices acts), then checked again
-// once open, in case the path was replaced in between.
-template <class Mapping>
-std::shared_ptr<Mapping> map_file(const std::string& path, const std::string& where) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) refuse(where, "no such file");
-    refuse(where, fmt::format("cannot be opened: {}", std::strerror(errno)));
-  }
-  require_regular(where, st);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) refuse(where, fmt::format("cannot be opened: {}", std::strerror(errno)));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }  // the mapping outlives the descriptor
-  } closer{fd};
-  if (::fstat(fd, &st) != 0)
-    refuse(where, fmt::format("cannot be opened: {}", std::strerror(errno)));
-  require_regular(where, st);
-  auto mapping = std::make_shared<Mapping>();
-  mapping->size = static_cast<std::size_t>(st.st_size);
-  if (mapping->size > 0) {
-    void* p = ::mmap(nullptr, mapping->size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (p == MAP_FAILED)
-      refuse(where,
-             fmt::format("cannot be mapped ({} bytes): {}", mapping->size, std::strerror(errno)));
-    mapping->data = p;
-  }
-  return mapping;
-}
-
-}  // namespace
-
 TokenFile TokenFile::open_llmc(const std::string& path, int vocab, const std::string& where_arg) {
   const std::string where = where_arg.empty() ? quote_value(path) : where_arg;
   if (vocab < 1) throw ConfigError(fmt::format("TokenFile::open_llmc: vocab {} < 1", vocab));
-  auto mapping = map_file<Mapping>(path, where);
-  const auto size = static_cast<std::int64_t>(mapping->size);
-  const auto* bytes = static_cast<const std::uint8_t*>(mapping->data);
+  auto mapping = MappedFile::open(path, where);
+  const auto size = static_cast<std::int64_t>(mapping->size());
+  const auto* bytes = reinterpret_cast<const std::uint8_t*>(mapping->data());
   if (size < kTokenFileHeaderBytes)
     refuse(where, fmt::format("not a token file ({} bytes, shorter than the {}-byte header)", size,
                               kTokenFileHeaderBytes));
@@ -196,14 +140,14 @@ TokenFile TokenFile::open_llmc(const std::string& path, int vocab, const std::st
                               expected));
   const std::uint8_t* tokens = bytes + kTokenFileHeaderBytes;
   // Every id is checked here, once, so that a batch never carries one the model cannot embed.
-  ::madvise(mapping->data, mapping->size, MADV_SEQUENTIAL);
+  mapping->advise(MADV_SEQUENTIAL);
   const std::int64_t bad = width == 2 ? first_not_below<std::uint16_t>(tokens, count, vocab)
                                       : first_not_below<std::uint32_t>(tokens, count, vocab);
   if (bad >= 0)
     refuse(where, fmt::format("token {} (at index {}) is not below the vocab size {}",
                               token_at(tokens, width, bad), bad, vocab));
   // Shuffled samples touch pages in no order: read-ahead would fetch pages no sample uses.
-  ::madvise(mapping->data, mapping->size, MADV_RANDOM);
+  mapping->advise(MADV_RANDOM);
   TokenFile f;
   f.path_ = path;
   f.tokens_ = tokens;
@@ -215,12 +159,12 @@ TokenFile TokenFile::open_llmc(const std::string& path, int vocab, const std::st
 
 TokenFile TokenFile::open_bytes(const std::string& path, const std::string& where_arg) {
   const std::string where = where_arg.empty() ? quote_value(path) : where_arg;
-  auto mapping = map_file<Mapping>(path, where);
-  if (mapping->data != nullptr) ::madvise(mapping->data, mapping->size, MADV_RANDOM);
+  auto mapping = MappedFile::open(path, where);
+  mapping->advise(MADV_RANDOM);
   TokenFile f;
   f.path_ = path;
-  f.tokens_ = static_cast<const std::uint8_t*>(mapping->data);
-  f.count_ = static_cast<std::int64_t>(mapping->size);
+  f.tokens_ = reinterpret_cast<const std::uint8_t*>(mapping->data());
+  f.count_ = static_cast<std::int64_t>(mapping->size());
   f.width_ = 1;
   f.file_ = std::move(mapping);
   return f;

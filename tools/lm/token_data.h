@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tools/lm/decoder_compute.h"
+#include "tools/lm/mapped_file.h"
 
 namespace shardswap {
 
@@ -40,9 +41,8 @@ class TokenFile {
   void copy(std::int64_t begin, std::int64_t count, std::int32_t* out) const;
 
  private:
-  struct Mapping;
   std::string path_;
-  std::shared_ptr<const Mapping> file_;
+  std::shared_ptr<const MappedFile> file_;
   const std::uint8_t* tokens_ = nullptr;  // past the header
   std::int64_t count_ = 0;
   int width_ = 1;
