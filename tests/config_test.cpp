@@ -201,7 +201,7 @@ TEST_CASE("a DeepSpeed project's fp16 ZeRO-2 config loads with exactly the expec
 }
 
 TEST_CASE("the example configs load without a single warning", "[config]") {
-  for (const char* name : {"quickstart.json", "lisa.json", "byte_lm.json"}) {
+  for (const char* name : {"quickstart.json", "lisa.json", "soak.json", "gpu-300m.json"}) {
     auto reader = ConfigReader::from_file(std::string(SHARDSWAP_TEST_DIR "/../configs/") + name);
     const auto t = train_config_from_json(reader);
     lr_schedule_from_json(reader, t.engine.optimizer.lr);
@@ -356,7 +356,10 @@ TEST_CASE("settings that would change the update and cannot be honoured are refu
 TEST_CASE("an unknown key in ShardSwap's own sections is an error naming it", "[config]") {
   auto j = nlohmann::json::parse(R"({
     "train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": true},
-    "model": {"width": 64, "widht": 32},
+    "model": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 64, "hiden_size": 32},
+    "data": {"tokenizer": "bytes", "train": "/usr/share/common-licenses/GPL-3", "seq_len": 16},
     "logging": {"intreval": 5},
     "checkpoint": {"tag_validation": "Warn"}
   })");
@@ -368,13 +371,17 @@ TEST_CASE("an unknown key in ShardSwap's own sections is an error naming it", "[
   REQUIRE(msg ==
           "test.json: logging.intreval: not a key of ShardSwap's section logging (did you mean "
           "'logging.interval'?)\n"
-          "test.json: model.widht: not a key of ShardSwap's section model (did you mean "
-          "'model.width'?)");
+          "test.json: model.hiden_size: not a key of ShardSwap's section model (did you mean "
+          "'model.hidden_size'?)");
   REQUIRE(!test::contains(msg, "tag_validation"));  // DeepSpeed's key: warned, not refused
   // A section that is not an object is named too.
-  ConfigReader scalar(nlohmann::json::parse(R"({"bf16": {"enabled": true}, "data": 3})"), "s.json");
+  auto with_scalar = j;
+  with_scalar.erase("checkpoint");
+  with_scalar["model"].erase("hiden_size");
+  with_scalar["logging"] = 3;
+  ConfigReader scalar(with_scalar, "s.json");
   REQUIRE(test::message_of<ConfigError>([&] { train_config_from_json(scalar); }) ==
-          "s.json: data = 3: must be an object {...}");
+          "s.json: logging = 3: must be an object {...}");
 }
 
 TEST_CASE("an unknown key outside ShardSwap's sections is one warning with the likely intended key",

@@ -81,16 +81,18 @@ std::string host_name() {
   return name;
 }
 
-// A small run of the byte LM: two ranks, ZeRO-2 bf16, a few milliseconds a step; seeded at
-// random (the comparisons are between runs of one seed).
+// A small run of the decoder on bytes: two ranks, ZeRO-2 bf16, a few milliseconds a step; seeded
+// at random (the comparisons are between runs of one seed).
 nlohmann::json small_run(std::int64_t steps) {
   auto j = nlohmann::json::parse(R"({
-    "world_size": 2, "train_micro_batch_size_per_gpu": 16,
+    "world_size": 2, "train_micro_batch_size_per_gpu": 4,
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
     "bf16": {"enabled": true}, "gradient_clipping": 1.0,
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 3000},
-    "model": {"type": "byte_lm", "context": 4, "width": 24, "hidden": 48, "depth": 2},
-    "data": {"path": "/usr/share/common-licenses/GPL-3"},
+    "model": {"type": "decoder", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 64, "tie_word_embeddings": true},
+    "data": {"tokenizer": "bytes", "train": "/usr/share/common-licenses/GPL-3", "seq_len": 16},
     "logging": {"interval": 5, "eval_interval": 1000, "eval_batches": 2}
   })");
   j["steps"] = steps;

@@ -54,7 +54,7 @@ if [ -x build/cuda/tools/shardswap_nccl_mpi_check ] && command -v mpirun >/dev/n
   fi
 fi
 
-step "byte LM on the GPU: plan, then configs/gpu-300m.json (LISA, ZeRO-2 bf16)"
+step "a 300M-param byte decoder on the GPU: plan, then configs/gpu-300m.json (LISA, ZeRO-2 bf16)"
 bin=build/cuda/tools/shardswap
 gpu_train() {  # name, then --set overrides
   local name=$1; shift
@@ -64,7 +64,7 @@ gpu_train() {  # name, then --set overrides
   grep -E "memory of rank 0 after step 1|cuBLAS|validation loss (before|after step 60)|^done|step time|failed|error" "$OUT/train-$name.log"
 }
 $bin plan --config configs/gpu-300m.json | tee "$OUT/plan-300m.txt" || status=1
-for c in quickstart byte_lm lisa; do  # the CPU configs on the GPU backend: plan = measured peak
+for c in quickstart lisa; do  # the CPU configs on the GPU backend: plan = measured peak
   echo "--- configs/$c.json on cuda"
   $bin train --config configs/$c.json --set shardswap.backend=cuda --set steps=41 \
     --set logging.eval_interval=1000 2>&1 | grep -E "memory of rank 0|^done|error" || status=1

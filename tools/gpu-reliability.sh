@@ -26,7 +26,7 @@ timeout 240 build/cuda/tests/gpu/shardswap_gpu_tests --durations yes > "$OUT/gpu
 grep -E "FAILED|passed|failed|NOT RETURNED|timed out" "$OUT/gpu-tests.log" | tail -12
 echo "($((SECONDS - t0)) s)"
 
-# Kernels with shared memory (racecheck's domain): optimizer reductions and the byte LM's norm /
+# Kernels with shared memory (racecheck's domain): optimizer reductions and the decoder's norm /
 # softmax kernels. initcheck: the same plus the engine over in-process ranks (its buffers,
 # collectives, switches). NCCL's own kernels are left out (multi-GPU cases excluded).
 # One Catch2 spec each: Catch2 3.4 joins separate spec arguments into one filter (all must

@@ -168,12 +168,8 @@ shardswap::MetricsErrors metrics_errors_from(const std::string& value) {
 std::vector<shardswap::InputFile> train_inputs(const ConfigArgs& args,
                                                const shardswap::TrainConfig& config) {
   std::vector<shardswap::InputFile> inputs = {{"the config file", args.path}};
-  if (config.model_type == shardswap::ModelType::byte_lm) {
-    inputs.push_back({"the data file", config.data_path});
-  } else {
-    for (const auto& file : shardswap::decoder_input_files(config))
-      inputs.push_back({"an input of the run", file});
-  }
+  for (const auto& file : shardswap::decoder_input_files(config))
+    inputs.push_back({"an input of the run", file});
   std::filesystem::path checkpoint = config.checkpoint.load;
   if (config.checkpoint.load == "latest") {
     const auto found = shardswap::latest_checkpoint(config.checkpoint.dir);

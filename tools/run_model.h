@@ -1,7 +1,6 @@
-// What `shardswap train`, `plan` and `eval` run, whatever the model (config key model.type): the
-// model with its data. The training loop (tools/train.cpp) sees only this interface; each model
-// says what its params are, how much working memory it takes, how it draws a rank's micro-batch
-// of a step and a validation batch.
+// What `shardswap train`, `plan` and `eval` run: the model with its data. The training loop
+// (tools/train.cpp) sees only this interface; the model says what its params are, how much working
+// memory it takes, how it draws a rank's micro-batch of a step and a validation batch.
 #pragma once
 
 #include <cstdint>
@@ -52,16 +51,16 @@ class RunModel {
   virtual std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const = 0;
   virtual std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
                                                      MemorySpace& space) const = 0;
-  /// Tokens whose loss one sample carries (the byte LM: 1; the decoder: seq_len).
+  /// Tokens whose loss one sample carries (the decoder: seq_len).
   virtual std::int64_t tokens_per_sample() const = 0;
   /// FLOPs of forward + backward over one micro-batch with every group active.
   virtual double micro_flops(int micro) const = 0;
   /// The GEMM (m, n, k) whose cuBLAS rate is the yardstick of the model's rate.
   virtual std::vector<int> reference_gemm(int micro) const = 0;
-  /// "byte_lm 1234 params, context 8, ..." and "data FILE (...)": the start-up line's parts.
+  /// "decoder llama 1234 params, ..." and "data FILE (...)": the start-up line's parts.
   virtual std::string describe() const = 0;
   virtual std::string describe_data() const = 0;
-  /// "byte_lm" or "decoder": the plan's first line.
+  /// "decoder": the plan's first line.
   virtual std::string type_name() const = 0;
 };
 

@@ -22,8 +22,8 @@
 #include "shardswap/config_json.h"
 #include "shardswap/error.h"
 #include "shardswap/nccl.h"
+#include "tools/lm/cublas_rate.h"
 #include "tools/lm/decoder.h"
-#include "tools/lm/text_data.h"
 #include "tools/run_model.h"
 #include "tools/metrics_log.h"
 #include "tools/progress.h"
@@ -67,29 +67,23 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   t.seed = static_cast<std::uint64_t>(c.integer("seed", 1));
   t.lr = lr_schedule_from_json(c, t.engine.optimizer.lr);
 
-  const auto type = c.string("model.type", "byte_lm");
-  if (type == "decoder") {
-    t.model_type = ModelType::decoder;
-    decoder_config_from_json(c, t);
-  } else if (type == "byte_lm") {
-    t.model.context = static_cast<int>(positive("model.context", t.model.context, 1 << 12));
-    t.model.width = static_cast<int>(positive("model.width", t.model.width, 1 << 16));
-    t.model.hidden = static_cast<int>(positive("model.hidden", t.model.hidden, 1 << 18));
-    t.model.depth = static_cast<int>(positive("model.depth", t.model.depth, 4096));
-    t.data_path = c.string("data.path", t.data_path);
-    t.val_fraction = c.number("data.val_fraction", t.val_fraction);
-    // Checks the file now (a regular file, readable, long enough for both splits), before
-    // anything is written or allocated; train() maps it again (a map is cheap: nothing is read
-    // up front).
-    try {
-      ByteCorpus(t.data_path, t.model.context, t.val_fraction, t.seed);
-    } catch (const ConfigError& e) {
-      c.rethrow_naming_file(e);  // "data.path = ...: what": add the file
-    }
-  } else {
-    c.fail("model.type", quote_value(type),
-           "expected \"decoder\" (Llama / Qwen2 / Mistral) or \"byte_lm\"");
-  }
+  // One built-in model family: model.type may be left out. The byte-level MLP LM it once chose
+  // between was removed; its configs are refused rather than read as a decoder's with the
+  // LM's keys ignored.
+  const auto type = c.string("model.type", "decoder");
+  if (type == "byte_lm")
+    c.fail("model.type", "\"byte_lm\"",
+           "the byte-level MLP LM was removed: use model.type \"decoder\" with data.tokenizer "
+           "\"bytes\" (configs/quickstart.json)");
+  if (type != "decoder")
+    c.fail("model.type", quote_value(type), "expected \"decoder\" (Llama / Qwen2 / Mistral)");
+  for (const char* key : {"model.context", "model.width", "model.hidden", "model.depth", "data.path"})
+    if (c.has(key))
+      c.fail("model.type", fmt::format("{} is a key of the byte-level MLP LM, which was removed: "
+                                       "use the decoder's (docs/config.md) with data.tokenizer "
+                                       "\"bytes\" (configs/quickstart.json)",
+                                       key));
+  decoder_config_from_json(c, t);
 
   t.log_interval = static_cast<int>(positive("logging.interval", 10, 1 << 30));
   t.eval_interval = static_cast<int>(positive("logging.eval_interval", 100, 1 << 30));
@@ -135,13 +129,11 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   }
 
   t.switching = layer_switching_from_json(c);
-  const auto groups =
-      t.model_type == ModelType::decoder ? decoder_groups(t.decoder.shape) : byte_lm_groups(t.model);
+  const auto groups = decoder_groups(t.decoder.shape);
   // The decoder's LISA and BAdam switch its layers: absent lists mean every "layers.N" group
   // and, for LISA, the embedding and head always active (the LISA paper's choice; BAdam's is
-  // none). The byte LM's configs list both.
+  // none).
   const bool switches_layers =
-      t.model_type == ModelType::decoder &&
       (t.switching.type == SwitchingType::lisa || t.switching.type == SwitchingType::badam);
   if (switches_layers && !c.has("layer_switching.layers"))
     for (const auto& g : groups)
@@ -572,8 +564,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
         SaveOptions options;
         options.extra = {{"step", step + 1}, {"updates", updates}, {"seed", config.seed}};
         // What `ckpt export --format hf` writes as the folder's config.json.
-        if (config.model_type == ModelType::decoder)
-          options.extra["hf_config"] = config.decoder.hf_config;
+        options.extra["hf_config"] = config.decoder.hf_config;
         options.config = config.source;
         options.run_id = run_id;
         options.parent = parent;

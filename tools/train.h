@@ -1,6 +1,6 @@
-// `shardswap train`: a JSON-configured run of the built-in byte-level language model
-// (tools/lm/byte_lm.h) over a text file, with world_size ranks: threads over in-process
-// collectives (cpu, or all on one GPU), or one GPU per rank over NCCL.
+// `shardswap train`: a JSON-configured run of the built-in decoder (tools/lm/decoder.h) over token
+// files or a file's bytes, with world_size ranks: threads over in-process collectives (cpu, or all
+// on one GPU), or one GPU per rank over NCCL.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -20,7 +20,6 @@
 #include "shardswap/engine_config.h"
 #include "shardswap/schedule.h"
 #include "shardswap/lr_schedule.h"
-#include "tools/lm/byte_lm.h"
 #include "tools/lm/decoder_compute.h"
 #include "tools/run_model.h"
 
@@ -41,13 +40,7 @@ struct CheckpointConfig {
   std::string load;
 };
 
-/// Config key model.type.
-enum class ModelType {
-  byte_lm,  ///< the byte-level MLP LM over a text file (model.context, width, hidden, depth)
-  decoder,  ///< a Llama / Qwen2 / Mistral decoder (docs/models.md) over token files
-};
-
-/// The decoder's part of the config (model.type = "decoder").
+/// The decoder's part of the config (model.type = "decoder", the one model.type there is).
 struct DecoderRunConfig {
   DecoderShape shape;     ///< from model.path's config.json, or the model.* fields
   std::string path;       ///< model.path: a Hugging Face model folder to start from ("": scratch)
@@ -71,13 +64,10 @@ struct TrainConfig {
   EngineConfig engine;
   BatchSizes batches;
   LrSchedule lr;
-  ModelType model_type = ModelType::byte_lm;
-  ByteLmShape model;  ///< model.type = "byte_lm"
-  DecoderRunConfig decoder;  ///< model.type = "decoder"
+  DecoderRunConfig decoder;  ///< model.*, data.*
   int world_size = 1;
   std::int64_t steps = 100;
   std::uint64_t seed = 1;
-  std::string data_path = "/usr/share/common-licenses/GPL-3";
   double val_fraction = 0.1;
   int log_interval = 10;
   int eval_interval = 100;  ///< validation every this many steps (and before the first, after the last)
@@ -122,7 +112,7 @@ struct TrainSummary {
   std::int64_t steps = 0;
   std::int64_t skipped = 0;
   std::int64_t switches = 0;  ///< layer switches made
-  double tokens_per_s = 0.0;  ///< predicted bytes per second over all ranks, steps 2..N
+  double tokens_per_s = 0.0;  ///< tokens per second over all ranks, steps 2..N
   std::int64_t predicted_bytes = 0;  ///< rank 0's plan (engine + activations), step 0's set
   std::int64_t peak_bytes = 0;       ///< rank 0's largest requested bytes over the run
   /// With timing: the share of step time spent in engine.step() (reduction, optimizer,

@@ -5,7 +5,7 @@
 # Usage: bad_input.sh SHARDSWAP CONFIGS_DIR
 set -u
 bin=$1
-config=$2/byte_lm.json
+config=$2/tiny_decoder.json
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failures=0
@@ -46,14 +46,14 @@ expect "wrong type" "shardswap: $config: optimizer.params.lr = \"fast\": must be
   --config "$config" --set 'optimizer.params.lr="fast"'
 expect "negative size" "shardswap: $config: train_micro_batch_size_per_gpu = -4: must be >= 1" \
   --config "$config" --set train_micro_batch_size_per_gpu=-4
-expect "zero size" "shardswap: $config: model.width = 0: must lie in [1, " --config "$config" \
-  --set model.width=0
+expect "zero size" "shardswap: $config: model.hidden_size = 0: must be in [1, " --config "$config" \
+  --set model.hidden_size=0
 expect "negative bucket" \
   "shardswap: $config: zero_optimization.reduce_bucket_size = -1 elements: must be >= 1" \
   --config "$config" --set zero_optimization.reduce_bucket_size=-1
 expect "missing data file" \
-  "shardswap: $config: data.path = \"/nonexistent/corpus.txt\": no such file" \
-  --config "$config" --set data.path=/nonexistent/corpus.txt
+  "shardswap: $config: data.train = \"/nonexistent/corpus.txt\": no such file" \
+  --config "$config" --set data.train=/nonexistent/corpus.txt
 expect "ZeRO stage 3" "shardswap: $config: zero_optimization.stage = 3: ZeRO-3" \
   --config "$config" --set zero_optimization.stage=3
 expect "batch sizes that do not multiply out" "shardswap: $config: train_batch_size = 1000: " \
@@ -67,8 +67,15 @@ expect "unknown schedule type" \
   --config "$config" --set layer_switching.type=galore
 expect "negative checkpoint interval" "shardswap: $config: checkpoint.every = -1: must be >= 0" \
   --config "$config" --set checkpoint.every=-1
-expect "unknown key in model" "shardswap: $config: model.widht: not a key of ShardSwap's section" \
-  --config "$config" --set model.widht=3
+expect "unknown key in model" \
+  "shardswap: $config: model.hiden_size: not a key of ShardSwap's section model (did you mean 'model.hidden_size'?)" \
+  --config "$config" --set model.hiden_size=3
+expect "the removed byte LM's model.type" \
+  "shardswap: $config: model.type = \"byte_lm\": the byte-level MLP LM was removed" \
+  --config "$config" --set model.type=byte_lm
+expect "a key of the removed byte LM" \
+  "shardswap: $config: model.type: model.width is a key of the byte-level MLP LM, which was removed" \
+  --config "$config" --set model.width=128
 expect "unknown key in logging" \
   "shardswap: $config: logging.intervall: not a key of ShardSwap's section logging (did you mean" \
   --config "$config" --set logging.intervall=3
@@ -86,8 +93,8 @@ expect "a FIFO as the config" "shardswap: $work/fifo.json: not a regular file (a
 expect "a folder as the config" "shardswap: $work: not a regular file (a directory)" \
   --config "$work"
 expect "a FIFO as the data file" \
-  "shardswap: $config: data.path = \"$work/fifo.json\": not a regular file (a FIFO)" \
-  --config "$config" --set "data.path=$work/fifo.json"
+  "shardswap: $config: data.train = \"$work/fifo.json\": not a regular file (a FIFO)" \
+  --config "$config" --set "data.train=$work/fifo.json"
 # 300 levels of objects under a key ShardSwap only warns about, and 300 of lists in a --set value.
 awk 'BEGIN { printf "{\"steps\": 3, \"tensorboard\": "; for (i = 0; i < 300; i++) printf "{\"a\": ";
              printf "1"; for (i = 0; i <= 300; i++) printf "}" }' > "$work/deep.json"
@@ -102,8 +109,12 @@ expect "the key path of a --set value nested too deep" \
   --config "$config" --set "tensorboard=$deep_list"
 
 cases=$((cases + 1))
-out=$("$bin" plan --config "$config" --set model.depth=-1 2>&1)
-if [ $? -ne 2 ]; then echo "FAIL plan: bad depth did not exit 2: $out"; failures=$((failures + 1)); fi
+out=$("$bin" plan --config "$config" --set model.num_hidden_layers=-1 2>&1)
+if [ $? -ne 2 ]; then echo "FAIL plan: bad num_hidden_layers did not exit 2: $out"; failures=$((failures + 1)); fi
+case "$out" in
+  *"model.num_hidden_layers = -1"*) ;;
+  *) echo "FAIL plan: the message does not name model.num_hidden_layers: $out"; failures=$((failures + 1)) ;;
+esac
 
 echo "$cases cases, $failures failed"
 [ "$failures" -eq 0 ]

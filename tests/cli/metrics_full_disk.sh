@@ -11,7 +11,7 @@ trap 'rm -rf "$work"' EXIT
 trap '' XFSZ  # inherited by the runs below: a write past the limit fails instead of killing
 failures=0
 steps=30
-small="--set world_size=2 --set model.width=16 --set model.hidden=32 --set model.depth=2"
+small="--set world_size=2"
 small="$small --set train_micro_batch_size_per_gpu=4 --set logging.eval_batches=2"
 
 # run METRICS [more args]: the train under a limit of 8 blocks (4 or 8 KiB, as the shell counts

@@ -12,7 +12,7 @@ bin=$1 config=$2 steps=$3
 half=$((steps / 2))
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-small="--set world_size=2 --set model.width=16 --set model.hidden=32 --set model.depth=2"
+small="--set world_size=2"
 small="$small --set train_micro_batch_size_per_gpu=4 --set logging.eval_batches=2"
 run() {  # NAME METRICS STEPS [more --set]
   name=$1 metrics=$2 n=$3

@@ -6,7 +6,7 @@
 set -u
 export LC_ALL=C  # the paths are bytes: grep and sed must not read them as UTF-8
 bin=$1
-config=$2/byte_lm.json
+config=$2/tiny_decoder.json
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL $*"; exit 1; }
@@ -14,8 +14,7 @@ odd=$(printf 'ck_\351\377')  # Latin-1 e-acute and a byte no UTF-8 text holds
 run() {  # world dir steps [more --set]
   w=$1 dir=$2 n=$3
   shift 3
-  "$bin" train --config "$config" --set world_size="$w" --set model.width=32 --set model.hidden=64 \
-    --set model.depth=2 --set train_micro_batch_size_per_gpu=16 --set steps="$n" \
+  "$bin" train --config "$config" --set world_size="$w" --set steps="$n" \
     --set checkpoint.dir="$dir" --set checkpoint.every=3 --metrics "$dir.jsonl" "$@"
 }
 for w in 1 2; do

@@ -6,11 +6,11 @@
 # Usage: output_targets.sh SHARDSWAP CONFIGS_DIR
 set -u
 bin=$1
-config=$2/byte_lm.json
+config=$2/tiny_decoder.json
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failures=0
-small="--set world_size=2 --set model.width=16 --set model.hidden=32 --set model.depth=2"
+small="--set world_size=2"
 small="$small --set train_micro_batch_size_per_gpu=4 --set logging.eval_batches=2"
 
 # A checkpoint to export from, and things to point the outputs at.
@@ -85,8 +85,8 @@ refused "train --metrics onto the config file" \
   "--metrics '$work/run.json': the same file as the config file '$work/run.json'" \
   train_into "$work/run.json"
 refused "train --metrics onto the data file" \
-  "--metrics '$work/corpus.txt': the same file as the data file '$work/corpus.txt'" \
-  train_into "$work/corpus.txt" --set data.path="$work/corpus.txt"
+  "--metrics '$work/corpus.txt': the same file as an input of the run '$work/corpus.txt'" \
+  train_into "$work/corpus.txt" --set data.train="$work/corpus.txt"
 refused "train --metrics onto a symbolic link" "--metrics '$work/link': a symbolic link" \
   train_into "$work/link"
 refused "train --metrics onto a FIFO" "--metrics '$work/fifo': a FIFO" train_into "$work/fifo"

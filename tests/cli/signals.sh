@@ -6,7 +6,7 @@
 # Usage: signals.sh SHARDSWAP CONFIGS_DIR
 set -u
 bin=$1
-config=$2/byte_lm.json
+config=$2/tiny_decoder.json
 work=$(mktemp -d)
 pid=
 trap '[ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null; rm -rf "$work"' EXIT
@@ -15,8 +15,7 @@ fail() { echo "FAIL $*"; exit 1; }
 # terminal's foreground job has it. It execs (so that $! is the run's pid): call it in a subshell.
 small() {
   exec env --default-signal=INT,HUP "$bin" train --config "$config" --set world_size=2 \
-    --set model.width=32 --set model.hidden=64 --set model.depth=2 \
-    --set train_micro_batch_size_per_gpu=16 --set logging.eval_interval=100000 "$@"
+    --set logging.eval_interval=100000 "$@"
 }
 # start NAME ARGS...: runs in the background until it has made 3 steps
 start() {
@@ -92,7 +91,7 @@ done
 
 # A second signal does not wait for the step: the process dies of it, no stop line, no save.
 start twice --set steps=$steps --set checkpoint.dir="$work/ck2" --set checkpoint.every=1000 \
-  --set model.width=256 --set model.hidden=1024
+  --set model.hidden_size=256 --set model.intermediate_size=1024
 kill -TERM "$pid"
 kill -INT "$pid"
 finish

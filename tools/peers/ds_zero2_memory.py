@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Workload b: DeepSpeed ZeRO-2 memory per rank for a >= 1B-param bf16 stack, world size 1 over NCCL.
 
-The model has the shape of ShardSwap's byte_lm (peerlib.ByteLmLike: embed, `depth` blocks of
-LayerNorm + Linear(d, h) + GELU + Linear(h, d), final norm, head), so `shardswap plan/train` with the
-same model.* keys holds exactly the same params. DeepSpeed gets the settings of configs/gpu-300m.json:
+The model has the shape of ShardSwap's byte decoder (peerlib.DecoderLike: transformers'
+LlamaForCausalLM, vocabulary 256, tied head), so `shardswap plan/train` with the same model.* keys
+holds exactly the same params. DeepSpeed gets the settings of configs/gpu-300m.json:
 bf16, ZeRO stage 2, reduce_bucket_size 5e7, overlap_comm, contiguous gradients, AdamW, clipping 1.0.
 Launch with torchrun (one process per GPU; the brief's case is --nproc_per_node 1):
 
-    torchrun --nproc_per_node 1 tools/peers/ds_zero2_memory.py [--width 4096 --hidden 16384
-        --depth 8 --context 16] [--micro-batch 64] [--steps 10] [--jsonl FILE]
+    torchrun --nproc_per_node 1 tools/peers/ds_zero2_memory.py [--hidden-size 2048
+        --intermediate-size 8192 --num-hidden-layers 18 --num-attention-heads 16
+        --num-key-value-heads 8] [--seq-len 128] [--micro-batch 8] [--steps 10] [--jsonl FILE]
 
 Reports torch.cuda memory of rank 0: allocated after the model is on the GPU, after
 deepspeed.initialize, peak during initialize, peak during the steps and steady allocated after the
@@ -50,26 +51,25 @@ def ds_config(args, torch_adam):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", type=int, default=16)
-    ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=16384)
-    ap.add_argument("--depth", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=64)
+    peerlib.DecoderLike.add_args(ap, peerlib.DecoderLike.MEMORY_SHAPE)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--min-params", type=float, default=1e9,
                     help="refuse a model smaller than this (the brief asks for >= 1B)")
     ap.add_argument("--jsonl", help="also append the JSON lines to this file")
     args = ap.parse_args()
-    for k in ("context", "width", "hidden", "depth", "micro_batch", "steps"):
+    for k in peerlib.DecoderLike.KEYS + ("seq_len", "micro_batch", "steps"):
         if getattr(args, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
-    params = peerlib.ByteLmLike.param_count(args.context, args.width, args.hidden, args.depth)
+    shape = [getattr(args, k) for k in peerlib.DecoderLike.KEYS]
+    params = peerlib.DecoderLike.param_count(*shape)
     if params < args.min_params:
         ap.error(f"the model has {params} params, under --min-params {args.min_params:.0f}")
 
     base = {"workload": "zero2_memory", "system": "deepspeed", "script": SCRIPT, "params": params,
-            "model": {"context": args.context, "width": args.width, "hidden": args.hidden,
-                      "depth": args.depth}, "micro_batch": args.micro_batch}
+            "model": dict(zip(peerlib.DecoderLike.KEYS, shape)), "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch}
     torch = peerlib.need_cuda(SCRIPT)
     try:
         import deepspeed
@@ -79,8 +79,8 @@ def main():
     base.update(world_size=world, deepspeed=deepspeed.__version__, torch=torch.__version__)
 
     error = fused_adam_error()
-    model = peerlib.ByteLmLike.build(torch, args.context, args.width, args.hidden, args.depth,
-                                     torch.bfloat16, f"cuda:{local}")
+    model = peerlib.DecoderLike.build(torch, *shape, args.seq_len, torch.bfloat16,
+                                      f"cuda:{local}")
     counted = sum(p.numel() for p in model.parameters())
     if counted != params:
         peerlib.fail(SCRIPT, f"model holds {counted} params, formula says {params}", base,
@@ -105,11 +105,10 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(1 + rank)
     allocated, losses, step_ms = [], [], []
     for _ in range(args.steps):
-        tokens = torch.randint(0, 256, (args.micro_batch, args.context), device="cuda",
+        tokens = torch.randint(0, 256, (args.micro_batch, args.seq_len), device="cuda",
                                generator=gen)
         started = time.perf_counter()
-        logits = engine(tokens)
-        loss = torch.nn.functional.cross_entropy(logits.float(), tokens[:, -1])
+        loss = engine(input_ids=tokens, labels=tokens).loss  # mean next-token cross-entropy
         engine.backward(loss)
         engine.step()
         torch.cuda.synchronize()

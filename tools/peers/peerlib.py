@@ -107,47 +107,38 @@ def init_nccl(torch, script):
     return dist, rank, world, local
 
 
-class ByteLmLike:
-    """The shape of ShardSwap's byte_lm (tools/lm/byte_lm.cpp param_decls): embed [context*256, d];
-    per block LayerNorm(d), Linear(d, h), GELU, Linear(h, d), residual; final LayerNorm(d); head
-    [256, d] without bias. Same param count, so ShardSwap's plan/train and the peers hold the
-    same params."""
+class DecoderLike:
+    """The shape of ShardSwap's byte decoder (tools/lm/decoder.h; Llama, vocabulary 256, tied head,
+    as configs/gpu-300m.json): transformers' LlamaForCausalLM of the same config.json fields, so
+    that ShardSwap's plan/train with the same model.* keys and the peers hold the same params."""
+
+    # The model.* keys (config.json fields) a shape sets, in the order of param_count's arguments.
+    KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")
+
+    # Workload b's model on both sides: 1,133,062,144 params (>= 1B, as the brief asks).
+    MEMORY_SHAPE = (2048, 8192, 18, 16, 8)
 
     @staticmethod
-    def param_count(context, width, hidden, depth):
-        d, h = width, hidden
-        return context * 256 * d + depth * (2 * d + h * d + h + d * h + d) + 2 * d + 256 * d
+    def add_args(ap, shape):
+        """--hidden-size ... --num-key-value-heads, defaulting to `shape`."""
+        for key, value in zip(DecoderLike.KEYS, shape):
+            ap.add_argument("--" + key.replace("_", "-"), type=int, default=value)
 
     @staticmethod
-    def build(torch, context, width, hidden, depth, dtype, device):
-        nn = torch.nn
+    def param_count(hidden, intermediate, layers, heads, kv_heads):
+        hd = hidden // heads
+        per_layer = (2 * hidden * heads * hd + 2 * hidden * kv_heads * hd  # q, o; k, v
+                     + 3 * hidden * intermediate + 2 * hidden)  # gate, up, down; two RMSNorms
+        return 256 * hidden + layers * per_layer + hidden  # tied embedding, final norm
 
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.norm = nn.LayerNorm(width)
-                self.fc1 = nn.Linear(width, hidden)
-                self.fc2 = nn.Linear(hidden, width)
-
-            def forward(self, x):
-                return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)),
-                                                             approximate="tanh"))
-
-        class Model(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embed = nn.Embedding(context * 256, width)
-                self.layers = nn.ModuleList(Block() for _ in range(depth))
-                self.final_norm = nn.LayerNorm(width)
-                self.head = nn.Linear(width, 256, bias=False)
-                self.register_buffer("offsets", torch.arange(context) * 256, persistent=False)
-
-            def forward(self, tokens):  # tokens [batch, context] of bytes
-                x = self.embed(tokens + self.offsets).sum(dim=1)
-                for block in self.layers:
-                    x = block(x)
-                return self.head(self.final_norm(x))
-
+    @staticmethod
+    def build(torch, hidden, intermediate, layers, heads, kv_heads, max_positions, dtype, device):
+        import transformers
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=hidden, intermediate_size=intermediate,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions, tie_word_embeddings=True)
         with torch.device(device):
-            model = Model()
+            model = transformers.LlamaForCausalLM(config)
         return model.to(dtype)

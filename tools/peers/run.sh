@@ -96,7 +96,7 @@ with open('$results', 'a') as f:
   run 180 deepspeed-fused-adam python3 $P/ds_adam.py $J --sizes 64M,256M
 fi
 if want b; then
-  step "b. ZeRO-2 memory, >= 1B params (byte_lm shape 16/4096/16384/8), world size 1 over NCCL"
+  step "b. ZeRO-2 memory, >= 1B params (byte decoder 2048/8192, 18 layers), world size 1 over NCCL"
   run 180 deepspeed-zero2-memory torchrun --standalone --nproc_per_node 1 $P/ds_zero2_memory.py $J
   run 180 shardswap-zero2-memory python3 $P/shardswap_side.py $J memory
 fi

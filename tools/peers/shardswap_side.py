@@ -2,7 +2,9 @@
 """The ShardSwap rows of the peer comparison, through the `shardswap` CLI (no C++ added).
 
     python3 tools/peers/shardswap_side.py optimizer --sizes 64M,256M
-    python3 tools/peers/shardswap_side.py memory    [--width 4096 --hidden 16384 --depth 8 --context 16]
+    python3 tools/peers/shardswap_side.py memory    [--hidden-size 2048 --intermediate-size 8192
+                                                     --num-hidden-layers 18 --num-attention-heads 16
+                                                     --num-key-value-heads 8 --seq-len 128]
     python3 tools/peers/shardswap_side.py compress  --shape linear|stack --comm fp16|fp32 [--world N]
     python3 tools/peers/shardswap_side.py switch    [--layers 32 --dim 4096 --switches 100]
 
@@ -10,8 +12,8 @@ Each runs build/cuda/tools/shardswap (or --bin), parses what it writes (its --js
 and plan's text) and prints JSON lines like the peer scripts. A non-zero exit of the CLI fails the
 row loudly with its last output lines.
 
-memory and compress use configs/gpu-300m.json with --set overrides: the model keys make the byte_lm
-hold exactly the params of ds_zero2_memory.py's model; layer switching off, so every group is
+memory and compress use configs/gpu-300m.json (a byte decoder) with --set overrides: the model keys
+make the decoder hold exactly the params of ds_zero2_memory.py's model (peerlib.DecoderLike); layer switching off, so every group is
 active as in the peers. Memory figures are the engine's own accounting (requested bytes by tag,
 rank 0, metrics' memory_bytes: current `total` after the last step and `peak` over the steps) and
 the plan's `total` row, not cudaMalloc totals: cuBLAS workspace and CUDA context are outside both
@@ -45,11 +47,14 @@ def run_cli(args, cmd, record):
     return text
 
 
-def model_sets(context, width, hidden, depth):
-    return ["--set", f"model.context={context}", "--set", f"model.width={width}",
-            "--set", f"model.hidden={hidden}", "--set", f"model.depth={depth}",
-            "--set", "layer_switching.type=none", "--set", "logging.eval_interval=1000000",
-            "--set", "logging.timing=false"]
+def model_sets(shape, seq_len):
+    sets = []
+    for key, value in zip(peerlib.DecoderLike.KEYS, shape):
+        sets += ["--set", f"model.{key}={value}"]
+    return sets + ["--set", f"data.seq_len={seq_len}",
+                   "--set", f"model.max_position_embeddings={max(seq_len, 1024)}",
+                   "--set", "layer_switching.type=none", "--set", "logging.eval_interval=1000000",
+                   "--set", "logging.timing=false"]
 
 
 def last_metrics(path):
@@ -81,16 +86,17 @@ def cmd_optimizer(args):
 
 
 def cmd_memory(args):
-    params = peerlib.ByteLmLike.param_count(args.context, args.width, args.hidden, args.depth)
+    shape = [getattr(args, k) for k in peerlib.DecoderLike.KEYS]
+    params = peerlib.DecoderLike.param_count(*shape)
     base = {"workload": "zero2_memory", "system": "shardswap", "script": SCRIPT, "params": params,
-            "model": {"context": args.context, "width": args.width, "hidden": args.hidden,
-                      "depth": args.depth}, "micro_batch": args.micro_batch, "world_size": 1}
-    sets = model_sets(args.context, args.width, args.hidden, args.depth) + [
+            "model": dict(zip(peerlib.DecoderLike.KEYS, shape)), "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch, "world_size": 1}
+    sets = model_sets(shape, args.seq_len) + [
         "--set", "world_size=1", "--set", "shardswap.communicator=nccl",
         "--set", f"train_micro_batch_size_per_gpu={args.micro_batch}",
         "--set", f"steps={args.steps}"]
     plan = run_cli(args, ["plan", "--config", CONFIG] + sets, base)
-    m = re.search(r"plan: byte_lm, (\d+) params", plan)
+    m = re.search(r"plan: decoder, (\d+) params", plan)
     total = re.search(r"^total\s+(\d+)", plan, re.M)
     if not m or not total:
         peerlib.fail(SCRIPT, "plan output not understood:\n" + plan[-1500:], base, args.jsonl)
@@ -114,17 +120,19 @@ def cmd_memory(args):
 
 
 def cmd_compress(args):
-    shape = {"linear": (8, 512, 4096, 1), "stack": (16, 4096, 16384, 8)}[args.shape]
-    params = peerlib.ByteLmLike.param_count(*shape)
+    # The decoders nearest the peers' models: one layer with 512 x 4096 MLP matrices, and 1.07B
+    # params in 4 layers of 4096 x 16384 ones.
+    shape = {"linear": (512, 4096, 1, 4, 4), "stack": (4096, 16384, 4, 32, 32)}[args.shape]
+    params = peerlib.DecoderLike.param_count(*shape)
     base = {"workload": "compress_peak", "system": "shardswap", "script": SCRIPT,
             "model": args.shape, "hook": args.comm, "params": params, "world_size": args.world,
-            "dtype": "bf16 params, fp32 grads", "byte_lm": dict(zip(
-                ("context", "width", "hidden", "depth"), shape))}
-    sets = model_sets(*shape) + [
+            "dtype": "bf16 params, fp32 grads",
+            "decoder": dict(zip(peerlib.DecoderLike.KEYS, shape)), "seq_len": 64}
+    sets = model_sets(shape, 64) + [
         "--set", f"world_size={args.world}", "--set", "shardswap.communicator=nccl",
         "--set", "data_types.grad_accum_dtype=fp32",
         "--set", f"communication_data_type={args.comm}",
-        "--set", "train_micro_batch_size_per_gpu=64", "--set", "steps=5"]
+        "--set", "train_micro_batch_size_per_gpu=16", "--set", "steps=5"]
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         run_cli(args, ["train", "--config", CONFIG, "--metrics", metrics] + sets, base)
@@ -178,11 +186,9 @@ def main():
     p.add_argument("--backend", default="cuda", help="cpu: this folder's CPU-only check")
     p.add_argument("--iters", type=int, default=20)
     p = sub.add_parser("memory")
-    p.add_argument("--context", type=int, default=16)
-    p.add_argument("--width", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=16384)
-    p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, default=64)
+    peerlib.DecoderLike.add_args(p, peerlib.DecoderLike.MEMORY_SHAPE)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p = sub.add_parser("compress")
     p.add_argument("--shape", choices=("linear", "stack"), required=True)

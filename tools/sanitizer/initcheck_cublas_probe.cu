@@ -1,7 +1,7 @@
 // Does compute-sanitizer's initcheck see what a cuBLAS GEMM writes? (docs/reliability.md:
-// initcheck reports the byte LM's reads of GEMM outputs as uninitialized, while the results
-// equal the float64 reference.) C = A x B with beta = 0 through cublasGemmEx (bf16 in, fp32
-// out, the byte LM's call), then a kernel reads every element of C, and the host checks C
+// initcheck reported the reads of GEMM outputs by the byte LM, the model of that time, as
+// uninitialized, while the results equaled the float64 reference.) C = A x B with beta = 0
+// through cublasGemmEx (bf16 in, fp32 out, as that model called it), then a kernel reads every element of C, and the host checks C
 // against a float64 product. Run under initcheck: reports here, with a correct C, mean the
 // tool does not see the GEMM's stores.
 //   nvcc -std=c++17 -arch=sm_90 tools/sanitizer/initcheck_cublas_probe.cu -lcublas -o probe
