@@ -259,7 +259,8 @@ Desc forward_graph(cudnnHandle_t handle, const AttentionShape& s) {
   auto log_sum = g.virt(f32, z.rows(), z.rows_strides());
   g.pointwise(CUDNN_POINTWISE_LOG, sum, nullptr, log_sum);
   g.pointwise(CUDNN_POINTWISE_ADD, m, log_sum, lse);
-  auto p = g.virt(f32, sd, ss);
+  // Both operands of a fused matmul have one type: the probabilities are rounded to q's.
+  auto p = g.virt(io, sd, ss);
   g.pointwise(CUDNN_POINTWISE_DIV, e, sum, p);
   g.matmul(p, v, o);
   return g.finish(handle);
@@ -319,7 +320,7 @@ Desc backward_graph(cudnnHandle_t handle, const AttentionShape& s) {
   g.pointwise(CUDNN_POINTWISE_SUB, dp, delta, dp1);
   auto ds0 = g.virt(f32, sd, ss);
   g.pointwise(CUDNN_POINTWISE_MUL, dp1, p, ds0);
-  auto ds = g.virt(f32, sd, ss);
+  auto ds = g.virt(io, sd, ss);  // an operand of dS k below: q's type
   g.pointwise(CUDNN_POINTWISE_MUL, ds0, scale, ds);
   // dK = dS^T q
   auto dst = g.virt(io, sd, st);
@@ -331,7 +332,7 @@ Desc backward_graph(cudnnHandle_t handle, const AttentionShape& s) {
   } else {
     g.matmul(dst, q, dk);
   }
-  // dQ = dS k, accumulated in fp32 (dq32), then rounded into dq.
+  // dQ = dS k, accumulated in fp32 (dq32, cuDNN's scratch), then rounded into dq.
   auto k = g.virt(io, z.kv_dims(), z.kv_strides(z.kv_ld));
   g.reshape(kt, k);
   g.matmul(ds, k, dq32);
@@ -344,18 +345,41 @@ struct Plan {
   std::size_t workspace = 0;
 };
 
-// The first of heuristic A's engine configurations that finalizes. Throws ConfigError listing
-// what each configuration answered when none does.
-Plan build_plan(cudnnHandle_t handle, const Desc& graph, const std::string& what) {
+// A plan from an engine configuration, or the reason cuDNN refused it (appended to `why`).
+bool try_config(cudnnHandle_t handle, cudnnBackendDescriptor_t config, const std::string& name,
+                Plan& out, std::string& why) {
+  Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+  plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, handle);
+  plan.desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, config);
+  const cudnnStatus_t status = cudnnBackendFinalize(plan.get());
+  if (status != CUDNN_STATUS_SUCCESS) {
+    why += "; " + name + ": " + status_text(status);
+    return false;
+  }
+  std::int64_t bytes = 0, n = 0;
+  check(cudnnBackendGetAttribute(plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                 CUDNN_TYPE_INT64, 1, &n, &bytes),
+        "execution plan: workspace size");
+  out = Plan{std::move(plan), static_cast<std::size_t>(bytes)};
+  return true;
+}
+
+// The engine configurations a heuristic mode offers, best first.
+std::vector<Desc> heuristic_configs(const Desc& graph, cudnnBackendHeurMode_t mode,
+                                    std::string& why) {
+  std::vector<Desc> configs;
   Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
   heur.desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph.get());
-  heur.set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, CUDNN_HEUR_MODE_A);
-  heur.finalize("engine heuristics");
+  heur.set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, mode);
+  const cudnnStatus_t status = cudnnBackendFinalize(heur.get());
+  if (status != CUDNN_STATUS_SUCCESS) {
+    why += "; heuristics: " + status_text(status);
+    return configs;
+  }
   std::int64_t count = 0;
   check(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
                                  CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr),
         "engine heuristics: result count");
-  std::vector<Desc> configs;
   std::vector<cudnnBackendDescriptor_t> raw;
   for (std::int64_t i = 0; i < count; ++i) {
     configs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
@@ -366,25 +390,45 @@ Plan build_plan(cudnnHandle_t handle, const Desc& graph, const std::string& what
     check(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
                                    CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data()),
           "engine heuristics: results");
-  std::string answers;
-  for (std::int64_t i = 0; i < got; ++i) {
-    Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
-    plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, handle);
-    plan.desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, raw[static_cast<std::size_t>(i)]);
-    const cudnnStatus_t status = cudnnBackendFinalize(plan.get());
+  configs.erase(configs.begin() + got, configs.end());
+  why += "; heuristics offered " + std::to_string(got);
+  return configs;
+}
+
+// The first configuration of heuristic mode A that finalizes; failing that, every engine cuDNN
+// has for the graph, by index, in its default configuration. Throws ConfigError with what each
+// answered when none does.
+Plan build_plan(cudnnHandle_t handle, const Desc& graph, const std::string& what) {
+  std::string why;
+  Plan plan{Desc(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR), 0};
+  std::vector<Desc> configs = heuristic_configs(graph, CUDNN_HEUR_MODE_A, why);
+  for (std::size_t i = 0; i < configs.size(); ++i)
+    if (try_config(handle, configs[i].get(), "config " + std::to_string(i), plan, why)) return plan;
+  std::int64_t engines = 0, n = 0;
+  check(cudnnBackendGetAttribute(graph.get(), CUDNN_ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT,
+                                 CUDNN_TYPE_INT64, 1, &n, &engines),
+        "operation graph: engine count");
+  for (std::int64_t i = 0; i < engines; ++i) {
+    Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+    engine.desc(CUDNN_ATTR_ENGINE_OPERATION_GRAPH, graph.get());
+    engine.set(CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, i);
+    const cudnnStatus_t status = cudnnBackendFinalize(engine.get());
+    const std::string name = "engine " + std::to_string(i);
     if (status != CUDNN_STATUS_SUCCESS) {
-      answers += "; config " + std::to_string(i) + ": " + status_text(status);
+      why += "; " + name + ": " + status_text(status);
       continue;
     }
-    std::int64_t bytes = 0, n = 0;
-    check(cudnnBackendGetAttribute(plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                                   CUDNN_TYPE_INT64, 1, &n, &bytes),
-          "execution plan: workspace size");
-    return Plan{std::move(plan), static_cast<std::size_t>(bytes)};
+    Desc config(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
+    config.desc(CUDNN_ATTR_ENGINECFG_ENGINE, engine.get());
+    const cudnnStatus_t config_status = cudnnBackendFinalize(config.get());
+    if (config_status != CUDNN_STATUS_SUCCESS) {
+      why += "; " + name + " configuration: " + status_text(config_status);
+      continue;
+    }
+    if (try_config(handle, config.get(), name, plan, why)) return plan;
   }
   throw ConfigError("CudnnAttention: cuDNN " + std::to_string(cudnnGetVersion()) +
-                    " has no engine for the " + what + " (heuristic mode A offered " +
-                    std::to_string(got) + " configurations" + answers + ")");
+                    " has no engine for the " + what + " (" + why.substr(2) + ")");
 }
 
 }  // namespace

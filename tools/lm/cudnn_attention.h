@@ -11,9 +11,14 @@
 
 namespace shardswap::lm::dec {
 
-/// cuDNN's workspace, handed to it from the decoder's block: a plan that asks for more is
-/// refused (ConfigError) rather than given memory from outside the block.
-inline constexpr std::size_t kCudnnAttentionWorkspaceBytes = std::size_t{64} << 20;
+/// The workspace handed to cuDNN for `tokens` tokens of `heads` query heads: a plan that asks
+/// for more is refused (ConfigError) rather than given memory from outside. cuDNN 9.14 on an
+/// H200 asked for tokens * heads * head_dim fp32 values plus 256 bytes (GQA; 256 bytes for
+/// MHA) at every shape tried, up to 8 x 2048 tokens of 14 heads (56 MiB); 1 MiB more is slack.
+inline std::size_t cudnn_attention_workspace_bytes(std::size_t tokens, int heads, int head_dim) {
+  return tokens * static_cast<std::size_t>(heads) * static_cast<std::size_t>(head_dim) * 4 +
+         (std::size_t{1} << 20);
+}
 
 /// One attention problem. Rows are tokens, token = sequence * seq_len + position, and head h's
 /// vector starts at h * head_dim in its row; the *_ld are row lengths in elements. The plans
@@ -40,9 +45,9 @@ struct AttentionForward {
 };
 
 /// Backward operands. dq, dk, dv are written in the operands' type (rows of grad_ld; dk, dv
-/// summed over each kv head's group). dq32 is fp32 [sequences, heads, seq_len, head_dim]
-/// packed: cuDNN's dQ accumulator, zeroed here, holding dq in fp32 afterwards. delta is fp32
-/// [sequences, heads, seq_len] scratch (rowsum(dout * o)).
+/// summed over each kv head's group), rounded from fp32 sums. dq32 is fp32 scratch of
+/// sequences * heads * seq_len * head_dim values (cuDNN's dQ accumulator, zeroed here; its
+/// layout is cuDNN's), delta fp32 scratch of sequences * heads * seq_len (rowsum(dout * o)).
 struct AttentionBackward {
   const void *q, *k, *v, *o, *dout;
   const float* lse;

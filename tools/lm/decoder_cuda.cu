@@ -19,11 +19,12 @@
 // Ordering: everything is queued on cudaStreamPerThread (the engine's contract); the host waits
 // only to read the loss (or the logits) back.
 //
-// Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h), else
-// (or with SHARDSWAP_DECODER_ATTENTION=own) the kernels below. cuDNN keeps lse as [sequence,
-// head, position], writes dK and dV in the operands' type (rounded from its fp32 sums) and dQ
-// in fp32 too; one kernel gathers them into the fp32 gradient rows. Its backward sums dQ over
-// key tiles with atomics, so only the own kernels give the same bits run after run.
+// Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
+// head_dim is a multiple of 8, else (or with SHARDSWAP_DECODER_ATTENTION=own) the kernels
+// below. cuDNN keeps lse as [sequence, head, position] and writes dQ, dK, dV in the operands'
+// type (rounded from its fp32 sums, where the own kernels keep fp32); one kernel widens them
+// into the fp32 gradient rows. Its backward sums dQ over key tiles with atomics, so only the
+// own kernels give the same bits run after run.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -536,22 +537,11 @@ __global__ void __launch_bounds__(32 * kAttnWarps)
   }
 }
 
-// After cuDNN's backward: the fp32 gradient rows g32 [n, width] get dq from dq32 [sequence,
-// head, position, d] and dk|dv from g16 (cuDNN's, in T, at the same columns).
+// After cuDNN's backward: its dq|dk|dv rows in T widened into the fp32 gradient rows.
 template <class T>
-__global__ void attention_grads_to_f32(const float* __restrict__ dq32, const T* __restrict__ g16,
-                                       int n, int seq_len, int heads, int hd, long long width,
+__global__ void attention_grads_to_f32(const T* __restrict__ g16, long long count,
                                        float* __restrict__ g32) {
-  const long long qw = static_cast<long long>(heads) * hd;
-  GRID_STRIDE(i, static_cast<long long>(n) * width) {
-    const long long t = i / width, c = i % width;
-    if (c < qw) {
-      const long long b = t / seq_len, pos = t % seq_len, h = c / hd, d = c % hd;
-      g32[i] = dq32[((b * heads + h) * seq_len + pos) * hd + d];
-    } else {
-      g32[i] = to_float(g16[i]);
-    }
-  }
+  GRID_STRIDE(i, count) { g32[i] = to_float(g16[i]); }
 }
 
 // act = silu(gate) * up in T.
@@ -790,8 +780,8 @@ class CudaCompute final : public Compute {
         inv_freq_(rope_inv_freq(s)) {
     if (use_cudnn) {
 #ifdef SHARDSWAP_WITH_CUDNN
-      cudnn_ = std::make_unique<CudnnAttention>(memory + l_.attn_workspace,
-                                                kCudnnAttentionWorkspaceBytes);
+      cudnn_ = std::make_unique<CudnnAttention>(
+          memory + l_.attn_workspace, cudnn_attention_workspace_bytes(n_max_, s.heads, s.head_dim));
       // The largest batch's plans now, so that a shape cuDNN refuses fails here.
       cudnn_->prepare(attention_shape(max_sequences, seq_len));
 #endif
@@ -851,6 +841,9 @@ class CudaCompute final : public Compute {
   float* xs(int l) const { return layer<float>(l_.xs, l, s_.hidden); }
   float* ys(int l) const { return layer<float>(l_.ys, l, s_.hidden); }
   float* rstd(int which) const { return layer<float>(l_.rstd, which, 1); }
+  float* lse(int l) const {
+    return at(l_.lse) + static_cast<std::size_t>(l) * cuda_lse_stride(n_max_, s_.heads);
+  }
   std::int64_t qkv_width() const { return s_.q_width() + 2 * s_.kv_width(); }
 
   // Refuses, before anything is queued, a batch or weights this backend cannot run.
@@ -972,7 +965,7 @@ class CudaCompute final : public Compute {
           qkv, cw(lw.q_bias), cw(lw.k_bias), cw(lw.v_bias), at(l_.inv_freq), n, b.seq_len,
           s_.heads, s_.kv_heads, s_.head_dim, q, k, v);
       check_launch();
-      attention(b, q, k, v, o, layer<float>(l_.lse, l, s_.heads));
+      attention(b, q, k, v, o, lse(l));
       // y = x + o Wo^T: the GEMM adds onto a copy of x (fp32 sum of the fp32 product).
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(ys(l), xs(l), sizeof(float) * n * d,
                                            cudaMemcpyDeviceToDevice, stream));
@@ -1193,7 +1186,7 @@ class CudaCompute final : public Compute {
       const T* k = layer<T>(l_.k, l, kw);
       const T* v = layer<T>(l_.v, l, kw);
       const T* o = layer<T>(l_.o, l, qw);
-      const float* lse = layer<float>(l_.lse, l, s_.heads);
+      const float* lse = this->lse(l);
       round_to_t(dx, d16, static_cast<long long>(n) * d);
       if (active) weight_grad(sink, {K::o, l}, n, d, qw, alpha, d16, d, o, qw);
       gemm(cublas_.get(), false, false, n, qw, d, 1.0f, d16, t16, d, lw.o, t16, qw, 0.0f, dout,
@@ -1244,8 +1237,8 @@ class CudaCompute final : public Compute {
                        {q, k, v, o, dout, lse, g16, g16 + qw, g16 + qw + kw, at(l_.attn_dq32),
                         at(l_.delta)});
       attention_grads_to_f32<T><<<blocks_for(static_cast<long long>(n) * width), 256, 0,
-                                  cudaStreamPerThread>>>(at(l_.attn_dq32), g16, n, b.seq_len,
-                                                         s_.heads, s_.head_dim, width, g32);
+                                  cudaStreamPerThread>>>(g16, static_cast<long long>(n) * width,
+                                                         g32);
       check_launch();
       return;
     }
@@ -1290,15 +1283,21 @@ class CudaCompute final : public Compute {
 
 }  // namespace
 
-bool cuda_attention_uses_cudnn() {
+bool cuda_attention_uses_cudnn(const DecoderShape& s) {
   const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
   const std::string value = v == nullptr ? "" : v;
-  if (value.empty()) return kCudaHasCudnn;
+  // cuDNN's fused attention wants 16-byte head vectors.
+  const bool fits = s.head_dim % 8 == 0 && s.head_dim <= kCudaMaxHeadDim;
+  if (value.empty()) return kCudaHasCudnn && fits;
   if (value == "own") return false;
   if (value == "cudnn") {
     if (!kCudaHasCudnn)
       throw ConfigError(
           "SHARDSWAP_DECODER_ATTENTION=cudnn: this build has no cuDNN (SHARDSWAP_CUDNN)");
+    if (!fits)
+      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=cudnn: head_dim = " +
+                        std::to_string(s.head_dim) +
+                        " is not a multiple of 8, as cuDNN's fused attention needs");
     return true;
   }
   throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value + ": not \"cudnn\" or \"own\"");
@@ -1370,7 +1369,7 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   if (reinterpret_cast<std::uintptr_t>(memory) % 256 != 0)
     throw ConfigError("make_cuda_compute: the block is not 256-byte aligned");
   auto* base = static_cast<std::byte*>(memory);
-  const bool use_cudnn = cuda_attention_uses_cudnn();
+  const bool use_cudnn = cuda_attention_uses_cudnn(s);
   switch (dtype) {
     case DType::bf16:
       return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, base,
