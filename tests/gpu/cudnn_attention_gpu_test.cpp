@@ -200,8 +200,7 @@ Run run_case(const Case& c) {
   std::mt19937 rng(1234u + static_cast<unsigned>(c.seq_len * 7 + c.head_dim + c.heads));
   const std::size_t n = static_cast<std::size_t>(c.sequences) * c.seq_len;
   const std::size_t qw = static_cast<std::size_t>(c.heads) * c.head_dim,
-                    kw = static_cast<std::size_t>(c.kv_heads) * c.head_dim,
-                    width = qw + 2 * kw;
+                    kw = static_cast<std::size_t>(c.kv_heads) * c.head_dim, width = qw + 2 * kw;
   // Scores of O(1) (q.k ~ spread^2 * d * scale): softmaxes neither flat nor one-hot.
   const double spread = std::pow(static_cast<double>(c.head_dim), -0.25) * 1.5;
   const auto q = random_bits(c.dtype, n * qw, spread, rng);
@@ -222,8 +221,7 @@ Run run_case(const Case& c) {
 
   {  // cuDNN on the decoder's layouts
     DeviceBuffer o(n * qw * 2), lse(n * c.heads * 4), g16(n * width * 2), dq32(n * qw * 4),
-        delta(n * c.heads * 4),
-        workspace(cudnn_attention_workspace_bytes(n, c.heads, c.head_dim));
+        delta(n * c.heads * 4), workspace(cudnn_attention_workspace_bytes(n, c.heads, c.head_dim));
     CudnnAttention attn(workspace.p, cudnn_attention_workspace_bytes(n, c.heads, c.head_dim));
     AttentionShape s;
     s.sequences = c.sequences;
@@ -254,12 +252,11 @@ Run run_case(const Case& c) {
     {  // the own kernels on packed rows
       DeviceBuffer oo(n * qw * 2), olse(n * c.heads * 4), grads(n * width * 4),
           odelta(n * c.heads * 4);
-      own_attention_forward(c.dtype, c.sequences, c.seq_len, c.heads, c.kv_heads, c.head_dim,
-                            dq_.p, dk_.p, dv_.p, oo.p, olse.as<float>());
+      own_attention_forward(c.dtype, c.sequences, c.seq_len, c.heads, c.kv_heads, c.head_dim, dq_.p,
+                            dk_.p, dv_.p, oo.p, olse.as<float>());
       own_attention_backward(c.dtype, c.sequences, c.seq_len, c.heads, c.kv_heads, c.head_dim,
                              dq_.p, dk_.p, dv_.p, oo.p, ddout.p, olse.as<float>(),
-                             odelta.as<float>(), grads.as<float>(),
-                             static_cast<long long>(width));
+                             odelta.as<float>(), grads.as<float>(), static_cast<long long>(width));
       cuda_ok(cudaStreamSynchronize(cudaStreamPerThread), "own attention");
       const Vec oo_h = values(c.dtype, download<std::uint16_t>(oo.p, n * qw));
       const Vec olse_h = lse_by_head(download<float>(olse.p, n * c.heads), c);
@@ -295,9 +292,10 @@ void print(const char* who, const Errors& e) {
 
 }  // namespace
 
-TEST_CASE("cuDNN attention and the own kernels both match the float64 reference, forward and "
-          "backward",
-          "[cudnn][gpu]") {
+TEST_CASE(
+    "cuDNN attention and the own kernels both match the float64 reference, forward and "
+    "backward",
+    "[cudnn][gpu]") {
   std::printf("cuDNN %ld: attention, errors normalized by the reference's largest value\n",
               CudnnAttention::version());
   for (const Case& c : kCases) {
@@ -437,11 +435,12 @@ TEST_CASE("cuDNN attention against the own kernels: time at a Qwen2.5-0.5B shape
   const double o_diff = normalized_error(co, ow), g_diff = normalized_error(cg, og);
   // Causal: forward's 2 matmuls and backward's 5 (S recomputed), each 2 B H T^2 d / 2 flops.
   const double flops = 7.0 * B * H * double(T) * T * d;
-  std::printf("attention fwd+bwd, %d x %d tokens, %d heads, %d kv heads, head_dim %d, bf16:\n"
-              "  cuDNN %.3f ms (%.0f TFLOP/s, workspace %zu bytes), own %.3f ms (%.0f TFLOP/s),"
-              " %.1fx; O differs by %.2e, dq|dk|dv by %.2e\n",
-              B, T, H, K, d, cudnn_ms, flops / cudnn_ms / 1e9, ws, own_ms,
-              flops / own_ms / 1e9, own_ms / cudnn_ms, o_diff, g_diff);
+  std::printf(
+      "attention fwd+bwd, %d x %d tokens, %d heads, %d kv heads, head_dim %d, bf16:\n"
+      "  cuDNN %.3f ms (%.0f TFLOP/s, workspace %zu bytes), own %.3f ms (%.0f TFLOP/s),"
+      " %.1fx; O differs by %.2e, dq|dk|dv by %.2e\n",
+      B, T, H, K, d, cudnn_ms, flops / cudnn_ms / 1e9, ws, own_ms, flops / own_ms / 1e9,
+      own_ms / cudnn_ms, o_diff, g_diff);
   CHECK(o_diff < 1e-2);
   CHECK(g_diff < 2e-2);
 }

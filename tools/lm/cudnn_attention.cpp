@@ -93,10 +93,9 @@ class GraphBuilder {
     return make(next_virtual_++, type, dims, strides, true, false);
   }
 
-  void pointwise(cudnnPointwiseMode_t mode, cudnnBackendDescriptor_t x,
-                 cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t y,
-                 cudnnBackendDescriptor_t t = nullptr, cudnnDataType_t math = f32,
-                 std::int64_t axis = -1) {
+  void pointwise(cudnnPointwiseMode_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
+                 cudnnBackendDescriptor_t y, cudnnBackendDescriptor_t t = nullptr,
+                 cudnnDataType_t math = f32, std::int64_t axis = -1) {
     Desc pw(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
     pw.set(CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, mode);
     pw.set(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, math);
@@ -112,8 +111,7 @@ class GraphBuilder {
     keep_.push_back(std::move(pw));
     ops_.push_back(std::move(op));
   }
-  void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
-              cudnnBackendDescriptor_t c) {
+  void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
     Desc mm(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
     mm.set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, f32);
     mm.finalize("matmul descriptor");
@@ -197,7 +195,20 @@ class GraphBuilder {
 
 // uids of the real tensors (variant pack entries).
 enum Uid : std::int64_t {
-  kQ = 1, kK, kV, kO, kLse, kScale, kNegInf, kDout, kDq, kDk, kDv, kDelta, kDq32, kOne
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kLse,
+  kScale,
+  kNegInf,
+  kDout,
+  kDq,
+  kDk,
+  kDv,
+  kDelta,
+  kDq32,
+  kOne
 };
 
 cudnnDataType_t cudnn_type(DType t) {
@@ -206,16 +217,22 @@ cudnnDataType_t cudnn_type(DType t) {
 
 std::string describe(const AttentionShape& s) {
   return std::to_string(s.sequences) + " x " + std::to_string(s.seq_len) + " tokens, " +
-         std::to_string(s.heads) + " heads, " + std::to_string(s.kv_heads) + " kv heads, head_dim " +
-         std::to_string(s.head_dim) + ", " + dtype_name(s.dtype);
+         std::to_string(s.heads) + " heads, " + std::to_string(s.kv_heads) +
+         " kv heads, head_dim " + std::to_string(s.head_dim) + ", " + dtype_name(s.dtype);
 }
 
 // The common tensors: q [B, H, T, d] (rows q_ld apart), k^T and v as [B, K, d, T] / [B, K, T, d].
 struct Sizes {
   std::int64_t b, h, hk, t, d, q_ld, kv_ld, g_ld;
   explicit Sizes(const AttentionShape& s)
-      : b(s.sequences), h(s.heads), hk(s.kv_heads), t(s.seq_len), d(s.head_dim), q_ld(s.q_ld),
-        kv_ld(s.kv_ld), g_ld(s.grad_ld) {}
+      : b(s.sequences),
+        h(s.heads),
+        hk(s.kv_heads),
+        t(s.seq_len),
+        d(s.head_dim),
+        q_ld(s.q_ld),
+        kv_ld(s.kv_ld),
+        g_ld(s.grad_ld) {}
   Dims q_dims() const { return {b, h, t, d}; }
   Dims q_strides(std::int64_t ld) const { return {t * ld, d, ld, 1}; }
   Dims kv_dims() const { return {b, hk, t, d}; }
@@ -469,9 +486,11 @@ struct CudnnAttention::Impl {
     if (s.sequences < 1 || s.seq_len < 1 || s.heads < 1 || s.kv_heads < 1 || s.head_dim < 1)
       fail("sizes must be >= 1");
     if (s.heads % s.kv_heads != 0) fail("kv_heads does not divide heads");
-    if (s.head_dim % 8 != 0 || s.head_dim > 128) fail("head_dim is not a multiple of 8 in [8, 128]");
+    if (s.head_dim % 8 != 0 || s.head_dim > 128)
+      fail("head_dim is not a multiple of 8 in [8, 128]");
     if (s.dtype != DType::bf16 && s.dtype != DType::f16) fail("dtype is not bf16 or fp16");
-    if (s.q_ld < std::int64_t{s.heads} * s.head_dim || s.kv_ld < std::int64_t{s.kv_heads} * s.head_dim)
+    if (s.q_ld < std::int64_t{s.heads} * s.head_dim ||
+        s.kv_ld < std::int64_t{s.kv_heads} * s.head_dim)
       fail("q_ld or kv_ld is shorter than a row");
     if (s.q_ld % 8 != 0 || s.kv_ld % 8 != 0 || s.grad_ld % 8 != 0)
       fail("q_ld, kv_ld and grad_ld must be multiples of 8 elements (16-byte rows)");
@@ -538,18 +557,16 @@ void CudnnAttention::backward(const AttentionShape& s, const AttentionBackward& 
   const Impl::Entry& e = impl_->plans_for(s);
   float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
   float neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
-  const std::size_t dq32_bytes = sizeof(float) * static_cast<std::size_t>(s.sequences) *
-                                 static_cast<std::size_t>(s.seq_len) *
-                                 static_cast<std::size_t>(s.heads) *
-                                 static_cast<std::size_t>(s.head_dim);
+  const std::size_t dq32_bytes =
+      sizeof(float) * static_cast<std::size_t>(s.sequences) * static_cast<std::size_t>(s.seq_len) *
+      static_cast<std::size_t>(s.heads) * static_cast<std::size_t>(s.head_dim);
   // cuDNN accumulates dQ into dq32 over key tiles: it starts from zero.
   SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(io.dq32, 0, dq32_bytes, cudaStreamPerThread));
   impl_->execute(e.backward,
                  {kQ, kK, kV, kO, kDout, kLse, kScale, kNegInf, kOne, kDq, kDk, kDv, kDelta, kDq32},
                  {const_cast<void*>(io.q), const_cast<void*>(io.k), const_cast<void*>(io.v),
-                  const_cast<void*>(io.o), const_cast<void*>(io.dout),
-                  const_cast<float*>(io.lse), &scale, &neg_inf, &one, io.dq, io.dk, io.dv,
-                  io.delta, io.dq32});
+                  const_cast<void*>(io.o), const_cast<void*>(io.dout), const_cast<float*>(io.lse),
+                  &scale, &neg_inf, &one, io.dq, io.dk, io.dv, io.delta, io.dq32});
 }
 
 long CudnnAttention::version() {

@@ -26,13 +26,13 @@ inline std::size_t cudnn_attention_workspace_bytes(std::size_t tokens, int heads
 struct AttentionShape {
   int sequences = 0, seq_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
   DType dtype = DType::bf16;  // of q, k, v, o, dout, dq, dk, dv: bf16 or fp16
-  long long q_ld = 0;   // q, o, dout (and dq): heads * head_dim or more
-  long long kv_ld = 0;  // k, v
-  long long grad_ld = 0;  // dq, dk, dv (backward only)
+  long long q_ld = 0;         // q, o, dout (and dq): heads * head_dim or more
+  long long kv_ld = 0;        // k, v
+  long long grad_ld = 0;      // dq, dk, dv (backward only)
   bool operator==(const AttentionShape& o) const {
     return sequences == o.sequences && seq_len == o.seq_len && heads == o.heads &&
-           kv_heads == o.kv_heads && head_dim == o.head_dim && dtype == o.dtype &&
-           q_ld == o.q_ld && kv_ld == o.kv_ld && grad_ld == o.grad_ld;
+           kv_heads == o.kv_heads && head_dim == o.head_dim && dtype == o.dtype && q_ld == o.q_ld &&
+           kv_ld == o.kv_ld && grad_ld == o.grad_ld;
   }
 };
 
