@@ -18,6 +18,13 @@
 //
 // Ordering: everything is queued on cudaStreamPerThread (the engine's contract); the host waits
 // only to read the loss (or the logits) back.
+//
+// Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
+// head_dim is a multiple of 8, else (or with SHARDSWAP_DECODER_ATTENTION=own) the kernels
+// below. cuDNN keeps lse as [sequence, head, position] and writes dQ, dK, dV in the operands'
+// type (rounded from its fp32 sums, where the own kernels keep fp32); one kernel widens them
+// into the fp32 gradient rows. Its backward sums dQ over key tiles with atomics, so only the
+// own kernels give the same bits run after run.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,6 +34,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -528,6 +537,13 @@ __global__ void __launch_bounds__(32 * kAttnWarps)
   }
 }
 
+// After cuDNN's backward: its dq|dk|dv rows in T widened into the fp32 gradient rows.
+template <class T>
+__global__ void attention_grads_to_f32(const T* __restrict__ g16, long long count,
+                                       float* __restrict__ g32) {
+  GRID_STRIDE(i, count) { g32[i] = to_float(g16[i]); }
+}
+
 // act = silu(gate) * up in T.
 template <class T>
 __global__ void swiglu_forward(const T* __restrict__ gate, const T* __restrict__ up,
@@ -751,7 +767,8 @@ void with_lanes(int hd, F&& f) {
 template <class T>
 class CudaCompute final : public Compute {
  public:
-  CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, std::byte* memory)
+  CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, std::byte* memory,
+              bool use_cudnn)
       : s_(s),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
@@ -761,6 +778,14 @@ class CudaCompute final : public Compute {
         device_(use_device_of(memory)),  // current before the handle is made on it
         cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
         inv_freq_(rope_inv_freq(s)) {
+    if (use_cudnn) {
+#ifdef SHARDSWAP_WITH_CUDNN
+      cudnn_ = std::make_unique<CudnnAttention>(
+          memory + l_.attn_workspace, cudnn_attention_workspace_bytes(n_max_, s.heads, s.head_dim));
+      // The largest batch's plans now, so that a shape cuDNN refuses fails here.
+      cudnn_->prepare(attention_shape(max_sequences, seq_len));
+#endif
+    }
     SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at(l_.inv_freq), inv_freq_.data(),
                                          inv_freq_.size() * sizeof(float), cudaMemcpyHostToDevice,
                                          cudaStreamPerThread));
@@ -769,6 +794,7 @@ class CudaCompute final : public Compute {
   double train_step(const Weights& w, const Batch& b, double grad_scale, GradSink& sink) override {
     check(w, b, "train_step");
     SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    prepare_attention(b);
     upload(b, true);
     forward(w, b);
     const int lowest = lowest_active_group(sink);
@@ -780,6 +806,7 @@ class CudaCompute final : public Compute {
   double loss(const Weights& w, const Batch& b) override {
     check(w, b, "loss");
     SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    prepare_attention(b);
     upload(b, false);
     forward(w, b);
     head_and_loss(w, b, nullptr, 0.0, nullptr);
@@ -790,6 +817,7 @@ class CudaCompute final : public Compute {
     check(w, b, "logits");
     if (out == nullptr) throw ConfigError("decoder (cuda): logits: the output is null");
     SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    prepare_attention(b);
     upload(b, false);
     forward(w, b);
     head_and_loss(w, b, nullptr, 0.0, out);
@@ -813,6 +841,9 @@ class CudaCompute final : public Compute {
   float* xs(int l) const { return layer<float>(l_.xs, l, s_.hidden); }
   float* ys(int l) const { return layer<float>(l_.ys, l, s_.hidden); }
   float* rstd(int which) const { return layer<float>(l_.rstd, which, 1); }
+  float* lse(int l) const {
+    return at(l_.lse) + static_cast<std::size_t>(l) * cuda_lse_stride(n_max_, s_.heads);
+  }
   std::int64_t qkv_width() const { return s_.q_width() + 2 * s_.kv_width(); }
 
   // Refuses, before anything is queued, a batch or weights this backend cannot run.
@@ -934,7 +965,7 @@ class CudaCompute final : public Compute {
           qkv, cw(lw.q_bias), cw(lw.k_bias), cw(lw.v_bias), at(l_.inv_freq), n, b.seq_len,
           s_.heads, s_.kv_heads, s_.head_dim, q, k, v);
       check_launch();
-      attention(b, q, k, v, o, layer<float>(l_.lse, l, s_.heads));
+      attention(b, q, k, v, o, lse(l));
       // y = x + o Wo^T: the GEMM adds onto a copy of x (fp32 sum of the fp32 product).
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(ys(l), xs(l), sizeof(float) * n * d,
                                            cudaMemcpyDeviceToDevice, stream));
@@ -954,7 +985,37 @@ class CudaCompute final : public Compute {
     rms_norm(xs(s_.layers), w.final_norm, n, normed, rstd(2 * s_.layers));
   }
 
+#ifdef SHARDSWAP_WITH_CUDNN
+  AttentionShape attention_shape(int sequences, int seq_len) const {
+    AttentionShape a;
+    a.sequences = sequences;
+    a.seq_len = seq_len;
+    a.heads = s_.heads;
+    a.kv_heads = s_.kv_heads;
+    a.head_dim = s_.head_dim;
+    a.dtype = dtype_of<T>();
+    a.q_ld = s_.q_width();
+    a.kv_ld = s_.kv_width();
+    a.grad_ld = qkv_width();
+    return a;
+  }
+#endif
+  // Plans for the batch's shape before anything is queued (a refusal changes nothing).
+  void prepare_attention(const Batch& b) {
+#ifdef SHARDSWAP_WITH_CUDNN
+    if (cudnn_) cudnn_->prepare(attention_shape(b.sequences, b.seq_len));
+#else
+    (void)b;
+#endif
+  }
+
   void attention(const Batch& b, const T* q, const T* k, const T* v, T* o, float* lse) {
+#ifdef SHARDSWAP_WITH_CUDNN
+    if (cudnn_) {
+      cudnn_->forward(attention_shape(b.sequences, b.seq_len), {q, k, v, o, lse});
+      return;
+    }
+#endif
     const dim3 grid((b.seq_len + kAttnTile - 1) / kAttnTile, s_.heads, b.sequences);
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s_.head_dim)));
     with_lanes(s_.head_dim, [&](auto lanes) {
@@ -1125,16 +1186,12 @@ class CudaCompute final : public Compute {
       const T* k = layer<T>(l_.k, l, kw);
       const T* v = layer<T>(l_.v, l, kw);
       const T* o = layer<T>(l_.o, l, qw);
-      const float* lse = layer<float>(l_.lse, l, s_.heads);
+      const float* lse = this->lse(l);
       round_to_t(dx, d16, static_cast<long long>(n) * d);
       if (active) weight_grad(sink, {K::o, l}, n, d, qw, alpha, d16, d, o, qw);
       gemm(cublas_.get(), false, false, n, qw, d, 1.0f, d16, t16, d, lw.o, t16, qw, 0.0f, dout,
            t16, qw);
-      attention_delta<T><<<warp_blocks(static_cast<long long>(n) * s_.heads),
-                           32 * kWarpsPerBlock, 0, stream>>>(dout, o, n * s_.heads,
-                                                             s_.head_dim, at(l_.delta));
-      check_launch();
-      attention_backward(b, q, k, v, dout, lse, g32, width);
+      attention_backward(b, q, k, v, o, dout, lse, g32, g16, width);
       const long long units =
           static_cast<long long>(n) * ((s_.heads + s_.kv_heads) * (s_.head_dim / 2) + kw);
       qkv_backward<T><<<blocks_for(units), 256, 0, stream>>>(
@@ -1169,8 +1226,29 @@ class CudaCompute final : public Compute {
     sink.close(id);
   }
 
-  void attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* dout,
-                          const float* lse, float* g32, long long width) {
+  // dq|dk|dv in fp32 into g32 (rows `width` apart); g16 is scratch of the same shape in T.
+  void attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* o,
+                          const T* dout, const float* lse, float* g32, T* g16, long long width) {
+    const int n = b.sequences * b.seq_len;
+#ifdef SHARDSWAP_WITH_CUDNN
+    if (cudnn_) {
+      const long long qw = s_.q_width(), kw = s_.kv_width();
+      cudnn_->backward(attention_shape(b.sequences, b.seq_len),
+                       {q, k, v, o, dout, lse, g16, g16 + qw, g16 + qw + kw, at(l_.attn_dq32),
+                        at(l_.delta)});
+      attention_grads_to_f32<T><<<blocks_for(static_cast<long long>(n) * width), 256, 0,
+                                  cudaStreamPerThread>>>(g16, static_cast<long long>(n) * width,
+                                                         g32);
+      check_launch();
+      return;
+    }
+#else
+    (void)g16;
+#endif
+    attention_delta<T><<<warp_blocks(static_cast<long long>(n) * s_.heads), 32 * kWarpsPerBlock,
+                         0, cudaStreamPerThread>>>(dout, o, n * s_.heads, s_.head_dim,
+                                                   at(l_.delta));
+    check_launch();
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s_.head_dim)));
     const int tiles = (b.seq_len + kAttnTile - 1) / kAttnTile;
     const long long qw = s_.q_width(), kw = s_.kv_width();
@@ -1198,9 +1276,88 @@ class CudaCompute final : public Compute {
   CublasHandle cublas_;
   std::vector<float> inv_freq_;
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
+#ifdef SHARDSWAP_WITH_CUDNN
+  std::unique_ptr<CudnnAttention> cudnn_;  // null: the own kernels
+#endif
 };
 
 }  // namespace
+
+bool cuda_attention_uses_cudnn(const DecoderShape& s) {
+  const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
+  const std::string value = v == nullptr ? "" : v;
+  // cuDNN's fused attention wants 16-byte head vectors.
+  const bool fits = s.head_dim % 8 == 0 && s.head_dim <= kCudaMaxHeadDim;
+  if (value.empty()) return kCudaHasCudnn && fits;
+  if (value == "own") return false;
+  if (value == "cudnn") {
+    if (!kCudaHasCudnn)
+      throw ConfigError(
+          "SHARDSWAP_DECODER_ATTENTION=cudnn: this build has no cuDNN (SHARDSWAP_CUDNN)");
+    if (!fits)
+      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=cudnn: head_dim = " +
+                        std::to_string(s.head_dim) +
+                        " is not a multiple of 8, as cuDNN's fused attention needs");
+    return true;
+  }
+  throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value + ": not \"cudnn\" or \"own\"");
+}
+
+namespace {
+template <class F>
+void with_bit16(DType dtype, const char* call, F&& f) {
+  if (dtype == DType::bf16) return f(__nv_bfloat16{});
+  if (dtype == DType::f16) return f(__half{});
+  throw ConfigError(std::string(call) + ": dtype " + dtype_name(dtype) + " is not bf16 or fp16");
+}
+}  // namespace
+
+void own_attention_forward(DType dtype, int sequences, int seq_len, int heads, int kv_heads,
+                           int head_dim, const void* q, const void* k, const void* v, void* o,
+                           float* lse) {
+  with_bit16(dtype, "own_attention_forward", [&](auto zero) {
+    using T = decltype(zero);
+    const dim3 grid((seq_len + kAttnTile - 1) / kAttnTile, heads, sequences);
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+    with_lanes(head_dim, [&](auto lanes) {
+      attention_forward<T, decltype(lanes)::value><<<grid, 32 * kAttnWarps, 0, cudaStreamPerThread>>>(
+          static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), seq_len,
+          heads, kv_heads, head_dim, scale, static_cast<T*>(o), lse);
+    });
+    check_launch();
+  });
+}
+
+void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, int kv_heads,
+                            int head_dim, const void* q, const void* k, const void* v,
+                            const void* o, const void* dout, const float* lse, float* delta,
+                            float* grads, long long ld) {
+  with_bit16(dtype, "own_attention_backward", [&](auto zero) {
+    using T = decltype(zero);
+    const int n = sequences * seq_len, tiles = (seq_len + kAttnTile - 1) / kAttnTile;
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+    const long long qw = static_cast<long long>(heads) * head_dim,
+                    kw = static_cast<long long>(kv_heads) * head_dim;
+    const T *tq = static_cast<const T*>(q), *tk = static_cast<const T*>(k),
+            *tv = static_cast<const T*>(v), *tdout = static_cast<const T*>(dout);
+    attention_delta<T><<<warp_blocks(static_cast<long long>(n) * heads), 32 * kWarpsPerBlock, 0,
+                         cudaStreamPerThread>>>(tdout, static_cast<const T*>(o), n * heads,
+                                                head_dim, delta);
+    check_launch();
+    with_lanes(head_dim, [&](auto lanes) {
+      constexpr int P = decltype(lanes)::value;
+      attention_backward_dq<T, P>
+          <<<dim3(tiles, heads, sequences), 32 * kAttnWarps, 0, cudaStreamPerThread>>>(
+              tq, tk, tv, tdout, lse, delta, seq_len, heads, kv_heads, head_dim, scale, grads, ld);
+      check_launch();
+      attention_backward_dkv<T, P>
+          <<<dim3(tiles, kv_heads, sequences), 32 * kAttnWarps, 0, cudaStreamPerThread>>>(
+              tq, tk, tv, tdout, lse, delta, seq_len, heads, kv_heads, head_dim, scale,
+              grads + qw, grads + qw + kw, ld);
+      check_launch();
+    });
+  });
+}
 
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes) {
@@ -1212,11 +1369,13 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   if (reinterpret_cast<std::uintptr_t>(memory) % 256 != 0)
     throw ConfigError("make_cuda_compute: the block is not 256-byte aligned");
   auto* base = static_cast<std::byte*>(memory);
+  const bool use_cudnn = cuda_attention_uses_cudnn(s);
   switch (dtype) {
     case DType::bf16:
-      return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, base);
+      return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, base,
+                                                          use_cudnn);
     case DType::f16:
-      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, base);
+      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, base, use_cudnn);
     default:
       break;
   }

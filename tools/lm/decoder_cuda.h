@@ -10,6 +10,7 @@
 #include <string>
 
 #include "shardswap/error.h"
+#include "tools/lm/cudnn_attention.h"
 #include "tools/lm/decoder_compute.h"
 
 namespace shardswap::lm::dec {
@@ -42,7 +43,7 @@ struct CudaLayout {
   std::size_t rstd;  // f32 (2L + 1) n: 1 / rms of the attention norms, MLP norms, final norm
   std::size_t q, k, v;  // b16 L n H hd, L n K hd, L n K hd: after bias and RoPE
   std::size_t o;        // b16 L n H hd: attention's output
-  std::size_t lse;      // f32 L n H: logsumexp of each attention row
+  std::size_t lse;      // f32 L cuda_lse_stride(n, H): logsumexp of each attention row
   std::size_t gate, up;  // b16 L n I: the MLP's two input projections
   // Scratch, one of each:
   std::size_t normed;  // b16 n D: a norm's output (recomputed in backward)
@@ -60,8 +61,24 @@ struct CudaLayout {
   std::size_t mean_loss;  // f64 1
   std::size_t partials;   // f32 ceil(n / kCudaRowsPerPartial) max(D, H hd)
   std::size_t workspace;  // kCudaCublasWorkspaceBytes
+  // Attention through cuDNN (a build with cuDNN; 0 bytes in one without):
+  std::size_t attn_dq32;       // f32 n H hd: cuDNN's dQ accumulator (scratch)
+  std::size_t attn_workspace;  // cudnn_attention_workspace_bytes(n, H, hd)
   std::size_t bytes;      // total
 };
+
+/// Whether this build has attention through cuDNN (tools/lm/cudnn_attention.h).
+#ifdef SHARDSWAP_WITH_CUDNN
+inline constexpr bool kCudaHasCudnn = true;
+#else
+inline constexpr bool kCudaHasCudnn = false;
+#endif
+
+
+/// Floats between layers' lse rows: n H rounded up to 16 bytes, as cuDNN wants its tensors.
+inline std::size_t cuda_lse_stride(std::size_t n, int heads) {
+  return (n * static_cast<std::size_t>(heads) + 3) / 4 * 4;
+}
 
 /// Throws ConfigError naming the field or argument the CUDA backend cannot run.
 inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_len) {
@@ -123,7 +140,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.k = a.take(layers * n * kw, b16);
   l.v = a.take(layers * n * kw, b16);
   l.o = a.take(layers * n * qw, b16);
-  l.lse = a.take(layers * n * h, f32);
+  l.lse = a.take(layers * cuda_lse_stride(n, s.heads), f32);
   l.gate = a.take(layers * n * in, b16);
   l.up = a.take(layers * n * in, b16);
   l.normed = a.take(n * d, b16);
@@ -141,17 +158,42 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.mean_loss = a.take(1, 8);
   l.partials = a.take(partials * std::max(d, qw), f32);
   l.workspace = a.take(kCudaCublasWorkspaceBytes, 1);
+  // Kept whichever attention a run picks (SHARDSWAP_DECODER_ATTENTION): the plan of a build
+  // does not depend on the environment.
+  l.attn_dq32 = a.take(kCudaHasCudnn ? n * qw : 0, f32);
+  l.attn_workspace =
+      a.take(kCudaHasCudnn ? cudnn_attention_workspace_bytes(n, s.heads, s.head_dim) : 0, 1);
   l.bytes = a.bytes;
   return l;
 }
 
 /// Exact bytes of the CUDA backend's device block for batches of up to max_sequences x seq_len
-/// tokens: every activation it keeps, its scratch, the chunked cross-entropy's logits rows and
-/// the cuBLAS workspace. Nothing else is allocated on the device by train_step or loss.
+/// tokens: every activation it keeps, its scratch, the chunked cross-entropy's logits rows, the
+/// cuBLAS workspace and, with cuDNN, its fp32 dQ and workspace. Nothing else is allocated on the device by train_step or loss.
 /// Throws ConfigError as check_cuda_shape.
 inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_len) {
   return cuda_layout(s, max_sequences, seq_len).bytes;
 }
+
+/// Which attention the backend runs for shape s: cuDNN's fused flash attention (a build with
+/// cuDNN) or its own kernels. From the environment variable SHARDSWAP_DECODER_ATTENTION:
+/// "cudnn", "own", or unset (cuDNN when the build has it and head_dim is a multiple of 8, as
+/// in every Llama, Qwen2 and Mistral checkpoint). Throws ConfigError naming the variable for
+/// any other value, or for "cudnn" where the build or head_dim rules cuDNN out.
+bool cuda_attention_uses_cudnn(const DecoderShape& s);
+
+/// The backend's own attention kernels alone (what it runs without cuDNN), on packed rows:
+/// q, o [sequences * seq_len, heads * head_dim], k, v [.., kv_heads * head_dim] of dtype
+/// (bf16 or fp16), lse fp32 [sequences * seq_len, heads]; backward writes fp32 dq, dk, dv at
+/// column 0, H hd and (H + K) hd of rows `ld` long, with delta fp32 [tokens, heads] as scratch.
+/// Queued on cudaStreamPerThread. For tests against cuDNN's.
+void own_attention_forward(DType dtype, int sequences, int seq_len, int heads, int kv_heads,
+                           int head_dim, const void* q, const void* k, const void* v, void* o,
+                           float* lse);
+void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, int kv_heads,
+                            int head_dim, const void* q, const void* k, const void* v,
+                            const void* o, const void* dout, const float* lse, float* delta,
+                            float* grads, long long ld);
 
 /// The backend on [memory, memory + bytes) of the device that holds it (bytes ==
 /// cuda_bytes(...); the block must outlive the backend). dtype is the weights' type, bf16 or

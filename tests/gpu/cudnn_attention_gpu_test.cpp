@@ -1,0 +1,447 @@
+// Causal GQA attention through cuDNN (tools/lm/cudnn_attention.h) against the decoder's own
+// attention kernels and a float64 host reference, on random bf16 / fp16 operands: forward O and
+// lse, backward dQ, dK, dV, over MHA and GQA, head_dim 64 and 128 and sequence lengths that are
+// not multiples of a tile. cuDNN runs on the decoder's layouts (q, k, v in their own regions,
+// the gradients in one row of width (H + 2K) hd). Errors are normalized: the largest absolute
+// difference over the largest absolute reference value of the tensor.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "shardswap/error.h"
+#include "tests/catch_compat.h"
+#include "tools/lm/cudnn_attention.h"
+#include "tools/lm/decoder_cuda.h"
+
+using namespace shardswap;
+using namespace shardswap::lm::dec;
+
+#ifdef SHARDSWAP_WITH_CUDNN
+namespace {
+
+using Vec = std::vector<double>;
+
+void cuda_ok(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+struct DeviceBuffer {
+  void* p = nullptr;
+  explicit DeviceBuffer(std::size_t bytes) {
+    cuda_ok(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
+    cuda_ok(cudaMemset(p, 0, bytes), "cudaMemset");
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(p); }
+  template <class U = void>
+  U* as() const {
+    return static_cast<U*>(p);
+  }
+};
+
+std::uint16_t to_bits(DType t, float x) {
+  std::uint16_t bits = 0;
+  if (t == DType::bf16) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(x);
+    std::memcpy(&bits, &h, 2);
+  } else {
+    const __half h = __float2half_rn(x);
+    std::memcpy(&bits, &h, 2);
+  }
+  return bits;
+}
+double from_bits(DType t, std::uint16_t bits) {
+  if (t == DType::bf16) {
+    __nv_bfloat16 h;
+    std::memcpy(&h, &bits, 2);
+    return static_cast<double>(__bfloat162float(h));
+  }
+  __half h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<double>(__half2float(h));
+}
+
+// Random values of the type: the host reference computes from exactly what the device holds.
+std::vector<std::uint16_t> random_bits(DType t, std::size_t count, double spread,
+                                       std::mt19937& rng) {
+  std::normal_distribution<float> u(0.0f, static_cast<float>(spread));
+  std::vector<std::uint16_t> bits(count);
+  for (auto& b : bits) b = to_bits(t, u(rng));
+  return bits;
+}
+Vec values(DType t, const std::vector<std::uint16_t>& bits) {
+  Vec v(bits.size());
+  for (std::size_t i = 0; i < bits.size(); ++i) v[i] = from_bits(t, bits[i]);
+  return v;
+}
+
+struct Case {
+  const char* name;
+  int sequences, seq_len, heads, kv_heads, head_dim;
+  DType dtype;
+};
+
+// The float64 reference on packed rows: q, o, dout [n, H d], k, v [n, K d]; lse [b, h, t].
+struct Reference {
+  Vec o, lse, dq, dk, dv;
+};
+Reference reference(const Case& c, const Vec& q, const Vec& k, const Vec& v, const Vec& dout) {
+  const int B = c.sequences, T = c.seq_len, H = c.heads, K = c.kv_heads, d = c.head_dim;
+  const int group = H / K;
+  const std::size_t qw = static_cast<std::size_t>(H) * d, kw = static_cast<std::size_t>(K) * d;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const std::size_t n = static_cast<std::size_t>(B) * T;
+  Reference r{Vec(n * qw), Vec(n * H), Vec(n * qw), Vec(n * kw), Vec(n * kw)};
+  Vec p(T), dp(T);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const int g = h / group;
+      for (int i = 0; i < T; ++i) {
+        const std::size_t qi = (static_cast<std::size_t>(b) * T + i) * qw + h * d;
+        double m = -INFINITY;
+        for (int j = 0; j <= i; ++j) {
+          const std::size_t kj = (static_cast<std::size_t>(b) * T + j) * kw + g * d;
+          double s = 0;
+          for (int e = 0; e < d; ++e) s += q[qi + e] * k[kj + e];
+          p[j] = s * scale;
+          m = std::max(m, p[j]);
+        }
+        double z = 0;
+        for (int j = 0; j <= i; ++j) z += std::exp(p[j] - m);
+        r.lse[(static_cast<std::size_t>(b) * H + h) * T + i] = m + std::log(z);
+        for (int j = 0; j <= i; ++j) p[j] = std::exp(p[j] - m) / z;
+        double delta = 0;
+        for (int e = 0; e < d; ++e) {
+          double o = 0;
+          for (int j = 0; j <= i; ++j)
+            o += p[j] * v[(static_cast<std::size_t>(b) * T + j) * kw + g * d + e];
+          r.o[qi + e] = o;
+          delta += o * dout[qi + e];
+        }
+        for (int j = 0; j <= i; ++j) {
+          const std::size_t kj = (static_cast<std::size_t>(b) * T + j) * kw + g * d;
+          double s = 0;
+          for (int e = 0; e < d; ++e) s += dout[qi + e] * v[kj + e];
+          const double ds = p[j] * (s - delta) * scale;
+          for (int e = 0; e < d; ++e) {
+            r.dq[qi + e] += ds * k[kj + e];
+            r.dk[kj + e] += ds * q[qi + e];
+            r.dv[kj + e] += p[j] * dout[qi + e];
+          }
+        }
+      }
+    }
+  return r;
+}
+
+double normalized_error(const Vec& got, const Vec& want) {
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    diff = std::max(diff, std::abs(got[i] - want[i]));
+    scale = std::max(scale, std::abs(want[i]));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+template <class U>
+std::vector<U> download(const void* p, std::size_t count) {
+  std::vector<U> host(count);
+  cuda_ok(cudaMemcpy(host.data(), p, count * sizeof(U), cudaMemcpyDeviceToHost), "download");
+  return host;
+}
+void upload(void* p, const std::vector<std::uint16_t>& host) {
+  cuda_ok(cudaMemcpy(p, host.data(), host.size() * 2, cudaMemcpyHostToDevice), "upload");
+}
+
+// Columns [from, from + width) of rows `ld` long, as a packed matrix.
+template <class U, class F>
+Vec columns(const std::vector<U>& rows, std::size_t n, std::size_t ld, std::size_t from,
+            std::size_t width, F&& value) {
+  Vec out(n * width);
+  for (std::size_t t = 0; t < n; ++t)
+    for (std::size_t c = 0; c < width; ++c) out[t * width + c] = value(rows[t * ld + from + c]);
+  return out;
+}
+
+// lse of the own kernels is [token, head]; the reference's (and cuDNN's) [sequence, head, pos].
+Vec lse_by_head(const std::vector<float>& token_major, const Case& c) {
+  Vec out(token_major.size());
+  for (int b = 0; b < c.sequences; ++b)
+    for (int t = 0; t < c.seq_len; ++t)
+      for (int h = 0; h < c.heads; ++h)
+        out[(static_cast<std::size_t>(b) * c.heads + h) * c.seq_len + t] =
+            token_major[(static_cast<std::size_t>(b) * c.seq_len + t) * c.heads + h];
+  return out;
+}
+
+struct Errors {
+  double o, lse, dq, dk, dv;
+};
+
+struct Run {
+  Errors cudnn, own, between;
+  std::size_t workspace;
+};
+
+Run run_case(const Case& c) {
+  std::mt19937 rng(1234u + static_cast<unsigned>(c.seq_len * 7 + c.head_dim + c.heads));
+  const std::size_t n = static_cast<std::size_t>(c.sequences) * c.seq_len;
+  const std::size_t qw = static_cast<std::size_t>(c.heads) * c.head_dim,
+                    kw = static_cast<std::size_t>(c.kv_heads) * c.head_dim, width = qw + 2 * kw;
+  // Scores of O(1) (q.k ~ spread^2 * d * scale): softmaxes neither flat nor one-hot.
+  const double spread = std::pow(static_cast<double>(c.head_dim), -0.25) * 1.5;
+  const auto q = random_bits(c.dtype, n * qw, spread, rng);
+  const auto k = random_bits(c.dtype, n * kw, spread, rng);
+  const auto v = random_bits(c.dtype, n * kw, 1.0, rng);
+  const auto dout = random_bits(c.dtype, n * qw, 1.0, rng);
+  const Reference ref = reference(c, values(c.dtype, q), values(c.dtype, k), values(c.dtype, v),
+                                  values(c.dtype, dout));
+  const auto b16 = [&](std::uint16_t bits) { return from_bits(c.dtype, bits); };
+  const auto f32 = [](float x) { return static_cast<double>(x); };
+
+  DeviceBuffer dq_(n * qw * 2), dk_(n * kw * 2), dv_(n * kw * 2), ddout(n * qw * 2);
+  upload(dq_.p, q);
+  upload(dk_.p, k);
+  upload(dv_.p, v);
+  upload(ddout.p, dout);
+  Run run{};
+
+  {  // cuDNN on the decoder's layouts
+    DeviceBuffer o(n * qw * 2), lse(n * c.heads * 4), g16(n * width * 2), dq32(n * qw * 4),
+        delta(n * c.heads * 4), workspace(cudnn_attention_workspace_bytes(n, c.heads, c.head_dim));
+    CudnnAttention attn(workspace.p, cudnn_attention_workspace_bytes(n, c.heads, c.head_dim));
+    AttentionShape s;
+    s.sequences = c.sequences;
+    s.seq_len = c.seq_len;
+    s.heads = c.heads;
+    s.kv_heads = c.kv_heads;
+    s.head_dim = c.head_dim;
+    s.dtype = c.dtype;
+    s.q_ld = static_cast<long long>(qw);
+    s.kv_ld = static_cast<long long>(kw);
+    s.grad_ld = static_cast<long long>(width);
+    run.workspace = attn.prepare(s);
+    attn.forward(s, {dq_.p, dk_.p, dv_.p, o.p, lse.as<float>()});
+    auto* g = g16.as<std::uint16_t>();
+    attn.backward(s, {dq_.p, dk_.p, dv_.p, o.p, ddout.p, lse.as<float>(), g, g + qw, g + qw + kw,
+                      dq32.as<float>(), delta.as<float>()});
+    cuda_ok(cudaStreamSynchronize(cudaStreamPerThread), "cuDNN attention");
+    const auto o_h = download<std::uint16_t>(o.p, n * qw);
+    const auto lse_h = download<float>(lse.p, n * c.heads);
+    const auto g_h = download<std::uint16_t>(g16.p, n * width);
+    const Vec cdq = columns(g_h, n, width, 0, qw, b16);
+    run.cudnn = {normalized_error(values(c.dtype, o_h), ref.o),
+                 normalized_error(Vec(lse_h.begin(), lse_h.end()), ref.lse),
+                 normalized_error(cdq, ref.dq),
+                 normalized_error(columns(g_h, n, width, qw, kw, b16), ref.dk),
+                 normalized_error(columns(g_h, n, width, qw + kw, kw, b16), ref.dv)};
+
+    {  // the own kernels on packed rows
+      DeviceBuffer oo(n * qw * 2), olse(n * c.heads * 4), grads(n * width * 4),
+          odelta(n * c.heads * 4);
+      own_attention_forward(c.dtype, c.sequences, c.seq_len, c.heads, c.kv_heads, c.head_dim, dq_.p,
+                            dk_.p, dv_.p, oo.p, olse.as<float>());
+      own_attention_backward(c.dtype, c.sequences, c.seq_len, c.heads, c.kv_heads, c.head_dim,
+                             dq_.p, dk_.p, dv_.p, oo.p, ddout.p, olse.as<float>(),
+                             odelta.as<float>(), grads.as<float>(), static_cast<long long>(width));
+      cuda_ok(cudaStreamSynchronize(cudaStreamPerThread), "own attention");
+      const Vec oo_h = values(c.dtype, download<std::uint16_t>(oo.p, n * qw));
+      const Vec olse_h = lse_by_head(download<float>(olse.p, n * c.heads), c);
+      const auto grads_h = download<float>(grads.p, n * width);
+      const Vec odq = columns(grads_h, n, width, 0, qw, f32),
+                odk = columns(grads_h, n, width, qw, kw, f32),
+                odv = columns(grads_h, n, width, qw + kw, kw, f32);
+      run.own = {normalized_error(oo_h, ref.o), normalized_error(olse_h, ref.lse),
+                 normalized_error(odq, ref.dq), normalized_error(odk, ref.dk),
+                 normalized_error(odv, ref.dv)};
+      run.between = {normalized_error(values(c.dtype, o_h), oo_h),
+                     normalized_error(Vec(lse_h.begin(), lse_h.end()), olse_h),
+                     normalized_error(cdq, odq),
+                     normalized_error(columns(g_h, n, width, qw, kw, b16), odk),
+                     normalized_error(columns(g_h, n, width, qw + kw, kw, b16), odv)};
+    }
+  }
+  return run;
+}
+
+const Case kCases[] = {
+    {"GQA 4/2, hd 64, bf16, 2 x 77", 2, 77, 4, 2, 64, DType::bf16},
+    {"MHA 4/4, hd 128, fp16, 1 x 50", 1, 50, 4, 4, 128, DType::f16},
+    {"GQA 6/1, hd 128, bf16, 2 x 33", 2, 33, 6, 1, 128, DType::bf16},
+    {"MHA 2/2, hd 64, fp16, 3 x 130", 3, 130, 2, 2, 64, DType::f16},
+    {"GQA 14/2, hd 64, bf16, 1 x 200", 1, 200, 14, 2, 64, DType::bf16},
+};
+
+void print(const char* who, const Errors& e) {
+  std::printf("  %-14s O %.2e  lse %.2e  dQ %.2e  dK %.2e  dV %.2e\n", who, e.o, e.lse, e.dq, e.dk,
+              e.dv);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuDNN attention and the own kernels both match the float64 reference, forward and "
+    "backward",
+    "[cudnn][gpu]") {
+  std::printf("cuDNN %ld: attention, errors normalized by the reference's largest value\n",
+              CudnnAttention::version());
+  for (const Case& c : kCases) {
+    INFO(c.name);
+    const Run r = run_case(c);
+    std::printf("%s (cuDNN workspace %zu bytes)\n", c.name, r.workspace);
+    print("cuDNN:", r.cudnn);
+    print("own:", r.own);
+    print("cuDNN vs own:", r.between);
+    // O, and cuDNN's dQ, dK, dV, are rounded to the type (2^-9 bf16, 2^-12 fp16 relative) from
+    // fp32 sums, and the probabilities cuDNN multiplies V (and dS K) by are rounded too; the own
+    // kernels keep P and their gradients in fp32. lse is fp32 in both.
+    const bool bf16 = c.dtype == DType::bf16;
+    const double rounded = bf16 ? 1e-2 : 2e-3, f32_sums = bf16 ? 5e-3 : 1e-3;
+    CHECK(r.cudnn.o < rounded);
+    CHECK(r.cudnn.lse < 1e-5);
+    CHECK(r.cudnn.dq < rounded);
+    CHECK(r.cudnn.dk < rounded);
+    CHECK(r.cudnn.dv < rounded);
+    CHECK(r.own.o < rounded);
+    CHECK(r.own.lse < 1e-5);
+    CHECK(r.own.dq < f32_sums);
+    CHECK(r.own.dk < f32_sums);
+    CHECK(r.own.dv < f32_sums);
+  }
+}
+
+TEST_CASE("cuDNN attention refuses a shape it cannot run, naming it, before queueing anything",
+          "[cudnn][gpu]") {
+  DeviceBuffer workspace(1 << 20);
+  CudnnAttention attn(workspace.p, 1 << 20);
+  AttentionShape s;
+  s.sequences = 1;
+  s.seq_len = 16;
+  s.heads = 6;
+  s.kv_heads = 4;  // does not divide heads
+  s.head_dim = 64;
+  s.q_ld = 6 * 64;
+  s.kv_ld = 4 * 64;
+  s.grad_ld = 14 * 64;
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { attn.prepare(s); }),
+                         "kv_heads does not divide"));
+  s.kv_heads = 2;
+  s.kv_ld = 2 * 64;
+  s.head_dim = 160;
+  REQUIRE_THROWS_AS(attn.prepare(s), ConfigError);
+  CHECK_THROWS_AS(CudnnAttention(nullptr, 16), ConfigError);
+}
+
+TEST_CASE("SHARDSWAP_DECODER_ATTENTION picks the attention and refuses other values",
+          "[cudnn][gpu]") {
+  const char* before = std::getenv("SHARDSWAP_DECODER_ATTENTION");
+  const std::string saved = before ? before : "";
+  DecoderShape s;
+  s.head_dim = 64;
+  DecoderShape odd = s;
+  odd.head_dim = 12;
+  ::setenv("SHARDSWAP_DECODER_ATTENTION", "own", 1);
+  CHECK_FALSE(cuda_attention_uses_cudnn(s));
+  ::setenv("SHARDSWAP_DECODER_ATTENTION", "cudnn", 1);
+  CHECK(cuda_attention_uses_cudnn(s));
+  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention_uses_cudnn(odd); }),
+                       "head_dim = 12"));
+  ::setenv("SHARDSWAP_DECODER_ATTENTION", "flash", 1);
+  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention_uses_cudnn(s); }),
+                       "SHARDSWAP_DECODER_ATTENTION=flash"));
+  ::unsetenv("SHARDSWAP_DECODER_ATTENTION");
+  CHECK(cuda_attention_uses_cudnn(s));
+  CHECK_FALSE(cuda_attention_uses_cudnn(odd));  // the own kernels, as documented
+  if (before) ::setenv("SHARDSWAP_DECODER_ATTENTION", saved.c_str(), 1);
+}
+
+// A Qwen2.5-0.5B layer's attention (14 heads, 2 kv heads, head_dim 64) at 8 x 2048 tokens:
+// forward + backward, cuDNN against the own kernels, after a check that the two agree. Hidden:
+// run it by its tag.
+TEST_CASE("cuDNN attention against the own kernels: time at a Qwen2.5-0.5B shape",
+          "[.][cudnn-bench]") {
+  const int B = 8, T = 2048, H = 14, K = 2, d = 64;
+  const std::size_t n = static_cast<std::size_t>(B) * T, qw = std::size_t{H} * d,
+                    kw = std::size_t{K} * d, width = qw + 2 * kw;
+  std::mt19937 rng(7);
+  const double spread = std::pow(static_cast<double>(d), -0.25) * 1.5;
+  DeviceBuffer q(n * qw * 2), k(n * kw * 2), v(n * kw * 2), dout(n * qw * 2), o(n * qw * 2),
+      lse(n * H * 4), g16(n * width * 2), dq32(n * qw * 4), delta(n * H * 4),
+      workspace(cudnn_attention_workspace_bytes(n, H, d)), oo(n * qw * 2), olse(n * H * 4),
+      grads(n * width * 4), odelta(n * H * 4);
+  upload(q.p, random_bits(DType::bf16, n * qw, spread, rng));
+  upload(k.p, random_bits(DType::bf16, n * kw, spread, rng));
+  upload(v.p, random_bits(DType::bf16, n * kw, 1.0, rng));
+  upload(dout.p, random_bits(DType::bf16, n * qw, 1.0, rng));
+  CudnnAttention attn(workspace.p, cudnn_attention_workspace_bytes(n, H, d));
+  AttentionShape s;
+  s.sequences = B;
+  s.seq_len = T;
+  s.heads = H;
+  s.kv_heads = K;
+  s.head_dim = d;
+  s.q_ld = static_cast<long long>(qw);
+  s.kv_ld = static_cast<long long>(kw);
+  s.grad_ld = static_cast<long long>(width);
+  const std::size_t ws = attn.prepare(s);
+  auto* g = g16.as<std::uint16_t>();
+  const auto cudnn_step = [&] {
+    attn.forward(s, {q.p, k.p, v.p, o.p, lse.as<float>()});
+    attn.backward(s, {q.p, k.p, v.p, o.p, dout.p, lse.as<float>(), g, g + qw, g + qw + kw,
+                      dq32.as<float>(), delta.as<float>()});
+  };
+  const auto own_step = [&] {
+    own_attention_forward(DType::bf16, B, T, H, K, d, q.p, k.p, v.p, oo.p, olse.as<float>());
+    own_attention_backward(DType::bf16, B, T, H, K, d, q.p, k.p, v.p, oo.p, dout.p,
+                           olse.as<float>(), odelta.as<float>(), grads.as<float>(),
+                           static_cast<long long>(width));
+  };
+  const auto time_ms = [&](auto&& step) {
+    step();  // warm
+    cudaEvent_t start, stop;
+    cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
+    cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
+    const int reps = 5;
+    cuda_ok(cudaEventRecord(start, cudaStreamPerThread), "cudaEventRecord");
+    for (int i = 0; i < reps; ++i) step();
+    cuda_ok(cudaEventRecord(stop, cudaStreamPerThread), "cudaEventRecord");
+    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    return ms / reps;
+  };
+  const float cudnn_ms = time_ms(cudnn_step), own_ms = time_ms(own_step);
+  const Vec co = values(DType::bf16, download<std::uint16_t>(o.p, n * qw));
+  const Vec ow = values(DType::bf16, download<std::uint16_t>(oo.p, n * qw));
+  const auto gh = download<std::uint16_t>(g16.p, n * width);
+  const auto oh = download<float>(grads.p, n * width);
+  Vec cg(gh.size()), og(oh.begin(), oh.end());
+  for (std::size_t i = 0; i < gh.size(); ++i) cg[i] = from_bits(DType::bf16, gh[i]);
+  const double o_diff = normalized_error(co, ow), g_diff = normalized_error(cg, og);
+  // Causal: forward's 2 matmuls and backward's 5 (S recomputed), each 2 B H T^2 d / 2 flops.
+  const double flops = 7.0 * B * H * double(T) * T * d;
+  std::printf(
+      "attention fwd+bwd, %d x %d tokens, %d heads, %d kv heads, head_dim %d, bf16:\n"
+      "  cuDNN %.3f ms (%.0f TFLOP/s, workspace %zu bytes), own %.3f ms (%.0f TFLOP/s),"
+      " %.1fx; O differs by %.2e, dq|dk|dv by %.2e\n",
+      B, T, H, K, d, cudnn_ms, flops / cudnn_ms / 1e9, ws, own_ms, flops / own_ms / 1e9,
+      own_ms / cudnn_ms, o_diff, g_diff);
+  CHECK(o_diff < 1e-2);
+  CHECK(g_diff < 2e-2);
+}
+#endif  // SHARDSWAP_WITH_CUDNN
