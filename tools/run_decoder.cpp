@@ -10,6 +10,7 @@
 #include "memory/quoted.h"
 #include "shardswap/error.h"
 #include "tools/lm/decoder.h"
+#include "tools/lm/decoder_cuda.h"
 #include "tools/lm/hf_checkpoint.h"
 #include "tools/lm/hf_config.h"
 #include "tools/lm/token_data.h"
@@ -90,6 +91,7 @@ class DecoderRun final : public RunModel {
       : config_(c.decoder),
         seed_(c.seed),
         global_batch_(c.batches.train_samples),
+        on_cuda_(c.backend.rfind("cuda", 0) == 0),
         data_(token_spec(c)) {
     if (!config_.path.empty())
       checkpoint_.emplace(HfCheckpoint::open(config_.path, {config_.seq_len, "data.seq_len"}));
@@ -124,10 +126,12 @@ class DecoderRun final : public RunModel {
     const auto& s = config_.shape;
     return fmt::format(
         "decoder {} params ({}), {} layers, hidden {}, intermediate {}, heads {} / kv {} x {}, "
-        "vocab {}{}, seq_len {}, {}",
+        "vocab {}{}, seq_len {}, {}{}",
         param_count(), family_name(s.family), s.layers, s.hidden, s.intermediate, s.heads,
         s.kv_heads, s.head_dim, s.vocab, s.tied ? " (tied head)" : "", config_.seq_len,
-        config_.path.empty() ? "from scratch" : "from " + config_.path);
+        config_.path.empty() ? "from scratch" : "from " + config_.path,
+        // Which attention a GPU run has is said, never left to guess (docs/models.md).
+        on_cuda_ ? ", attention: " + lm::dec::cuda_attention_name(s) : "");
   }
   std::string describe_data() const override {
     return fmt::format("data {} ({} sequences, {} tokens; {} validation sequences)",
@@ -140,6 +144,7 @@ class DecoderRun final : public RunModel {
   DecoderRunConfig config_;
   std::uint64_t seed_;
   int global_batch_;
+  bool on_cuda_;
   TokenDataset data_;
   std::optional<HfCheckpoint> checkpoint_;
 };

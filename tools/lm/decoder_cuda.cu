@@ -1303,6 +1303,24 @@ bool cuda_attention_uses_cudnn(const DecoderShape& s) {
   throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value + ": not \"cudnn\" or \"own\"");
 }
 
+std::string cuda_attention_name(const DecoderShape& s) {
+  if (!cuda_attention_uses_cudnn(s)) {
+    const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
+    return std::string("own kernels (") +
+           (v != nullptr && std::string(v) == "own" ? "SHARDSWAP_DECODER_ATTENTION=own"
+            : !kCudaHasCudnn                          ? "this build has no cuDNN"
+                                                      : "head_dim is not a multiple of 8") +
+           ")";
+  }
+#ifdef SHARDSWAP_WITH_CUDNN
+  const long v = CudnnAttention::version();  // major * 10000 + minor * 100 + patch (cuDNN 9)
+  return "cuDNN " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
+         std::to_string(v % 100) + " fused flash attention";
+#else
+  return "own kernels";  // not reached: without cuDNN the branch above returned
+#endif
+}
+
 namespace {
 template <class F>
 void with_bit16(DType dtype, const char* call, F&& f) {

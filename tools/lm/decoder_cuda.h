@@ -181,6 +181,9 @@ inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_
 /// in every Llama, Qwen2 and Mistral checkpoint). Throws ConfigError naming the variable for
 /// any other value, or for "cudnn" where the build or head_dim rules cuDNN out.
 bool cuda_attention_uses_cudnn(const DecoderShape& s);
+/// What cuda_attention_uses_cudnn picks, in words: "cuDNN 9.14.0 fused flash attention" or
+/// "own kernels (...why...)". BackendUnavailable in a build without CUDA.
+std::string cuda_attention_name(const DecoderShape& s);
 
 /// The backend's own attention kernels alone (what it runs without cuDNN), on packed rows:
 /// q, o [sequences * seq_len, heads * head_dim], k, v [.., kv_heads * head_dim] of dtype

@@ -10,4 +10,8 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape&, int, int, DType,
   throw BackendUnavailable("make_cuda_compute: ShardSwap was built without CUDA");
 }
 
+std::string cuda_attention_name(const DecoderShape&) {
+  throw BackendUnavailable("cuda_attention_name: ShardSwap was built without CUDA");
+}
+
 }  // namespace shardswap::lm::dec
