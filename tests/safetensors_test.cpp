@@ -797,7 +797,7 @@ TEST_CASE("load then export is bit-exact, in one file and sharded above the limi
   }
 }
 
-TEST_CASE("an export of another dtype converts each param; a mixed-dtype folder loads", "[hf]") {
+TEST_CASE("an export of another dtype converts each param, and a mixed-dtype folder loads", "[hf]") {
   std::mt19937_64 rng(17);
   const ScratchFolder root("hf-folder");
   auto tensors = random_params(rng, false, true, "F32");

@@ -358,7 +358,7 @@ TEST_CASE("validation batches walk the validation windows in order and wrap arou
   CHECK(test::contains(test::message_of<ConfigError>([&] { no_val.val_batch(0, 1); }), "data.val"));
 }
 
-TEST_CASE("the shuffle is a bijection of [0, n) for every n tried", "[data]") {
+TEST_CASE("the shuffle is a bijection of 0 .. n-1 for every n tried", "[data]") {
   for (const std::int64_t n : {1, 2, 3, 4, 5, 7, 16, 17, 1000, 4096, 4097, 65537}) {
     for (const std::uint64_t seed : {0ull, 1ull, 0xdeadbeefull}) {
       for (const std::uint64_t epoch : {0ull, 1ull, 12345ull}) {

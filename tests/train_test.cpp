@@ -377,7 +377,7 @@ TEST_CASE("the plan names every tag and the activations of every rank") {
   REQUIRE(plan_memory(load(j), 0).activation > 0);
 }
 
-TEST_CASE("shardswap.comm_timeout_s is read in seconds; negative and non-numbers are refused") {
+TEST_CASE("shardswap.comm_timeout_s is read in seconds, negative and non-numbers are refused") {
   REQUIRE(load(small_run()).comm_timeout == std::chrono::milliseconds(0));  // absent: forever
   auto j = small_run();
   j["shardswap"]["comm_timeout_s"] = 1.5;

@@ -807,7 +807,7 @@ TEST_CASE("cuda decoder: logits, loss and every gradient match the float64 refer
   }
 }
 
-TEST_CASE("cuda decoder: frozen groups open no slot; the active ones get the reference's",
+TEST_CASE("cuda decoder: frozen groups open no slot, the active ones get the reference's",
           "[decoder][gpu]") {
   for (bool tied : {false, true}) {
     Case c{"frozen", small_shape(), 2, 20, 2, 20};
