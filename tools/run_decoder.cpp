@@ -199,9 +199,9 @@ void decoder_config_from_json(ConfigReader& c, TrainConfig& t) {
 }
 
 std::vector<std::filesystem::path> decoder_input_files(const TrainConfig& t) {
+  // The token files by name alone: the config check has opened and scanned them already.
   std::vector<std::filesystem::path> files;
-  const TokenDataset data(token_spec(t));
-  for (const auto& f : data.train_files()) files.emplace_back(f);
+  for (const auto& f : token_data_files(token_spec(t))) files.emplace_back(f);
   if (!t.decoder.path.empty()) {
     const HfCheckpoint model = HfCheckpoint::open(t.decoder.path, {t.decoder.seq_len, "data.seq_len"});
     files.push_back(std::filesystem::path(t.decoder.path) / "config.json");

@@ -52,8 +52,8 @@ struct DecoderRunConfig {
 };
 
 struct TrainConfig;
-/// Every file a decoder run reads: its token files and its model folder's config.json and
-/// weights (what its outputs must never replace).
+/// Every file a decoder run reads: its token files (data.train and data.val) and its model
+/// folder's config.json and weights (what its outputs must never replace).
 std::vector<std::filesystem::path> decoder_input_files(const TrainConfig& t);
 /// Reads the decoder's keys into t.decoder (model.path or the inline config.json fields under
 /// model.*, data.seq_len, data.train, data.val, data.tokenizer, data.val_fraction) and checks the

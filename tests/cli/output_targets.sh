@@ -87,6 +87,11 @@ refused "train --metrics onto the config file" \
 refused "train --metrics onto the data file" \
   "--metrics '$work/corpus.txt': the same file as an input of the run '$work/corpus.txt'" \
   train_into "$work/corpus.txt" --set data.train="$work/corpus.txt"
+head -c 8000 /usr/share/common-licenses/GPL-3 > "$work/val.txt"
+cp "$work/val.txt" "$work/val.orig"
+refused "train --metrics onto the validation file" \
+  "--metrics '$work/val.txt': the same file as an input of the run '$work/val.txt'" \
+  train_into "$work/val.txt" --set data.train="$work/corpus.txt" --set data.val="$work/val.txt"
 refused "train --metrics onto a symbolic link" "--metrics '$work/link': a symbolic link" \
   train_into "$work/link"
 refused "train --metrics onto a FIFO" "--metrics '$work/fifo': a FIFO" train_into "$work/fifo"
@@ -114,7 +119,7 @@ check "the FIFO is still a FIFO and the folder a folder" \
 check "the checkpoint's weights.bin is unchanged" cmp -s "$ck/weights.bin" "$work/weights.orig"
 check "the checkpoint holds no new file" test ! -e "$ck/model.safetensors" -a ! -e "$ck/metrics.jsonl"
 check "the config, data and metrics files are unchanged" \
-  sh -c "cmp -s '$work/run.json' '$config' && cmp -s '$work/corpus.txt' '$work/corpus.orig' && cmp -s '$work/m.svg' '$work/m.orig'"
+  sh -c "cmp -s '$work/run.json' '$config' && cmp -s '$work/corpus.txt' '$work/corpus.orig' && cmp -s '$work/val.txt' '$work/val.orig' && cmp -s '$work/m.svg' '$work/m.orig'"
 
 # A regular file of ours is replaced whole, with nothing left beside it.
 echo "an older export" > "$work/model.safetensors"

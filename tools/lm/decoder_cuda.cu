@@ -1315,7 +1315,9 @@ std::string cuda_attention_name(const DecoderShape& s) {
 #ifdef SHARDSWAP_WITH_CUDNN
   const long v = CudnnAttention::version();  // major * 10000 + minor * 100 + patch (cuDNN 9)
   return "cuDNN " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
-         std::to_string(v % 100) + " fused flash attention";
+         std::to_string(v % 100) +
+         " fused flash attention (its backward sums dQ with atomics: two runs may differ in the "
+         "last bits; SHARDSWAP_DECODER_ATTENTION=own gives identical runs)";
 #else
   return "own kernels";  // not reached: without cuDNN the branch above returned
 #endif

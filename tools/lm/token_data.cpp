@@ -254,6 +254,13 @@ void TokenDataset::add(Split& split, TokenFile file, std::int64_t begin,
   split.streams.push_back(Stream{std::move(file), begin, length});
 }
 
+std::vector<std::string> token_data_files(const TokenDataSpec& spec) {
+  std::vector<std::string> files = expand("data.train", spec.train);
+  if (!spec.val.empty())
+    for (auto& f : expand("data.val", spec.val)) files.push_back(std::move(f));
+  return files;
+}
+
 TokenDataset::TokenDataset(const TokenDataSpec& spec)
     : seq_len_(spec.seq_len), vocab_(spec.vocab), seed_(spec.seed) {
   if (spec.seq_len < 1)

@@ -67,6 +67,11 @@ struct TokenDataSpec {
   std::uint64_t seed = 1;     ///< the shuffle's seed
 };
 
+/// The files data.train and data.val name, globs expanded (sorted by name), without opening them:
+/// what a run reads, for the CLI's check that no output of the run is one of its inputs.
+/// ConfigError, naming the key, for a pattern that matches nothing.
+std::vector<std::string> token_data_files(const TokenDataSpec& spec);
+
 /// Sequences of token ids in the layout of lm::dec::Batch: `sequences` rows of `seq_len`,
 /// row-major; targets are the inputs shifted by one token.
 struct TokenSequences {
