@@ -52,27 +52,6 @@ struct Event {
   ~Event() { SHARDSWAP_CUDA_WARN(cudaEventDestroy(e)); }
 };
 
-struct Handle {
-  cublasHandle_t h = nullptr;
-  Handle(void* workspace, std::size_t bytes) {
-    SHARDSWAP_CUBLAS_CHECK(cublasCreate(&h));
-    try {
-      // setStream resets the workspace to cuBLAS's own pool: set ours after it.
-      SHARDSWAP_CUBLAS_CHECK(cublasSetStream(h, cudaStreamPerThread));
-      SHARDSWAP_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, bytes));
-    } catch (...) {
-      cublasDestroy(h);
-      throw;
-    }
-  }
-  Handle(const Handle&) = delete;
-  Handle& operator=(const Handle&) = delete;
-  ~Handle() {
-    const cublasStatus_t status = cublasDestroy(h);
-    if (status != CUBLAS_STATUS_SUCCESS)
-      std::fprintf(stderr, "warning: cublasDestroy failed: %s\n", cublasGetStatusName(status));
-  }
-};
 
 }  // namespace
 
@@ -92,11 +71,11 @@ double measure_cublas_gemm_tflops(int m, int n, int k, DType dtype) {
   fill_random<<<1024, 256, 0, stream>>>(a.ptr, bf16, static_cast<long long>(mm * kk), 1u);
   fill_random<<<1024, 256, 0, stream>>>(b.ptr, bf16, static_cast<long long>(kk * nn), 2u);
   SHARDSWAP_CUDA_CHECK(cudaGetLastError());
-  Handle handle(workspace.ptr, kWorkspaceBytes);
+  const detail::CublasHandle handle(workspace.ptr, kWorkspaceBytes);
   const cudaDataType_t t = bf16 ? CUDA_R_16BF : CUDA_R_16F;
   const float one = 1.0f, zero = 0.0f;
   const auto run = [&] {  // row-major C[m, n] = A[m, k] B[k, n]: column-major C^T = B^T A^T
-    SHARDSWAP_CUBLAS_CHECK(cublasGemmEx(handle.h, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, &one, b.ptr,
+    SHARDSWAP_CUBLAS_CHECK(cublasGemmEx(handle.get(), CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, &one, b.ptr,
                                         t, n, a.ptr, t, k, &zero, c.ptr, t, n, CUBLAS_COMPUTE_32F,
                                         CUBLAS_GEMM_DEFAULT));
   };

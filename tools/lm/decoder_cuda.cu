@@ -698,34 +698,6 @@ cudaDataType_t slot_type(DType t) {
   return t == DType::f32 ? CUDA_R_32F : t == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
 }
 
-// Owns a cuBLAS handle (not copyable) on cudaStreamPerThread with a given workspace.
-class CublasHandle {
- public:
-  CublasHandle(void* workspace, std::size_t bytes) {
-    SHARDSWAP_CUBLAS_CHECK(cublasCreate(&handle_));
-    try {
-      // setStream resets the workspace to cuBLAS's own pool: set ours after it, so that cuBLAS
-      // allocates nothing.
-      SHARDSWAP_CUBLAS_CHECK(cublasSetStream(handle_, cudaStreamPerThread));
-      SHARDSWAP_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace, bytes));
-    } catch (...) {
-      cublasDestroy(handle_);
-      throw;
-    }
-  }
-  CublasHandle(const CublasHandle&) = delete;
-  CublasHandle& operator=(const CublasHandle&) = delete;
-  ~CublasHandle() {
-    const cublasStatus_t status = cublasDestroy(handle_);
-    if (status != CUBLAS_STATUS_SUCCESS)
-      std::fprintf(stderr, "warning: cublasDestroy failed: %s\n", cublasGetStatusName(status));
-  }
-  cublasHandle_t get() const { return handle_; }
-
- private:
-  cublasHandle_t handle_ = nullptr;
-};
-
 // Row-major C[M, N] = alpha op(A) op(B) + beta C, with A stored [M, K] (or [K, M] when
 // transposed) with row length lda, and B likewise: cuBLAS is column-major, so it computes
 // C^T = op(B)^T op(A)^T on the same memory, the operands swapped.
@@ -1273,7 +1245,7 @@ class CudaCompute final : public Compute {
   std::byte* mem_;
   CudaLayout l_;
   int device_;
-  CublasHandle cublas_;
+  detail::CublasHandle cublas_;
   std::vector<float> inv_freq_;
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
 #ifdef SHARDSWAP_WITH_CUDNN
