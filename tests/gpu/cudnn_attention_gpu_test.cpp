@@ -444,4 +444,55 @@ TEST_CASE("cuDNN attention against the own kernels: time at a Qwen2.5-0.5B shape
   CHECK(o_diff < 1e-2);
   CHECK(g_diff < 2e-2);
 }
+
+// The deterministic backward (dS K straight into dQ) gives the same bits twice, at a shape where
+// the accumulating form's key tiles are many (2 x 1024 positions, 14 heads / 2 kv heads), and
+// agrees with the accumulating form to bf16's rounding; whether the accumulating form's two runs
+// differed is printed.
+TEST_CASE("cuDNN's deterministic backward gives identical bits run to run", "[cudnn]") {
+  const int B = 2, T = 1024, H = 14, K = 2, d = 64;
+  const std::size_t n = static_cast<std::size_t>(B) * T, qw = std::size_t{H} * d,
+                    kw = std::size_t{K} * d, width = qw + 2 * kw;
+  std::mt19937 rng(11);
+  const double spread = std::pow(static_cast<double>(d), -0.25) * 1.5;
+  const std::size_t ws_bytes = cudnn_attention_deterministic_workspace_bytes(B, T, H, d);
+  DeviceBuffer q(n * qw * 2), k(n * kw * 2), v(n * kw * 2), dout(n * qw * 2), o(n * qw * 2),
+      lse(n * H * 4), g16(n * width * 2), dq32(n * qw * 4), delta(n * H * 4), workspace(ws_bytes);
+  upload(q.p, random_bits(DType::bf16, n * qw, spread, rng));
+  upload(k.p, random_bits(DType::bf16, n * kw, spread, rng));
+  upload(v.p, random_bits(DType::bf16, n * kw, 1.0, rng));
+  upload(dout.p, random_bits(DType::bf16, n * qw, 1.0, rng));
+  CudnnAttention attn(workspace.p, ws_bytes);
+  AttentionShape s;
+  s.sequences = B;
+  s.seq_len = T;
+  s.heads = H;
+  s.kv_heads = K;
+  s.head_dim = d;
+  s.q_ld = static_cast<long long>(qw);
+  s.kv_ld = static_cast<long long>(kw);
+  s.grad_ld = static_cast<long long>(width);
+  auto* g = g16.as<std::uint16_t>();
+  const auto grads_of = [&](bool deterministic) {
+    AttentionShape t = s;
+    t.deterministic = deterministic;
+    attn.forward(t, {q.p, k.p, v.p, o.p, lse.as<float>()});
+    attn.backward(t, {q.p, k.p, v.p, o.p, dout.p, lse.as<float>(), g, g + qw, g + qw + kw,
+                      deterministic ? nullptr : dq32.as<float>(), delta.as<float>()});
+    return download<std::uint16_t>(g16.p, n * width);
+  };
+  const auto det1 = grads_of(true), det2 = grads_of(true);
+  const auto acc1 = grads_of(false), acc2 = grads_of(false);
+  REQUIRE(det1 == det2);
+  Vec dv(det1.size()), av(acc1.size());
+  for (std::size_t i = 0; i < det1.size(); ++i) {
+    dv[i] = from_bits(DType::bf16, det1[i]);
+    av[i] = from_bits(DType::bf16, acc1[i]);
+  }
+  const double diff = normalized_error(dv, av);
+  std::printf("cuDNN backward, %d x %d tokens, %d / %d heads: deterministic twice identical; "
+              "against the accumulating form %.2e; the accumulating form's two runs %s\n",
+              B, T, H, K, diff, acc1 == acc2 ? "identical" : "differ");
+  CHECK(diff < 1e-2);
+}
 #endif  // SHARDSWAP_WITH_CUDNN

@@ -218,7 +218,8 @@ cudnnDataType_t cudnn_type(DType t) {
 std::string describe(const AttentionShape& s) {
   return std::to_string(s.sequences) + " x " + std::to_string(s.seq_len) + " tokens, " +
          std::to_string(s.heads) + " heads, " + std::to_string(s.kv_heads) +
-         " kv heads, head_dim " + std::to_string(s.head_dim) + ", " + dtype_name(s.dtype);
+         " kv heads, head_dim " + std::to_string(s.head_dim) + ", " + dtype_name(s.dtype) +
+         (s.deterministic ? ", deterministic" : "");
 }
 
 // The common tensors: q [B, H, T, d] (rows q_ld apart), k^T and v as [B, K, d, T] / [B, K, T, d].
@@ -300,7 +301,6 @@ Desc backward_graph(cudnnHandle_t handle, const AttentionShape& s) {
   auto dk = g.tensor(kDk, io, z.kv_dims(), z.kv_strides(z.g_ld));
   auto dv = g.tensor(kDv, io, z.kv_dims(), z.kv_strides(z.g_ld));
   auto delta = g.tensor(kDelta, f32, z.rows(), z.rows_strides());
-  auto dq32 = g.tensor(kDq32, f32, z.q_dims(), {z.h * z.t * z.d, z.t * z.d, z.d, 1});
   const Dims sd = z.scores(), ss = z.scores_strides(), st = z.scores_t_strides();
   // delta = rowsum(dout * o)
   auto dout_o = g.virt(f32, z.q_dims(), {z.h * z.t * z.d, z.t * z.d, z.h * z.d, 1});
@@ -349,11 +349,17 @@ Desc backward_graph(cudnnHandle_t handle, const AttentionShape& s) {
   } else {
     g.matmul(dst, q, dk);
   }
-  // dQ = dS k, accumulated in fp32 (dq32, cuDNN's scratch), then rounded into dq.
   auto k = g.virt(io, z.kv_dims(), z.kv_strides(z.kv_ld));
   g.reshape(kt, k);
-  g.matmul(ds, k, dq32);
-  g.pointwise(CUDNN_POINTWISE_IDENTITY, dq32, nullptr, dq);
+  if (s.deterministic) {
+    // dQ = dS k straight into dq: cuDNN's form without atomics (dP in its workspace).
+    g.matmul(ds, k, dq);
+  } else {
+    // dQ = dS k, accumulated in fp32 over key tiles (dq32, cuDNN's scratch), then rounded.
+    auto dq32 = g.tensor(kDq32, f32, z.q_dims(), {z.h * z.t * z.d, z.t * z.d, z.d, 1});
+    g.matmul(ds, k, dq32);
+    g.pointwise(CUDNN_POINTWISE_IDENTITY, dq32, nullptr, dq);
+  }
   return g.finish(handle);
 }
 
@@ -552,21 +558,31 @@ void CudnnAttention::forward(const AttentionShape& s, const AttentionForward& io
 }
 
 void CudnnAttention::backward(const AttentionShape& s, const AttentionBackward& io) {
-  check_pointers({io.q, io.k, io.v, io.o, io.dout, io.lse, io.dq, io.dk, io.dv, io.dq32, io.delta},
+  check_pointers({io.q, io.k, io.v, io.o, io.dout, io.lse, io.dq, io.dk, io.dv, io.delta},
                  "backward");
+  if (!s.deterministic) check_pointers({io.dq32}, "backward");
   const Impl::Entry& e = impl_->plans_for(s);
   float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
   float neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
   const std::size_t dq32_bytes =
       sizeof(float) * static_cast<std::size_t>(s.sequences) * static_cast<std::size_t>(s.seq_len) *
       static_cast<std::size_t>(s.heads) * static_cast<std::size_t>(s.head_dim);
-  // cuDNN accumulates dQ into dq32 over key tiles: it starts from zero.
-  SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(io.dq32, 0, dq32_bytes, cudaStreamPerThread));
-  impl_->execute(e.backward,
-                 {kQ, kK, kV, kO, kDout, kLse, kScale, kNegInf, kOne, kDq, kDk, kDv, kDelta, kDq32},
-                 {const_cast<void*>(io.q), const_cast<void*>(io.k), const_cast<void*>(io.v),
-                  const_cast<void*>(io.o), const_cast<void*>(io.dout), const_cast<float*>(io.lse),
-                  &scale, &neg_inf, &one, io.dq, io.dk, io.dv, io.delta, io.dq32});
+  std::vector<std::int64_t> uids{kQ,   kK,      kV,   kO,  kDout, kLse, kScale,
+                                 kNegInf, kOne, kDq, kDk, kDv,   kDelta};
+  std::vector<void*> ptrs{const_cast<void*>(io.q),    const_cast<void*>(io.k),
+                          const_cast<void*>(io.v),    const_cast<void*>(io.o),
+                          const_cast<void*>(io.dout), const_cast<float*>(io.lse),
+                          &scale,                     &neg_inf,
+                          &one,                       io.dq,
+                          io.dk,                      io.dv,
+                          io.delta};
+  if (!s.deterministic) {
+    // cuDNN accumulates dQ into dq32 over key tiles: it starts from zero.
+    SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(io.dq32, 0, dq32_bytes, cudaStreamPerThread));
+    uids.push_back(kDq32);
+    ptrs.push_back(io.dq32);
+  }
+  impl_->execute(e.backward, uids, std::move(ptrs));
 }
 
 long CudnnAttention::version() {

@@ -20,6 +20,20 @@ inline std::size_t cudnn_attention_workspace_bytes(std::size_t tokens, int heads
          (std::size_t{1} << 20);
 }
 
+/// The workspace of the deterministic backward (AttentionShape::deterministic): cuDNN then keeps
+/// the probabilities' gradient dP of every (sequence, head) in its workspace, 2 bytes a score of
+/// the 64-padded seq_len x seq_len (as cudnn-frontend sizes it on Hopper), besides the above.
+/// Not yet measured against what cuDNN asks for.
+inline std::size_t cudnn_attention_deterministic_workspace_bytes(int sequences, int seq_len,
+                                                                 int heads, int head_dim) {
+  const std::size_t padded = (static_cast<std::size_t>(seq_len) + 63) / 64 * 64;
+  return static_cast<std::size_t>(sequences) * static_cast<std::size_t>(heads) * padded * padded *
+             2 +
+         cudnn_attention_workspace_bytes(
+             static_cast<std::size_t>(sequences) * static_cast<std::size_t>(seq_len), heads,
+             head_dim);
+}
+
 /// One attention problem. Rows are tokens, token = sequence * seq_len + position, and head h's
 /// vector starts at h * head_dim in its row; the *_ld are row lengths in elements. The plans
 /// are built for (and cached by) every field.
@@ -29,10 +43,14 @@ struct AttentionShape {
   long long q_ld = 0;         // q, o, dout (and dq): heads * head_dim or more
   long long kv_ld = 0;        // k, v
   long long grad_ld = 0;      // dq, dk, dv (backward only)
+  /// Backward without atomics: dS K is written straight into dq (cuDNN keeps dP in its
+  /// workspace) instead of being summed over key tiles into the fp32 dq32 accumulator, whose
+  /// order of additions varies from run to run. dq32 is then unused.
+  bool deterministic = false;
   bool operator==(const AttentionShape& o) const {
     return sequences == o.sequences && seq_len == o.seq_len && heads == o.heads &&
            kv_heads == o.kv_heads && head_dim == o.head_dim && dtype == o.dtype && q_ld == o.q_ld &&
-           kv_ld == o.kv_ld && grad_ld == o.grad_ld;
+           kv_ld == o.kv_ld && grad_ld == o.grad_ld && deterministic == o.deterministic;
   }
 };
 
