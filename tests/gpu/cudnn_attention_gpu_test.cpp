@@ -64,14 +64,15 @@ std::uint16_t to_bits(DType t, float x) {
   return bits;
 }
 double from_bits(DType t, std::uint16_t bits) {
+  // From raw bits: the types' own constructors (no memcpy into their protected member).
   if (t == DType::bf16) {
-    __nv_bfloat16 h;
-    std::memcpy(&h, &bits, 2);
-    return static_cast<double>(__bfloat162float(h));
+    __nv_bfloat16_raw raw;
+    raw.x = bits;
+    return static_cast<double>(__bfloat162float(__nv_bfloat16(raw)));
   }
-  __half h;
-  std::memcpy(&h, &bits, 2);
-  return static_cast<double>(__half2float(h));
+  __half_raw raw;
+  raw.x = bits;
+  return static_cast<double>(__half2float(__half(raw)));
 }
 
 // Random values of the type: the host reference computes from exactly what the device holds.
@@ -354,145 +355,222 @@ TEST_CASE("SHARDSWAP_DECODER_ATTENTION picks the attention and refuses other val
   DecoderShape odd = s;
   odd.head_dim = 12;
   ::setenv("SHARDSWAP_DECODER_ATTENTION", "own", 1);
-  CHECK_FALSE(cuda_attention_uses_cudnn(s));
+  CHECK(cuda_attention(s) == CudaAttention::own);
   ::setenv("SHARDSWAP_DECODER_ATTENTION", "cudnn", 1);
-  CHECK(cuda_attention_uses_cudnn(s));
-  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention_uses_cudnn(odd); }),
+  CHECK(cuda_attention(s) == CudaAttention::cudnn);
+  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention(odd); }),
                        "head_dim = 12"));
+  ::setenv("SHARDSWAP_DECODER_ATTENTION", "cudnn-atomic", 1);
+  CHECK(cuda_attention(s) == CudaAttention::cudnn_atomic);
+  CHECK(test::contains(cuda_attention_name(s), "atomics"));
+  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention(odd); }),
+                       "SHARDSWAP_DECODER_ATTENTION=cudnn-atomic: head_dim = 12"));
   ::setenv("SHARDSWAP_DECODER_ATTENTION", "flash", 1);
-  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention_uses_cudnn(s); }),
+  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention(s); }),
                        "SHARDSWAP_DECODER_ATTENTION=flash"));
   ::unsetenv("SHARDSWAP_DECODER_ATTENTION");
-  CHECK(cuda_attention_uses_cudnn(s));
-  CHECK_FALSE(cuda_attention_uses_cudnn(odd));  // the own kernels, as documented
+  CHECK(cuda_attention(s) == CudaAttention::cudnn);  // deterministic by default
+  CHECK(test::contains(cuda_attention_name(s), "deterministic backward"));
+  CHECK(cuda_attention(odd) == CudaAttention::own);  // the own kernels, as documented
   if (before) ::setenv("SHARDSWAP_DECODER_ATTENTION", saved.c_str(), 1);
 }
 
-// A Qwen2.5-0.5B layer's attention (14 heads, 2 kv heads, head_dim 64) at 8 x 2048 tokens:
-// forward + backward, cuDNN against the own kernels, after a check that the two agree. Hidden:
-// run it by its tag.
-TEST_CASE("cuDNN attention against the own kernels: time at a Qwen2.5-0.5B shape",
-          "[.][cudnn-bench]") {
-  const int B = 8, T = 2048, H = 14, K = 2, d = 64;
-  const std::size_t n = static_cast<std::size_t>(B) * T, qw = std::size_t{H} * d,
-                    kw = std::size_t{K} * d, width = qw + 2 * kw;
-  std::mt19937 rng(7);
-  const double spread = std::pow(static_cast<double>(d), -0.25) * 1.5;
-  DeviceBuffer q(n * qw * 2), k(n * kw * 2), v(n * kw * 2), dout(n * qw * 2), o(n * qw * 2),
-      lse(n * H * 4), g16(n * width * 2), dq32(n * qw * 4), delta(n * H * 4),
-      workspace(cudnn_attention_workspace_bytes(n, H, d)), oo(n * qw * 2), olse(n * H * 4),
-      grads(n * width * 4), odelta(n * H * 4);
-  upload(q.p, random_bits(DType::bf16, n * qw, spread, rng));
-  upload(k.p, random_bits(DType::bf16, n * kw, spread, rng));
-  upload(v.p, random_bits(DType::bf16, n * kw, 1.0, rng));
-  upload(dout.p, random_bits(DType::bf16, n * qw, 1.0, rng));
-  CudnnAttention attn(workspace.p, cudnn_attention_workspace_bytes(n, H, d));
+namespace {
+// Random bf16 operands of a causal GQA attention, packed rows, and the gradient rows' scratch.
+struct AttentionOperands {
   AttentionShape s;
-  s.sequences = B;
-  s.seq_len = T;
-  s.heads = H;
-  s.kv_heads = K;
-  s.head_dim = d;
-  s.q_ld = static_cast<long long>(qw);
-  s.kv_ld = static_cast<long long>(kw);
-  s.grad_ld = static_cast<long long>(width);
-  const std::size_t ws = attn.prepare(s);
-  auto* g = g16.as<std::uint16_t>();
-  const auto cudnn_step = [&] {
-    attn.forward(s, {q.p, k.p, v.p, o.p, lse.as<float>()});
-    attn.backward(s, {q.p, k.p, v.p, o.p, dout.p, lse.as<float>(), g, g + qw, g + qw + kw,
-                      dq32.as<float>(), delta.as<float>()});
-  };
-  const auto own_step = [&] {
-    own_attention_forward(DType::bf16, B, T, H, K, d, q.p, k.p, v.p, oo.p, olse.as<float>());
-    own_attention_backward(DType::bf16, B, T, H, K, d, q.p, k.p, v.p, oo.p, dout.p,
-                           olse.as<float>(), odelta.as<float>(), grads.as<float>(),
-                           static_cast<long long>(width));
-  };
-  const auto time_ms = [&](auto&& step) {
-    step();  // warm
-    cudaEvent_t start, stop;
-    cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-    cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-    const int reps = 5;
-    cuda_ok(cudaEventRecord(start, cudaStreamPerThread), "cudaEventRecord");
-    for (int i = 0; i < reps; ++i) step();
-    cuda_ok(cudaEventRecord(stop, cudaStreamPerThread), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    return ms / reps;
-  };
-  const float cudnn_ms = time_ms(cudnn_step), own_ms = time_ms(own_step);
-  const Vec co = values(DType::bf16, download<std::uint16_t>(o.p, n * qw));
-  const Vec ow = values(DType::bf16, download<std::uint16_t>(oo.p, n * qw));
-  const auto gh = download<std::uint16_t>(g16.p, n * width);
-  const auto oh = download<float>(grads.p, n * width);
-  Vec cg(gh.size()), og(oh.begin(), oh.end());
-  for (std::size_t i = 0; i < gh.size(); ++i) cg[i] = from_bits(DType::bf16, gh[i]);
-  const double o_diff = normalized_error(co, ow), g_diff = normalized_error(cg, og);
-  // Causal: forward's 2 matmuls and backward's 5 (S recomputed), each 2 B H T^2 d / 2 flops.
-  const double flops = 7.0 * B * H * double(T) * T * d;
-  std::printf(
-      "attention fwd+bwd, %d x %d tokens, %d heads, %d kv heads, head_dim %d, bf16:\n"
-      "  cuDNN %.3f ms (%.0f TFLOP/s, workspace %zu bytes), own %.3f ms (%.0f TFLOP/s),"
-      " %.1fx; O differs by %.2e, dq|dk|dv by %.2e\n",
-      B, T, H, K, d, cudnn_ms, flops / cudnn_ms / 1e9, ws, own_ms, flops / own_ms / 1e9,
-      own_ms / cudnn_ms, o_diff, g_diff);
-  CHECK(o_diff < 1e-2);
-  CHECK(g_diff < 2e-2);
-}
-
-// The deterministic backward (dS K straight into dQ) gives the same bits twice, at a shape where
-// the accumulating form's key tiles are many (2 x 1024 positions, 14 heads / 2 kv heads), and
-// agrees with the accumulating form to bf16's rounding; whether the accumulating form's two runs
-// differed is printed.
-TEST_CASE("cuDNN's deterministic backward gives identical bits run to run", "[cudnn]") {
-  const int B = 2, T = 1024, H = 14, K = 2, d = 64;
-  const std::size_t n = static_cast<std::size_t>(B) * T, qw = std::size_t{H} * d,
-                    kw = std::size_t{K} * d, width = qw + 2 * kw;
-  std::mt19937 rng(11);
-  const double spread = std::pow(static_cast<double>(d), -0.25) * 1.5;
-  const std::size_t ws_bytes = cudnn_attention_deterministic_workspace_bytes(B, T, H, d);
-  DeviceBuffer q(n * qw * 2), k(n * kw * 2), v(n * kw * 2), dout(n * qw * 2), o(n * qw * 2),
-      lse(n * H * 4), g16(n * width * 2), dq32(n * qw * 4), delta(n * H * 4), workspace(ws_bytes);
-  upload(q.p, random_bits(DType::bf16, n * qw, spread, rng));
-  upload(k.p, random_bits(DType::bf16, n * kw, spread, rng));
-  upload(v.p, random_bits(DType::bf16, n * kw, 1.0, rng));
-  upload(dout.p, random_bits(DType::bf16, n * qw, 1.0, rng));
-  CudnnAttention attn(workspace.p, ws_bytes);
-  AttentionShape s;
-  s.sequences = B;
-  s.seq_len = T;
-  s.heads = H;
-  s.kv_heads = K;
-  s.head_dim = d;
-  s.q_ld = static_cast<long long>(qw);
-  s.kv_ld = static_cast<long long>(kw);
-  s.grad_ld = static_cast<long long>(width);
-  auto* g = g16.as<std::uint16_t>();
-  const auto grads_of = [&](bool deterministic) {
+  std::size_t n, qw, kw, width;
+  DeviceBuffer q, k, v, dout, o, lse, g16, dq32, delta;
+  AttentionOperands(int B, int T, int H, int K, int d, unsigned seed)
+      : n(static_cast<std::size_t>(B) * T),
+        qw(std::size_t{static_cast<std::size_t>(H)} * d),
+        kw(std::size_t{static_cast<std::size_t>(K)} * d),
+        width(qw + 2 * kw),
+        q(n * qw * 2),
+        k(n * kw * 2),
+        v(n * kw * 2),
+        dout(n * qw * 2),
+        o(n * qw * 2),
+        lse(n * H * 4),
+        g16(n * width * 2),
+        dq32(n * qw * 4),
+        delta(n * H * 4) {
+    std::mt19937 rng(seed);
+    const double spread = std::pow(static_cast<double>(d), -0.25) * 1.5;
+    upload(q.p, random_bits(DType::bf16, n * qw, spread, rng));
+    upload(k.p, random_bits(DType::bf16, n * kw, spread, rng));
+    upload(v.p, random_bits(DType::bf16, n * kw, 1.0, rng));
+    upload(dout.p, random_bits(DType::bf16, n * qw, 1.0, rng));
+    s.sequences = B;
+    s.seq_len = T;
+    s.heads = H;
+    s.kv_heads = K;
+    s.head_dim = d;
+    s.q_ld = static_cast<long long>(qw);
+    s.kv_ld = static_cast<long long>(kw);
+    s.grad_ld = static_cast<long long>(width);
+  }
+  // Forward and backward through attn; the backward deterministic or not.
+  void step(CudnnAttention& attn, bool deterministic) {
     AttentionShape t = s;
     t.deterministic = deterministic;
+    auto* g = g16.as<std::uint16_t>();
     attn.forward(t, {q.p, k.p, v.p, o.p, lse.as<float>()});
     attn.backward(t, {q.p, k.p, v.p, o.p, dout.p, lse.as<float>(), g, g + qw, g + qw + kw,
                       deterministic ? nullptr : dq32.as<float>(), delta.as<float>()});
-    return download<std::uint16_t>(g16.p, n * width);
-  };
-  const auto det1 = grads_of(true), det2 = grads_of(true);
-  const auto acc1 = grads_of(false), acc2 = grads_of(false);
-  REQUIRE(det1 == det2);
-  Vec dv(det1.size()), av(acc1.size());
-  for (std::size_t i = 0; i < det1.size(); ++i) {
-    dv[i] = from_bits(DType::bf16, det1[i]);
-    av[i] = from_bits(DType::bf16, acc1[i]);
   }
-  const double diff = normalized_error(dv, av);
-  std::printf("cuDNN backward, %d x %d tokens, %d / %d heads: deterministic twice identical; "
-              "against the accumulating form %.2e; the accumulating form's two runs %s\n",
-              B, T, H, K, diff, acc1 == acc2 ? "identical" : "differ");
-  CHECK(diff < 1e-2);
+  std::vector<std::uint16_t> grads() const { return download<std::uint16_t>(g16.p, n * width); }
+  Vec grad_values() const {
+    const auto h = grads();
+    Vec out(h.size());
+    for (std::size_t i = 0; i < h.size(); ++i) out[i] = from_bits(DType::bf16, h[i]);
+    return out;
+  }
+};
+
+template <class Step>
+float time_ms(Step&& step) {
+  step();  // warm (plans built)
+  cudaEvent_t start, stop;
+  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
+  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
+  const int reps = 5;
+  cuda_ok(cudaEventRecord(start, cudaStreamPerThread), "cudaEventRecord");
+  for (int i = 0; i < reps; ++i) step();
+  cuda_ok(cudaEventRecord(stop, cudaStreamPerThread), "cudaEventRecord");
+  cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float ms = 0;
+  cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms / reps;
+}
+}  // namespace
+
+// Attention forward + backward at Qwen2.5 0.5B / 1.5B / 7B layer shapes, seq 2048: cuDNN's
+// atomic backward, its deterministic one as the decoder runs it (calls of up to
+// kCudaDeterministicDpBytes of dP) and in one call, and (at the first shape) the own kernels,
+// after checks that they agree. Hidden: run it by its tag.
+TEST_CASE("cuDNN attention, atomic and deterministic backward and the own kernels: time",
+          "[.][cudnn-bench]") {
+  struct Case {
+    const char* name;
+    int B, H, K, d;
+    bool own;
+  };
+  const int T = 2048;
+  for (const Case c : {Case{"Qwen2.5-0.5B", 8, 14, 2, 64, true},
+                       Case{"Qwen2.5-1.5B", 4, 12, 2, 128, false},
+                       Case{"Qwen2.5-7B", 1, 28, 4, 128, false}}) {
+    AttentionOperands x(c.B, T, c.H, c.K, c.d, 7);
+    DecoderShape ds;
+    ds.hidden = c.H * c.d;
+    ds.heads = c.H;
+    ds.kv_heads = c.K;
+    ds.head_dim = c.d;
+    const std::size_t decoder_bytes = cuda_cudnn_scratch_bytes(ds, c.B, T);
+    const std::size_t whole_bytes = cudnn_attention_deterministic_workspace_bytes(c.B, T, c.H, c.d);
+    const std::size_t atomic_bytes = cudnn_attention_workspace_bytes(x.n, c.H, c.d);
+    DeviceBuffer w_atomic(atomic_bytes), w_decoder(decoder_bytes), w_whole(whole_bytes);
+    CudnnAttention atomic(w_atomic.p, atomic_bytes), decoder(w_decoder.p, decoder_bytes),
+        whole(w_whole.p, whole_bytes);
+    AttentionShape det = x.s;
+    det.deterministic = true;
+    const std::size_t asked_atomic = atomic.prepare(x.s), asked_decoder = decoder.prepare(det),
+                      asked_whole = whole.prepare(det);
+    const float atomic_ms = time_ms([&] { x.step(atomic, false); });
+    const Vec atomic_g = x.grad_values();
+    const float decoder_ms = time_ms([&] { x.step(decoder, true); });
+    const Vec decoder_g = x.grad_values();
+    const float whole_ms = time_ms([&] { x.step(whole, true); });
+    const Vec whole_g = x.grad_values();
+    const double flops = 7.0 * c.B * c.H * double(T) * T * c.d;  // 7 causal matmuls
+    std::printf(
+        "%s attention fwd+bwd, %d x %d tokens, %d / %d heads, head_dim %d, bf16:\n"
+        "  cuDNN atomic backward        %7.3f ms (%3.0f TFLOP/s), workspace asked %zu of %zu\n"
+        "  deterministic, %d seq a call %7.3f ms (%3.0f TFLOP/s), workspace asked %zu of %zu\n"
+        "  deterministic, one call      %7.3f ms (%3.0f TFLOP/s), workspace asked %zu of %zu\n"
+        "  grads: deterministic vs atomic %.2e, decoder's calls vs one call %.2e\n",
+        c.name, c.B, T, c.H, c.K, c.d, atomic_ms, flops / atomic_ms / 1e9, asked_atomic,
+        atomic_bytes, cudnn_attention_deterministic_sequences(det, decoder_bytes), decoder_ms,
+        flops / decoder_ms / 1e9, asked_decoder, decoder_bytes, whole_ms, flops / whole_ms / 1e9,
+        asked_whole, whole_bytes, normalized_error(decoder_g, atomic_g),
+        normalized_error(decoder_g, whole_g));
+    CHECK(normalized_error(decoder_g, atomic_g) < 1e-2);
+    CHECK(normalized_error(decoder_g, whole_g) < 1e-2);
+    if (!c.own) continue;
+    DeviceBuffer oo(x.n * x.qw * 2), olse(x.n * c.H * 4), grads(x.n * x.width * 4),
+        odelta(x.n * c.H * 4);
+    const float own_ms = time_ms([&] {
+      own_attention_forward(DType::bf16, c.B, T, c.H, c.K, c.d, x.q.p, x.k.p, x.v.p, oo.p,
+                            olse.as<float>());
+      own_attention_backward(DType::bf16, c.B, T, c.H, c.K, c.d, x.q.p, x.k.p, x.v.p, oo.p,
+                             x.dout.p, olse.as<float>(), odelta.as<float>(), grads.as<float>(),
+                             static_cast<long long>(x.width));
+    });
+    x.step(decoder, true);
+    const Vec co = values(DType::bf16, download<std::uint16_t>(x.o.p, x.n * x.qw));
+    const Vec ow = values(DType::bf16, download<std::uint16_t>(oo.p, x.n * x.qw));
+    const auto oh = download<float>(grads.p, x.n * x.width);
+    const double o_diff = normalized_error(co, ow),
+                 g_diff = normalized_error(x.grad_values(), Vec(oh.begin(), oh.end()));
+    std::printf("  own kernels %.3f ms (%.0f TFLOP/s), %.1fx the deterministic cuDNN; O differs "
+                "by %.2e, dq|dk|dv by %.2e\n",
+                own_ms, flops / own_ms / 1e9, own_ms / decoder_ms, o_diff, g_diff);
+    CHECK(o_diff < 1e-2);
+    CHECK(g_diff < 2e-2);
+  }
+}
+
+// The deterministic backward (dS K straight into dQ) gives the same bits run after run, in one
+// call and in calls of one sequence, at a shape where the atomic form's key tiles are many
+// (2 x 1024 positions, 14 heads / 2 kv heads), and agrees with the atomic form to bf16's
+// rounding; cuDNN's asked workspace is within the bound that sizes it.
+TEST_CASE("cuDNN's deterministic backward gives identical bits run to run", "[cudnn]") {
+  const int B = 2, T = 1024, H = 14, K = 2, d = 64;
+  AttentionOperands x(B, T, H, K, d, 11);
+  AttentionShape det = x.s;
+  det.deterministic = true;
+  const std::size_t whole_bytes = cudnn_attention_deterministic_workspace_bytes(B, T, H, d),
+                    one_bytes = cudnn_attention_deterministic_workspace_bytes(1, T, H, d),
+                    atomic_bytes = cudnn_attention_workspace_bytes(x.n, H, d);
+  REQUIRE(cudnn_attention_deterministic_sequences(det, whole_bytes) == B);
+  REQUIRE(cudnn_attention_deterministic_sequences(det, one_bytes) == 1);
+  CHECK(cudnn_attention_deterministic_sequences(det, one_bytes - 1) == 0);
+  DeviceBuffer w_whole(whole_bytes), w_one(one_bytes), w_atomic(atomic_bytes);
+  CudnnAttention whole(w_whole.p, whole_bytes), one(w_one.p, one_bytes),
+      atomic(w_atomic.p, atomic_bytes);
+  CHECK(whole.prepare(det) <= whole_bytes);
+  CHECK(one.prepare(det) <= one_bytes);
+  // A deterministic call for more sequences than the workspace holds is never made: the batch
+  // goes in calls of one, and a workspace short of one sequence is refused naming the bytes.
+  DeviceBuffer w_short(one_bytes / 2);
+  CudnnAttention short_of_one(w_short.p, one_bytes / 2);
+  CHECK(test::contains(test::message_of<ConfigError>([&] { short_of_one.prepare(det); }),
+                       "for one sequence"));
+  const auto grads_of = [&](CudnnAttention& attn, bool deterministic) {
+    x.step(attn, deterministic);
+    return x.grads();
+  };
+  const auto w1 = grads_of(whole, true), w2 = grads_of(whole, true);
+  const auto o1 = grads_of(one, true), o2 = grads_of(one, true);
+  const auto a1 = grads_of(atomic, false), a2 = grads_of(atomic, false);
+  REQUIRE(w1 == w2);
+  REQUIRE(o1 == o2);
+  const auto as_values = [](const std::vector<std::uint16_t>& bits) {
+    Vec out(bits.size());
+    for (std::size_t i = 0; i < bits.size(); ++i) out[i] = from_bits(DType::bf16, bits[i]);
+    return out;
+  };
+  const double vs_atomic = normalized_error(as_values(w1), as_values(a1));
+  std::printf("cuDNN backward, %d x %d tokens, %d / %d heads: deterministic twice identical "
+              "(one call and calls of one sequence: %s); against the atomic form %.2e; the "
+              "atomic form's two runs %s; workspace asked %zu of %zu (one call), %zu of %zu "
+              "(one sequence)\n",
+              B, T, H, K, w1 == o1 ? "identical" : "differ", vs_atomic,
+              a1 == a2 ? "identical" : "differ", whole.prepare(det), whole_bytes,
+              one.prepare(det), one_bytes);
+  CHECK(vs_atomic < 1e-2);
+  CHECK(normalized_error(as_values(w1), as_values(o1)) < 1e-2);
 }
 #endif  // SHARDSWAP_WITH_CUDNN

@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -462,27 +463,40 @@ struct CudnnAttention::Impl {
   std::size_t workspace_bytes = 0;
   struct Entry {
     AttentionShape shape;
-    Plan forward, backward;
+    bool backward;
+    Plan plan;
   };
-  std::vector<Entry> plans;  // a handful of shapes: a linear search is enough
+  std::deque<Entry> plans;  // a handful of shapes: a linear search is enough; stable references
 
-  const Entry& plans_for(const AttentionShape& s) {
+  const Plan& plan_for(AttentionShape s, bool backward) {
+    if (!backward) s.deterministic = false;  // one forward graph for both backwards
     for (const Entry& e : plans)
-      if (e.shape == s) return e;
+      if (e.backward == backward && e.shape == s) return e.plan;
     check_shape(s);
-    const std::string what = describe(s);
-    Desc fg = forward_graph(handle, s);
-    Plan f = build_plan(handle, fg, "forward attention of " + what);
-    Desc bg = backward_graph(handle, s);
-    Plan b = build_plan(handle, bg, "backward attention of " + what);
-    for (const Plan* p : {&f, &b})
-      if (p->workspace > workspace_bytes)
-        throw ConfigError("CudnnAttention: cuDNN wants " + std::to_string(p->workspace) +
-                          " bytes of workspace for the " + (p == &f ? "forward" : "backward") +
-                          " attention of " + what + ", above the " +
-                          std::to_string(workspace_bytes) + " it was given");
-    plans.push_back(Entry{s, std::move(f), std::move(b)});
-    return plans.back();
+    const std::string what =
+        std::string(backward ? "backward" : "forward") + " attention of " + describe(s);
+    Desc graph = backward ? backward_graph(handle, s) : forward_graph(handle, s);
+    Plan p = build_plan(handle, graph, what);
+    if (p.workspace > workspace_bytes)
+      throw ConfigError("CudnnAttention: cuDNN wants " + std::to_string(p.workspace) +
+                        " bytes of workspace for the " + what + ", above the " +
+                        std::to_string(workspace_bytes) + " it was given");
+    plans.push_back(Entry{s, backward, std::move(p)});
+    return plans.back().plan;
+  }
+
+  // Sequences per call of the deterministic backward (the whole batch for the other form).
+  int backward_sequences(const AttentionShape& s) const {
+    if (!s.deterministic) return s.sequences;
+    const int c = cudnn_attention_deterministic_sequences(s, workspace_bytes);
+    if (c == 0)
+      throw ConfigError("CudnnAttention: the deterministic backward attention of " +
+                        describe(s) + " needs " +
+                        std::to_string(cudnn_attention_deterministic_workspace_bytes(
+                            1, s.seq_len, s.heads, s.head_dim)) +
+                        " bytes of workspace for one sequence, above the " +
+                        std::to_string(workspace_bytes) + " it was given");
+    return c;
   }
 
   static void check_shape(const AttentionShape& s) {
@@ -543,16 +557,23 @@ CudnnAttention::~CudnnAttention() {
 }
 
 std::size_t CudnnAttention::prepare(const AttentionShape& s) {
-  const Impl::Entry& e = impl_->plans_for(s);
-  return std::max(e.forward.workspace, e.backward.workspace);
+  std::size_t bytes = impl_->plan_for(s, false).workspace;
+  const int per_call = impl_->backward_sequences(s);
+  for (const int c : {per_call, s.sequences % per_call}) {
+    if (c == 0) continue;
+    AttentionShape t = s;
+    t.sequences = c;
+    bytes = std::max(bytes, impl_->plan_for(t, true).workspace);
+  }
+  return bytes;
 }
 
 void CudnnAttention::forward(const AttentionShape& s, const AttentionForward& io) {
   check_pointers({io.q, io.k, io.v, io.o, io.lse}, "forward");
-  const Impl::Entry& e = impl_->plans_for(s);
+  const Plan& p = impl_->plan_for(s, false);
   float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
   float neg_inf = -std::numeric_limits<float>::infinity();
-  impl_->execute(e.forward, {kQ, kK, kV, kO, kLse, kScale, kNegInf},
+  impl_->execute(p, {kQ, kK, kV, kO, kLse, kScale, kNegInf},
                  {const_cast<void*>(io.q), const_cast<void*>(io.k), const_cast<void*>(io.v), io.o,
                   io.lse, &scale, &neg_inf});
 }
@@ -561,28 +582,43 @@ void CudnnAttention::backward(const AttentionShape& s, const AttentionBackward& 
   check_pointers({io.q, io.k, io.v, io.o, io.dout, io.lse, io.dq, io.dk, io.dv, io.delta},
                  "backward");
   if (!s.deterministic) check_pointers({io.dq32}, "backward");
-  const Impl::Entry& e = impl_->plans_for(s);
   float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
   float neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
-  const std::size_t dq32_bytes =
-      sizeof(float) * static_cast<std::size_t>(s.sequences) * static_cast<std::size_t>(s.seq_len) *
-      static_cast<std::size_t>(s.heads) * static_cast<std::size_t>(s.head_dim);
-  std::vector<std::int64_t> uids{kQ,   kK,      kV,   kO,  kDout, kLse, kScale,
-                                 kNegInf, kOne, kDq, kDk, kDv,   kDelta};
-  std::vector<void*> ptrs{const_cast<void*>(io.q),    const_cast<void*>(io.k),
-                          const_cast<void*>(io.v),    const_cast<void*>(io.o),
-                          const_cast<void*>(io.dout), const_cast<float*>(io.lse),
-                          &scale,                     &neg_inf,
-                          &one,                       io.dq,
-                          io.dk,                      io.dv,
-                          io.delta};
   if (!s.deterministic) {
+    const Plan& p = impl_->plan_for(s, true);
+    const std::size_t dq32_bytes = sizeof(float) * static_cast<std::size_t>(s.sequences) *
+                                   static_cast<std::size_t>(s.seq_len) *
+                                   static_cast<std::size_t>(s.heads) *
+                                   static_cast<std::size_t>(s.head_dim);
     // cuDNN accumulates dQ into dq32 over key tiles: it starts from zero.
     SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(io.dq32, 0, dq32_bytes, cudaStreamPerThread));
-    uids.push_back(kDq32);
-    ptrs.push_back(io.dq32);
+    impl_->execute(p, {kQ, kK, kV, kO, kDout, kLse, kScale, kNegInf, kOne, kDq, kDk, kDv, kDelta,
+                       kDq32},
+                   {const_cast<void*>(io.q), const_cast<void*>(io.k), const_cast<void*>(io.v),
+                    const_cast<void*>(io.o), const_cast<void*>(io.dout),
+                    const_cast<float*>(io.lse), &scale, &neg_inf, &one, io.dq, io.dk, io.dv,
+                    io.delta, io.dq32});
+    return;
   }
-  impl_->execute(e.backward, uids, std::move(ptrs));
+  // Deterministic: calls of per_call sequences, each on its rows of every operand (2-byte
+  // elements; lse and delta [sequences, heads, seq_len]).
+  const int per_call = impl_->backward_sequences(s);
+  for (int first = 0; first < s.sequences; first += per_call) {
+    AttentionShape t = s;
+    t.sequences = std::min(per_call, s.sequences - first);
+    const Plan& p = impl_->plan_for(t, true);
+    const long long row = static_cast<long long>(first) * s.seq_len;
+    const long long stat = row * s.heads;
+    const auto at = [row](const void* base, long long ld) {
+      return static_cast<void*>(const_cast<char*>(static_cast<const char*>(base)) +
+                                row * ld * 2);
+    };
+    impl_->execute(p, {kQ, kK, kV, kO, kDout, kLse, kScale, kNegInf, kOne, kDq, kDk, kDv, kDelta},
+                   {at(io.q, s.q_ld), at(io.k, s.kv_ld), at(io.v, s.kv_ld), at(io.o, s.q_ld),
+                    at(io.dout, s.q_ld), const_cast<float*>(io.lse) + stat, &scale, &neg_inf,
+                    &one, at(io.dq, s.grad_ld), at(io.dk, s.grad_ld), at(io.dv, s.grad_ld),
+                    io.delta + stat});
+  }
 }
 
 long CudnnAttention::version() {

@@ -20,20 +20,6 @@ inline std::size_t cudnn_attention_workspace_bytes(std::size_t tokens, int heads
          (std::size_t{1} << 20);
 }
 
-/// The workspace of the deterministic backward (AttentionShape::deterministic): cuDNN then keeps
-/// the probabilities' gradient dP of every (sequence, head) in its workspace, 2 bytes a score of
-/// the 64-padded seq_len x seq_len (as cudnn-frontend sizes it on Hopper), besides the above.
-/// Not yet measured against what cuDNN asks for.
-inline std::size_t cudnn_attention_deterministic_workspace_bytes(int sequences, int seq_len,
-                                                                 int heads, int head_dim) {
-  const std::size_t padded = (static_cast<std::size_t>(seq_len) + 63) / 64 * 64;
-  return static_cast<std::size_t>(sequences) * static_cast<std::size_t>(heads) * padded * padded *
-             2 +
-         cudnn_attention_workspace_bytes(
-             static_cast<std::size_t>(sequences) * static_cast<std::size_t>(seq_len), heads,
-             head_dim);
-}
-
 /// One attention problem. Rows are tokens, token = sequence * seq_len + position, and head h's
 /// vector starts at h * head_dim in its row; the *_ld are row lengths in elements. The plans
 /// are built for (and cached by) every field.
@@ -44,8 +30,9 @@ struct AttentionShape {
   long long kv_ld = 0;        // k, v
   long long grad_ld = 0;      // dq, dk, dv (backward only)
   /// Backward without atomics: dS K is written straight into dq (cuDNN keeps dP in its
-  /// workspace) instead of being summed over key tiles into the fp32 dq32 accumulator, whose
-  /// order of additions varies from run to run. dq32 is then unused.
+  /// workspace, so the batch goes in calls of cudnn_attention_deterministic_sequences) instead
+  /// of being summed over key tiles into the fp32 dq32 accumulator, whose order of additions
+  /// varies from run to run. dq32 is then unused (may be null). The forward is the same.
   bool deterministic = false;
   bool operator==(const AttentionShape& o) const {
     return sequences == o.sequences && seq_len == o.seq_len && heads == o.heads &&
@@ -53,6 +40,34 @@ struct AttentionShape {
            kv_ld == o.kv_ld && grad_ld == o.grad_ld && deterministic == o.deterministic;
   }
 };
+
+/// The deterministic backward's workspace for a call of `sequences` sequences: cuDNN keeps the
+/// probabilities' gradient dP of every (sequence, head) there, 2 bytes a score of the 64-padded
+/// seq_len x seq_len (as cudnn-frontend sizes it on Hopper), besides the workspace above.
+inline std::size_t cudnn_attention_deterministic_workspace_bytes(int sequences, int seq_len,
+                                                                 int heads, int head_dim) {
+  const std::size_t padded = (static_cast<std::size_t>(seq_len) + 63) / 64 * 64;
+  const std::size_t b = static_cast<std::size_t>(sequences);
+  return b * static_cast<std::size_t>(heads) * padded * padded * 2 +
+         cudnn_attention_workspace_bytes(b * static_cast<std::size_t>(seq_len), heads, head_dim);
+}
+
+/// How many sequences one deterministic backward call of shape s takes with `bytes` of
+/// workspace: the most, up to s.sequences, whose workspace fits, keeping each call's lse and
+/// delta 16-byte aligned (a call starts first * heads * seq_len floats in); 0 when even the
+/// smallest call does not fit. CudnnAttention::backward splits the batch into such calls.
+inline int cudnn_attention_deterministic_sequences(const AttentionShape& s, std::size_t bytes) {
+  int unit = 1;
+  while (static_cast<long long>(unit) * s.heads * s.seq_len % 4 != 0) ++unit;
+  int best = 0;
+  for (int c = 1; c <= s.sequences; ++c) {
+    if (c % unit != 0 && c != s.sequences) continue;
+    if (cudnn_attention_deterministic_workspace_bytes(c, s.seq_len, s.heads, s.head_dim) > bytes)
+      break;
+    best = c;
+  }
+  return best;
+}
 
 /// Forward operands (device pointers, 16-byte aligned). lse is fp32 [sequences, heads, seq_len]
 /// packed: the natural log of each row's sum of exp(scaled scores).

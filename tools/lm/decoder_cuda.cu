@@ -23,8 +23,9 @@
 // head_dim is a multiple of 8, else (or with SHARDSWAP_DECODER_ATTENTION=own) the kernels
 // below. cuDNN keeps lse as [sequence, head, position] and writes dQ, dK, dV in the operands'
 // type (rounded from its fp32 sums, where the own kernels keep fp32); one kernel widens them
-// into the fp32 gradient rows. Its backward sums dQ over key tiles with atomics, so only the
-// own kernels give the same bits run after run.
+// into the fp32 gradient rows. Its backward is the deterministic one (dP in its workspace, in
+// calls of a few sequences) unless SHARDSWAP_DECODER_ATTENTION=cudnn-atomic asks for the one
+// that sums dQ over key tiles with atomics, whose runs differ in the last bits.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -740,7 +741,7 @@ template <class T>
 class CudaCompute final : public Compute {
  public:
   CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, std::byte* memory,
-              bool use_cudnn)
+              CudaAttention attention)
       : s_(s),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
@@ -750,10 +751,18 @@ class CudaCompute final : public Compute {
         device_(use_device_of(memory)),  // current before the handle is made on it
         cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
         inv_freq_(rope_inv_freq(s)) {
-    if (use_cudnn) {
+    if (attention != CudaAttention::own) {
 #ifdef SHARDSWAP_WITH_CUDNN
-      cudnn_ = std::make_unique<CudnnAttention>(
-          memory + l_.attn_workspace, cudnn_attention_workspace_bytes(n_max_, s.heads, s.head_dim));
+      std::byte* scratch = memory + l_.attn_scratch;
+      std::size_t bytes = cuda_cudnn_scratch_bytes(s, max_sequences, seq_len);
+      deterministic_ = attention == CudaAttention::cudnn;
+      if (!deterministic_) {  // the fp32 dQ accumulator first, the workspace after it
+        const std::size_t dq32 = cuda_cudnn_dq32_bytes(s, max_sequences, seq_len);
+        dq32_ = reinterpret_cast<float*>(scratch);
+        scratch += dq32;
+        bytes -= dq32;
+      }
+      cudnn_ = std::make_unique<CudnnAttention>(scratch, bytes);
       // The largest batch's plans now, so that a shape cuDNN refuses fails here.
       cudnn_->prepare(attention_shape(max_sequences, seq_len));
 #endif
@@ -969,6 +978,7 @@ class CudaCompute final : public Compute {
     a.q_ld = s_.q_width();
     a.kv_ld = s_.kv_width();
     a.grad_ld = qkv_width();
+    a.deterministic = deterministic_;
     return a;
   }
 #endif
@@ -1206,7 +1216,7 @@ class CudaCompute final : public Compute {
     if (cudnn_) {
       const long long qw = s_.q_width(), kw = s_.kv_width();
       cudnn_->backward(attention_shape(b.sequences, b.seq_len),
-                       {q, k, v, o, dout, lse, g16, g16 + qw, g16 + qw + kw, at(l_.attn_dq32),
+                       {q, k, v, o, dout, lse, g16, g16 + qw, g16 + qw + kw, dq32_,
                         at(l_.delta)});
       attention_grads_to_f32<T><<<blocks_for(static_cast<long long>(n) * width), 256, 0,
                                   cudaStreamPerThread>>>(g16, static_cast<long long>(n) * width,
@@ -1250,33 +1260,37 @@ class CudaCompute final : public Compute {
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
 #ifdef SHARDSWAP_WITH_CUDNN
   std::unique_ptr<CudnnAttention> cudnn_;  // null: the own kernels
+  bool deterministic_ = false;             // cuDNN's deterministic backward
+  float* dq32_ = nullptr;                  // its atomic backward's fp32 dQ (in the scratch)
 #endif
 };
 
 }  // namespace
 
-bool cuda_attention_uses_cudnn(const DecoderShape& s) {
+CudaAttention cuda_attention(const DecoderShape& s) {
   const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
   const std::string value = v == nullptr ? "" : v;
   // cuDNN's fused attention wants 16-byte head vectors.
   const bool fits = s.head_dim % 8 == 0 && s.head_dim <= kCudaMaxHeadDim;
-  if (value.empty()) return kCudaHasCudnn && fits;
-  if (value == "own") return false;
-  if (value == "cudnn") {
+  if (value.empty()) return kCudaHasCudnn && fits ? CudaAttention::cudnn : CudaAttention::own;
+  if (value == "own") return CudaAttention::own;
+  if (value == "cudnn" || value == "cudnn-atomic") {
     if (!kCudaHasCudnn)
-      throw ConfigError(
-          "SHARDSWAP_DECODER_ATTENTION=cudnn: this build has no cuDNN (SHARDSWAP_CUDNN)");
+      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value +
+                        ": this build has no cuDNN (SHARDSWAP_CUDNN)");
     if (!fits)
-      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=cudnn: head_dim = " +
+      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value + ": head_dim = " +
                         std::to_string(s.head_dim) +
                         " is not a multiple of 8, as cuDNN's fused attention needs");
-    return true;
+    return value == "cudnn" ? CudaAttention::cudnn : CudaAttention::cudnn_atomic;
   }
-  throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value + ": not \"cudnn\" or \"own\"");
+  throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value +
+                    ": not \"cudnn\", \"cudnn-atomic\" or \"own\"");
 }
 
 std::string cuda_attention_name(const DecoderShape& s) {
-  if (!cuda_attention_uses_cudnn(s)) {
+  const CudaAttention a = cuda_attention(s);
+  if (a == CudaAttention::own) {
     const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
     return std::string("own kernels (") +
            (v != nullptr && std::string(v) == "own" ? "SHARDSWAP_DECODER_ATTENTION=own"
@@ -1287,9 +1301,11 @@ std::string cuda_attention_name(const DecoderShape& s) {
 #ifdef SHARDSWAP_WITH_CUDNN
   const long v = CudnnAttention::version();  // major * 10000 + minor * 100 + patch (cuDNN 9)
   return "cuDNN " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
-         std::to_string(v % 100) +
-         " fused flash attention (its backward sums dQ with atomics: two runs may differ in the "
-         "last bits; SHARDSWAP_DECODER_ATTENTION=own gives identical runs)";
+         std::to_string(v % 100) + " fused flash attention" +
+         (a == CudaAttention::cudnn
+              ? ", deterministic backward"
+              : " (SHARDSWAP_DECODER_ATTENTION=cudnn-atomic: its backward sums dQ with atomics, "
+                "two runs may differ in the last bits)");
 #else
   return "own kernels";  // not reached: without cuDNN the branch above returned
 #endif
@@ -1361,13 +1377,13 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   if (reinterpret_cast<std::uintptr_t>(memory) % 256 != 0)
     throw ConfigError("make_cuda_compute: the block is not 256-byte aligned");
   auto* base = static_cast<std::byte*>(memory);
-  const bool use_cudnn = cuda_attention_uses_cudnn(s);
+  const CudaAttention attention = cuda_attention(s);
   switch (dtype) {
     case DType::bf16:
       return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, base,
-                                                          use_cudnn);
+                                                          attention);
     case DType::f16:
-      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, base, use_cudnn);
+      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, base, attention);
     default:
       break;
   }

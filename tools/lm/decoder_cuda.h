@@ -62,8 +62,7 @@ struct CudaLayout {
   std::size_t partials;   // f32 ceil(n / kCudaRowsPerPartial) max(D, H hd)
   std::size_t workspace;  // kCudaCublasWorkspaceBytes
   // Attention through cuDNN (a build with cuDNN; 0 bytes in one without):
-  std::size_t attn_dq32;       // f32 n H hd: cuDNN's dQ accumulator (scratch)
-  std::size_t attn_workspace;  // cudnn_attention_workspace_bytes(n, H, hd)
+  std::size_t attn_scratch;  // cuda_cudnn_scratch_bytes: its workspace (and fp32 dQ, atomic form)
   std::size_t bytes;      // total
 };
 
@@ -105,6 +104,41 @@ inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_l
   if (std::int64_t{max_sequences} * seq_len > (std::int64_t{1} << 30))
     fail("max_sequences * seq_len = " + std::to_string(std::int64_t{max_sequences} * seq_len) +
          " tokens: above 2^30");
+}
+
+/// The dP bytes the decoder gives one call of cuDNN's deterministic backward (cudnn-frontend's
+/// default bound for keeping dP in the workspace): the batch goes in calls of as many sequences
+/// as fit, one at least.
+inline constexpr std::size_t kCudaDeterministicDpBytes = std::size_t{256} << 20;
+
+/// The fp32 dQ accumulator of cuDNN's atomic backward, at the start of the cuDNN scratch.
+inline std::size_t cuda_cudnn_dq32_bytes(const DecoderShape& s, int max_sequences, int seq_len) {
+  const std::size_t n = static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len);
+  return (n * static_cast<std::size_t>(s.q_width()) * sizeof(float) + 255) / 256 * 256;
+}
+
+/// cuDNN's scratch for batches of up to max_sequences x seq_len tokens, enough for either
+/// backward: the atomic one's fp32 dQ and workspace, or the deterministic one's workspace for
+/// calls of as many sequences as kCudaDeterministicDpBytes of dP allows (one call's worth at
+/// least).
+inline std::size_t cuda_cudnn_scratch_bytes(const DecoderShape& s, int max_sequences, int seq_len) {
+  const std::size_t n = static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len);
+  const std::size_t atomic = cuda_cudnn_dq32_bytes(s, max_sequences, seq_len) +
+                             cudnn_attention_workspace_bytes(n, s.heads, s.head_dim);
+  AttentionShape a;
+  a.sequences = max_sequences;
+  a.seq_len = seq_len;
+  a.heads = s.heads;
+  a.kv_heads = s.kv_heads;
+  a.head_dim = s.head_dim;
+  int per_call = cudnn_attention_deterministic_sequences(
+      a, kCudaDeterministicDpBytes + cudnn_attention_workspace_bytes(n, s.heads, s.head_dim));
+  for (int c = 1; per_call == 0; ++c)  // not even one call within the bound: the smallest call
+    if (cudnn_attention_deterministic_sequences(
+            a, cudnn_attention_deterministic_workspace_bytes(c, seq_len, s.heads, s.head_dim)) > 0)
+      per_call = c;
+  return std::max(atomic, cudnn_attention_deterministic_workspace_bytes(per_call, seq_len, s.heads,
+                                                                         s.head_dim));
 }
 
 inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_len) {
@@ -160,9 +194,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.workspace = a.take(kCudaCublasWorkspaceBytes, 1);
   // Kept whichever attention a run picks (SHARDSWAP_DECODER_ATTENTION): the plan of a build
   // does not depend on the environment.
-  l.attn_dq32 = a.take(kCudaHasCudnn ? n * qw : 0, f32);
-  l.attn_workspace =
-      a.take(kCudaHasCudnn ? cudnn_attention_workspace_bytes(n, s.heads, s.head_dim) : 0, 1);
+  l.attn_scratch = a.take(kCudaHasCudnn ? cuda_cudnn_scratch_bytes(s, max_sequences, seq_len) : 0, 1);
   l.bytes = a.bytes;
   return l;
 }
@@ -175,13 +207,19 @@ inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_
   return cuda_layout(s, max_sequences, seq_len).bytes;
 }
 
-/// Which attention the backend runs for shape s: cuDNN's fused flash attention (a build with
-/// cuDNN) or its own kernels. From the environment variable SHARDSWAP_DECODER_ATTENTION:
-/// "cudnn", "own", or unset (cuDNN when the build has it and head_dim is a multiple of 8, as
-/// in every Llama, Qwen2 and Mistral checkpoint). Throws ConfigError naming the variable for
-/// any other value, or for "cudnn" where the build or head_dim rules cuDNN out.
-bool cuda_attention_uses_cudnn(const DecoderShape& s);
-/// What cuda_attention_uses_cudnn picks, in words: "cuDNN 9.14.0 fused flash attention" or
+/// Which attention the backend runs: cuDNN's fused flash attention with its deterministic
+/// backward (dQ without atomics; two runs give the same bits), the same with its atomic backward
+/// (dQ summed over key tiles with atomics: faster or not, measured in docs/models.md; runs may
+/// differ in the last bits), or the backend's own kernels.
+enum class CudaAttention { cudnn, cudnn_atomic, own };
+
+/// The attention for shape s, from the environment variable SHARDSWAP_DECODER_ATTENTION:
+/// "cudnn", "cudnn-atomic", "own", or unset (cudnn when the build has cuDNN and head_dim is a
+/// multiple of 8, as in every Llama, Qwen2 and Mistral checkpoint; else own). Throws ConfigError
+/// naming the variable for any other value, or for a cuDNN value where the build or head_dim
+/// rules cuDNN out.
+CudaAttention cuda_attention(const DecoderShape& s);
+/// What cuda_attention picks, in words: "cuDNN 9.14.0 fused flash attention" or
 /// "own kernels (...why...)". BackendUnavailable in a build without CUDA.
 std::string cuda_attention_name(const DecoderShape& s);
 
