@@ -1,7 +1,8 @@
 // Entry point of the GPU suite. Without a CUDA device each test exits 77, which CTest reports as
 // skipped, after printing why; listing the tests (CTest discovery) always works.
 // A listener checks after every test case that the device's free memory (cudaMemGetInfo) is back
-// within 2 MiB of where it was when the test case started; the run fails otherwise.
+// within 2 MiB of where it was when the test case started (device_memory_check.h); the run fails
+// otherwise.
 #define CATCH_CONFIG_RUNNER
 #include <cuda_runtime.h>
 
@@ -16,19 +17,16 @@
 #include "shardswap/nccl.h"
 #include "shardswap/allocator.h"
 #include "tests/catch_compat.h"
+#include "tests/gpu/device_memory_check.h"
 
 namespace {
 
 using test::ListenerBase;
 
-constexpr std::int64_t kSlack = 2 * 1024 * 1024;
 bool memory_lost = false;
 std::int64_t worst_loss = 0;
+std::int64_t allowed = 0;  // the running test case's allow_retained_device_memory
 int cases_checked = 0;
-
-std::int64_t free_bytes() {
-  return static_cast<std::int64_t>(shardswap::cuda_device_memory(0).free);
-}
 
 struct DeviceMemoryListener : ListenerBase {
   using ListenerBase::ListenerBase;
@@ -37,13 +35,14 @@ struct DeviceMemoryListener : ListenerBase {
   void testCaseStarting(Catch::TestCaseInfo const& info) override {
     ListenerBase::testCaseStarting(info);
     name = std::string(info.name);
-    before = free_bytes();
+    allowed = 0;
+    before = test::device_free_bytes();
   }
   void testCaseEnded(Catch::TestCaseStats const& stats) override {
-    const std::int64_t lost = before - free_bytes();
+    const std::int64_t lost = before - test::device_free_bytes() - allowed;
     worst_loss = std::max(worst_loss, lost);
     ++cases_checked;
-    if (lost > kSlack) {
+    if (lost > test::kDeviceMemorySlack) {
       memory_lost = true;
       std::printf("DEVICE MEMORY NOT RETURNED: '%s' left %lld bytes fewer free\n", name.c_str(),
                   static_cast<long long>(lost));
@@ -53,6 +52,16 @@ struct DeviceMemoryListener : ListenerBase {
 };
 
 }  // namespace
+
+std::int64_t test::device_free_bytes() {
+  return static_cast<std::int64_t>(shardswap::cuda_device_memory(0).free);
+}
+
+void test::allow_retained_device_memory(std::int64_t bytes, const char* what) {
+  allowed += bytes;
+  std::printf("device memory kept for the process by %s: %lld bytes (allowed)\n", what,
+              static_cast<long long>(bytes));
+}
 
 CATCH_REGISTER_LISTENER(DeviceMemoryListener)
 
@@ -83,6 +92,7 @@ int main(int argc, char* argv[]) {
   if (listing) return status;
   std::printf(
       "device memory: checked after %d test cases; largest shortfall %lld bytes (limit %lld)\n",
-      cases_checked, static_cast<long long>(worst_loss), static_cast<long long>(kSlack));
+      cases_checked, static_cast<long long>(worst_loss),
+      static_cast<long long>(test::kDeviceMemorySlack));
   return status != 0 ? status : (memory_lost ? 1 : 0);
 }
