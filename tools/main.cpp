@@ -235,6 +235,16 @@ int train_command(const std::vector<std::string>& args) {
                                100.0 * summary.model_tflops / summary.cublas_tflops,
                                summary.cublas_tflops);
     std::cout << "\n";
+    if (!summary.phase_seconds.empty()) {
+      double total = 0.0;
+      std::string parts;
+      for (const auto& [name, s] : summary.phase_seconds) {
+        total += s;
+        parts += fmt::format("{}{} {:.2f}", parts.empty() ? "" : ", ", name, s * 1e3);
+      }
+      std::cout << fmt::format("time per step, rank 0 (ms): {}; total {:.2f}\n", parts,
+                               total * 1e3);
+    }
   }
   return summary.stopped_by != 0 ? 128 + summary.stopped_by : 0;
 }

@@ -72,6 +72,16 @@ class DecoderRank final : public RankModel {
   double val_loss(const Engine& engine, int index) override {
     return model_->loss(engine, to_batch(data_.val_batch(index, micro_)));
   }
+  void time_phases(bool on) override { model_->time_phases(on); }
+  std::vector<std::pair<std::string, double>> take_phase_seconds() override {
+    const lm::dec::PhaseTimes t = model_->take_phase_times();
+    if (t.steps == 0) return {};
+    return {{"forward", t.forward / 1e3},
+            {"attention forward", t.attention_forward / 1e3},
+            {"head and loss", t.head / 1e3},
+            {"backward", t.backward / 1e3},
+            {"attention backward", t.attention_backward / 1e3}};
+  }
   ValLogits val_logits(const Engine& engine, int index) override {
     DecoderBatch b = to_batch(data_.val_batch(index, micro_));
     ValLogits out{b.sequences, b.seq_len, data_.vocab(), b.inputs, model_->logits(engine, b)};

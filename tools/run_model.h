@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardswap/allocator.h"
@@ -36,6 +37,11 @@ class RankModel {
   /// The inputs of validation batch `index` and every position's logits ([inputs, vocab]),
   /// for checks against another implementation. ConfigError for a model that has none.
   virtual ValLogits val_logits(const Engine& engine, int index) = 0;
+  /// GPU time of the model's phases (`logging.timing` on a GPU): on, then after each step the
+  /// seconds of each phase since the last take, named ("forward", "attention forward", ...).
+  /// A model without phase timing returns none.
+  virtual void time_phases(bool on) { (void)on; }
+  virtual std::vector<std::pair<std::string, double>> take_phase_seconds() { return {}; }
 };
 
 class RunModel {

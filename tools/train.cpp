@@ -343,6 +343,9 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
                  schedule.active_at(0));
     auto model = run->make_rank_model(micro, config.engine.dtype, space);
     const auto sync = [&] { backend.synchronize(); };
+    // With timing on a GPU, rank 0's model times its phases (CUDA events; the split printed at
+    // the end and in each metrics line).
+    if (rank == 0 && config.timing && space.device() == DeviceKind::cuda) model->time_phases(true);
 
     // Validation: batches rank, rank + world, ... of eval_batches, summed over ranks.
     const auto evaluate = [&] {
@@ -448,6 +451,15 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       if (config.timing) sync();
       const double engine_s = seconds_since(stepping);
       if (r.applied) ++updates;
+      // The model's GPU phases of this step, then engine.step() and what is left of the model's
+      // wall time: the host's launches and waits the GPU phases do not cover.
+      std::vector<std::pair<std::string, double>> phases = model->take_phase_seconds();
+      if (!phases.empty()) {
+        double gpu = 0.0;
+        for (const auto& p : phases) gpu += p.second;
+        phases.emplace_back("engine.step()", engine_s);
+        phases.emplace_back("host and gaps", std::max(0.0, model_s - gpu));
+      }
       loss = engine.sum_across_ranks(loss) / world;
       // Stop after this step? Every rank adds what it saw, so all decide alike even when the
       // signal lands between two ranks' reads; the flag never returns to 0, so after the sum
@@ -478,6 +490,10 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           timed_seconds += seconds;
           model_seconds += model_s;
           engine_seconds += engine_s;
+          if (summary.phase_seconds.empty()) summary.phase_seconds = phases;
+          else
+            for (std::size_t i = 0; i < phases.size(); ++i)
+              summary.phase_seconds[i].second += phases[i].second;
         }
         summary.steps = step + 1;
         summary.skipped += r.applied ? 0 : 1;
@@ -528,6 +544,11 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
                                  {"step_seconds", seconds}};
           if (!std::isfinite(r.grad_norm)) line["grad_norm"] = nullptr;  // JSON has no Inf
           if (evaluating) line["val_loss"] = val;
+          if (!phases.empty()) {
+            nlohmann::json split;
+            for (const auto& [name, s] : phases) split[name] = s;
+            line["phase_seconds"] = split;
+          }
           nlohmann::json memory;
           for (Tag t : kAllTags) memory[tag_name(t)] = mem.tag(t).requested.current;
           memory["total"] = mem.requested.current;
@@ -595,6 +616,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       const auto timed_steps = static_cast<double>(summary.steps - start - 1);  // after the first
       if (timed_steps > 0) {
         summary.tokens_per_s = tokens_per_step * timed_steps / timed_seconds;
+        for (auto& p : summary.phase_seconds) p.second /= timed_steps;
         summary.engine_step_share = config.timing
                                         ? engine_seconds / (engine_seconds + model_seconds)
                                         : std::numeric_limits<double>::quiet_NaN();

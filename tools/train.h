@@ -12,6 +12,7 @@
 #include <functional>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardswap/batch_sizes.h"
@@ -122,6 +123,9 @@ struct TrainSummary {
   /// With timing, on cuda: cuBLAS's rate for a GEMM of the model's largest shape (micro-batch x
   /// hidden x width), measured in the same run before training.
   double cublas_tflops = 0.0;
+  /// With timing, on cuda: rank 0's seconds per step (steps 2..N) of the model's GPU phases
+  /// (RankModel::take_phase_seconds), engine.step() and the host's part ("host and gaps").
+  std::vector<std::pair<std::string, double>> phase_seconds;
   /// On cuda: the device memory rank 0's GPU lost between the start and step 1
   /// (cudaMemGetInfo) minus the plans of the ranks on it; 0 on the cpu.
   std::int64_t device_outside_plan_bytes = 0;

@@ -147,6 +147,8 @@ class EngineDecoder final : public Decoder {
     compute_->logits(weights(engine, "Decoder::logits"), b, out.data());
     return out;
   }
+  void time_phases(bool on) override { compute_->time_phases(on); }
+  lm::dec::PhaseTimes take_phase_times() override { return compute_->take_phase_times(); }
 
  private:
   lm::dec::Batch check(const DecoderBatch& batch, const char* fn) const {

@@ -75,6 +75,9 @@ class Decoder {
   virtual double loss(const Engine& engine, const DecoderBatch& batch) = 0;
   /// Every position's logits, [sequences * seq_len, vocab] (tests and export checks).
   virtual std::vector<float> logits(const Engine& engine, const DecoderBatch& batch) = 0;
+  /// The backend's phase timing (lm::dec::Compute::time_phases): on the CUDA backend only.
+  virtual void time_phases(bool on) = 0;
+  virtual lm::dec::PhaseTimes take_phase_times() = 0;
 
   /// Exact bytes of Tag::activation (requested) that the model made by make_decoder holds in
   /// its MemorySpace for batches of up to max_sequences x seq_len.

@@ -177,9 +177,22 @@ struct Batch {
   const std::int32_t* targets = nullptr;
 };
 
+/// GPU milliseconds of train_step's phases, summed over the steps since the last
+/// take_phase_times (the CUDA backend with time_phases on; zeros elsewhere). forward and
+/// backward leave out attention, which has its own two; head is the chunked head and loss, with
+/// its gradients.
+struct PhaseTimes {
+  double forward = 0, attention_forward = 0, head = 0, backward = 0, attention_backward = 0;
+  int steps = 0;
+};
+
 class Compute {
  public:
   virtual ~Compute() = default;
+  /// Whether train_step records its phases' GPU time (CUDA events, read after the step's loss
+  /// is read back: no wait of their own). A backend without it ignores this.
+  virtual void time_phases(bool on) { (void)on; }
+  virtual PhaseTimes take_phase_times() { return {}; }
   /// Forward and backward: adds grad_scale times the gradient of the mean loss into the slots
   /// of the active groups. Frozen groups get no weight-gradient work; backward stops below the
   /// lowest active group. Returns the mean loss.

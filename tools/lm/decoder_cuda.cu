@@ -39,6 +39,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "memory/cuda/cuda_check.h"
@@ -737,6 +738,57 @@ void with_lanes(int hd, F&& f) {
   }
 }
 
+// The GPU time of train_step's phases (PhaseTimes) from CUDA events on cudaStreamPerThread: a
+// mark records an event as the next phase's work is queued; the time between two marks is the
+// earlier mark's phase. Read after the stream was synchronized (read_loss), so reading waits
+// for nothing; off, a mark does nothing.
+class PhaseClock {
+ public:
+  enum Phase { forward, attention_forward, head, backward, attention_backward, done };
+  PhaseClock() = default;
+  PhaseClock(const PhaseClock&) = delete;
+  PhaseClock& operator=(const PhaseClock&) = delete;
+  ~PhaseClock() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  void enable(bool on) { on_ = on; }
+  // A step's first mark; what a step that threw left behind is dropped.
+  void begin() {
+    marks_.clear();
+    mark(forward);
+  }
+  void mark(Phase p) {
+    if (!on_) return;
+    if (marks_.size() == events_.size()) {
+      cudaEvent_t e;
+      SHARDSWAP_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    SHARDSWAP_CUDA_CHECK(cudaEventRecord(events_[marks_.size()], cudaStreamPerThread));
+    marks_.push_back(p);
+  }
+  // After the step's last mark (done) and a synchronize: adds the step's phases to the sums.
+  void add_step() {
+    if (!on_ || marks_.empty()) return;
+    double* sums[] = {&times_.forward, &times_.attention_forward, &times_.head, &times_.backward,
+                      &times_.attention_backward};
+    for (std::size_t i = 0; i + 1 < marks_.size(); ++i) {
+      float ms = 0;
+      SHARDSWAP_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+      if (marks_[i] != done) *sums[marks_[i]] += ms;
+    }
+    ++times_.steps;
+    marks_.clear();
+  }
+  PhaseTimes take() { return std::exchange(times_, PhaseTimes{}); }
+
+ private:
+  bool on_ = false;
+  std::vector<cudaEvent_t> events_;  // reused step after step
+  std::vector<Phase> marks_;
+  PhaseTimes times_;
+};
+
 template <class T>
 class CudaCompute final : public Compute {
  public:
@@ -777,12 +829,21 @@ class CudaCompute final : public Compute {
     SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
     prepare_attention(b);
     upload(b, true);
+    clock_.begin();
     forward(w, b);
     const int lowest = lowest_active_group(sink);
+    clock_.mark(PhaseClock::head);
     head_and_loss(w, b, lowest <= s_.layers + 1 ? &sink : nullptr, grad_scale, nullptr);
+    clock_.mark(PhaseClock::backward);
     if (lowest <= s_.layers + 1) backward(w, b, grad_scale, sink, lowest);
-    return read_loss();
+    clock_.mark(PhaseClock::done);
+    const double loss = read_loss();
+    clock_.add_step();
+    return loss;
   }
+
+  void time_phases(bool on) override { clock_.enable(on); }
+  PhaseTimes take_phase_times() override { return clock_.take(); }
 
   double loss(const Weights& w, const Batch& b) override {
     check(w, b, "loss");
@@ -946,7 +1007,9 @@ class CudaCompute final : public Compute {
           qkv, cw(lw.q_bias), cw(lw.k_bias), cw(lw.v_bias), at(l_.inv_freq), n, b.seq_len,
           s_.heads, s_.kv_heads, s_.head_dim, q, k, v);
       check_launch();
+      clock_.mark(PhaseClock::attention_forward);
       attention(b, q, k, v, o, lse(l));
+      clock_.mark(PhaseClock::forward);
       // y = x + o Wo^T: the GEMM adds onto a copy of x (fp32 sum of the fp32 product).
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(ys(l), xs(l), sizeof(float) * n * d,
                                            cudaMemcpyDeviceToDevice, stream));
@@ -1173,7 +1236,9 @@ class CudaCompute final : public Compute {
       if (active) weight_grad(sink, {K::o, l}, n, d, qw, alpha, d16, d, o, qw);
       gemm(cublas_.get(), false, false, n, qw, d, 1.0f, d16, t16, d, lw.o, t16, qw, 0.0f, dout,
            t16, qw);
+      clock_.mark(PhaseClock::attention_backward);
       attention_backward(b, q, k, v, o, dout, lse, g32, g16, width);
+      clock_.mark(PhaseClock::backward);
       const long long units =
           static_cast<long long>(n) * ((s_.heads + s_.kv_heads) * (s_.head_dim / 2) + kw);
       qkv_backward<T><<<blocks_for(units), 256, 0, stream>>>(
@@ -1259,6 +1324,7 @@ class CudaCompute final : public Compute {
   std::vector<float> inv_freq_;
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
 #ifdef SHARDSWAP_WITH_CUDNN
+  PhaseClock clock_;                       // train_step's phases (time_phases)
   std::unique_ptr<CudnnAttention> cudnn_;  // null: the own kernels
   bool deterministic_ = false;             // cuDNN's deterministic backward
   float* dq32_ = nullptr;                  // its atomic backward's fp32 dQ (in the scratch)
