@@ -637,6 +637,11 @@ std::vector<Case> shape_cases() {
     c.shape.kv_heads = 3;
     cases.push_back(c);
   }
+  {  // more token rows than one chunk of the cross-entropy (kCudaLossChunkRows)
+    Case c{"llama, 5 x 256: two chunks of the loss's rows", small_shape(), 5, 256, 5, 256};
+    static_assert(5 * 256 > kCudaLossChunkRows);
+    cases.push_back(c);
+  }
   {  // linear RoPE scaling, bf16 slots, more layers, head_dim 64 (2 lanes)
     Case c{"linear rope, 4 layers, hd 64, bf16 slots, 3 x 40", small_shape(), 3, 40, 3, 40,
            DType::bf16, DType::bf16};

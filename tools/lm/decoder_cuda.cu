@@ -584,12 +584,21 @@ __global__ void __launch_bounds__(kCeThreads)
                        float* __restrict__ row_loss, bool grad) {
   __shared__ float shared[kCeThreads];
   float* z = logits + static_cast<long long>(blockIdx.x) * vocab;
-  float m = -INFINITY;
-  for (int j = threadIdx.x; j < vocab; j += kCeThreads) m = fmaxf(m, z[j]);
-  m = block_reduce<true>(m, shared);
-  float sum = 0.0f;
-  for (int j = threadIdx.x; j < vocab; j += kCeThreads) sum += expf(z[j] - m);
-  const float lse = m + logf(block_reduce<false>(sum, shared));
+  // One pass for the row's max and sum of exp (each thread's running sum rescaled when its
+  // max grows), then the gradient pass: the row is read twice, not three times.
+  float m = -INFINITY, sum = 0.0f;
+  for (int j = threadIdx.x; j < vocab; j += kCeThreads) {
+    const float x = z[j];
+    if (x > m) {
+      sum = sum * expf(m - x) + 1.0f;
+      m = x;
+    } else {
+      sum += expf(x - m);
+    }
+  }
+  const float row_max = block_reduce<true>(m, shared);
+  sum = m == -INFINITY ? 0.0f : sum * expf(m - row_max);
+  const float lse = row_max + logf(block_reduce<false>(sum, shared));
   const int target = targets[blockIdx.x];
   if (threadIdx.x == 0) row_loss[blockIdx.x] = lse - z[target];  // before any write below
   if (!grad) return;
