@@ -18,7 +18,8 @@ namespace shardswap::lm::dec {
 /// Token rows of fp32 logits the cross-entropy holds at once ([rows, vocab]): 594 MiB for a
 /// 152k vocabulary. Each chunk adds its head gradient into the fp32 [vocab, hidden] slot (read
 /// and written whole), so fewer, larger chunks are faster: at Qwen2.5-0.5B, 8 x 2048 tokens,
-/// chunks of 128 rows made the head and loss 98 ms of a 241 ms step on an H200 (docs/models.md).
+/// chunks of 128 rows made the head and loss 98 ms of a 241 ms step on an H200, chunks of 1024
+/// 29 ms (docs/benchmarks.md).
 inline constexpr int kCudaLossChunkRows = 1024;
 /// Rows per partial sum of the deterministic column sums (bias and norm gradients): partials
 /// of this many token rows, then one ordered sum of the partials.
@@ -211,8 +212,8 @@ inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_
 
 /// Which attention the backend runs: cuDNN's fused flash attention with its deterministic
 /// backward (dQ without atomics; two runs give the same bits), the same with its atomic backward
-/// (dQ summed over key tiles with atomics: faster or not, measured in docs/models.md; runs may
-/// differ in the last bits), or the backend's own kernels.
+/// (dQ summed over key tiles with atomics: 4% more tokens/s at Qwen2.5-0.5B, docs/benchmarks.md;
+/// runs differ in the last bits), or the backend's own kernels.
 enum class CudaAttention { cudnn, cudnn_atomic, own };
 
 /// The attention for shape s, from the environment variable SHARDSWAP_DECODER_ATTENTION:
@@ -221,7 +222,8 @@ enum class CudaAttention { cudnn, cudnn_atomic, own };
 /// naming the variable for any other value, or for a cuDNN value where the build or head_dim
 /// rules cuDNN out.
 CudaAttention cuda_attention(const DecoderShape& s);
-/// What cuda_attention picks, in words: "cuDNN 9.14.0 fused flash attention" or
+/// What cuda_attention picks, in words: "cuDNN 9.14.0 fused flash attention, deterministic
+/// backward", the same with the atomic backward's warning, or
 /// "own kernels (...why...)". BackendUnavailable in a build without CUDA.
 std::string cuda_attention_name(const DecoderShape& s);
 
