@@ -77,8 +77,10 @@ class DecoderRank final : public RankModel {
     const lm::dec::PhaseTimes t = model_->take_phase_times();
     if (t.steps == 0) return {};
     return {{"forward", t.forward / 1e3},
+            {"forward MLP", t.forward_mlp / 1e3},
             {"attention forward", t.attention_forward / 1e3},
             {"head and loss", t.head / 1e3},
+            {"backward MLP", t.backward_mlp / 1e3},
             {"backward", t.backward / 1e3},
             {"attention backward", t.attention_backward / 1e3}};
   }

@@ -13,8 +13,9 @@ during the run). Columns:
              as the head; an untied embedding's lookup not); full fine-tunes only
   of cuBLAS  the model's GEMM rate (forward + backward GEMM FLOPs over their time) against the
              cuBLAS rate of the model's largest GEMM measured in the same run
-  split      median ms per step of each phase (phase_seconds): forward, attention forward, head
-             and loss, backward, attention backward, engine.step(), host and gaps
+  split      median ms per step of each phase (phase_seconds): forward (embedding, norms,
+             q/k/v/o, RoPE), forward MLP, attention forward, head and loss, backward MLP,
+             backward (the rest), attention backward, engine.step(), host and gaps
   plan/peak  rank 0's predicted and measured peak (MiB)
 A row is void unless the loss is finite at every step and its last five steps' mean is below the
 first step's.
@@ -36,8 +37,8 @@ import sysconfig
 
 PEAK_TFLOPS = 989.0
 MICRO = {"0.5b": 8, "1.5b": 4, "3b": 4, "7b": 1}  # the peers' anchors' micro-batches
-PHASES = ["forward", "attention forward", "head and loss", "backward", "attention backward",
-          "engine.step()", "host and gaps"]
+PHASES = ["forward", "forward MLP", "attention forward", "head and loss", "backward MLP",
+          "backward", "attention backward", "engine.step()", "host and gaps"]
 
 
 def text_file(out, given):

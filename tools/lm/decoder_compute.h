@@ -179,10 +179,12 @@ struct Batch {
 
 /// GPU milliseconds of train_step's phases, summed over the steps since the last
 /// take_phase_times (the CUDA backend with time_phases on; zeros elsewhere). forward and
-/// backward leave out attention, which has its own two; head is the chunked head and loss, with
-/// its gradients.
+/// backward are what the MLPs and attention leave (embedding, norms, q/k/v/o projections,
+/// RoPE); the MLPs (norm, gate/up/down, SwiGLU) and attention have their own; head is the
+/// chunked head and loss, with its gradients.
 struct PhaseTimes {
-  double forward = 0, attention_forward = 0, head = 0, backward = 0, attention_backward = 0;
+  double forward = 0, forward_mlp = 0, attention_forward = 0, head = 0, backward_mlp = 0,
+         backward = 0, attention_backward = 0;
   int steps = 0;
 };
 

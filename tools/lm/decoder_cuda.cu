@@ -753,7 +753,16 @@ void with_lanes(int hd, F&& f) {
 // for nothing; off, a mark does nothing.
 class PhaseClock {
  public:
-  enum Phase { forward, attention_forward, head, backward, attention_backward, done };
+  enum Phase {
+    forward,      // embedding, norms, q/k/v/o projections, RoPE
+    forward_mlp,  // the MLP's norm, gate/up/down GEMMs, SwiGLU
+    attention_forward,
+    head,
+    backward_mlp,
+    backward,  // the rest of backward: norms, q/k/v/o, RoPE, embedding
+    attention_backward,
+    done
+  };
   PhaseClock() = default;
   PhaseClock(const PhaseClock&) = delete;
   PhaseClock& operator=(const PhaseClock&) = delete;
@@ -779,7 +788,8 @@ class PhaseClock {
   // After the step's last mark (done) and a synchronize: adds the step's phases to the sums.
   void add_step() {
     if (!on_ || marks_.empty()) return;
-    double* sums[] = {&times_.forward, &times_.attention_forward, &times_.head, &times_.backward,
+    double* sums[] = {&times_.forward,      &times_.forward_mlp, &times_.attention_forward,
+                      &times_.head,         &times_.backward_mlp, &times_.backward,
                       &times_.attention_backward};
     for (std::size_t i = 0; i + 1 < marks_.size(); ++i) {
       float ms = 0;
@@ -1006,6 +1016,7 @@ class CudaCompute final : public Compute {
       T* k = layer<T>(l_.k, l, kw);
       T* v = layer<T>(l_.v, l, kw);
       T* o = layer<T>(l_.o, l, qw);
+      clock_.mark(PhaseClock::forward);
       rms_norm(xs(l), lw.attn_norm, n, normed, rstd(l));
       linear(n, qw, d, normed, d, lw.q, 0.0f, qkv, CUDA_R_32F, width);
       linear(n, kw, d, normed, d, lw.k, 0.0f, qkv + qw, CUDA_R_32F, width);
@@ -1023,6 +1034,7 @@ class CudaCompute final : public Compute {
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(ys(l), xs(l), sizeof(float) * n * d,
                                            cudaMemcpyDeviceToDevice, stream));
       linear(n, d, qw, o, qw, lw.o, 1.0f, ys(l), CUDA_R_32F, d);
+      clock_.mark(PhaseClock::forward_mlp);
       rms_norm(ys(l), lw.mlp_norm, n, normed, rstd(s_.layers + l));
       T* gate = layer<T>(l_.gate, l, in);
       T* up = layer<T>(l_.up, l, in);
@@ -1215,6 +1227,7 @@ class CudaCompute final : public Compute {
       T* gate = layer<T>(l_.gate, l, in);
       T* up = layer<T>(l_.up, l, in);
       // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
+      clock_.mark(PhaseClock::backward_mlp);
       round_to_t(dx, d16, static_cast<long long>(n) * d);
       if (active) {
         swiglu_forward<T><<<blocks_for(static_cast<long long>(n) * in), 256, 0, stream>>>(
@@ -1236,6 +1249,7 @@ class CudaCompute final : public Compute {
       if (active) norm_grad(sink, {K::mlp_norm, l}, n, alpha, dz, ys(l), rstd(L + l));
       norm_backward(dz, ys(l), rstd(L + l), lw.mlp_norm, n, true);  // dx: now at y
       // Attention: y = x + o Wo^T.
+      clock_.mark(PhaseClock::backward);
       const T* q = layer<T>(l_.q, l, qw);
       const T* k = layer<T>(l_.k, l, kw);
       const T* v = layer<T>(l_.v, l, kw);
