@@ -92,10 +92,16 @@ def run(args, shape, mode, text):
     cmd = [args.bin, "train", "--config", config, "--metrics", metrics]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+    row = {"shape": shape, "mode": mode, "micro": micro, "seq_len": 2048}
+    try:
+        with open(log, "w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=args.timeout).returncode
+    except subprocess.TimeoutExpired:
+        row["void"] = f"did not finish in --timeout {args.timeout} s"
+        return row
     text_log = open(log).read()
-    row = {"shape": shape, "mode": mode, "micro": micro, "seq_len": 2048, "rc": rc}
+    row["rc"] = rc
     if rc != 0:
         row["void"] = "exit %d: %s" % (rc, text_log.strip().splitlines()[-1] if text_log else "")
         return row
