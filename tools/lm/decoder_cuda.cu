@@ -1052,18 +1052,7 @@ class CudaCompute final : public Compute {
 
 #ifdef SHARDSWAP_WITH_CUDNN
   AttentionShape attention_shape(int sequences, int seq_len) const {
-    AttentionShape a;
-    a.sequences = sequences;
-    a.seq_len = seq_len;
-    a.heads = s_.heads;
-    a.kv_heads = s_.kv_heads;
-    a.head_dim = s_.head_dim;
-    a.dtype = dtype_of<T>();
-    a.q_ld = s_.q_width();
-    a.kv_ld = s_.kv_width();
-    a.grad_ld = qkv_width();
-    a.deterministic = deterministic_;
-    return a;
+    return cuda_attention_shape(s_, sequences, seq_len, dtype_of<T>(), deterministic_);
   }
 #endif
   // Plans for the batch's shape before anything is queued (a refusal changes nothing).

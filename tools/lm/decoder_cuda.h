@@ -114,6 +114,24 @@ inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_l
 /// as fit, one at least.
 inline constexpr std::size_t kCudaDeterministicDpBytes = std::size_t{256} << 20;
 
+/// The decoder's attention problem for cuDNN: sequences x seq_len tokens of s's heads, on the
+/// backend's rows (q, o and dout of H hd, k and v of K hd, dq|dk|dv side by side in one row).
+inline AttentionShape cuda_attention_shape(const DecoderShape& s, int sequences, int seq_len,
+                                           DType dtype, bool deterministic) {
+  AttentionShape a;
+  a.sequences = sequences;
+  a.seq_len = seq_len;
+  a.heads = s.heads;
+  a.kv_heads = s.kv_heads;
+  a.head_dim = s.head_dim;
+  a.dtype = dtype;
+  a.q_ld = s.q_width();
+  a.kv_ld = s.kv_width();
+  a.grad_ld = s.q_width() + 2 * s.kv_width();
+  a.deterministic = deterministic;
+  return a;
+}
+
 /// The fp32 dQ accumulator of cuDNN's atomic backward, at the start of the cuDNN scratch.
 inline std::size_t cuda_cudnn_dq32_bytes(const DecoderShape& s, int max_sequences, int seq_len) {
   const std::size_t n = static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len);
@@ -128,12 +146,8 @@ inline std::size_t cuda_cudnn_scratch_bytes(const DecoderShape& s, int max_seque
   const std::size_t n = static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len);
   const std::size_t atomic = cuda_cudnn_dq32_bytes(s, max_sequences, seq_len) +
                              cudnn_attention_workspace_bytes(n, s.heads, s.head_dim);
-  AttentionShape a;
-  a.sequences = max_sequences;
-  a.seq_len = seq_len;
-  a.heads = s.heads;
-  a.kv_heads = s.kv_heads;
-  a.head_dim = s.head_dim;
+  // (Workspace sizes do not depend on the dtype.)
+  const AttentionShape a = cuda_attention_shape(s, max_sequences, seq_len, DType::bf16, true);
   int per_call = cudnn_attention_deterministic_sequences(
       a, kCudaDeterministicDpBytes + cudnn_attention_workspace_bytes(n, s.heads, s.head_dim));
   for (int c = 1; per_call == 0; ++c)  // not even one call within the bound: the smallest call
