@@ -22,6 +22,7 @@ first step's.
 
     python3 tools/bench/train_bench.py --bin build/cuda/tools/shardswap --out DIR \\
         [--shapes 0.5b,1.5b] [--modes full,lisa] [--steps 30] [--warmup 5] [--micro 0.5b=8,1.5b=4]
+        [--set KEY=VALUE ...]
 Writes DIR/train-bench.json and each run's log and metrics; prints the table.
 """
 import argparse
@@ -92,6 +93,8 @@ def run(args, shape, mode, text):
     cmd = [args.bin, "train", "--config", config, "--metrics", metrics]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
+    for kv in args.set:
+        cmd += ["--set", kv]
     row = {"shape": shape, "mode": mode, "micro": micro, "seq_len": 2048}
     try:
         with open(log, "w") as f:
@@ -160,6 +163,8 @@ def main():
     p.add_argument("--micro", default="", help="shape=N,... (default: 0.5b=8, 1.5b=4, 3b=4, 7b=1)")
     p.add_argument("--text", default="", help="a text file whose bytes are the tokens")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run (e.g. gradient_accumulation_steps=4)")
     args = p.parse_args()
     args.micro = {k: int(v) for k, v in (x.split("=") for x in args.micro.split(",") if x)}
     os.makedirs(args.out, exist_ok=True)

@@ -28,6 +28,7 @@
 // that sums dQ over key tiles with atomics, whose runs differ in the last bits.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_profiler_api.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -808,6 +809,42 @@ class PhaseClock {
   PhaseTimes times_;
 };
 
+// A profiler's capture window over train_step calls, from SHARDSWAP_CUDA_PROFILE_STEPS=FIRST or
+// FIRST,COUNT (1-based; COUNT 1 by default): cudaProfilerStart before step FIRST, cudaProfilerStop
+// after step FIRST + COUNT - 1, for a profiler started with capture off (Nsight Compute's
+// --profile-from-start off, Nsight Systems' --capture-range=cudaProfilerApi), so that it sees
+// whole steps and nothing of the set-up (tools/bench/profile_step.sh). Unset: nothing.
+class ProfileWindow {
+ public:
+  ProfileWindow() {
+    const char* v = std::getenv("SHARDSWAP_CUDA_PROFILE_STEPS");
+    if (v == nullptr || *v == '\0') return;
+    char* end = nullptr;
+    const long first = std::strtol(v, &end, 10);
+    long count = 1;
+    if (end != v && *end == ',') {
+      const char* c = end + 1;
+      count = std::strtol(c, &end, 10);
+      if (end == c) count = 0;
+    }
+    if (end == v || *end != '\0' || first < 1 || count < 1)
+      throw ConfigError(std::string("SHARDSWAP_CUDA_PROFILE_STEPS=") + v +
+                        ": not FIRST or FIRST,COUNT with FIRST, COUNT >= 1");
+    first_ = first;
+    last_ = first + count - 1;
+  }
+  void before_step() {
+    ++step_;
+    if (step_ == first_) SHARDSWAP_CUDA_CHECK(cudaProfilerStart());
+  }
+  void after_step() {
+    if (step_ == last_) SHARDSWAP_CUDA_CHECK(cudaProfilerStop());
+  }
+
+ private:
+  long first_ = 0, last_ = 0, step_ = 0;
+};
+
 template <class T>
 class CudaCompute final : public Compute {
  public:
@@ -847,6 +884,7 @@ class CudaCompute final : public Compute {
     check(w, b, "train_step");
     SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
     prepare_attention(b);
+    profile_.before_step();
     upload(b, true);
     clock_.begin();
     forward(w, b);
@@ -858,6 +896,7 @@ class CudaCompute final : public Compute {
     clock_.mark(PhaseClock::done);
     const double loss = read_loss();
     clock_.add_step();
+    profile_.after_step();
     return loss;
   }
 
@@ -1335,8 +1374,9 @@ class CudaCompute final : public Compute {
   detail::CublasHandle cublas_;
   std::vector<float> inv_freq_;
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
-#ifdef SHARDSWAP_WITH_CUDNN
+  ProfileWindow profile_;                  // SHARDSWAP_CUDA_PROFILE_STEPS
   PhaseClock clock_;                       // train_step's phases (time_phases)
+#ifdef SHARDSWAP_WITH_CUDNN
   std::unique_ptr<CudnnAttention> cudnn_;  // null: the own kernels
   bool deterministic_ = false;             // cuDNN's deterministic backward
   float* dq32_ = nullptr;                  // its atomic backward's fp32 dQ (in the scratch)

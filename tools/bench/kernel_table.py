@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Ranks the kernels of an Nsight Compute CSV (ncu --csv --metrics gpu__time_duration.sum, as
+tools/bench/profile_step.sh writes it): GPU time per step by kernel and launch shape (grid and
+block: a GEMM's shape shows in its grid), the share of the total, and the launches per step.
+
+    python3 tools/bench/kernel_table.py [--steps N] [--top K] [--by name|shape] [--sequence] FILE.csv
+
+--sequence lists every launch in order instead (ms, grid, block, name): to find a kernel's call
+site from its neighbours.
+"""
+import argparse
+import collections
+import csv
+import sys
+
+SCALE = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
+         "second": 1e3, "s": 1e3}
+
+
+def rows(path):
+    """(kernel name, grid, block, ms) per profiled launch."""
+    with open(path, newline="") as f:
+        lines = [l for l in f if l.startswith('"')]  # ncu's own ==PROF== lines are not CSV
+    for r in csv.DictReader(lines):
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        unit = r.get("Metric Unit", "nsecond")
+        if unit not in SCALE:
+            sys.exit(f"{path}: unknown time unit {unit!r}")
+        value = float(r["Metric Value"].replace(",", ""))
+        yield r["Kernel Name"], r.get("Grid Size", ""), r.get("Block Size", ""), value * SCALE[unit]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("csv")
+    p.add_argument("--steps", type=int, default=1, help="steps the capture held (divides the sums)")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--by", choices=["name", "shape"], default="shape")
+    p.add_argument("--sequence", action="store_true", help="every launch in order")
+    args = p.parse_args()
+    if args.sequence:
+        for i, (name, grid, block, ms) in enumerate(rows(args.csv)):
+            print(f"{i:5d} {ms:8.4f} {grid:>16} {block:>14}  {name[:160]}")
+        return 0
+    total = collections.Counter()
+    calls = collections.Counter()
+    for name, grid, block, ms in rows(args.csv):
+        key = name[:140] if args.by == "name" else f"{name[:140]} {grid} {block}"
+        total[key] += ms
+        calls[key] += 1
+    if not total:
+        sys.exit(f"{args.csv}: no gpu__time_duration.sum rows")
+    grand = sum(total.values())
+    print(f"{sum(calls.values()) / args.steps:.0f} launches, {grand / args.steps:.2f} ms of kernel "
+          f"time per step ({args.steps} step(s), each kernel timed alone)")
+    print(f"{'ms/step':>9} {'share':>6} {'calls':>6}  kernel (grid, block)")
+    for key, ms in total.most_common(args.top):
+        print(f"{ms / args.steps:9.3f} {100 * ms / grand:5.1f}% {calls[key] / args.steps:6.0f}  {key}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
