@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <memory>
+#include <thread>
 
 #include "memory/quoted.h"
 #include "shardswap/error.h"
@@ -13,6 +15,7 @@
 #include "tools/lm/decoder_cuda.h"
 #include "tools/lm/hf_checkpoint.h"
 #include "tools/lm/hf_config.h"
+#include "tools/lm/init_ahead.h"
 #include "tools/lm/token_data.h"
 #include "tools/run_model.h"
 #include "tools/train.h"
@@ -107,6 +110,9 @@ class DecoderRun final : public RunModel {
         data_(token_spec(c)) {
     if (!config_.path.empty())
       checkpoint_.emplace(HfCheckpoint::open(config_.path, {config_.seq_len, "data.seq_len"}));
+    else
+      init_ahead_ = std::make_unique<InitAhead>(
+          config_.shape, seed_, static_cast<int>(std::thread::hardware_concurrency()));
   }
   std::vector<std::string> groups() const override { return decoder_groups(config_.shape); }
   std::int64_t param_count() const override { return decoder_param_count(config_.shape); }
@@ -115,7 +121,7 @@ class DecoderRun final : public RunModel {
     if (checkpoint_)
       checkpoint_->copy(param.name, DType::f32, std::as_writable_bytes(values));
     else
-      Decoder::init(config_.shape, param, values, seed_);
+      init_ahead_->fill(param, values);
   }
   std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const override {
     return Decoder::activation_bytes(config_.shape, micro, config_.seq_len, dtype, device);
@@ -155,6 +161,7 @@ class DecoderRun final : public RunModel {
  private:
   DecoderRunConfig config_;
   std::uint64_t seed_;
+  std::unique_ptr<InitAhead> init_ahead_;  // from scratch: Decoder::init's values, drawn ahead
   int global_batch_;
   bool on_cuda_;
   TokenDataset data_;

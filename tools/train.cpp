@@ -220,7 +220,8 @@ EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& che
     MemorySpace space(rank, backend.make_allocator(rank));
     Engine engine(config.engine, comm, space, backend);
     run->declare(engine);
-    engine.build([&](const ParamInfo& p, std::span<float> v) { run->init(p, v); },
+    // Rank 0's values are broadcast to every rank by build: the others need not draw them.
+    engine.build([&](const ParamInfo& p, std::span<float> v) { if (rank == 0) run->init(p, v); },
                  schedule.active_at(0));
     if (!checkpoint.empty()) {
       const LoadedCheckpoint loaded = load_checkpoint(engine, checkpoint);
@@ -339,7 +340,8 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     MemorySpace space(rank, std::move(allocator));
     Engine engine(config.engine, comm, space, backend);
     run->declare(engine);
-    engine.build([&](const ParamInfo& p, std::span<float> v) { run->init(p, v); },
+    // Rank 0's values are broadcast to every rank by build: the others need not draw them.
+    engine.build([&](const ParamInfo& p, std::span<float> v) { if (rank == 0) run->init(p, v); },
                  schedule.active_at(0));
     auto model = run->make_rank_model(micro, config.engine.dtype, space);
     const auto sync = [&] { backend.synchronize(); };

@@ -22,8 +22,8 @@
 // Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
 // head_dim is a multiple of 8, else (or with SHARDSWAP_DECODER_ATTENTION=own) the kernels
 // below. cuDNN keeps lse as [sequence, head, position] and writes dQ, dK, dV in the operands'
-// type (rounded from its fp32 sums, where the own kernels keep fp32); one kernel widens them
-// into the fp32 gradient rows. Its backward is the deterministic one (dP in its workspace, in
+// type (rounded from its fp32 sums, where the own kernels keep fp32), which the RoPE backward
+// reads as they are. Its backward is the deterministic one (dP in its workspace, in
 // calls of a few sequences) unless SHARDSWAP_DECODER_ATTENTION=cudnn-atomic asks for the one
 // that sums dQ over key tiles with atomics, whose runs differ in the last bits.
 #include <cublas_v2.h>
@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -166,11 +167,13 @@ __global__ void rms_norm_forward(const float* __restrict__ x, const T* __restric
 }
 
 // One warp per row, given dz at the norm's output: dx (= or +=) the gradient at its input,
-// r (g - xhat mean(g xhat)) with g = dz w, xhat = x r.
+// r (g - xhat mean(g xhat)) with g = dz w, xhat = x r; and the new dx rounded to T into d16 (the
+// next GEMMs' input) when d16 is not null.
 template <class T>
 __global__ void rms_norm_backward(const float* __restrict__ dz, const float* __restrict__ x,
                                   const float* __restrict__ rstd, const T* __restrict__ w, int n,
-                                  int d, float* __restrict__ dx, bool accumulate) {
+                                  int d, float* __restrict__ dx, bool accumulate,
+                                  T* __restrict__ d16) {
   const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= n) return;
   const long long base = static_cast<long long>(row) * d;
@@ -180,7 +183,9 @@ __global__ void rms_norm_backward(const float* __restrict__ dz, const float* __r
   const float mean = warp_sum(s) / d;
   for (int k = lane; k < d; k += 32) {
     const float v = r * (dz[base + k] * to_float(w[k]) - x[base + k] * r * mean);
-    dx[base + k] = accumulate ? dx[base + k] + v : v;
+    const float out = accumulate ? dx[base + k] + v : v;
+    dx[base + k] = out;
+    if (d16 != nullptr) d16[base + k] = from_float<T>(out);
   }
 }
 
@@ -234,23 +239,28 @@ __global__ void qkv_forward(const float* __restrict__ qkv, const T* __restrict__
   }
 }
 
-// Backward of qkv_forward's RoPE on dq|dk|dv [n, (H + 2K) hd] (fp32, in place: the gradient at
-// the projections, which the bias gradients sum), and the same rounded to T into g16.
-template <class T>
-__global__ void qkv_backward(float* __restrict__ g, const float* __restrict__ inv_freq, int n,
-                             int seq_len, int heads, int kv_heads, int hd, T* __restrict__ g16) {
+// Backward of qkv_forward's RoPE: from dq|dk|dv [n, (H + 2K) hd] in `in` (fp32 from the own
+// attention kernels, T from cuDNN's), the gradient at the projections into g (fp32, which the
+// bias gradients sum) and the same rounded to T into g16 (the GEMMs' input). `in` may be g or
+// g16: each unit reads its elements before it writes them.
+template <class T, class In>
+__global__ void qkv_backward(const In* in, float* g, const float* __restrict__ inv_freq, int n,
+                             int seq_len, int heads, int kv_heads, int hd, T* g16) {
   const int half = hd / 2, width = (heads + 2 * kv_heads) * hd;
   const int units = (heads + kv_heads) * half + kv_heads * hd;
   GRID_STRIDE(i, static_cast<long long>(n) * units) {
     const long long t = i / units;
     const QkvUnit p = unit_place(static_cast<int>(i % units), heads, kv_heads, hd);
+    const In* row_in = in + t * width;
     float* row = g + t * width;
     T* row16 = g16 + t * width;
     if (p.part == 2) {
-      row16[p.column] = from_float<T>(row[p.column]);
+      const float dv = to_float(row_in[p.column]);
+      row[p.column] = dv;
+      row16[p.column] = from_float<T>(dv);
       continue;
     }
-    const float da = row[p.column], db = row[p.column + half];
+    const float da = to_float(row_in[p.column]), db = to_float(row_in[p.column + half]);
     const float angle = static_cast<float>(t % seq_len) * inv_freq[p.freq];
     const float c = cosf(angle), s = sinf(angle);
     const float ga = da * c + db * s, gb = db * c - da * s;  // the rotation's transpose
@@ -540,38 +550,60 @@ __global__ void __launch_bounds__(32 * kAttnWarps)
   }
 }
 
-// After cuDNN's backward: its dq|dk|dv rows in T widened into the fp32 gradient rows.
-template <class T>
-__global__ void attention_grads_to_f32(const T* __restrict__ g16, long long count,
-                                       float* __restrict__ g32) {
-  GRID_STRIDE(i, count) { g32[i] = to_float(g16[i]); }
+// SwiGLU's elements go 8 at a time (16-byte loads of T: scalar 2-byte loads left these kernels
+// at a third of the memory bandwidth, 0.35 ms a call at 8 x 2048 x 4864 on an H200); the
+// launcher checks that every pointer is 16-byte aligned and count a multiple of 8, else
+// kSwigluPack is 1.
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+template <int N>
+struct alignas(N >= 4 ? 16 : sizeof(float) * N) FloatPack {
+  float v[N];
+};
+
+__device__ __forceinline__ float silu(float g) {
+  return g / (1.0f + expf(-g));
 }
 
-// act = silu(gate) * up in T.
-template <class T>
+// act = silu(gate) * up in T, N elements a thread.
+template <class T, int N>
 __global__ void swiglu_forward(const T* __restrict__ gate, const T* __restrict__ up,
-                               long long count, T* __restrict__ act) {
-  GRID_STRIDE(i, count) {
-    const float g = to_float(gate[i]);
-    act[i] = from_float<T>(g / (1.0f + expf(-g)) * to_float(up[i]));
+                               long long packs, T* __restrict__ act) {
+  GRID_STRIDE(i, packs) {
+    const Pack<T, N> g = reinterpret_cast<const Pack<T, N>*>(gate)[i];
+    const Pack<T, N> u = reinterpret_cast<const Pack<T, N>*>(up)[i];
+    Pack<T, N> a;
+#pragma unroll
+    for (int e = 0; e < N; ++e) a.v[e] = from_float<T>(silu(to_float(g.v[e])) * to_float(u.v[e]));
+    reinterpret_cast<Pack<T, N>*>(act)[i] = a;
   }
 }
 
-// Given dact (fp32), gate and up are replaced by their gradients (T): they are not needed after.
-template <class T>
+// Given dact (fp32): gate and up are replaced by their gradients (T; they are not needed after),
+// and, when act is not null, act = silu(gate) * up is recomputed for the down projection's
+// weight gradient in the same pass (backward does not keep act from forward).
+template <class T, int N>
 __global__ void swiglu_backward(const float* __restrict__ dact, T* __restrict__ gate,
-                                T* __restrict__ up, long long count) {
-  GRID_STRIDE(i, count) {
-    const float g = to_float(gate[i]), u = to_float(up[i]), da = dact[i];
-    const float sig = 1.0f / (1.0f + expf(-g));
-    gate[i] = from_float<T>(da * u * sig * (1.0f + g * (1.0f - sig)));
-    up[i] = from_float<T>(da * g * sig);
+                                T* __restrict__ up, T* __restrict__ act, long long packs) {
+  GRID_STRIDE(i, packs) {
+    const FloatPack<N> da = reinterpret_cast<const FloatPack<N>*>(dact)[i];
+    Pack<T, N> g = reinterpret_cast<const Pack<T, N>*>(gate)[i];
+    Pack<T, N> u = reinterpret_cast<const Pack<T, N>*>(up)[i];
+    Pack<T, N> a;
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const float gv = to_float(g.v[e]), uv = to_float(u.v[e]);
+      const float sig = 1.0f / (1.0f + expf(-gv));
+      a.v[e] = from_float<T>(gv * sig * uv);
+      g.v[e] = from_float<T>(da.v[e] * uv * sig * (1.0f + gv * (1.0f - sig)));
+      u.v[e] = from_float<T>(da.v[e] * gv * sig);
+    }
+    reinterpret_cast<Pack<T, N>*>(gate)[i] = g;
+    reinterpret_cast<Pack<T, N>*>(up)[i] = u;
+    if (act != nullptr) reinterpret_cast<Pack<T, N>*>(act)[i] = a;
   }
-}
-
-template <class T>
-__global__ void to_bit16(const float* __restrict__ x, T* __restrict__ y, long long count) {
-  GRID_STRIDE(i, count) { y[i] = from_float<T>(x[i]); }
 }
 
 // One block per token row of the chunk: loss = logsumexp(z) - z[target]; with `grad`, the row
@@ -664,21 +696,25 @@ __global__ void finish_columns(const float* __restrict__ partials, int chunks, i
   slot[k] = from_float<G>(to_float(slot[k]) + alpha * acc);
 }
 
-// One warp per distinct input token u: slot[rows[u], :] += alpha * the sum of dx over the
-// positions that hold it, in ascending order. Rows no position uses are left untouched.
+// Blocks (distinct input token u, tile of kEmbedColumns columns): slot[rows[u], :] += alpha *
+// the sum of dx over the positions that hold u, in ascending order, each column summed by one
+// thread. Rows no position uses are left untouched. Text has a few very common tokens (in bytes
+// of source code, the space at ~15% of positions): one warp a token left that token's thousands
+// of positions to one warp, 12 ms a step at 8 x 2048 tokens, hidden 896, on an H200.
+constexpr int kEmbedColumns = 128;
 template <class G>
-__global__ void embed_backward(const float* __restrict__ dx, const int* __restrict__ rows,
-                               const int* __restrict__ starts, const int* __restrict__ positions,
-                               int distinct, int d, float alpha, G* __restrict__ slot) {
-  const int u = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (u >= distinct) return;
-  G* out = slot + static_cast<long long>(rows[u]) * d;
-  for (int k = lane; k < d; k += 32) {
-    float acc = 0.0f;
-    for (int e = starts[u]; e < starts[u + 1]; ++e)
-      acc += dx[static_cast<long long>(positions[e]) * d + k];
-    out[k] = from_float<G>(to_float(out[k]) + alpha * acc);
-  }
+__global__ void __launch_bounds__(kEmbedColumns)
+    embed_backward(const float* __restrict__ dx, const int* __restrict__ rows,
+                   const int* __restrict__ starts, const int* __restrict__ positions, int d,
+                   float alpha, G* __restrict__ slot) {
+  const int u = blockIdx.x, k = blockIdx.y * kEmbedColumns + threadIdx.x;
+  if (k >= d) return;
+  const int begin = starts[u], end = starts[u + 1];
+  float acc = 0.0f;
+#pragma unroll 8
+  for (int e = begin; e < end; ++e) acc += dx[static_cast<long long>(positions[e]) * d + k];
+  G* out = slot + static_cast<long long>(rows[u]) * d + k;
+  *out = from_float<G>(to_float(*out) + alpha * acc);
 }
 
 // ---- launching ----
@@ -1039,6 +1075,38 @@ class CudaCompute final : public Compute {
     check_launch();
   }
 
+  // SwiGLU 8 elements a thread where every pointer is 16-byte aligned and count a multiple of
+  // 8 (any intermediate_size that is a multiple of 8: all Llama, Qwen2 and Mistral sizes), else 1.
+  static bool packs_of_8(long long count, std::initializer_list<const void*> ptrs) {
+    bool ok = count % 8 == 0;
+    for (const void* p : ptrs) ok = ok && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+    return ok;
+  }
+  void swiglu(const T* gate, const T* up, long long count, T* act) {
+    const auto launch = [&](auto pack) {
+      constexpr int N = decltype(pack)::value;
+      swiglu_forward<T, N><<<blocks_for(count / N), 256, 0, cudaStreamPerThread>>>(
+          gate, up, count / N, act);
+    };
+    if (packs_of_8(count, {gate, up, act}))
+      launch(std::integral_constant<int, 8>{});
+    else
+      launch(std::integral_constant<int, 1>{});
+    check_launch();
+  }
+  void swiglu_grad(const float* dact, T* gate, T* up, T* act, long long count) {
+    const auto launch = [&](auto pack) {
+      constexpr int N = decltype(pack)::value;
+      swiglu_backward<T, N><<<blocks_for(count / N), 256, 0, cudaStreamPerThread>>>(
+          dact, gate, up, act, count / N);
+    };
+    if (packs_of_8(count, {dact, gate, up, act}))
+      launch(std::integral_constant<int, 8>{});
+    else
+      launch(std::integral_constant<int, 1>{});
+    check_launch();
+  }
+
   void forward(const Weights& w, const Batch& b) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
     const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
@@ -1079,9 +1147,7 @@ class CudaCompute final : public Compute {
       T* up = layer<T>(l_.up, l, in);
       linear(n, in, d, normed, d, lw.gate, 0.0f, gate, t16, in);
       linear(n, in, d, normed, d, lw.up, 0.0f, up, t16, in);
-      swiglu_forward<T><<<blocks_for(static_cast<long long>(n) * in), 256, 0, stream>>>(
-          gate, up, static_cast<long long>(n) * in, at<T>(l_.act));
-      check_launch();
+      swiglu(gate, up, static_cast<long long>(n) * in, at<T>(l_.act));
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(xs(l + 1), ys(l), sizeof(float) * n * d,
                                            cudaMemcpyDeviceToDevice, stream));
       linear(n, d, in, at<T>(l_.act), in, lw.down, 1.0f, xs(l + 1), CUDA_R_32F, d);
@@ -1223,10 +1289,12 @@ class CudaCompute final : public Compute {
     sink.close(id);
   }
 
+  // dx (= or +=) the gradient at the norm's input, and rounded into d16 (every later use of dx
+  // but the embedding's gradient starts from d16).
   void norm_backward(const float* dz, const float* x, const float* r, const void* w, int n,
                      bool accumulate) {
     rms_norm_backward<T><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
-        dz, x, r, cw(w), n, s_.hidden, at(l_.dx), accumulate);
+        dz, x, r, cw(w), n, s_.hidden, at(l_.dx), accumulate, at<T>(l_.d16));
     check_launch();
   }
 
@@ -1241,10 +1309,6 @@ class CudaCompute final : public Compute {
     float *dx = at(l_.dx), *dz = at(l_.dz), *g32 = at(l_.qkv32);
     T *d16 = at<T>(l_.d16), *normed = at<T>(l_.normed), *g16 = at<T>(l_.qkv16);
     T *act = at<T>(l_.act), *dout = at<T>(l_.dout);
-    const auto round_to_t = [&](const float* x, T* y, long long count) {
-      to_bit16<T><<<blocks_for(count), 256, 0, stream>>>(x, y, count);
-      check_launch();
-    };
 
     if (sink.active(head_group))
       norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd(2 * L));
@@ -1256,18 +1320,12 @@ class CudaCompute final : public Compute {
       T* up = layer<T>(l_.up, l, in);
       // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
       clock_.mark(PhaseClock::backward_mlp);
-      round_to_t(dx, d16, static_cast<long long>(n) * d);
-      if (active) {
-        swiglu_forward<T><<<blocks_for(static_cast<long long>(n) * in), 256, 0, stream>>>(
-            gate, up, static_cast<long long>(n) * in, act);
-        check_launch();
-        weight_grad(sink, {K::down, l}, n, d, in, alpha, d16, d, act, in);
-      }
+      // d16 = dx rounded, by the norm backward that made dx.
       linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
-      swiglu_backward<T><<<blocks_for(static_cast<long long>(n) * in), 256, 0, stream>>>(
-          at(l_.dact), gate, up, static_cast<long long>(n) * in);
-      check_launch();
+      // act (recomputed) for the down projection's weight gradient in the same pass.
+      swiglu_grad(at(l_.dact), gate, up, active ? act : nullptr, static_cast<long long>(n) * in);
       if (active) {
+        weight_grad(sink, {K::down, l}, n, d, in, alpha, d16, d, act, in);
         rms_norm(ys(l), lw.mlp_norm, n, normed, nullptr);
         weight_grad(sink, {K::gate, l}, n, in, d, alpha, gate, in, normed, d);
         weight_grad(sink, {K::up, l}, n, in, d, alpha, up, in, normed, d);
@@ -1283,17 +1341,21 @@ class CudaCompute final : public Compute {
       const T* v = layer<T>(l_.v, l, kw);
       const T* o = layer<T>(l_.o, l, qw);
       const float* lse = this->lse(l);
-      round_to_t(dx, d16, static_cast<long long>(n) * d);
+      // d16 = dx rounded, by the norm backward that made dx.
       if (active) weight_grad(sink, {K::o, l}, n, d, qw, alpha, d16, d, o, qw);
       gemm(cublas_.get(), false, false, n, qw, d, 1.0f, d16, t16, d, lw.o, t16, qw, 0.0f, dout,
            t16, qw);
       clock_.mark(PhaseClock::attention_backward);
-      attention_backward(b, q, k, v, o, dout, lse, g32, g16, width);
+      const bool in_g16 = attention_backward(b, q, k, v, o, dout, lse, g32, g16, width);
       clock_.mark(PhaseClock::backward);
       const long long units =
           static_cast<long long>(n) * ((s_.heads + s_.kv_heads) * (s_.head_dim / 2) + kw);
-      qkv_backward<T><<<blocks_for(units), 256, 0, stream>>>(
-          g32, at(l_.inv_freq), n, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, g16);
+      if (in_g16)
+        qkv_backward<T, T><<<blocks_for(units), 256, 0, stream>>>(
+            g16, g32, at(l_.inv_freq), n, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, g16);
+      else
+        qkv_backward<T, float><<<blocks_for(units), 256, 0, stream>>>(
+            g32, g32, at(l_.inv_freq), n, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, g16);
       check_launch();
       if (active) {
         rms_norm(xs(l), lw.attn_norm, n, normed, nullptr);
@@ -1315,17 +1377,19 @@ class CudaCompute final : public Compute {
     const GradSlot slot = sink.open(id);  // tied: a second time, after the head's gradient
     with_slot_type<T>(slot, id, [&](auto g) {
       using G = decltype(g);
-      const int distinct = static_cast<int>(rows_.size());
-      embed_backward<G><<<warp_blocks(distinct), 32 * kWarpsPerBlock, 0, stream>>>(
-          dx, at<int>(l_.embed_rows), at<int>(l_.embed_starts), at<int>(l_.embed_positions),
-          distinct, d, alpha, static_cast<G*>(slot.data));
+      const dim3 grid(static_cast<unsigned>(rows_.size()),
+                      static_cast<unsigned>((d + kEmbedColumns - 1) / kEmbedColumns));
+      embed_backward<G><<<grid, kEmbedColumns, 0, stream>>>(
+          dx, at<int>(l_.embed_rows), at<int>(l_.embed_starts), at<int>(l_.embed_positions), d,
+          alpha, static_cast<G*>(slot.data));
     });
     check_launch();
     sink.close(id);
   }
 
-  // dq|dk|dv in fp32 into g32 (rows `width` apart); g16 is scratch of the same shape in T.
-  void attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* o,
+  // dq|dk|dv (rows `width` apart): in T into g16 with cuDNN (returns true), else in fp32 into
+  // g32 (false).
+  bool attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* o,
                           const T* dout, const float* lse, float* g32, T* g16, long long width) {
     const int n = b.sequences * b.seq_len;
 #ifdef SHARDSWAP_WITH_CUDNN
@@ -1334,11 +1398,7 @@ class CudaCompute final : public Compute {
       cudnn_->backward(attention_shape(b.sequences, b.seq_len),
                        {q, k, v, o, dout, lse, g16, g16 + qw, g16 + qw + kw, dq32_,
                         at(l_.delta)});
-      attention_grads_to_f32<T><<<blocks_for(static_cast<long long>(n) * width), 256, 0,
-                                  cudaStreamPerThread>>>(g16, static_cast<long long>(n) * width,
-                                                         g32);
-      check_launch();
-      return;
+      return true;
     }
 #else
     (void)g16;
@@ -1363,6 +1423,7 @@ class CudaCompute final : public Compute {
               scale, g32 + qw, g32 + qw + kw, width);
       check_launch();
     });
+    return false;
   }
 
   DecoderShape s_;
