@@ -630,8 +630,11 @@ std::vector<Case> shape_cases() {
     c.shape.head_dim = 128;
     cases.push_back(c);
   }
-  {  // one position per sequence, head_dim 12 (part of a lane row), fp16, bit16 slots
-    Case c{"fp16, 3 x 1, hd 12, fp16 slots", small_shape(), 3, 1, 3, 1, DType::f16, DType::f16};
+  {  // one position per sequence, head_dim 12 (part of a lane row), fp16, bit16 slots; an
+     // intermediate size that is not a multiple of 8 (SwiGLU one element a thread)
+    Case c{"fp16, 3 x 1, hd 12, I 90, fp16 slots", small_shape(), 3, 1, 3, 1, DType::f16,
+           DType::f16};
+    c.shape.intermediate = 90;
     c.shape.head_dim = 12;
     c.shape.heads = 6;
     c.shape.kv_heads = 3;
