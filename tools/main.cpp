@@ -301,6 +301,9 @@ int main(int argc, char** argv) {
   // (64 MiB on an H200, cuBLAS 13), outside the plan (docs/memory.md). Before any thread and
   // any CUDA call; a value the user set wins.
   setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0", /*overwrite=*/0);
+  // Line-buffered even into a file or pipe: `shardswap train > run.log` shows each line as it
+  // comes (a file is otherwise block-buffered), and a run that is killed keeps what it printed.
+  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     if (args.empty() || args[0] == "--help" || args[0] == "-h") {
