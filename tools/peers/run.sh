@@ -9,9 +9,8 @@
 # failed (the table lists why).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=9.0  # the machine sets 9.0a, which DeepSpeed 0.19.8 cannot parse
-export MAX_JOBS=${MAX_JOBS:-16}
+source tools/peers/install-wheels.sh  # peers_env, peers_install_wheels, peers_build_shardswap, peers_fused_adam
+peers_env
 OUT=${OUT:-$PWD/build/peers-out}
 mkdir -p "$OUT"
 results=$OUT/peers.jsonl log=$OUT/peers.log
@@ -37,22 +36,13 @@ run() {
 }
 
 step "wheels (offline, into /tmp/site)"
-ls .whl/*.whl >/dev/null 2>&1 || { echo "run.sh: no .whl/*.whl: run tools/peers/download-wheels.sh and copy .whl here" >&2; exit 1; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || { echo "run.sh: installing the carried wheels failed" >&2; exit 1; }
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -c "import deepspeed, pydantic; print('deepspeed', deepspeed.__version__, 'pydantic', pydantic.__version__)" \
-  || { echo "run.sh: import deepspeed failed" >&2; exit 1; }
+peers_install_wheels run.sh || exit 1
 
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 [ "$ngpu" -ge 1 ] || { echo "run.sh: no GPU visible to torch" >&2; exit 1; }
-bin=build/cuda/tools/shardswap
-if [ ! -x "$bin" ]; then
+if [ ! -x "$PEERS_BIN" ]; then
   step "build the shardswap CLI (build/cuda, target shardswap only)"
-  t0=$SECONDS
-  { cmake --preset cuda && cmake --build --preset cuda -j 16 --target shardswap_cli; } > "$OUT/build.log" 2>&1 \
-    || { tail -40 "$OUT/build.log"; echo "run.sh: building shardswap failed" >&2; exit 1; }
-  echo "built in $((SECONDS - t0)) s"
+  peers_build_shardswap run.sh "$OUT/build.log" || exit 1
 fi
 
 python3 - "$OUT/meta.json" "$ngpu" <<'PY'
@@ -73,11 +63,7 @@ print(meta)
 PY
 
 step "DeepSpeed FusedAdam: JIT build (nvcc, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-t0=$SECONDS
-python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load(); print('FusedAdam loaded')" \
-  > "$OUT/fused_adam_build.log" 2>&1 && tail -1 "$OUT/fused_adam_build.log" \
-  || { echo "FusedAdam did not build (torch_adam fallback in every DeepSpeed row):"; tail -15 "$OUT/fused_adam_build.log"; }
-echo "($((SECONDS - t0)) s)"
+peers_fused_adam "$OUT/fused_adam_build.log" "torch_adam fallback in every DeepSpeed row"
 
 P=tools/peers
 J="--jsonl $results"

@@ -3,9 +3,12 @@
 
 The peers of ShardSwap's training benchmark, on the same shapes, sequence length and batch:
   --system torch      transformers' Qwen2ForCausalLM, fp32 params under bf16 autocast, SDPA
-                      attention, torch.optim.AdamW(fused=True) (what an HF Trainer run with bf16 does)
+                      attention, gradient norm clipped to 1.0, torch.optim.AdamW(fused=True) (what
+                      an HF Trainer run with bf16 does: its max_grad_norm is 1.0)
   --system deepspeed  the same model in bf16 under DeepSpeed ZeRO stage 2 (fp32 master and Adam
-                      state, FusedAdam), world size 1 over NCCL; launch with torchrun
+                      state, FusedAdam, gradient_clipping 1.0), world size 1 over NCCL; launch
+                      with torchrun
+Both clip at 1.0 as ShardSwap's configs/qwen2.5-*.json do.
 LISA (--mode lisa): only the embedding, the final norm with the head, and two body layers (a third
 and two thirds of the way up) are trainable; the rest is frozen (requires_grad False), so the
 optimizer holds state for those alone, as LISA's authors run it.
@@ -122,10 +125,11 @@ def run_torch(torch, args, micro):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
-    return model, step
+    return model, step, lambda: None
 
 
 def run_deepspeed(torch, args, micro):
@@ -152,7 +156,10 @@ def run_deepspeed(torch, args, micro):
         engine.backward(loss)
         engine.step()
         return loss
-    return engine.module, step
+    # destroy() removes the ZeRO optimizer's gradient hooks and the params' links to its fp32
+    # partitions, so that a try that ran out of memory leaves the halved one its memory (the
+    # engine also switches Python's automatic cyclic GC off while it lives; one_try collects).
+    return engine.module, step, engine.destroy
 
 
 def one_try(torch, args, micro):
@@ -161,18 +168,26 @@ def one_try(torch, args, micro):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     make = run_torch if args.system == "torch" else run_deepspeed
-    model, step = make(torch, args, micro)
-    batch = token_source(torch, args.tokens, model.config.vocab_size, micro, args.seq_len, seed=1)
-    times, losses = [], []
-    for s in range(args.warmup + args.steps):
-        ids = batch(s)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = step(ids)
-        torch.cuda.synchronize()
-        if s >= args.warmup:
-            times.append(time.perf_counter() - start)
-            losses.append(float(loss))
+    model, step, close = make(torch, args, micro)
+    try:
+        batch = token_source(torch, args.tokens, model.config.vocab_size, micro, args.seq_len, seed=1)
+        times, losses = [], []
+        for s in range(args.warmup + args.steps):
+            ids = batch(s)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = step(ids)
+            torch.cuda.synchronize()
+            if s >= args.warmup:
+                times.append(time.perf_counter() - start)
+                losses.append(float(loss))
+            del loss
+    finally:
+        try:
+            close()
+        except Exception as exc:  # the try's own error (out of memory) is what the row reports
+            print(f"{SCRIPT}: engine.destroy() failed: {peerlib.exception_text(exc)}",
+                  file=sys.stderr, flush=True)
     per_token, n = flops_per_token(model.config, args.seq_len)
     seconds = statistics.median(times)
     tokens_per_s = micro * args.seq_len / seconds
