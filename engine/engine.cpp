@@ -168,7 +168,7 @@ static std::int64_t bucket_capacity(const EngineConfig& config, const std::vecto
         largest = params[i].info.numel;
         largest_name = params[i].info.name;
       }
-  if (config.stage == 2 && largest > capacity) {
+  if (!accumulates_in_place(config, world_size) && largest > capacity) {
     if (warn)
       spdlog::warn("Engine: reduce bucket grown from {} to {} bytes to hold param '{}'",
                    capacity * gsize, largest * gsize, largest_name);
@@ -208,8 +208,8 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
                                                  active_at_build->end();
     const bool kept_on_device =
         now != nullptr && now->kept && now->kept->policy == DeactivatePolicy::keep_device;
-    if (active)
-      add(Tag::grad, (impl_->config.stage == 1 ? g.layout.total_numel() : g.shard.numel()) * gsize);
+    const bool in_place = accumulates_in_place(impl_->config, impl_->comm.world_size());
+    if (active) add(Tag::grad, (in_place ? g.layout.total_numel() : g.shard.numel()) * gsize);
     if (active || kept_on_device) {
       add(Tag::master32, g.shard.numel() * 4);
       add(Tag::optim_state, g.shard.numel() * 4 * slots);
@@ -218,7 +218,8 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
   // After build the buckets exist: their size stays what build chose, whatever reform does.
   const auto capacity = built ? impl_->capacity
                               : bucket_capacity(impl_->config, planned, params, impl_->comm.world_size(), false);
-  if (impl_->config.stage == 2) add(Tag::grad, 2 * capacity * gsize);
+  if (!accumulates_in_place(impl_->config, impl_->comm.world_size()))
+    add(Tag::grad, 2 * capacity * gsize);
   add(Tag::comm, kScalarBytes);
   if (impl_->config.compressed())
     add(Tag::comm, capacity * static_cast<std::int64_t>(dtype_size(impl_->config.comm_type())));

@@ -10,7 +10,7 @@ std::unique_ptr<GradientReducer> make_gradient_reducer(const EngineConfig& confi
                                                        const DeviceOps& ops,
                                                        std::int64_t capacity,
                                                        std::size_t param_count) {
-  if (config.stage == 1)
+  if (accumulates_in_place(config, comm.world_size()))
     return std::make_unique<FullGradientReducer>(config, comm, space, ops, capacity, param_count);
   return std::make_unique<BucketReducer>(comm, space, ops, config.grad_type(), config.comm_type(),
                                          capacity, config.overlap_comm);

@@ -56,8 +56,18 @@ class GradientReducer {
   virtual void forget_groups() = 0;
 };
 
-/// Stage 1 or 2 per config. `capacity` is the bucket (stage 2) or compressed chunk (stage 1)
-/// size in elements; buffers are allocated from `space` (tags grad and comm).
+/// Whether gradients accumulate in place in each group's full buffer (stage 1's reducer) rather
+/// than go through stage 2's reduce buckets: stage 1, or any stage at world size 1, where a
+/// group's partition is the whole group and a bucket would only copy every gradient into it
+/// (zero the bucket, write, reduce to itself, add into the partition: at Qwen2.5-7B, 15 GB of
+/// bf16 gradients moved ~7 times a micro-step) and hold two buckets of memory.
+inline bool accumulates_in_place(const EngineConfig& config, int world_size) {
+  return config.stage == 1 || world_size == 1;
+}
+
+/// Stage 1's reducer where accumulates_in_place, else stage 2's. `capacity` is the bucket
+/// (stage 2) or compressed chunk (stage 1) size in elements; buffers are allocated from `space`
+/// (tags grad and comm).
 std::unique_ptr<GradientReducer> make_gradient_reducer(const EngineConfig& config,
                                                        Communicator& comm, MemorySpace& space,
                                                        const DeviceOps& ops,

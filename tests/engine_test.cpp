@@ -117,6 +117,21 @@ TEST_CASE("stage 2 keeps at most 2 psi over N plus two buckets of gradient bytes
   }
 }
 
+TEST_CASE("a single rank keeps no reduce buckets at stage 2: its gradients accumulate in place") {
+  // At world size 1 the partition is the whole group; buckets would only copy into it.
+  const RankMemory one = train_and_measure(1, 2)[0];
+  const auto& grad = one.stats.tag(Tag::grad).requested;
+  CAPTURE(grad.peak, one.padded_param_bytes, one.bucket_bytes);
+  REQUIRE(grad.peak == one.padded_param_bytes);  // the groups' gradients, nothing else
+  REQUIRE(grad.peak == one.plan.of(Tag::grad));
+  // Two ranks keep their two buckets beside their partitions.
+  const RankMemory two = train_and_measure(2, 2)[0];
+  const auto& grad2 = two.stats.tag(Tag::grad).requested;
+  CAPTURE(grad2.peak);
+  REQUIRE(grad2.peak == two.padded_param_bytes / 2 + 2 * two.bucket_bytes);
+  REQUIRE(grad2.peak == two.plan.of(Tag::grad));
+}
+
 TEST_CASE("stage 1 keeps the full gradients, 2 psi plus padding, on every rank") {
   for (const auto& m : train_and_measure(4, 1)) {
     const auto& grad = m.stats.tag(Tag::grad).requested;
