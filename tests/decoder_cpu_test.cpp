@@ -658,3 +658,60 @@ TEST_CASE("decoder CPU refuses shapes and batches it cannot run, naming the fiel
   REQUIRE(sink.events.empty());
   REQUIRE(be.block.guards_intact());
 }
+
+TEST_CASE("decoder CPU recomputing layers in backward gives the same bits in fewer bytes",
+          "[decoder]") {
+  // A tied Mistral-like shape of 3 layers (the lookup's and the head's gradient summed) and a
+  // Qwen2 shape with biases; every group active, and LISA-like sets (embedding and head with
+  // one layer, a frozen layer below an active one).
+  for (const DecoderShape& s : {tiny_mistral(), tiny_qwen2(false)}) {
+    CAPTURE(s.layers, s.qkv_bias, s.tied);
+    const Model m = random_model(s, 71, DType::bf16);
+    const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 9, 72);
+    std::vector<std::set<int>> actives = {RecordingSink::all(s), {0, s.layers + 1, 1}, {2}};
+    for (const auto& active : actives) {
+      Backend kept(s, 2, 9);
+      RecordingSink want(s, active);
+      const double loss = kept.compute->train_step(m.weights, batch_of(t), 1.0, want);
+      for (int recompute = 1; recompute <= s.layers; ++recompute) {
+        CAPTURE(recompute, active.size());
+        Block block(lm::dec::cpu_bytes(s, 2, 9, recompute));
+        const auto compute =
+            lm::dec::make_cpu_compute(s, 2, 9, block.data(), block.bytes, recompute);
+        RecordingSink got(s, active);
+        REQUIRE(compute->train_step(m.weights, batch_of(t), 1.0, got) == loss);
+        REQUIRE(got.problems.empty());
+        REQUIRE(got.events == want.events);  // the same slots, in the same order
+        for (const auto& p : test_support::decoder_reference_params(s)) {
+          CAPTURE(p.name);
+          REQUIRE((got.raw(p.name) == want.raw(p.name)));
+        }
+        REQUIRE(compute->loss(m.weights, batch_of(t)) == loss);
+        REQUIRE(block.guards_intact());
+      }
+    }
+    // Recomputed layers share one layer's activations: each one past the first saves a layer's
+    // (up to the 64-byte rounding of the 11 per-layer regions).
+    const std::size_t none = lm::dec::cpu_bytes(s, 2, 9);
+    REQUIRE(lm::dec::cpu_bytes(s, 2, 9, 1) == none);
+    const std::size_t per_layer = none - lm::dec::cpu_bytes(s, 2, 9, 2);
+    REQUIRE(per_layer > 11 * 64);
+    for (int r = 2; r <= s.layers; ++r) {
+      const std::size_t saved = none - lm::dec::cpu_bytes(s, 2, 9, r);
+      CAPTURE(r, saved, per_layer);
+      const std::size_t want = static_cast<std::size_t>(r - 1) * per_layer;
+      REQUIRE(saved + 11 * 64 >= want);
+      REQUIRE(saved <= want + 11 * 64);
+    }
+  }
+}
+
+TEST_CASE("decoder CPU refuses recompute_layers outside [0, layers], naming it", "[decoder]") {
+  const DecoderShape s = tiny_llama();
+  for (const int bad : {-1, s.layers + 1}) {
+    CAPTURE(bad);
+    const auto msg = test::message_of<ConfigError>([&] { lm::dec::cpu_bytes(s, 2, 8, bad); });
+    CAPTURE(msg);
+    REQUIRE(test::contains(msg, "recompute_layers"));
+  }
+}

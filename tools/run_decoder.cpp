@@ -124,12 +124,15 @@ class DecoderRun final : public RunModel {
       init_ahead_->fill(param, values);
   }
   std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const override {
-    return Decoder::activation_bytes(config_.shape, micro, config_.seq_len, dtype, device);
+    return Decoder::activation_bytes(config_.shape, micro, config_.seq_len, dtype, device,
+                                     config_.recompute_layers);
   }
   std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
                                              MemorySpace& space) const override {
     return std::make_unique<DecoderRank>(
-        make_decoder(config_.shape, micro, config_.seq_len, dtype, space), data_, micro,
+        make_decoder(config_.shape, micro, config_.seq_len, dtype, space,
+                     config_.recompute_layers),
+        data_, micro,
         global_batch_);
   }
   std::int64_t tokens_per_sample() const override { return config_.seq_len; }
@@ -199,6 +202,11 @@ void decoder_config_from_json(ConfigReader& c, TrainConfig& t) {
   } catch (const ConfigError& e) {
     c.rethrow_naming_file(e);
   }
+  const auto recompute = c.integer("model.recompute_layers", 0);
+  if (recompute < 0 || recompute > d.shape.layers)
+    c.fail("model.recompute_layers", fmt::format("{}", recompute),
+           fmt::format("must lie in [0, num_hidden_layers = {}]", d.shape.layers));
+  d.recompute_layers = static_cast<int>(recompute);
   const auto tokenizer = c.string("data.tokenizer", "llmc");
   if (tokenizer != "llmc" && tokenizer != "bytes")
     c.fail("data.tokenizer", quote_value(tokenizer),

@@ -50,6 +50,7 @@ struct DecoderRunConfig {
   std::string data_train;  ///< data.train: a path or glob of token files (docs/data.md)
   std::string data_val;    ///< data.val: the validation set's ("": the tail of a bytes file)
   bool bytes = false;      ///< data.tokenizer = "bytes": a file's bytes are its tokens
+  int recompute_layers = 0;  ///< model.recompute_layers: the lowest layers run forward again in backward
 };
 
 struct TrainConfig;

@@ -325,8 +325,19 @@ void Decoder::init(const DecoderShape& shape, const ParamInfo& param, std::span<
 }
 
 std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequences,
-                                       int seq_len, DType dtype, DeviceKind device) {
+                                       int seq_len, DType dtype, DeviceKind device,
+                                       int recompute_layers) {
   validate_decoder_shape(shape);
+  if (recompute_layers < 0 || recompute_layers > shape.layers)
+    throw ConfigError(fmt::format(
+        "Decoder::activation_bytes: recompute_layers = {} is outside [0, layers = {}]",
+        recompute_layers, shape.layers));
+  // The CUDA backend keeps every layer's activations; recomputation runs on the CPU backend.
+  if (device == DeviceKind::cuda && recompute_layers > 0)
+    throw ConfigError(fmt::format(
+        "Decoder::activation_bytes: recompute_layers = {}: the cuda backend does not recompute "
+        "layers yet (the cpu backend does); use 0 there",
+        recompute_layers));
   if (max_sequences < 1)
     throw ConfigError(fmt::format(
         "Decoder::activation_bytes: max_sequences = {} must be at least 1", max_sequences));
@@ -339,13 +350,14 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
                                   dtype_name(dtype)));
   return static_cast<std::int64_t>(device == DeviceKind::cuda
                                        ? lm::dec::cuda_bytes(shape, max_sequences, seq_len)
-                                       : lm::dec::cpu_bytes(shape, max_sequences, seq_len));
+                                       : lm::dec::cpu_bytes(shape, max_sequences, seq_len,
+                                                            recompute_layers));
 }
 
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
-                                      DType dtype, MemorySpace& space) {
+                                      DType dtype, MemorySpace& space, int recompute_layers) {
   const auto bytes = static_cast<std::size_t>(Decoder::activation_bytes(
-      shape, max_sequences, seq_len, dtype, space.device()));  // validates
+      shape, max_sequences, seq_len, dtype, space.device(), recompute_layers));  // validates
   Buffer memory = space.allocate(
       bytes, Tag::activation,
       fmt::format("decoder activations ({} x {} tokens)", max_sequences, seq_len));
@@ -356,7 +368,8 @@ std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequenc
     model->set_compute(
         lm::dec::make_cuda_compute(shape, max_sequences, seq_len, dtype, base, bytes));
   else
-    model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes));
+    model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes,
+                                                 recompute_layers));
   return model;
 }
 

@@ -80,9 +80,12 @@ class Decoder {
   virtual lm::dec::PhaseTimes take_phase_times() = 0;
 
   /// Exact bytes of Tag::activation (requested) that the model made by make_decoder holds in
-  /// its MemorySpace for batches of up to max_sequences x seq_len.
+  /// its MemorySpace for batches of up to max_sequences x seq_len, with the lowest
+  /// recompute_layers layers keeping only their input for backward (model.recompute_layers;
+  /// the CPU backend's, refused on CUDA for now).
   static std::int64_t activation_bytes(const DecoderShape& shape, int max_sequences,
-                                       int seq_len, DType dtype, DeviceKind device);
+                                       int seq_len, DType dtype, DeviceKind device,
+                                       int recompute_layers = 0);
 };
 
 /// The CPU (Eigen) backend when space.device() is the host, the CUDA one (cuBLAS GEMMs, own
@@ -92,6 +95,6 @@ class Decoder {
 /// ConfigError for a bad shape, max_sequences or seq_len < 1, seq_len above max_positions or a
 /// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA.
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
-                                      DType dtype, MemorySpace& space);
+                                      DType dtype, MemorySpace& space, int recompute_layers = 0);
 
 }  // namespace shardswap

@@ -84,16 +84,28 @@ std::size_t layer_upcast_floats(const Sizes& z, bool bias) {
   return f;
 }
 
-// Byte offsets of the regions (fp32 all) for n = max_sequences * seq_len tokens. Per-layer
-// regions hold layer l's rows at l * n * width.
+// Where layer l keeps its activations for backward: its own slot, or, for the lowest
+// `recompute` layers (which keep only x_l and run their forward again in backward), the one
+// slot they share. Slots: 0 .. kept_slots - 1.
+std::size_t kept_slots(std::size_t layers, std::size_t recompute) {
+  return recompute == 0 ? layers : layers - recompute + 1;
+}
+std::size_t slot_of(int l, std::size_t recompute) {
+  const auto layer = static_cast<std::size_t>(l);
+  return recompute == 0 ? layer : layer < recompute ? 0 : layer - recompute + 1;
+}
+
+// Byte offsets of the regions (fp32 all) for n = max_sequences * seq_len tokens. xs holds
+// x_l's rows at l * n * d; the other per-layer regions hold a slot's rows at slot * n * width.
 struct Layout {
   std::size_t rope_cos, rope_sin;               // seq_len * hd/2
   std::size_t xs;                               // (layers + 1) * n * d: x_0 .. x_L
-  std::size_t ys;                               // layers * n * d: after attention's residual
-  std::size_t rstd_attn, rstd_mlp, rstd_final;  // layers * n, layers * n, n
-  std::size_t qs, ks, vs, os;   // layers * n * (q, kv, kv, q): q, k after RoPE; attention out
-  std::size_t lse;              // layers * n * heads: attention rows' log-sum-exp
-  std::size_t gates, ups;       // layers * n * I
+  // Per slot (kept_slots of them):
+  std::size_t ys;                               // n * d: after attention's residual
+  std::size_t rstd_attn, rstd_mlp, rstd_final;  // n, n per slot; final n
+  std::size_t qs, ks, vs, os;   // n * (q, kv, kv, q): q, k after RoPE; attention out
+  std::size_t lse;              // n * heads: attention rows' log-sum-exp
+  std::size_t gates, ups;       // n * I
   std::size_t normed, act;      // scratch n * d (a norm's output), n * I (silu(gate) * up)
   std::size_t dx, dn;           // n * d: residual gradient, gradient at a norm's output
   std::size_t dq, dk, dv, d_o;  // n * (q, kv, kv, q)
@@ -106,25 +118,26 @@ struct Layout {
   std::size_t bytes;
 };
 
-Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len) {
+Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len, int recompute) {
   const Sizes z = sizes_of(s, max_sequences, seq_len);
   const std::size_t n = z.n, d = z.d, L = z.layers;
+  const std::size_t S = kept_slots(L, static_cast<std::size_t>(recompute));
   Arena a;
   Layout l{};
   l.rope_cos = a.take_floats(z.t * z.half);
   l.rope_sin = a.take_floats(z.t * z.half);
   l.xs = a.take_floats((L + 1) * n * d);
-  l.ys = a.take_floats(L * n * d);
-  l.rstd_attn = a.take_floats(L * n);
-  l.rstd_mlp = a.take_floats(L * n);
+  l.ys = a.take_floats(S * n * d);
+  l.rstd_attn = a.take_floats(S * n);
+  l.rstd_mlp = a.take_floats(S * n);
   l.rstd_final = a.take_floats(n);
-  l.qs = a.take_floats(L * n * z.q);
-  l.ks = a.take_floats(L * n * z.kv);
-  l.vs = a.take_floats(L * n * z.kv);
-  l.os = a.take_floats(L * n * z.q);
-  l.lse = a.take_floats(L * n * z.h);
-  l.gates = a.take_floats(L * n * z.inter);
-  l.ups = a.take_floats(L * n * z.inter);
+  l.qs = a.take_floats(S * n * z.q);
+  l.ks = a.take_floats(S * n * z.kv);
+  l.vs = a.take_floats(S * n * z.kv);
+  l.os = a.take_floats(S * n * z.q);
+  l.lse = a.take_floats(S * n * z.h);
+  l.gates = a.take_floats(S * n * z.inter);
+  l.ups = a.take_floats(S * n * z.inter);
   l.normed = a.take_floats(n * d);
   l.act = a.take_floats(n * z.inter);
   l.dx = a.take_floats(n * d);
@@ -145,7 +158,11 @@ Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len) {
   return l;
 }
 
-void validate(const DecoderShape& s, int max_sequences, int seq_len, const char* fn) {
+void validate(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
+              const char* fn) {
+  if (recompute < 0 || recompute > s.layers)
+    throw ConfigError(fmt::format("{}: recompute_layers = {} is outside [0, layers = {}]", fn,
+                                  recompute, s.layers));
   const std::pair<const char*, int> positive[] = {{"vocab", s.vocab},
                                                   {"hidden", s.hidden},
                                                   {"intermediate", s.intermediate},
@@ -220,13 +237,15 @@ void rms_norm_backward(const float* x, std::size_t rows, std::size_t d, const fl
 
 class CpuCompute final : public Compute {
  public:
-  CpuCompute(const DecoderShape& s, int max_sequences, int seq_len, std::byte* memory)
+  CpuCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
+             std::byte* memory)
       : s_(s),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
+        recompute_(static_cast<std::size_t>(recompute)),
         z_(sizes_of(s, max_sequences, seq_len)),
         mem_(memory),
-        l_(layout_of(s, max_sequences, seq_len)) {
+        l_(layout_of(s, max_sequences, seq_len, recompute)) {
     // cos / sin of float(p) * inv_freq[i], the product in float32 as transformers forms it.
     const std::vector<float> inv_freq = rope_inv_freq(s);
     float* const c = at(l_.rope_cos);
@@ -284,9 +303,13 @@ class CpuCompute final : public Compute {
   std::size_t tokens(const Batch& b) const {
     return static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
   }
-  // Layer l's rows of a per-layer region of `width` features.
+  // x_l's rows (region xs, l in [0, layers]).
   float* layer_at(std::size_t region, int l, std::size_t width) const {
     return at(region) + static_cast<std::size_t>(l) * z_.n * width;
+  }
+  // Layer l's rows of a per-slot region of `width` features (slot_of).
+  float* slot_at(std::size_t region, int l, std::size_t width) const {
+    return at(region) + slot_of(l, recompute_) * z_.n * width;
   }
 
   int lowest_active_group(const GradSink& sink) const {
@@ -458,11 +481,11 @@ class CpuCompute final : public Compute {
   void attention(int l, const Batch& b) const {
     const std::size_t t = static_cast<std::size_t>(b.seq_len), group = z_.h / z_.k;
     const float scale = 1.0f / std::sqrt(static_cast<float>(2 * z_.half));
-    float* const q = layer_at(l_.qs, l, z_.q);
-    float* const k = layer_at(l_.ks, l, z_.kv);
-    float* const v = layer_at(l_.vs, l, z_.kv);
-    float* const o = layer_at(l_.os, l, z_.q);
-    float* const lse = layer_at(l_.lse, l, z_.h);
+    float* const q = slot_at(l_.qs, l, z_.q);
+    float* const k = slot_at(l_.ks, l, z_.kv);
+    float* const v = slot_at(l_.vs, l, z_.kv);
+    float* const o = slot_at(l_.os, l, z_.q);
+    float* const lse = slot_at(l_.lse, l, z_.h);
     MapR p(at(l_.scores), cols(t), cols(t));
     for (std::size_t seq = 0; seq < static_cast<std::size_t>(b.sequences); ++seq)
       for (std::size_t h = 0; h < z_.h; ++h) {
@@ -486,8 +509,7 @@ class CpuCompute final : public Compute {
 
   // Fills x_1 .. x_L from the batch's tokens.
   void forward_layers(const Weights& w, const Batch& b) const {
-    const std::size_t n = tokens(b), d = z_.d, t = static_cast<std::size_t>(b.seq_len);
-    const float eps = static_cast<float>(s_.rms_eps);
+    const std::size_t n = tokens(b), d = z_.d;
     float* const x0 = at(l_.xs);
     const std::size_t row_bytes = d * dtype_size(w.dtype);
     for (std::size_t r = 0; r < n; ++r)
@@ -495,42 +517,49 @@ class CpuCompute final : public Compute {
                             static_cast<const std::byte*>(w.embed) +
                                 static_cast<std::size_t>(b.inputs[r]) * row_bytes,
                             w.dtype, d);
+    for (int l = 0; l < s_.layers; ++l) forward_layer(upcast_layer(w, l), b, l, true);
+  }
+
+  // Layer l's forward from x_l into its slot and, with write_next, x_{l+1}. Run again in
+  // backward for a recomputed layer (write_next false: x_{l+1} is kept): the same operations on
+  // the same x_l and weights, so the same bits.
+  void forward_layer(const Layer& lw, const Batch& b, int l, bool write_next) const {
+    const std::size_t n = tokens(b), d = z_.d, t = static_cast<std::size_t>(b.seq_len);
+    const float eps = static_cast<float>(s_.rms_eps);
     float* const normed = at(l_.normed);
-    for (int l = 0; l < s_.layers; ++l) {
-      const Layer lw = upcast_layer(w, l);
-      const float* const x = layer_at(l_.xs, l, d);
-      // `normed` holds the attention's norm output, then the MLP's.
-      rms_norm(x, n, d, lw.attn_norm, eps, normed, layer_at(l_.rstd_attn, l, 1));
-      const CMapR a(normed, rows_i(n), cols(d));
-      MapR q(layer_at(l_.qs, l, z_.q), rows_i(n), cols(z_.q));
-      MapR k(layer_at(l_.ks, l, z_.kv), rows_i(n), cols(z_.kv));
-      MapR v(layer_at(l_.vs, l, z_.kv), rows_i(n), cols(z_.kv));
-      q.noalias() = a * CMapR(lw.q, cols(z_.q), cols(d)).transpose();
-      k.noalias() = a * CMapR(lw.k, cols(z_.kv), cols(d)).transpose();
-      v.noalias() = a * CMapR(lw.v, cols(z_.kv), cols(d)).transpose();
-      if (s_.qkv_bias) {
-        q.rowwise() += CMapRow(lw.q_bias, cols(z_.q));
-        k.rowwise() += CMapRow(lw.k_bias, cols(z_.kv));
-        v.rowwise() += CMapRow(lw.v_bias, cols(z_.kv));
-      }
-      rope(q.data(), n, z_.q, t);
-      rope(k.data(), n, z_.kv, t);
-      attention(l, b);
-      MapR y(layer_at(l_.ys, l, d), rows_i(n), cols(d));
-      y = CMapR(x, rows_i(n), cols(d));
-      y.noalias() += CMapR(layer_at(l_.os, l, z_.q), rows_i(n), cols(z_.q)) *
-                     CMapR(lw.o, cols(d), cols(z_.q)).transpose();
-      rms_norm(y.data(), n, d, lw.mlp_norm, eps, normed, layer_at(l_.rstd_mlp, l, 1));
-      MapR gate(layer_at(l_.gates, l, z_.inter), rows_i(n), cols(z_.inter));
-      MapR up(layer_at(l_.ups, l, z_.inter), rows_i(n), cols(z_.inter));
-      gate.noalias() = a * CMapR(lw.gate, cols(z_.inter), cols(d)).transpose();
-      up.noalias() = a * CMapR(lw.up, cols(z_.inter), cols(d)).transpose();
-      MapR act(at(l_.act), rows_i(n), cols(z_.inter));
-      act.array() = gate.array() * (1.0f + (-gate.array()).exp()).inverse() * up.array();
-      MapR next(layer_at(l_.xs, l + 1, d), rows_i(n), cols(d));
-      next = y;
-      next.noalias() += act * CMapR(lw.down, cols(d), cols(z_.inter)).transpose();
+    const float* const x = layer_at(l_.xs, l, d);
+    // `normed` holds the attention's norm output, then the MLP's.
+    rms_norm(x, n, d, lw.attn_norm, eps, normed, slot_at(l_.rstd_attn, l, 1));
+    const CMapR a(normed, rows_i(n), cols(d));
+    MapR q(slot_at(l_.qs, l, z_.q), rows_i(n), cols(z_.q));
+    MapR k(slot_at(l_.ks, l, z_.kv), rows_i(n), cols(z_.kv));
+    MapR v(slot_at(l_.vs, l, z_.kv), rows_i(n), cols(z_.kv));
+    q.noalias() = a * CMapR(lw.q, cols(z_.q), cols(d)).transpose();
+    k.noalias() = a * CMapR(lw.k, cols(z_.kv), cols(d)).transpose();
+    v.noalias() = a * CMapR(lw.v, cols(z_.kv), cols(d)).transpose();
+    if (s_.qkv_bias) {
+      q.rowwise() += CMapRow(lw.q_bias, cols(z_.q));
+      k.rowwise() += CMapRow(lw.k_bias, cols(z_.kv));
+      v.rowwise() += CMapRow(lw.v_bias, cols(z_.kv));
     }
+    rope(q.data(), n, z_.q, t);
+    rope(k.data(), n, z_.kv, t);
+    attention(l, b);
+    MapR y(slot_at(l_.ys, l, d), rows_i(n), cols(d));
+    y = CMapR(x, rows_i(n), cols(d));
+    y.noalias() += CMapR(slot_at(l_.os, l, z_.q), rows_i(n), cols(z_.q)) *
+                   CMapR(lw.o, cols(d), cols(z_.q)).transpose();
+    rms_norm(y.data(), n, d, lw.mlp_norm, eps, normed, slot_at(l_.rstd_mlp, l, 1));
+    MapR gate(slot_at(l_.gates, l, z_.inter), rows_i(n), cols(z_.inter));
+    MapR up(slot_at(l_.ups, l, z_.inter), rows_i(n), cols(z_.inter));
+    gate.noalias() = a * CMapR(lw.gate, cols(z_.inter), cols(d)).transpose();
+    up.noalias() = a * CMapR(lw.up, cols(z_.inter), cols(d)).transpose();
+    if (!write_next) return;
+    MapR act(at(l_.act), rows_i(n), cols(z_.inter));
+    act.array() = gate.array() * (1.0f + (-gate.array()).exp()).inverse() * up.array();
+    MapR next(layer_at(l_.xs, l + 1, d), rows_i(n), cols(d));
+    next = y;
+    next.noalias() += act * CMapR(lw.down, cols(d), cols(z_.inter)).transpose();
   }
 
   // f = rmsnorm(x_L) * norm into the normed scratch.
@@ -604,11 +633,11 @@ class CpuCompute final : public Compute {
   void attention_backward(int l, const Batch& b) const {
     const std::size_t t = static_cast<std::size_t>(b.seq_len), n = tokens(b), group = z_.h / z_.k;
     const float scale = 1.0f / std::sqrt(static_cast<float>(2 * z_.half));
-    float* const q = layer_at(l_.qs, l, z_.q);
-    float* const k = layer_at(l_.ks, l, z_.kv);
-    float* const v = layer_at(l_.vs, l, z_.kv);
-    float* const o = layer_at(l_.os, l, z_.q);
-    const float* const lse = layer_at(l_.lse, l, z_.h);
+    float* const q = slot_at(l_.qs, l, z_.q);
+    float* const k = slot_at(l_.ks, l, z_.kv);
+    float* const v = slot_at(l_.vs, l, z_.kv);
+    float* const o = slot_at(l_.os, l, z_.q);
+    const float* const lse = slot_at(l_.lse, l, z_.h);
     float* const dq = at(l_.dq);
     float* const dk = at(l_.dk);
     float* const dv = at(l_.dv);
@@ -683,16 +712,18 @@ class CpuCompute final : public Compute {
     const std::size_t n = tokens(b), d = z_.d, in = z_.inter,
                       t = static_cast<std::size_t>(b.seq_len);
     const Layer lw = upcast_layer(w, l);
+    // A recomputed layer's activations, from x_l, into the slot the lowest layers share.
+    if (static_cast<std::size_t>(l) < recompute_) forward_layer(lw, b, l, false);
     float* const dx = at(l_.dx);
     float* const dn = at(l_.dn);
     float* const normed = at(l_.normed);
     float* const g = at(l_.grad);
-    const float* const y = layer_at(l_.ys, l, d);
+    const float* const y = slot_at(l_.ys, l, d);
     const float* const x = layer_at(l_.xs, l, d);
     const MapR dxm(dx, rows_i(n), cols(d));
     // MLP: x_{l+1} = y + (silu(gate) * up) Wdown^T.
-    const CMapR gate(layer_at(l_.gates, l, in), rows_i(n), cols(in));
-    const CMapR up(layer_at(l_.ups, l, in), rows_i(n), cols(in));
+    const CMapR gate(slot_at(l_.gates, l, in), rows_i(n), cols(in));
+    const CMapR up(slot_at(l_.ups, l, in), rows_i(n), cols(in));
     MapR act(at(l_.act), rows_i(n), cols(in));
     MapR dgate(at(l_.dgate), rows_i(n), cols(in)), dup(at(l_.dup), rows_i(n), cols(in));
     // act holds sigmoid(gate) first, then silu(gate) * up for the down projection's gradient.
@@ -703,7 +734,7 @@ class CpuCompute final : public Compute {
     if (active) {
       act.array() = gate.array() * act.array() * up.array();
       emit_weight(sink, {ParamKind::down, l}, dx, act.data(), n, d, in);
-      rms_norm_again(y, n, d, lw.mlp_norm, layer_at(l_.rstd_mlp, l, 1), normed);
+      rms_norm_again(y, n, d, lw.mlp_norm, slot_at(l_.rstd_mlp, l, 1), normed);
       emit_weight(sink, {ParamKind::up, l}, dup.data(), normed, n, in, d);
       emit_weight(sink, {ParamKind::gate, l}, dgate.data(), normed, n, in, d);
     }
@@ -711,13 +742,13 @@ class CpuCompute final : public Compute {
     dnm.noalias() = dgate * CMapR(lw.gate, cols(in), cols(d));
     dnm.noalias() += dup * CMapR(lw.up, cols(in), cols(d));
     // dx becomes the gradient at y: the residual's plus the norm's.
-    rms_norm_backward(y, n, d, lw.mlp_norm, layer_at(l_.rstd_mlp, l, 1), dn, active ? g : nullptr,
+    rms_norm_backward(y, n, d, lw.mlp_norm, slot_at(l_.rstd_mlp, l, 1), dn, active ? g : nullptr,
                       dx);
     if (active) emit(sink, {ParamKind::mlp_norm, l}, g, d);
     // Attention: y = x + o Wo^T.
     MapR d_o(at(l_.d_o), rows_i(n), cols(z_.q));
     d_o.noalias() = dxm * CMapR(lw.o, cols(d), cols(z_.q));
-    if (active) emit_weight(sink, {ParamKind::o, l}, dx, layer_at(l_.os, l, z_.q), n, d, z_.q);
+    if (active) emit_weight(sink, {ParamKind::o, l}, dx, slot_at(l_.os, l, z_.q), n, d, z_.q);
     attention_backward(l, b);
     float* const dq = at(l_.dq);
     float* const dk = at(l_.dk);
@@ -725,7 +756,7 @@ class CpuCompute final : public Compute {
     rope_backward(dq, n, z_.q, t);
     rope_backward(dk, n, z_.kv, t);
     if (active) {
-      rms_norm_again(x, n, d, lw.attn_norm, layer_at(l_.rstd_attn, l, 1), normed);
+      rms_norm_again(x, n, d, lw.attn_norm, slot_at(l_.rstd_attn, l, 1), normed);
       if (s_.qkv_bias) emit_bias(sink, {ParamKind::v_bias, l}, dv, n, z_.kv);
       emit_weight(sink, {ParamKind::v, l}, dv, normed, n, z_.kv, d);
       if (s_.qkv_bias) emit_bias(sink, {ParamKind::k_bias, l}, dk, n, z_.kv);
@@ -737,13 +768,14 @@ class CpuCompute final : public Compute {
     dnm.noalias() = CMapR(dq, rows_i(n), cols(z_.q)) * CMapR(lw.q, cols(z_.q), cols(d));
     dnm.noalias() += CMapR(dk, rows_i(n), cols(z_.kv)) * CMapR(lw.k, cols(z_.kv), cols(d));
     dnm.noalias() += CMapR(dv, rows_i(n), cols(z_.kv)) * CMapR(lw.v, cols(z_.kv), cols(d));
-    rms_norm_backward(x, n, d, lw.attn_norm, layer_at(l_.rstd_attn, l, 1), dn, active ? g : nullptr,
+    rms_norm_backward(x, n, d, lw.attn_norm, slot_at(l_.rstd_attn, l, 1), dn, active ? g : nullptr,
                       below ? dx : nullptr);
     if (active) emit(sink, {ParamKind::attn_norm, l}, g, d);
   }
 
   DecoderShape s_;
   int max_sequences_, seq_len_;
+  std::size_t recompute_;  // the lowest layers that run their forward again in backward
   Sizes z_;
   std::byte* mem_;
   Layout l_;
@@ -751,15 +783,17 @@ class CpuCompute final : public Compute {
 
 }  // namespace
 
-std::size_t cpu_bytes(const DecoderShape& s, int max_sequences, int seq_len) {
-  validate(s, max_sequences, seq_len, "cpu_bytes");
-  return layout_of(s, max_sequences, seq_len).bytes;
+std::size_t cpu_bytes(const DecoderShape& s, int max_sequences, int seq_len,
+                      int recompute_layers) {
+  validate(s, max_sequences, seq_len, recompute_layers, "cpu_bytes");
+  return layout_of(s, max_sequences, seq_len, recompute_layers).bytes;
 }
 
 std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequences, int seq_len,
-                                          void* memory, std::size_t bytes) {
-  validate(s, max_sequences, seq_len, "make_cpu_compute");
-  const std::size_t need = layout_of(s, max_sequences, seq_len).bytes;
+                                          void* memory, std::size_t bytes,
+                                          int recompute_layers) {
+  validate(s, max_sequences, seq_len, recompute_layers, "make_cpu_compute");
+  const std::size_t need = layout_of(s, max_sequences, seq_len, recompute_layers).bytes;
   if (memory == nullptr || bytes < need)
     throw ConfigError(
         fmt::format("make_cpu_compute: a block of {} bytes at {}; the backend needs {} (cpu_bytes)",
@@ -767,7 +801,8 @@ std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequenc
   if (reinterpret_cast<std::uintptr_t>(memory) % kAlign != 0)
     throw ConfigError(
         fmt::format("make_cpu_compute: the block at {} is not {}-byte aligned", memory, kAlign));
-  return std::make_unique<CpuCompute>(s, max_sequences, seq_len, static_cast<std::byte*>(memory));
+  return std::make_unique<CpuCompute>(s, max_sequences, seq_len, recompute_layers,
+                                      static_cast<std::byte*>(memory));
 }
 
 }  // namespace shardswap::lm::dec
