@@ -328,11 +328,7 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
                                        int seq_len, DType dtype, DeviceKind device,
                                        int recompute_layers) {
   validate_decoder_shape(shape);
-  if (recompute_layers < 0 || recompute_layers > shape.layers)
-    throw ConfigError(fmt::format(
-        "Decoder::activation_bytes: recompute_layers = {} is outside [0, layers = {}]",
-        recompute_layers, shape.layers));
-  // The CUDA backend keeps every layer's activations; recomputation runs on the CPU backend.
+  // (cpu_bytes checks recompute_layers' range.) The CUDA backend keeps every layer's activations; recomputation runs on the CPU backend.
   if (device == DeviceKind::cuda && recompute_layers > 0)
     throw ConfigError(fmt::format(
         "Decoder::activation_bytes: recompute_layers = {}: the cuda backend does not recompute "

@@ -552,8 +552,8 @@ __global__ void __launch_bounds__(32 * kAttnWarps)
 
 // SwiGLU's elements go 8 at a time (16-byte loads of T: scalar 2-byte loads left these kernels
 // at a third of the memory bandwidth, 0.35 ms a call at 8 x 2048 x 4864 on an H200); the
-// launcher checks that every pointer is 16-byte aligned and count a multiple of 8, else
-// kSwigluPack is 1.
+// launcher (with_pack) checks that every pointer is 16-byte aligned and count a multiple of 8,
+// else they go one at a time.
 template <class T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
@@ -1075,36 +1075,32 @@ class CudaCompute final : public Compute {
     check_launch();
   }
 
-  // SwiGLU 8 elements a thread where every pointer is 16-byte aligned and count a multiple of
-  // 8 (any intermediate_size that is a multiple of 8: all Llama, Qwen2 and Mistral sizes), else 1.
-  static bool packs_of_8(long long count, std::initializer_list<const void*> ptrs) {
-    bool ok = count % 8 == 0;
-    for (const void* p : ptrs) ok = ok && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
-    return ok;
+  // Calls f(std::integral_constant<int, N>) with N = 8, SwiGLU's elements a thread, where every
+  // pointer is 16-byte aligned and count a multiple of 8 (any intermediate_size that is a
+  // multiple of 8: all Llama, Qwen2 and Mistral sizes), else N = 1.
+  template <class F>
+  static void with_pack(long long count, std::initializer_list<const void*> ptrs, F&& f) {
+    bool eight = count % 8 == 0;
+    for (const void* p : ptrs) eight = eight && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+    if (eight)
+      f(std::integral_constant<int, 8>{});
+    else
+      f(std::integral_constant<int, 1>{});
+    check_launch();
   }
   void swiglu(const T* gate, const T* up, long long count, T* act) {
-    const auto launch = [&](auto pack) {
+    with_pack(count, {gate, up, act}, [&](auto pack) {
       constexpr int N = decltype(pack)::value;
       swiglu_forward<T, N><<<blocks_for(count / N), 256, 0, cudaStreamPerThread>>>(
           gate, up, count / N, act);
-    };
-    if (packs_of_8(count, {gate, up, act}))
-      launch(std::integral_constant<int, 8>{});
-    else
-      launch(std::integral_constant<int, 1>{});
-    check_launch();
+    });
   }
   void swiglu_grad(const float* dact, T* gate, T* up, T* act, long long count) {
-    const auto launch = [&](auto pack) {
+    with_pack(count, {dact, gate, up, act}, [&](auto pack) {
       constexpr int N = decltype(pack)::value;
       swiglu_backward<T, N><<<blocks_for(count / N), 256, 0, cudaStreamPerThread>>>(
           dact, gate, up, act, count / N);
-    };
-    if (packs_of_8(count, {dact, gate, up, act}))
-      launch(std::integral_constant<int, 8>{});
-    else
-      launch(std::integral_constant<int, 1>{});
-    check_launch();
+    });
   }
 
   void forward(const Weights& w, const Batch& b) {

@@ -36,7 +36,6 @@ void InitAhead::launch_ahead() {
 
 void InitAhead::fill(const ParamInfo& param, std::span<float> values) {
   std::future<std::vector<float>> drawn;
-  std::size_t index = 0;
   {
     std::lock_guard lock(mutex_);
     const auto found = index_.find(param.name);
@@ -44,7 +43,11 @@ void InitAhead::fill(const ParamInfo& param, std::span<float> values) {
       Decoder::init(shape_, param, values, seed_);
       return;
     }
-    index = found->second;
+    const std::size_t index = found->second;
+    const auto numel = static_cast<std::size_t>(order_[index].numel);
+    if (values.size() != numel)
+      throw ConfigError("InitAhead: '" + param.name + "' has " + std::to_string(values.size()) +
+                        " values, the decoder's shape " + std::to_string(numel));
     if (const auto f = in_flight_.find(index); f != in_flight_.end()) {
       drawn = std::move(f->second);
       in_flight_.erase(f);
@@ -53,10 +56,11 @@ void InitAhead::fill(const ParamInfo& param, std::span<float> values) {
     }
     launch_ahead();
   }
-  const std::vector<float> v = drawn.valid() ? drawn.get() : draw(index);
-  if (v.size() != values.size())
-    throw ConfigError("InitAhead: '" + param.name + "' has " + std::to_string(values.size()) +
-                      " values, the decoder's shape " + std::to_string(v.size()));
+  if (!drawn.valid()) {  // not drawn ahead: straight into values
+    Decoder::init(shape_, param, values, seed_);
+    return;
+  }
+  const std::vector<float> v = drawn.get();
   std::copy(v.begin(), v.end(), values.begin());
 }
 

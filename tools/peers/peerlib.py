@@ -24,6 +24,20 @@ def emit(record, path=None):
             f.write(line + "\n")
 
 
+def read_jsonl(path, script):
+    """The JSON objects of a file of JSON lines (blank lines skipped); a malformed line ends the
+    script naming the file and the line."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise SystemExit(f"{script}: {path}:{n}: {exc}")
+    return rows
+
+
 def fail(script, message, record=None, path=None):
     """Fail loudly: an error record (so the table shows why) and exit status 1."""
     rec = dict(record or {})

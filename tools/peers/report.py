@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+import peerlib
+
 
 def gib(b):
     return "-" if b is None else f"{b / 2**30:.3f}"
@@ -30,14 +32,7 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     meta = json.load(open(args.meta))
-    rows = []
-    with open(args.results) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise SystemExit(f"report.py: {args.results}:{n}: {exc}")
+    rows = peerlib.read_jsonl(args.results, "report.py")
     by = lambda w: [r for r in rows if r.get("workload") == w and r.get("status") == "ok"]
     out = []
     p = out.append

@@ -28,6 +28,8 @@ import platform
 import subprocess
 import sys
 
+import peerlib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYSTEMS = ("shardswap", "torch", "deepspeed")
 NAMES = {"shardswap": "ShardSwap", "torch": "PyTorch", "deepspeed": "DeepSpeed"}
@@ -84,17 +86,9 @@ def load_bench(path):
 
 
 def load_peers(path):
-    rows = []
     if not path or not os.path.exists(path):
-        return rows
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise SystemExit(f"train_report.py: {path}:{n}: {exc}")
-    return rows
+        return []
+    return peerlib.read_jsonl(path, "train_report.py")
 
 
 def shape_of(row):
