@@ -98,9 +98,6 @@ TrainConfig train_config_from_json(ConfigReader& c) {
                       device_digits.find_first_not_of("0123456789") == std::string::npos;
   if (t.backend != "cpu" && t.backend != "cuda" && !cuda_n)
     c.fail("shardswap.backend", quote_value(t.backend), "expected cpu, cuda or cuda:N");
-  if (t.backend != "cpu" && t.decoder.recompute_layers > 0)
-    c.fail("model.recompute_layers", fmt::format("{}", t.decoder.recompute_layers),
-           "the cuda backend does not recompute layers yet (the cpu backend does): use 0 there");
   t.comm = comm_kind_from_name(c, c.string("shardswap.communicator", "in_process"));
   if (t.comm == CommKind::nccl && t.backend == "cpu")
     c.fail("shardswap.communicator", "\"nccl\"", "needs shardswap.backend = \"cuda\"");

@@ -679,11 +679,12 @@ struct CudaRun {
 };
 
 CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_scale,
-                 const std::set<int>& active) {
+                 const std::set<int>& active, int recompute = 0) {
   const DeviceParams dev(c.shape, p, c.dtype);
-  const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len);
+  const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute);
   DeviceBlock block(bytes);
-  auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes);
+  auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
+                                   recompute);
   const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data()};
   SlotSink sink(c.shape, active, c.slot_dtype);
   CudaRun r;
@@ -859,6 +860,41 @@ TEST_CASE("cuda decoder: two runs from the same weights and tokens give the same
   REQUIRE(first.grads == second.grads);
 }
 
+TEST_CASE("cuda decoder: recomputed layers give the same bits in fewer bytes",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases()) {
+    CAPTURE(c.label);
+    const Params p = random_params(c.shape, c.dtype, 51);
+    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 52);
+    const int L = c.shape.layers, head = L + 1;
+    // Every group; and LISA's embed + head + top layer (backward through every layer, gradients
+    // for few).
+    for (const std::set<int>& active : {all_groups(c.shape), std::set<int>{0, L, head}}) {
+      CAPTURE(std::vector<int>(active.begin(), active.end()));
+      const CudaRun kept = run_cuda(c, p, b, kGradScale, active);
+      REQUIRE(kept.problems.empty());
+      const std::size_t all_kept = cuda_bytes(c.shape, c.max_sequences, c.seq_len);
+      for (int r = 1; r <= L; ++r) {
+        CAPTURE(r);
+        const CudaRun got = run_cuda(c, p, b, kGradScale, active, r);
+        CAPTURE(got.problems);
+        REQUIRE(got.problems.empty());
+        REQUIRE(got.loss == kept.loss);
+        REQUIRE(got.eval_loss == kept.eval_loss);
+        REQUIRE(got.logits == kept.logits);
+        REQUIRE(got.opened == kept.opened);
+        REQUIRE(got.grads == kept.grads);
+        // r layers share one slot: r - 1 layers' activations fewer.
+        const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, r);
+        if (r == 1)
+          REQUIRE(bytes == all_kept);
+        else
+          REQUIRE(bytes < cuda_bytes(c.shape, c.max_sequences, c.seq_len, r - 1));
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda decoder: a step uses the cuda_bytes block and no other device memory",
           "[decoder][gpu]") {
   Case c = shape_cases()[0];
@@ -908,6 +944,9 @@ TEST_CASE("cuda decoder: refuses a block, shape or batch it cannot run, naming i
   s = small_shape();
   REQUIRE(test::contains(test::message_of<ConfigError>([&] { cuda_bytes(s, 2, 300); }),
                          "max_position_embeddings"));
+  for (int r : {-1, s.layers + 1})
+    REQUIRE(test::contains(test::message_of<ConfigError>([&] { cuda_bytes(s, 2, 8, r); }),
+                           "recompute_layers = " + std::to_string(r)));
   const std::size_t bytes = cuda_bytes(s, 2, 8);
   DeviceBlock block(bytes);
   REQUIRE(test::contains(test::message_of<ConfigError>([&] {

@@ -328,12 +328,7 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
                                        int seq_len, DType dtype, DeviceKind device,
                                        int recompute_layers) {
   validate_decoder_shape(shape);
-  // (cpu_bytes checks recompute_layers' range.) The CUDA backend keeps every layer's activations; recomputation runs on the CPU backend.
-  if (device == DeviceKind::cuda && recompute_layers > 0)
-    throw ConfigError(fmt::format(
-        "Decoder::activation_bytes: recompute_layers = {}: the cuda backend does not recompute "
-        "layers yet (the cpu backend does); use 0 there",
-        recompute_layers));
+  // (cpu_bytes and cuda_bytes check recompute_layers' range.)
   if (max_sequences < 1)
     throw ConfigError(fmt::format(
         "Decoder::activation_bytes: max_sequences = {} must be at least 1", max_sequences));
@@ -345,7 +340,8 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
     throw ConfigError(fmt::format("Decoder::activation_bytes: dtype {} is not bf16 or fp16",
                                   dtype_name(dtype)));
   return static_cast<std::int64_t>(device == DeviceKind::cuda
-                                       ? lm::dec::cuda_bytes(shape, max_sequences, seq_len)
+                                       ? lm::dec::cuda_bytes(shape, max_sequences, seq_len,
+                                                             recompute_layers)
                                        : lm::dec::cpu_bytes(shape, max_sequences, seq_len,
                                                             recompute_layers));
 }
@@ -362,7 +358,8 @@ std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequenc
                                                std::move(memory));
   if (space.device() == DeviceKind::cuda)
     model->set_compute(
-        lm::dec::make_cuda_compute(shape, max_sequences, seq_len, dtype, base, bytes));
+        lm::dec::make_cuda_compute(shape, max_sequences, seq_len, dtype, base, bytes,
+                                   recompute_layers));
   else
     model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes,
                                                  recompute_layers));

@@ -81,8 +81,7 @@ class Decoder {
 
   /// Exact bytes of Tag::activation (requested) that the model made by make_decoder holds in
   /// its MemorySpace for batches of up to max_sequences x seq_len, with the lowest
-  /// recompute_layers layers keeping only their input for backward (model.recompute_layers;
-  /// the CPU backend's, refused on CUDA for now).
+  /// recompute_layers layers keeping only their input for backward (model.recompute_layers).
   static std::int64_t activation_bytes(const DecoderShape& shape, int max_sequences,
                                        int seq_len, DType dtype, DeviceKind device,
                                        int recompute_layers = 0);

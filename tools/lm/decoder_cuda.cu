@@ -884,14 +884,15 @@ class ProfileWindow {
 template <class T>
 class CudaCompute final : public Compute {
  public:
-  CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, std::byte* memory,
-              CudaAttention attention)
+  CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
+              std::byte* memory, CudaAttention attention)
       : s_(s),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
+        recompute_(recompute),
         n_max_(static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len)),
         mem_(memory),
-        l_(cuda_layout(s, max_sequences, seq_len)),
+        l_(cuda_layout(s, max_sequences, seq_len, recompute)),
         device_(use_device_of(memory)),  // current before the handle is made on it
         cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
         inv_freq_(rope_inv_freq(s)) {
@@ -969,16 +970,24 @@ class CudaCompute final : public Compute {
     return reinterpret_cast<U*>(mem_ + offset);
   }
   static const T* cw(const void* p) { return static_cast<const T*>(p); }
-  // A per-layer region holds n_max_ rows of `width` per layer: layer l's starts at l n_max_ width.
+  // A kept region holds n_max_ rows of `width` per slot: slot i's start at i n_max_ width.
+  template <class U>
+  U* rows_at(std::size_t offset, std::size_t i, std::int64_t width) const {
+    return at<U>(offset) + i * n_max_ * static_cast<std::size_t>(width);
+  }
+  // Layer l's rows of a per-layer region: in its slot (cuda_slot_of: the recomputed layers share
+  // slot 0). Only xs holds every layer.
   template <class U>
   U* layer(std::size_t offset, int l, std::int64_t width) const {
-    return at<U>(offset) + static_cast<std::size_t>(l) * n_max_ * static_cast<std::size_t>(width);
+    return rows_at<U>(offset, cuda_slot_of(l, recompute_), width);
   }
-  float* xs(int l) const { return layer<float>(l_.xs, l, s_.hidden); }
+  float* xs(int l) const { return rows_at<float>(l_.xs, static_cast<std::size_t>(l), s_.hidden); }
   float* ys(int l) const { return layer<float>(l_.ys, l, s_.hidden); }
-  float* rstd(int which) const { return layer<float>(l_.rstd, which, 1); }
+  float* rstd_attn(int l) const { return layer<float>(l_.rstd_attn, l, 1); }
+  float* rstd_mlp(int l) const { return layer<float>(l_.rstd_mlp, l, 1); }
+  float* rstd_final() const { return at(l_.rstd_final); }
   float* lse(int l) const {
-    return at(l_.lse) + static_cast<std::size_t>(l) * cuda_lse_stride(n_max_, s_.heads);
+    return at(l_.lse) + cuda_slot_of(l, recompute_) * cuda_lse_stride(n_max_, s_.heads);
   }
   std::int64_t qkv_width() const { return s_.q_width() + 2 * s_.kv_width(); }
 
@@ -1104,51 +1113,62 @@ class CudaCompute final : public Compute {
   }
 
   void forward(const Weights& w, const Batch& b) {
+    const int n = b.sequences * b.seq_len, d = s_.hidden;
+    embed_forward<T><<<blocks_for(static_cast<long long>(n) * d), 256, 0, cudaStreamPerThread>>>(
+        cw(w.embed), at<int>(l_.tokens), n, d, xs(0));
+    check_launch();
+    for (int l = 0; l < s_.layers; ++l) forward_layer(w, b, l, false);
+    rms_norm(xs(s_.layers), w.final_norm, n, at<T>(l_.normed), rstd_final());
+  }
+
+  // Layer l's forward from x_l into its slot, and x_{l+1}. A recompute (at the start of the
+  // layer's backward) stops at what backward reads, gate and up: act and x_{l+1} are not
+  // rewritten, and no phase is marked (its time counts in backward MLP). It writes only the slot
+  // and the scratch normed and qkv32, both rewritten by backward before it reads them.
+  void forward_layer(const Weights& w, const Batch& b, int l, bool recompute) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
     const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
     const long long width = qkv_width();
     const cudaStream_t stream = cudaStreamPerThread;
+    const auto mark = [&](PhaseClock::Phase p) {
+      if (!recompute) clock_.mark(p);
+    };
+    const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
     T* normed = at<T>(l_.normed);
     float* qkv = at(l_.qkv32);
-    embed_forward<T><<<blocks_for(static_cast<long long>(n) * d), 256, 0, stream>>>(
-        cw(w.embed), at<int>(l_.tokens), n, d, xs(0));
+    T* q = layer<T>(l_.q, l, qw);
+    T* k = layer<T>(l_.k, l, kw);
+    T* v = layer<T>(l_.v, l, kw);
+    T* o = layer<T>(l_.o, l, qw);
+    mark(PhaseClock::forward);
+    rms_norm(xs(l), lw.attn_norm, n, normed, rstd_attn(l));
+    linear(n, qw, d, normed, d, lw.q, 0.0f, qkv, CUDA_R_32F, width);
+    linear(n, kw, d, normed, d, lw.k, 0.0f, qkv + qw, CUDA_R_32F, width);
+    linear(n, kw, d, normed, d, lw.v, 0.0f, qkv + qw + kw, CUDA_R_32F, width);
+    const long long units =
+        static_cast<long long>(n) * ((s_.heads + s_.kv_heads) * (s_.head_dim / 2) + kw);
+    qkv_forward<T><<<blocks_for(units), 256, 0, stream>>>(
+        qkv, cw(lw.q_bias), cw(lw.k_bias), cw(lw.v_bias), at(l_.inv_freq), n, b.seq_len,
+        s_.heads, s_.kv_heads, s_.head_dim, q, k, v);
     check_launch();
-    for (int l = 0; l < s_.layers; ++l) {
-      const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
-      T* q = layer<T>(l_.q, l, qw);
-      T* k = layer<T>(l_.k, l, kw);
-      T* v = layer<T>(l_.v, l, kw);
-      T* o = layer<T>(l_.o, l, qw);
-      clock_.mark(PhaseClock::forward);
-      rms_norm(xs(l), lw.attn_norm, n, normed, rstd(l));
-      linear(n, qw, d, normed, d, lw.q, 0.0f, qkv, CUDA_R_32F, width);
-      linear(n, kw, d, normed, d, lw.k, 0.0f, qkv + qw, CUDA_R_32F, width);
-      linear(n, kw, d, normed, d, lw.v, 0.0f, qkv + qw + kw, CUDA_R_32F, width);
-      const long long units =
-          static_cast<long long>(n) * ((s_.heads + s_.kv_heads) * (s_.head_dim / 2) + kw);
-      qkv_forward<T><<<blocks_for(units), 256, 0, stream>>>(
-          qkv, cw(lw.q_bias), cw(lw.k_bias), cw(lw.v_bias), at(l_.inv_freq), n, b.seq_len,
-          s_.heads, s_.kv_heads, s_.head_dim, q, k, v);
-      check_launch();
-      clock_.mark(PhaseClock::attention_forward);
-      attention(b, q, k, v, o, lse(l));
-      clock_.mark(PhaseClock::forward);
-      // y = x + o Wo^T: the GEMM adds onto a copy of x (fp32 sum of the fp32 product).
-      SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(ys(l), xs(l), sizeof(float) * n * d,
-                                           cudaMemcpyDeviceToDevice, stream));
-      linear(n, d, qw, o, qw, lw.o, 1.0f, ys(l), CUDA_R_32F, d);
-      clock_.mark(PhaseClock::forward_mlp);
-      rms_norm(ys(l), lw.mlp_norm, n, normed, rstd(s_.layers + l));
-      T* gate = layer<T>(l_.gate, l, in);
-      T* up = layer<T>(l_.up, l, in);
-      linear(n, in, d, normed, d, lw.gate, 0.0f, gate, t16, in);
-      linear(n, in, d, normed, d, lw.up, 0.0f, up, t16, in);
-      swiglu(gate, up, static_cast<long long>(n) * in, at<T>(l_.act));
-      SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(xs(l + 1), ys(l), sizeof(float) * n * d,
-                                           cudaMemcpyDeviceToDevice, stream));
-      linear(n, d, in, at<T>(l_.act), in, lw.down, 1.0f, xs(l + 1), CUDA_R_32F, d);
-    }
-    rms_norm(xs(s_.layers), w.final_norm, n, normed, rstd(2 * s_.layers));
+    mark(PhaseClock::attention_forward);
+    attention(b, q, k, v, o, lse(l));
+    mark(PhaseClock::forward);
+    // y = x + o Wo^T: the GEMM adds onto a copy of x (fp32 sum of the fp32 product).
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(ys(l), xs(l), sizeof(float) * n * d,
+                                         cudaMemcpyDeviceToDevice, stream));
+    linear(n, d, qw, o, qw, lw.o, 1.0f, ys(l), CUDA_R_32F, d);
+    mark(PhaseClock::forward_mlp);
+    rms_norm(ys(l), lw.mlp_norm, n, normed, rstd_mlp(l));
+    T* gate = layer<T>(l_.gate, l, in);
+    T* up = layer<T>(l_.up, l, in);
+    linear(n, in, d, normed, d, lw.gate, 0.0f, gate, t16, in);
+    linear(n, in, d, normed, d, lw.up, 0.0f, up, t16, in);
+    if (recompute) return;
+    swiglu(gate, up, static_cast<long long>(n) * in, at<T>(l_.act));
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(xs(l + 1), ys(l), sizeof(float) * n * d,
+                                         cudaMemcpyDeviceToDevice, stream));
+    linear(n, d, in, at<T>(l_.act), in, lw.down, 1.0f, xs(l + 1), CUDA_R_32F, d);
   }
 
 #ifdef SHARDSWAP_WITH_CUDNN
@@ -1307,15 +1327,18 @@ class CudaCompute final : public Compute {
     T *act = at<T>(l_.act), *dout = at<T>(l_.dout);
 
     if (sink.active(head_group))
-      norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd(2 * L));
-    if (lowest <= L) norm_backward(dz, xs(L), rstd(2 * L), w.final_norm, n, false);
+      norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd_final());
+    if (lowest <= L) norm_backward(dz, xs(L), rstd_final(), w.final_norm, n, false);
     for (int l = L - 1; l >= 0 && l + 1 >= lowest; --l) {
       const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
       const bool active = sink.active(l + 1);
+      clock_.mark(PhaseClock::backward_mlp);
+      // A recomputed layer's activations, from x_l, into the slot the recomputed layers share;
+      // the highest of them still has its own there from forward.
+      if (l < recompute_ - 1) forward_layer(w, b, l, true);
       T* gate = layer<T>(l_.gate, l, in);
       T* up = layer<T>(l_.up, l, in);
       // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
-      clock_.mark(PhaseClock::backward_mlp);
       // d16 = dx rounded, by the norm backward that made dx.
       linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
       // act (recomputed) for the down projection's weight gradient in the same pass.
@@ -1328,8 +1351,8 @@ class CudaCompute final : public Compute {
       }
       linear_input_grad(n, in, d, gate, in, lw.gate, 0.0f, dz);
       linear_input_grad(n, in, d, up, in, lw.up, 1.0f, dz);
-      if (active) norm_grad(sink, {K::mlp_norm, l}, n, alpha, dz, ys(l), rstd(L + l));
-      norm_backward(dz, ys(l), rstd(L + l), lw.mlp_norm, n, true);  // dx: now at y
+      if (active) norm_grad(sink, {K::mlp_norm, l}, n, alpha, dz, ys(l), rstd_mlp(l));
+      norm_backward(dz, ys(l), rstd_mlp(l), lw.mlp_norm, n, true);  // dx: now at y
       // Attention: y = x + o Wo^T.
       clock_.mark(PhaseClock::backward);
       const T* q = layer<T>(l_.q, l, qw);
@@ -1365,8 +1388,8 @@ class CudaCompute final : public Compute {
       linear_input_grad(n, qw, d, g16, width, lw.q, 0.0f, dz);
       linear_input_grad(n, kw, d, g16 + qw, width, lw.k, 1.0f, dz);
       linear_input_grad(n, kw, d, g16 + qw + kw, width, lw.v, 1.0f, dz);
-      if (active) norm_grad(sink, {K::attn_norm, l}, n, alpha, dz, xs(l), rstd(l));
-      if (l + 1 > lowest) norm_backward(dz, xs(l), rstd(l), lw.attn_norm, n, true);  // at x_l
+      if (active) norm_grad(sink, {K::attn_norm, l}, n, alpha, dz, xs(l), rstd_attn(l));
+      if (l + 1 > lowest) norm_backward(dz, xs(l), rstd_attn(l), lw.attn_norm, n, true);  // at x_l
     }
     if (lowest > 0) return;
     const ParamId id{K::embed};
@@ -1424,6 +1447,7 @@ class CudaCompute final : public Compute {
 
   DecoderShape s_;
   int max_sequences_, seq_len_;
+  int recompute_;  // the lowest layers that run their forward again in backward
   std::size_t n_max_;
   std::byte* mem_;
   CudaLayout l_;
@@ -1543,8 +1567,9 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
 }
 
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
-                                           DType dtype, void* memory, std::size_t bytes) {
-  const std::size_t expected = cuda_bytes(s, max_sequences, seq_len);
+                                           DType dtype, void* memory, std::size_t bytes,
+                                           int recompute) {
+  const std::size_t expected = cuda_bytes(s, max_sequences, seq_len, recompute);
   if (bytes != expected)
     throw ConfigError("make_cuda_compute: the block has " + std::to_string(bytes) +
                       " bytes, the layout " + std::to_string(expected));
@@ -1555,10 +1580,11 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   const CudaAttention attention = cuda_attention(s);
   switch (dtype) {
     case DType::bf16:
-      return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, base,
-                                                          attention);
+      return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
+                                                          base, attention);
     case DType::f16:
-      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, base, attention);
+      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute, base,
+                                                   attention);
     default:
       break;
   }

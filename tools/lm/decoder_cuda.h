@@ -40,14 +40,17 @@ struct CudaLayout {
   std::size_t embed_rows;     // i32 n: the distinct input tokens, ascending
   std::size_t embed_starts;   // i32 n + 1: where each one's positions start in embed_positions
   std::size_t embed_positions;  // i32 n: positions grouped by token, ascending within a token
-  // Kept from forward for backward, per layer l at l * (the per-layer count):
+  // Kept from forward for backward. xs holds every layer's input; the other per-layer regions
+  // hold S = cuda_kept_slots(L, R) slots, layer l's at cuda_slot_of(l, R) (R = recompute_layers:
+  // the lowest R layers share slot 0 and refill it in backward).
   std::size_t xs;    // f32 (L + 1) n D: the residual stream entering each layer, then x_L
-  std::size_t ys;    // f32 L n D: the residual stream after attention
-  std::size_t rstd;  // f32 (2L + 1) n: 1 / rms of the attention norms, MLP norms, final norm
-  std::size_t q, k, v;  // b16 L n H hd, L n K hd, L n K hd: after bias and RoPE
-  std::size_t o;        // b16 L n H hd: attention's output
-  std::size_t lse;      // f32 L cuda_lse_stride(n, H): logsumexp of each attention row
-  std::size_t gate, up;  // b16 L n I: the MLP's two input projections
+  std::size_t ys;    // f32 S n D: the residual stream after attention
+  std::size_t rstd_attn, rstd_mlp;  // f32 S n: 1 / rms of the attention and MLP norms' rows
+  std::size_t rstd_final;           // f32 n: of the final norm's
+  std::size_t q, k, v;  // b16 S n H hd, S n K hd, S n K hd: after bias and RoPE
+  std::size_t o;        // b16 S n H hd: attention's output
+  std::size_t lse;      // f32 S cuda_lse_stride(n, H): logsumexp of each attention row
+  std::size_t gate, up;  // b16 S n I: the MLP's two input projections
   // Scratch, one of each:
   std::size_t normed;  // b16 n D: a norm's output (recomputed in backward)
   std::size_t qkv32;   // f32 n (H + 2K) hd: q|k|v projections; in backward dq|dk|dv
@@ -160,8 +163,23 @@ inline std::size_t cuda_cudnn_scratch_bytes(const DecoderShape& s, int max_seque
                                                                          s.head_dim));
 }
 
-inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_len) {
+/// Slots of per-layer activations the backend keeps when the lowest `recompute` of `layers`
+/// layers keep only their input and run their forward again in backward: one each for the
+/// others, one shared by the recomputed ones.
+inline std::size_t cuda_kept_slots(int layers, int recompute) {
+  return static_cast<std::size_t>(recompute == 0 ? layers : layers - recompute + 1);
+}
+/// Layer l's slot: its own, or slot 0 for a recomputed layer.
+inline std::size_t cuda_slot_of(int l, int recompute) {
+  return static_cast<std::size_t>(recompute == 0 ? l : l < recompute ? 0 : l - recompute + 1);
+}
+
+inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_len,
+                              int recompute) {
   check_cuda_shape(s, max_sequences, seq_len);
+  if (recompute < 0 || recompute > s.layers)
+    throw ConfigError("decoder (cuda): recompute_layers = " + std::to_string(recompute) +
+                      " is outside [0, layers = " + std::to_string(s.layers) + "]");
   struct Arena {  // regions at multiples of 256 bytes
     std::size_t bytes = 0;
     std::size_t take(std::size_t count, std::size_t size) {
@@ -186,16 +204,19 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.embed_rows = a.take(n, i32);
   l.embed_starts = a.take(n + 1, i32);
   l.embed_positions = a.take(n, i32);
+  const std::size_t slots = cuda_kept_slots(s.layers, recompute);
   l.xs = a.take((layers + 1) * n * d, f32);
-  l.ys = a.take(layers * n * d, f32);
-  l.rstd = a.take((2 * layers + 1) * n, f32);
-  l.q = a.take(layers * n * qw, b16);
-  l.k = a.take(layers * n * kw, b16);
-  l.v = a.take(layers * n * kw, b16);
-  l.o = a.take(layers * n * qw, b16);
-  l.lse = a.take(layers * cuda_lse_stride(n, s.heads), f32);
-  l.gate = a.take(layers * n * in, b16);
-  l.up = a.take(layers * n * in, b16);
+  l.ys = a.take(slots * n * d, f32);
+  l.rstd_attn = a.take(slots * n, f32);
+  l.rstd_mlp = a.take(slots * n, f32);
+  l.rstd_final = a.take(n, f32);
+  l.q = a.take(slots * n * qw, b16);
+  l.k = a.take(slots * n * kw, b16);
+  l.v = a.take(slots * n * kw, b16);
+  l.o = a.take(slots * n * qw, b16);
+  l.lse = a.take(slots * cuda_lse_stride(n, s.heads), f32);
+  l.gate = a.take(slots * n * in, b16);
+  l.up = a.take(slots * n * in, b16);
   l.normed = a.take(n * d, b16);
   l.qkv32 = a.take(n * (qw + 2 * kw), f32);
   l.qkv16 = a.take(n * (qw + 2 * kw), b16);
@@ -219,11 +240,13 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
 }
 
 /// Exact bytes of the CUDA backend's device block for batches of up to max_sequences x seq_len
-/// tokens: every activation it keeps, its scratch, the chunked cross-entropy's logits rows, the
-/// cuBLAS workspace and, with cuDNN, its fp32 dQ and workspace. Nothing else is allocated on the device by train_step or loss.
-/// Throws ConfigError as check_cuda_shape.
-inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_len) {
-  return cuda_layout(s, max_sequences, seq_len).bytes;
+/// tokens with the lowest `recompute` layers recomputed in backward: every activation it keeps,
+/// its scratch, the chunked cross-entropy's logits rows, the cuBLAS workspace and, with cuDNN,
+/// its fp32 dQ and workspace. Nothing else is allocated on the device by train_step or loss.
+/// Throws ConfigError as check_cuda_shape, or naming recompute_layers outside [0, layers].
+inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_len,
+                              int recompute = 0) {
+  return cuda_layout(s, max_sequences, seq_len, recompute).bytes;
 }
 
 /// Which attention the backend runs: cuDNN's fused flash attention with its deterministic
@@ -257,11 +280,14 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
                             float* grads, long long ld);
 
 /// The backend on [memory, memory + bytes) of the device that holds it (bytes ==
-/// cuda_bytes(...); the block must outlive the backend). dtype is the weights' type, bf16 or
+/// cuda_bytes(..., recompute); the block must outlive the backend). dtype is the weights' type, bf16 or
 /// fp16. Batches may have fewer sequences and a shorter seq_len than configured. Everything is
 /// queued on cudaStreamPerThread; the host waits only to read the loss (or logits) back.
 /// Defined in decoder_cuda.cu, or in the stub of a build without CUDA (BackendUnavailable).
+/// The lowest `recompute` layers keep only their input and run their forward again at the start
+/// of their backward (model.recompute_layers): the same bits in cuda_bytes(..., recompute).
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
-                                           DType dtype, void* memory, std::size_t bytes);
+                                           DType dtype, void* memory, std::size_t bytes,
+                                           int recompute = 0);
 
 }  // namespace shardswap::lm::dec
