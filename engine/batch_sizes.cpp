@@ -19,6 +19,9 @@ constexpr std::int64_t kMaxMicro = std::int64_t{1} << 20;
 constexpr std::int64_t kMaxAccumulation = std::int64_t{1} << 20;
 constexpr std::int64_t kMaxWorld = std::int64_t{1} << 21;
 constexpr std::int64_t kMaxTrain = kMaxMicro * kMaxAccumulation * kMaxWorld;
+// What Hugging Face's Trainer fills in for "auto": TrainingArguments' defaults.
+constexpr std::int64_t kHfMicro = 8;         // per_device_train_batch_size
+constexpr std::int64_t kHfAccumulation = 1;  // gradient_accumulation_steps
 
 // The key's value, or nothing when it is absent or "auto" (left for the caller to warn about once
 // the value it resolves to is known).
@@ -41,7 +44,11 @@ BatchSizes resolve_batch_sizes(ConfigReader& c, int world_size) {
   const auto accumulation = given(c, kAccumulation, kMaxAccumulation);
   const auto train = given(c, kTrain, kMaxTrain);
 
-  std::int64_t m = micro.value_or(32), a = accumulation.value_or(1), t = 0;
+  // "auto" is what Hugging Face's Trainer fills in: its defaults, except where a given
+  // train_batch_size determines the value (DeepSpeed's arithmetic below): a Trainer run of the
+  // file had that value, or the Trainer would have refused the file for the mismatch.
+  std::int64_t m = micro.value_or(c.is_auto(kMicro) ? kHfMicro : 32);
+  std::int64_t a = accumulation.value_or(kHfAccumulation), t = 0;
   if (train && micro && accumulation) {
     t = *train;
     if (t != m * a * world)
@@ -84,20 +91,25 @@ BatchSizes resolve_batch_sizes(ConfigReader& c, int world_size) {
   }
 
   // "auto" keys count as read and get one warning each, now that their values are known.
-  const auto resolved = [&](std::string_view key, std::int64_t value, const std::string& how) {
+  const auto resolved = [&](std::string_view key, std::int64_t value, std::string why) {
     if (!c.is_auto(key)) return;
-    c.warn(key, "\"auto\"",
-           fmt::format("a value Hugging Face's trainer fills in; ShardSwap uses {}{}", value, how));
-    c.integer(key, value);  // marks it read; its own "auto" warning is dropped as a repeat
+    c.resolve_auto(std::string(key), value, std::move(why));
+    c.integer(key, value);  // marks it read and records the warning
   };
   const bool derived_accumulation = train && micro && !accumulation;
   const bool derived_micro = train && !micro;
+  const auto trainer_default = [](std::string_view argument) {
+    return fmt::format("(Hugging Face's Trainer default: TrainingArguments.{})", argument);
+  };
   resolved(kMicro, m,
-           derived_micro ? fmt::format(" = {} / ({} x world size {})", t, a, world) : " (default)");
+           derived_micro ? fmt::format("= {} / ({} x world size {})", t, a, world)
+                         : trainer_default("per_device_train_batch_size"));
   resolved(kAccumulation, a,
-           derived_accumulation ? fmt::format(" = {} / ({} x world size {})", t, m, world)
-                                : " (default)");
-  resolved(kTrain, t, fmt::format(" = {} x {} x world size {}", m, a, world));
+           derived_accumulation ? fmt::format("= {} / ({} x world size {})", t, m, world)
+                                : trainer_default("gradient_accumulation_steps"));
+  resolved(
+      kTrain, t,
+      fmt::format("= {} x {} x world size {}, as Hugging Face's Trainer computes it", m, a, world));
   return BatchSizes{static_cast<int>(m), static_cast<int>(a), t};
 }
 

@@ -1,8 +1,9 @@
 // Policy for a DeepSpeed config in ShardSwap: a key ShardSwap implements means what it means in
 // DeepSpeed; a value ShardSwap cannot honour and that would change the numbers (ZeRO-3, amsgrad)
 // is an error; a setting it cannot honour but whose result is the same (reduce_scatter false,
-// offload, logging) is a warning; "auto" takes ShardSwap's default with a warning. Unread keys of
-// ShardSwap's own sections are errors.
+// offload, logging) is a warning; "auto" takes the value Hugging Face's Trainer fills in from its
+// defaults, with a warning naming it. Unread keys of ShardSwap's own sections are errors; in strict
+// mode every warning is.
 #include "shardswap/config_json.h"
 
 #include <fmt/format.h>
@@ -137,6 +138,12 @@ std::string known_key_of(std::string_view leaf, const KnownKey** entry) {
   return {};
 }
 
+// The end of the warning for an "auto" that takes the default of one of the Trainer's arguments
+// (transformers' HfTrainerDeepSpeedConfig fills each such key from TrainingArguments).
+std::string trainer_default(std::string_view argument) {
+  return fmt::format("(Hugging Face's Trainer default: TrainingArguments.{})", argument);
+}
+
 std::string did_you_mean(const ConfigReader& c, const std::string& key) {
   const auto guess = c.closest_read_key(key);
   return guess ? fmt::format(" (did you mean '{}'?)", *guess) : std::string();
@@ -172,12 +179,33 @@ void only_default(ConfigReader& c, std::string_view key, bool shardswap_does,
 }
 
 void read_precision(ConfigReader& c, EngineConfig& cfg) {
-  const bool fp16 = c.boolean("fp16.enabled", false);
   if (c.has("bf16") && c.has("bfloat16"))
     c.fail("bfloat16", "DeepSpeed's older name of bf16: give one of the two");
   const std::string bf16_key = c.has("bfloat16") ? "bfloat16.enabled" : "bf16.enabled";
-  // "auto" leaves the choice to ShardSwap: bf16 (EngineConfig's default) unless fp16 is on.
-  const bool bf16 = c.boolean(bf16_key, c.is_auto(bf16_key) && !fp16);
+  // "auto": the Trainer fills both in from its fp16 and bf16 arguments, false by default, which
+  // trains in fp32. ShardSwap trains bit16 params only: where the Trainer's defaults would give
+  // fp32 (neither key true, one of them "auto", bf16 not turned off), it trains bf16 and the
+  // "auto" key's warning says so.
+  const bool fp16_auto = c.is_auto("fp16.enabled");
+  const bool bf16_auto = c.is_auto(bf16_key);
+  const bool fp16_given = !fp16_auto && c.boolean("fp16.enabled", false);
+  const bool fp32_by_trainer =
+      !fp16_given && (fp16_auto || bf16_auto) && (bf16_auto || !c.has(bf16_key));
+  constexpr std::string_view kNoFp32 =
+      "; with both false the Trainer trains in fp32, which ShardSwap does not (bit16 params only)";
+  c.resolve_auto("fp16.enabled", false,
+                 trainer_default("fp16") +
+                     (fp32_by_trainer && !bf16_auto
+                          ? fmt::format("{}: it trains bf16, as {} is not set", kNoFp32, bf16_key)
+                          : std::string()));
+  c.resolve_auto(bf16_key, fp32_by_trainer,
+                 fp32_by_trainer
+                     ? fmt::format("(Hugging Face's Trainer default, TrainingArguments.bf16, is "
+                                   "false{}: it trains bf16)",
+                                   kNoFp32)
+                     : trainer_default("bf16"));
+  const bool fp16 = c.boolean("fp16.enabled", false);
+  const bool bf16 = c.boolean(bf16_key, fp32_by_trainer);
   if (bf16 && fp16)
     c.fail("fp16.enabled", "true", fmt::format("{} is true too: enable one of the two", bf16_key));
   if (!bf16 && !fp16)
@@ -213,6 +241,13 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   const auto key = [&](std::string_view name) { return fmt::format("{}{}", p, name); };
   if (c.has(key("max_grad_norm")))
     c.fail_value(key("max_grad_norm"), "not an optimizer parameter: clip with gradient_clipping");
+  // "auto": the Trainer's defaults. Registered for every rule: SGD's warnings about Adam's keys
+  // show the value too.
+  c.resolve_auto(key("lr"), 5e-5, trainer_default("learning_rate"));
+  c.resolve_auto(key("betas"), nlohmann::json::array({0.9, 0.999}),
+                 trainer_default("adam_beta1, adam_beta2"));
+  c.resolve_auto(key("eps"), 1e-8, trainer_default("adam_epsilon"));
+  c.resolve_auto(key("weight_decay"), 0.0, trainer_default("weight_decay"));
   auto& o = cfg.optimizer;
   o.type = optimizer_type_from_name(c.string("optimizer.type", "AdamW"), "optimizer.type");
   o.lr = c.number(key("lr"), 1e-3);
@@ -259,7 +294,7 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   }
 }
 
-void read_zero(ConfigReader& c, EngineConfig& cfg) {
+void read_zero(ConfigReader& c, EngineConfig& cfg, std::optional<std::int64_t> hidden_size) {
   cfg.stage = bounded_int(c, "zero_optimization.stage", 2, INT_MIN);
   if (cfg.stage == 3)
     c.fail("zero_optimization.stage", "3",
@@ -267,7 +302,18 @@ void read_zero(ConfigReader& c, EngineConfig& cfg) {
   if (cfg.stage == 0)
     c.fail("zero_optimization.stage", "0",
            "no sharding is not implemented by ShardSwap; stages 1 and 2 are");
-  cfg.reduce_bucket_bytes = bucket_bytes(c, "zero_optimization.reduce_bucket_size", cfg.grad_type());
+  constexpr std::string_view kReduceBucket = "zero_optimization.reduce_bucket_size";
+  // "auto": the Trainer fills in the model's hidden_size squared.
+  if (hidden_size)
+    c.resolve_auto(std::string(kReduceBucket), *hidden_size * *hidden_size,
+                   fmt::format("= hidden_size^2 = {} x {} elements, as Hugging Face's Trainer "
+                               "computes it",
+                               *hidden_size, *hidden_size));
+  else if (c.is_auto(kReduceBucket))
+    c.warn(kReduceBucket, "\"auto\"",
+           "Hugging Face's Trainer fills in the model's hidden_size^2, which this reader is not "
+           "given; ShardSwap uses its default, 500000000 elements");
+  cfg.reduce_bucket_bytes = bucket_bytes(c, kReduceBucket, cfg.grad_type());
   if (c.has("zero_optimization.allgather_bucket_size")) {
     bucket_bytes(c, "zero_optimization.allgather_bucket_size", cfg.dtype);  // still validated
     c.warn("zero_optimization.allgather_bucket_size",
@@ -289,7 +335,8 @@ void read_zero(ConfigReader& c, EngineConfig& cfg) {
                   : LayoutOrder::declaration;
 }
 
-EngineConfig read(ConfigReader& c, const BatchSizes& batches) {
+EngineConfig read(ConfigReader& c, const BatchSizes& batches,
+                  std::optional<std::int64_t> hidden_size) {
   for (const char* section :
        {"optimizer", "optimizer.params", "scheduler", "scheduler.params", "fp16", "bf16",
         "bfloat16", "zero_optimization", "data_types", "shardswap"})
@@ -297,9 +344,10 @@ EngineConfig read(ConfigReader& c, const BatchSizes& batches) {
   EngineConfig cfg;
   read_precision(c, cfg);
   read_optimizer(c, cfg);
+  c.resolve_auto("gradient_clipping", 1.0, trainer_default("max_grad_norm"));
   cfg.gradient_clipping = c.number("gradient_clipping", 0.0);
   cfg.gradient_accumulation_steps = batches.gradient_accumulation_steps;
-  read_zero(c, cfg);
+  read_zero(c, cfg, hidden_size);
   const auto alignment = c.integer("shardswap.alignment_bytes", 256);
   if (alignment < 1 || alignment > (std::int64_t{1} << 30))
     c.fail("shardswap.alignment_bytes", fmt::format("{} bytes", alignment),
@@ -324,8 +372,9 @@ auto naming_the_file(const ConfigReader& c, F&& f) {
 
 }  // namespace
 
-EngineConfig engine_config_from_json(ConfigReader& c, const BatchSizes& batches) {
-  return naming_the_file(c, [&] { return read(c, batches); });
+EngineConfig engine_config_from_json(ConfigReader& c, const BatchSizes& batches,
+                                     std::optional<std::int64_t> model_hidden_size) {
+  return naming_the_file(c, [&] { return read(c, batches, model_hidden_size); });
 }
 
 LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
@@ -353,6 +402,14 @@ LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
         if (c.has(key(k))) c.fail_value(key(k), fmt::format("not a parameter of {}", name));
     };
 
+    // "auto": what the Trainer fills in. Its warmup is TrainingArguments.warmup_steps (or
+    // warmup_ratio x the steps), both 0 by default.
+    c.resolve_auto(
+        key("warmup_num_steps"), 0,
+        trainer_default("warmup_steps") + "; warmup lasts 2 updates at least, as in DeepSpeed");
+    c.resolve_auto(key("warmup_min_lr"), 0.0, "(what Hugging Face's Trainer always fills in)");
+    c.resolve_auto(key("warmup_max_lr"), optimizer_lr,
+                   "= optimizer.params.lr (Hugging Face's Trainer fills in its learning_rate)");
     s.warmup_num_steps = c.integer(key("warmup_num_steps"), 1000);
     if (c.has(key("warmup_num_steps")) && s.warmup_num_steps >= 0 && s.warmup_num_steps < 2)
       c.warn(key("warmup_num_steps"), fmt::format("{}", s.warmup_num_steps),
@@ -382,11 +439,9 @@ LrSchedule lr_schedule_from_json(ConfigReader& c, double optimizer_lr) {
           c.fail(total,
                  fmt::format("missing: {} needs it (or a top-level `steps` to default to)", name));
         const auto steps = c.integer("steps", 0);
-        if (c.is_auto(total))
-          c.warn(total, "\"auto\"",
-                 fmt::format("a value Hugging Face's trainer fills in; ShardSwap uses the run's "
-                             "steps = {}",
-                             steps));
+        c.resolve_auto(total, steps,
+                       "= the run's steps (Hugging Face's Trainer fills in the run's training "
+                       "steps)");
         s.total_num_steps = c.integer(total, steps);
       } else {
         s.total_num_steps = c.integer(total, 0);
@@ -439,6 +494,39 @@ void reject_unknown_keys(const ConfigReader& c, const std::vector<std::string>& 
   if (unknown.empty()) return;
   // One line per key, each in the shape of every other config error.
   throw ConfigError(fmt::format("{}", fmt::join(unknown, "\n")));
+}
+
+void reject_unread_overrides(const ConfigReader& c) {
+  const auto unread = c.unread_keys();
+  std::vector<std::string> lines;
+  for (const auto& assignment : c.overrides()) {
+    const std::string path = assignment.substr(0, assignment.find('='));
+    for (const auto& leaf : unread) {
+      const bool under =
+          leaf == path || (leaf.size() > path.size() && leaf.compare(0, path.size(), path) == 0 &&
+                           (leaf[path.size()] == '.' || leaf[path.size()] == '['));
+      if (!under) continue;
+      const KnownKey* entry = nullptr;
+      const auto known = known_key_of(leaf, &entry);
+      const auto why =
+          known.empty()
+              ? fmt::format("not a key ShardSwap reads{}", did_you_mean(c, leaf))
+              : fmt::format("a DeepSpeed setting ShardSwap does not implement: {}", entry->instead);
+      lines.push_back(fmt::format("--set '{}': {}: {}", assignment, leaf, why));
+    }
+  }
+  if (!lines.empty()) throw ConfigError(fmt::format("{}", fmt::join(lines, "\n")));
+}
+
+void refuse_warnings(const ConfigReader& c, const std::vector<std::string>& warnings) {
+  if (warnings.empty()) return;
+  throw ConfigError(fmt::format(
+      "{}\n{}",
+      c.naming_file(fmt::format(
+          "strict mode (--strict or shardswap.strict): {} {} would only be warned about; each "
+          "is an error:",
+          warnings.size(), warnings.size() == 1 ? "key" : "keys")),
+      fmt::join(warnings, "\n")));
 }
 
 }  // namespace shardswap

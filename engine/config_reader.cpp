@@ -483,15 +483,26 @@ void ConfigReader::expect_object(std::string_view path) const {
   if (node != nullptr && !node->is_object()) fail(path, node->dump(), "must be an object {...}");
 }
 
-bool ConfigReader::read_auto(std::string_view path, const nlohmann::json* node,
-                             const std::string& fallback) {
+void ConfigReader::resolve_auto(std::string path, nlohmann::json value, std::string why) {
+  resolved_autos_.insert_or_assign(std::move(path), ResolvedAuto{std::move(value), std::move(why)});
+}
+
+const nlohmann::json* ConfigReader::value_read(std::string_view path, const std::string& fallback) {
   read_.emplace(path);
+  const auto* node = find(path);
   if (node == nullptr || !node->is_string() || node->get_ref<const std::string&>() != "auto")
-    return false;
+    return node;
+  if (const auto it = resolved_autos_.find(path); it != resolved_autos_.end()) {
+    warn(path, "\"auto\"",
+         fmt::format("ShardSwap uses {} {}", it->second.value.dump(), it->second.why));
+    return &it->second.value;
+  }
+  // Nothing says what the placeholder stands for here: Hugging Face's Trainer leaves it in place
+  // (and DeepSpeed would refuse it), so ShardSwap's own default is the best guess, said as such.
   warn(path, "\"auto\"",
-       fmt::format("a value Hugging Face's trainer fills in; ShardSwap uses its default, {}",
+       fmt::format("not a key Hugging Face's Trainer fills in; ShardSwap uses its default, {}",
                    fallback));
-  return true;
+  return nullptr;
 }
 
 void ConfigReader::warn(std::string_view path, std::string_view why) {
@@ -505,16 +516,14 @@ void ConfigReader::warn(std::string_view path, std::string_view value, std::stri
 }
 
 double ConfigReader::number(std::string_view path, double fallback) {
-  const auto* node = find(path);
-  if (read_auto(path, node, fmt::format("{}", fallback))) return fallback;
+  const auto* node = value_read(path, fmt::format("{}", fallback));
   if (node == nullptr) return fallback;
   if (!node->is_number()) fail(path, node->dump(), "must be a number");
   return node->get<double>();
 }
 
 std::int64_t ConfigReader::integer(std::string_view path, std::int64_t fallback) {
-  const auto* node = find(path);
-  if (read_auto(path, node, fmt::format("{}", fallback))) return fallback;
+  const auto* node = value_read(path, fmt::format("{}", fallback));
   if (node == nullptr) return fallback;
   if (node->is_number_integer()) return node->get<std::int64_t>();
   if (node->is_number_float()) {
@@ -526,16 +535,14 @@ std::int64_t ConfigReader::integer(std::string_view path, std::int64_t fallback)
 }
 
 bool ConfigReader::boolean(std::string_view path, bool fallback) {
-  const auto* node = find(path);
-  if (read_auto(path, node, fmt::format("{}", fallback))) return fallback;
+  const auto* node = value_read(path, fmt::format("{}", fallback));
   if (node == nullptr) return fallback;
   if (!node->is_boolean()) fail(path, node->dump(), "must be true or false");
   return node->get<bool>();
 }
 
 std::string ConfigReader::string(std::string_view path, const std::string& fallback) {
-  const auto* node = find(path);
-  if (read_auto(path, node, fmt::format("'{}'", fallback))) return fallback;
+  const auto* node = value_read(path, fmt::format("'{}'", fallback));
   if (node == nullptr) return fallback;
   if (!node->is_string()) fail(path, node->dump(), "must be a string");
   return node->get<std::string>();
@@ -543,8 +550,7 @@ std::string ConfigReader::string(std::string_view path, const std::string& fallb
 
 std::vector<double> ConfigReader::numbers(std::string_view path,
                                           const std::vector<double>& fallback) {
-  const auto* node = find(path);
-  if (read_auto(path, node, fmt::format("[{}]", fmt::join(fallback, ", ")))) return fallback;
+  const auto* node = value_read(path, fmt::format("[{}]", fmt::join(fallback, ", ")));
   if (node == nullptr) return fallback;
   std::vector<double> out;
   if (node->is_array())
@@ -559,8 +565,7 @@ std::vector<double> ConfigReader::numbers(std::string_view path,
 
 std::vector<std::string> ConfigReader::strings(std::string_view path,
                                                const std::vector<std::string>& fallback) {
-  const auto* node = find(path);
-  if (read_auto(path, node, fmt::format("[{}]", fmt::join(fallback, ", ")))) return fallback;
+  const auto* node = value_read(path, fmt::format("[{}]", fmt::join(fallback, ", ")));
   if (node == nullptr) return fallback;
   const auto refuse = [&] { fail(path, node->dump(), "must be a list of strings"); };
   if (!node->is_array()) refuse();
@@ -636,6 +641,7 @@ void ConfigReader::set(std::string_view assignment) {
   }
   *node = std::move(value);
   root_ = std::move(updated);
+  overrides_.emplace_back(assignment);
 }
 
 std::vector<std::string> ConfigReader::unread_keys() const {

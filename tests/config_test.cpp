@@ -138,25 +138,27 @@ TEST_CASE("a Hugging Face ZeRO-2 config full of auto values loads with one warni
   REQUIRE(keys_of(l.warnings, source) == expected);
   for (std::size_t i = 0; i < 15; ++i)
     if (i != 10) REQUIRE(test::contains(l.warnings[i], "\"auto\""));
-  REQUIRE(test::contains(l.warnings[2], "uses 128 = 32 x 1 x world size 4"));
-  REQUIRE(test::contains(l.warnings[14], "steps = 2000"));
+  REQUIRE(test::contains(l.warnings[2], "uses 32 = 8 x 1 x world size 4"));
+  REQUIRE(test::contains(l.warnings[14], "uses 2000 = the run's steps"));
   REQUIRE(test::contains(l.warnings[17], "on the training device"));
 
-  // "auto" takes ShardSwap's defaults: bf16 (fp16 not on), the optimizer's defaults.
-  REQUIRE(l.batches.micro_samples == 32);
+  // "auto" takes what Hugging Face's Trainer fills in from its defaults; its fp32 (fp16 and bf16
+  // false) is bf16 here.
+  REQUIRE(l.batches.micro_samples == 8);
   REQUIRE(l.batches.gradient_accumulation_steps == 1);
-  REQUIRE(l.batches.train_samples == 128);
+  REQUIRE(l.batches.train_samples == 32);
   REQUIRE(l.engine.dtype == DType::bf16);
   REQUIRE(l.engine.optimizer.type == OptimizerType::adamw);
-  REQUIRE(l.engine.optimizer.lr == 1e-3);
+  REQUIRE(l.engine.optimizer.lr == 5e-5);
   REQUIRE(l.engine.optimizer.beta2 == 0.999);
-  REQUIRE(l.engine.gradient_clipping == 0.0);
+  REQUIRE(l.engine.gradient_clipping == 1.0);
   REQUIRE(l.engine.stage == 2);
   REQUIRE(l.engine.reduce_bucket_bytes == 400'000'000u);     // 2e8 bf16 elements
   REQUIRE(l.engine.overlap_comm);
   REQUIRE(l.schedule.type == LrScheduleType::warmup_decay);
-  REQUIRE(l.schedule.peak_lr == 1e-3);  // warmup_max_lr "auto": the optimizer's lr
-  REQUIRE(l.schedule.warmup_num_steps == 1000);
+  REQUIRE(l.schedule.peak_lr == 5e-5);  // warmup_max_lr "auto": the optimizer's lr
+  REQUIRE(l.schedule.warmup_min_lr == 0.0);
+  REQUIRE(l.schedule.warmup_num_steps == 0);  // the Trainer's warmup_steps: 2 updates, as DeepSpeed
   REQUIRE(l.schedule.total_num_steps == 2000);
 }
 
@@ -674,6 +676,287 @@ TEST_CASE("each auto key warns once however often it is read", "[config]") {
   REQUIRE(test::contains(reader.warnings()[0], "a.json: a = \"auto\": "));
   REQUIRE(test::contains(reader.warnings()[0], "default, 2.5"));
   REQUIRE(reader.unread_keys().empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hugging Face's "auto", --set and strict mode
+
+namespace {
+
+// tests/configs/hf_ds_config_zero2.json has the keys and values of the ZeRO-2 config
+// transformers' tests ship (tests/deepspeed/ds_config_zero2.json in huggingface/transformers).
+const std::string kHfZero2 = kConfigs + "hf_ds_config_zero2.json";
+
+// configs/tiny_decoder.json as JSON, to vary before a ConfigReader reads it whole.
+nlohmann::json tiny_decoder() {
+  std::ifstream in(kConfigs + "tiny_decoder.json");
+  return nlohmann::json::parse(in);
+}
+
+// The warning of `warnings` that names `key`; a text saying none does otherwise.
+std::string warning_of(const std::vector<std::string>& warnings, const std::string& source,
+                       const std::string& key) {
+  for (const auto& w : warnings)
+    if (key_of(w, source) == key) return w;
+  return "<no warning names " + key + ">";
+}
+
+}  // namespace
+
+TEST_CASE("the Trainer's ZeRO-2 config takes its defaults, each auto named with its value",
+          "[config]") {
+  auto reader = ConfigReader::from_file(kHfZero2);
+  const auto l = load(reader, 1);
+  CAPTURE(l.warnings);
+  const std::vector<std::string> expected = {
+      "train_micro_batch_size_per_gpu",
+      "gradient_accumulation_steps",
+      "train_batch_size",
+      "fp16.enabled",
+      "bf16.enabled",
+      "optimizer.params.lr",
+      "optimizer.params.weight_decay",
+      "optimizer.params.betas",
+      "optimizer.params.eps",
+      "gradient_clipping",
+      "zero_optimization.allgather_bucket_size",
+      "scheduler.params.warmup_num_steps",
+      "scheduler.params.warmup_min_lr",
+      "scheduler.params.warmup_max_lr",
+      "steps_per_print",
+      "wall_clock_breakdown",
+      "zero_optimization.offload_optimizer",  // not a stop: the optimizer stays on the device
+  };
+  REQUIRE(keys_of(l.warnings, kHfZero2) == expected);
+  const std::pair<const char*, const char*> named[] = {
+      {"train_micro_batch_size_per_gpu",
+       "uses 8 (Hugging Face's Trainer default: TrainingArguments.per_device_train_batch_size)"},
+      {"gradient_accumulation_steps",
+       "uses 1 (Hugging Face's Trainer default: TrainingArguments.gradient_accumulation_steps)"},
+      {"train_batch_size", "uses 8 = 8 x 1 x world size 1, as Hugging Face's Trainer computes it"},
+      {"fp16.enabled", "uses false (Hugging Face's Trainer default: TrainingArguments.fp16)"},
+      {"bf16.enabled",
+       "uses true (Hugging Face's Trainer default, TrainingArguments.bf16, is false"},
+      {"optimizer.params.lr",
+       "uses 5e-05 (Hugging Face's Trainer default: TrainingArguments."
+       "learning_rate)"},
+      {"optimizer.params.weight_decay", "uses 0.0 (Hugging Face's Trainer default"},
+      {"optimizer.params.betas", "uses [0.9,0.999] (Hugging Face's Trainer default"},
+      {"optimizer.params.eps", "uses 1e-08 (Hugging Face's Trainer default"},
+      {"gradient_clipping",
+       "uses 1.0 (Hugging Face's Trainer default: TrainingArguments.max_grad_norm)"},
+      {"scheduler.params.warmup_num_steps",
+       "uses 0 (Hugging Face's Trainer default: "
+       "TrainingArguments.warmup_steps); warmup lasts 2"},
+      {"scheduler.params.warmup_min_lr", "uses 0.0"},
+      {"scheduler.params.warmup_max_lr", "uses 5e-05 = optimizer.params.lr"},
+      {"zero_optimization.offload_optimizer", "on the training device"},
+  };
+  for (const auto& [key, text] : named) {
+    CAPTURE(key);
+    const auto w = warning_of(l.warnings, kHfZero2, key);
+    REQUIRE(test::contains(w, text));
+    if (std::string(key) != "zero_optimization.offload_optimizer")
+      REQUIRE(test::contains(w, std::string(key) + " = \"auto\": ShardSwap uses "));
+  }
+
+  REQUIRE(l.batches.micro_samples == 8);
+  REQUIRE(l.batches.gradient_accumulation_steps == 1);
+  REQUIRE(l.batches.train_samples == 8);
+  REQUIRE(l.engine.dtype == DType::bf16);
+  REQUIRE(l.engine.optimizer.lr == 5e-5);
+  REQUIRE(l.engine.optimizer.beta1 == 0.9);
+  REQUIRE(l.engine.optimizer.beta2 == 0.999);
+  REQUIRE(l.engine.optimizer.eps == 1e-8);
+  REQUIRE(l.engine.optimizer.weight_decay == 0.0);
+  REQUIRE(l.engine.gradient_clipping == 1.0);
+  REQUIRE(l.schedule.type == LrScheduleType::warmup);
+  REQUIRE(l.schedule.warmup_min_lr == 0.0);
+  REQUIRE(l.schedule.peak_lr == 5e-5);
+  // Warmup 0 lasts two updates, as in DeepSpeed (log warmup over W = 2): 0, 0, then the peak.
+  REQUIRE(l.schedule.lr_at(0) == 0.0);
+  REQUIRE(l.schedule.lr_at(1) == 0.0);
+  REQUIRE(close(l.schedule.lr_at(2), 5e-5));
+  REQUIRE(close(l.schedule.lr_at(199), 5e-5));
+}
+
+TEST_CASE("WarmupDecayLR with the Trainer's autos falls linearly to 0 at the run's steps",
+          "[config]") {
+  // hf_zero2_auto.json: WarmupDecayLR, every param "auto", steps 2000.
+  auto reader = ConfigReader::from_file(kConfigs + "hf_zero2_auto.json");
+  const auto s = load(reader, 4).schedule;
+  // By hand: W = max(2, 0) = 2, peak 5e-5, min 0, T = 2000; update k uses iteration k - 1.
+  // Iteration 1 ends the warmup (ln 2 / ln 2 = 1); after it 5e-5 x (2000 - i) / 1998.
+  const std::pair<std::int64_t, double> by_hand[] = {
+      {0, 0.0},
+      {1, 0.0},
+      {2, 5e-5},
+      {3, 5e-5 * 1998.0 / 1998.0},
+      {1001, 5e-5 * 1000.0 / 1998.0},
+      {2000, 5e-5 * 1.0 / 1998.0},
+      {2001, 0.0},
+      {3000, 0.0},
+  };
+  for (const auto& [u, lr] : by_hand) {
+    CAPTURE(u);
+    REQUIRE(close(s.lr_at(u), lr, 1e-12, 1e-18));
+  }
+}
+
+TEST_CASE("an auto batch size that a given train_batch_size determines takes the derived value",
+          "[config]") {
+  auto j = base();
+  j["train_batch_size"] = 64;
+  j["train_micro_batch_size_per_gpu"] = "auto";
+  const auto l = load(j, 2);  // accumulation 2 (base)
+  REQUIRE(l.batches.micro_samples == 16);
+  REQUIRE(test::contains(warning_of(l.warnings, "test.json", "train_micro_batch_size_per_gpu"),
+                         "= \"auto\": ShardSwap uses 16 = 64 / (2 x world size 2)"));
+}
+
+TEST_CASE("an auto reduce bucket is the hidden size squared, or ShardSwap's default said so",
+          "[config]") {
+  auto j = base();
+  j["zero_optimization"]["reduce_bucket_size"] = "auto";
+  ConfigReader with_model(j, "test.json");
+  const auto batches = resolve_batch_sizes(with_model, 2);
+  REQUIRE(engine_config_from_json(with_model, batches, 64).reduce_bucket_bytes == 64 * 64 * 2);
+  REQUIRE(with_model.warnings().size() == 1);
+  REQUIRE(test::contains(with_model.warnings()[0],
+                         "zero_optimization.reduce_bucket_size = \"auto\": ShardSwap uses 4096 = "
+                         "hidden_size^2 = 64 x 64 elements"));
+
+  ConfigReader without(j, "test.json");
+  REQUIRE(engine_config_from_json(without, batches).reduce_bucket_bytes == 500'000'000u * 2);
+  REQUIRE(without.warnings().size() == 1);
+  REQUIRE(test::contains(without.warnings()[0], "ShardSwap uses its default, 500000000 elements"));
+}
+
+TEST_CASE("auto precision trains bf16 where the Trainer's defaults would train fp32", "[config]") {
+  SECTION("fp16 auto, no bf16 section") {
+    auto j = base();
+    j.erase("bf16");
+    j["fp16"] = {{"enabled", "auto"}};
+    const auto l = load(j);
+    REQUIRE(l.engine.dtype == DType::bf16);
+    const auto w = warning_of(l.warnings, "test.json", "fp16.enabled");
+    REQUIRE(test::contains(w, "= \"auto\": ShardSwap uses false"));
+    REQUIRE(test::contains(w, "trains in fp32, which ShardSwap does not"));
+    REQUIRE(test::contains(w, "it trains bf16, as bf16.enabled is not set"));
+  }
+  SECTION("bf16 auto with fp16 on is the Trainer's false") {
+    auto j = base();
+    j["bf16"] = {{"enabled", "auto"}};
+    j["fp16"] = {{"enabled", true}};
+    const auto l = load(j);
+    REQUIRE(l.engine.dtype == DType::f16);
+    REQUIRE(test::contains(warning_of(l.warnings, "test.json", "bf16.enabled"),
+                           "ShardSwap uses false (Hugging Face's Trainer default: "
+                           "TrainingArguments.bf16)"));
+  }
+  SECTION("fp16 auto with bf16 turned off is refused: neither would be on") {
+    auto j = base();
+    j["bf16"] = {{"enabled", false}};
+    j["fp16"] = {{"enabled", "auto"}};
+    REQUIRE(test::contains(error_of(j), "bf16.enabled = false: this or fp16.enabled must be true"));
+  }
+}
+
+TEST_CASE("an auto the Trainer does not fill in takes ShardSwap's default, saying so", "[config]") {
+  auto j = base();
+  j["optimizer"]["params"]["adam_w_mode"] = "auto";
+  const auto l = load(j);
+  REQUIRE(test::contains(warning_of(l.warnings, "test.json", "optimizer.params.adam_w_mode"),
+                         "= \"auto\": not a key Hugging Face's Trainer fills in; ShardSwap uses "
+                         "its default, true"));
+}
+
+TEST_CASE("a --set key that nothing reads is an error naming it and the likely intended key",
+          "[config]") {
+  ConfigReader reader(base(), "test.json");
+  reader.set("gradient_cliping=1");
+  reader.set(R"(zero_optimization={"stage": 2, "overlapp_comm": true})");
+  reader.set("steps_per_print=5");
+  reader.set("optimizer.params.lr=1e-4");  // read: no line
+  load(reader, 2);
+  const auto m = test::message_of<ConfigError>([&] { reject_unread_overrides(reader); });
+  REQUIRE(m ==
+          "--set 'gradient_cliping=1': gradient_cliping: not a key ShardSwap reads (did you mean "
+          "'gradient_clipping'?)\n"
+          "--set 'zero_optimization={\"stage\": 2, \"overlapp_comm\": true}': "
+          "zero_optimization.overlapp_comm: not a key ShardSwap reads (did you mean "
+          "'zero_optimization.overlap_comm'?)\n"
+          "--set 'steps_per_print=5': steps_per_print: a DeepSpeed setting ShardSwap does not "
+          "implement: progress lines come every logging.interval steps");
+
+  ConfigReader read_only(base(), "test.json");
+  read_only.set("optimizer.params.lr=1e-4");
+  load(read_only, 2);
+  reject_unread_overrides(read_only);  // every override read: nothing thrown
+}
+
+TEST_CASE("a --set key nothing reads stops the run with or without strict mode", "[config]") {
+  for (const bool strict : {false, true}) {
+    CAPTURE(strict);
+    ConfigReader reader(tiny_decoder(), "tiny.json");
+    if (strict) reader.set("shardswap.strict=true");
+    reader.set("gradient_cliping=1");
+    REQUIRE(test::contains(test::message_of<ConfigError>([&] { train_config_from_json(reader); }),
+                           "--set 'gradient_cliping=1': gradient_cliping: not a key ShardSwap "
+                           "reads (did you mean 'gradient_clipping'?)"));
+  }
+}
+
+TEST_CASE("a misspelt top-level key in the file warns with the intended key and is not read",
+          "[config]") {
+  auto j = tiny_decoder();
+  j.erase("gradient_clipping");
+  j["gradient_cliping"] = 1.0;
+  ConfigReader reader(j, "tiny.json");
+  const auto t = train_config_from_json(reader);
+  REQUIRE(t.engine.gradient_clipping == 0.0);  // what was read: the key the file misspelt is not
+  const auto warnings = config_warnings(reader);
+  REQUIRE(warnings ==
+          std::vector<std::string>{"tiny.json: gradient_cliping: not a key ShardSwap knows; "
+                                   "ignored (did you mean 'gradient_clipping'?)"});
+}
+
+TEST_CASE("strict mode refuses every key it would warn about, all listed in one message",
+          "[config]") {
+  auto reader = ConfigReader::from_file(kHfZero2);
+  const auto l = load(reader, 1);
+  const auto m = test::message_of<ConfigError>([&] { refuse_warnings(reader, l.warnings); });
+  std::string expected = kHfZero2 +
+                         ": strict mode (--strict or shardswap.strict): 17 keys would only be "
+                         "warned about; each is an error:";
+  for (const auto& w : l.warnings) expected += "\n" + w;
+  REQUIRE(m == expected);
+  refuse_warnings(reader, {});  // nothing to refuse: nothing thrown
+
+  // From train_config_from_json, with shardswap.strict in the file: an unknown key, a DeepSpeed
+  // key ShardSwap does not implement, a key with no effect and a resolved "auto" alike.
+  auto j = tiny_decoder();
+  j["shardswap"]["strict"] = true;
+  j["gradient_cliping"] = 1.0;
+  j["steps_per_print"] = 10;
+  j["zero_optimization"]["allgather_bucket_size"] = 5e8;
+  j["optimizer"]["params"]["lr"] = "auto";
+  ConfigReader strict(j, "tiny.json");
+  const auto refused = test::message_of<ConfigError>([&] { train_config_from_json(strict); });
+  CAPTURE(refused);
+  REQUIRE(test::contains(refused, "tiny.json: strict mode (--strict or shardswap.strict): 4 keys"));
+  for (const char* line :
+       {"\ntiny.json: optimizer.params.lr = \"auto\": ShardSwap uses 5e-05",
+        "\ntiny.json: zero_optimization.allgather_bucket_size = 500000000.0: no effect",
+        "\ntiny.json: gradient_cliping: not a key ShardSwap knows; ignored (did you mean "
+        "'gradient_clipping'?)",
+        "\ntiny.json: steps_per_print: a DeepSpeed setting ShardSwap does not implement"})
+    REQUIRE(test::contains(refused, line));
+
+  j["shardswap"]["strict"] = false;  // the same file without strict mode: warnings only
+  ConfigReader lenient(j, "tiny.json");
+  train_config_from_json(lenient);
+  REQUIRE(config_warnings(lenient).size() == 4);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -53,9 +53,10 @@ struct Expected {
 };
 
 // A metrics file as `shardswap train --metrics` writes it, random values, with the cases the
-// reader must get right: null grad_norm and loss, switch events, val_loss on some steps, a tag
-// always zero (activation, and 'other' which is missing at first), an unknown tag appearing
-// midway, a line without memory_bytes, unknown keys, a blank line.
+// reader must get right: the validation loss before training on the first line, null grad_norm
+// and loss, switch events, val_loss on some steps, a tag always zero (activation, and 'other'
+// which is missing at first), one always below kMinTagShare of the total (comm's few bytes), an
+// unknown tag appearing midway, a line without memory_bytes, unknown keys, a blank line.
 std::pair<std::string, Expected> random_metrics(std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   const auto uniform = [&](double lo, double hi) {
@@ -68,7 +69,7 @@ std::pair<std::string, Expected> random_metrics(std::uint64_t seed) {
   const std::int64_t first_step = 101;
   const std::int64_t param16 = bytes(1 << 20, 1 << 24);
   Expected e;
-  e.memory_names = {"param16", "grad", "master32", "optim_state", "comm", "kv_cache", "total"};
+  e.memory_names = {"param16", "grad", "master32", "optim_state", "kv_cache", "total"};
   e.memory_mib.assign(e.memory_names.size(), {});
   std::string text;
   for (int i = 0; i < lines; ++i) {
@@ -84,6 +85,11 @@ std::pair<std::string, Expected> random_metrics(std::uint64_t seed) {
         {"tokens_per_s", uniform(1e3, 1e6)},
         {"active_groups", {"input", "head"}},
         {"unknown_key", {{"a", {1, 2}}}}};
+    if (i == 0) {
+      const double v = uniform(0.01, 5.0);
+      line["initial_val_loss"] = v;
+      e.val_loss.emplace_back(0, v);
+    }
     if (i % 17 == 5)
       line["loss"] = nullptr;
     else if (i % 23 != 7)
@@ -122,9 +128,9 @@ std::pair<std::string, Expected> random_metrics(std::uint64_t seed) {
       memory["total"] = total;
       memory["peak"] = total + bytes(0, 1000);
       line["memory_bytes"] = memory;
-      for (int k = 0; k < 5; ++k) e.memory_mib[k].push_back(v[k] / kMiB);
-      e.memory_mib[5].push_back(i >= 30 ? kv / kMiB : std::nan(""));
-      e.memory_mib[6].push_back(total / kMiB);
+      for (int k = 0; k < 4; ++k) e.memory_mib[k].push_back(v[k] / kMiB);  // not comm's
+      e.memory_mib[4].push_back(i >= 30 ? kv / kMiB : std::nan(""));
+      e.memory_mib[5].push_back(total / kMiB);
     }
     text += line.dump() + "\n";
     if (i == 20) text += "\n";
@@ -177,6 +183,7 @@ TEST_CASE("plot reads steps, loss, val_loss, memory by tag and switches from a m
     for (std::size_t i = 0; i < e.loss.size(); ++i) REQUIRE(same(s.loss[i], e.loss[i]));
     REQUIRE(s.val_loss == e.val_loss);
     REQUIRE(s.switch_steps == e.switch_steps);
+    REQUIRE(s.switch_in == std::vector<std::string>(e.switch_steps.size(), "layers.3"));
     REQUIRE_FALSE(e.switch_steps.empty());  // the seeds were picked to hold switches
     REQUIRE(s.memory.size() == e.memory_names.size());
     for (std::size_t k = 0; k < e.memory_names.size(); ++k) {
@@ -324,9 +331,42 @@ TEST_CASE("the script marks every switch in both panels and draws each non-zero 
   REQUIRE_FALSE(test::contains(script, "unset arrow"));
   for (const auto& name : e.memory_names)
     REQUIRE(test::contains(script, fmt::format("title '{}'", name)));
-  for (const char* absent : {"title 'activation'", "title 'other'", "title 'peak'", "note"})
+  for (const char* absent :
+       {"title 'activation'", "title 'other'", "title 'peak'", "title 'comm'", "note"})
     REQUIRE_FALSE(test::contains(script, absent));
   REQUIRE(test::contains(script, "title 'val_loss'"));
+  // Each switch labelled with what came in; the labels unset before the memory panel.
+  for (std::size_t i = 0; i < e.switch_steps.size(); ++i)
+    REQUIRE(test::contains(script, fmt::format("set label {} 'in: layers.3' at first {}, graph",
+                                               100 + i, e.switch_steps[i])));
+  REQUIRE(script.find("unset label\n") > script.rfind("set label 1"));
+  REQUIRE(script.find("unset label\n") < script.find("memory (MiB)"));
+  // The x axis starts at step 0, where the validation loss before training is.
+  REQUIRE(test::contains(script, "set xrange [0:"));
+}
+
+TEST_CASE("the loss axis is linear unless --log-y, which needs every loss above zero") {
+  const auto [text, e] = random_metrics(5);
+  std::istringstream in(text);
+  auto s = read_metrics(in, "random.jsonl");
+  REQUIRE_FALSE(test::contains(gnuplot_script(s, PlotFormat::svg), "set logscale y"));
+  const std::string log = gnuplot_script(s, PlotFormat::svg, true);
+  REQUIRE(test::contains(log, "set logscale y\nset ylabel 'loss (log scale)'"));
+  s.loss[3] = 0.0;
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([&] { gnuplot_script(s, PlotFormat::svg, true); }),
+      "--log-y"));
+  REQUIRE(test::contains(gnuplot_script(s, PlotFormat::svg), "set ylabel 'loss'\n"));
+}
+
+TEST_CASE("a tag is drawn from kMinTagShare of the largest total up") {
+  // total 1 MiB: a tag of 1048.576 bytes is exactly the share, one byte less is below it.
+  std::istringstream in(
+      R"({"step": 1, "loss": 1, "memory_bytes": {"grad": 1049, "comm": 1048, "total": 1048576}})");
+  const auto s = read_metrics(in, "share.jsonl");
+  REQUIRE(s.memory.size() == 2);
+  REQUIRE(s.memory[0].name == "grad");
+  REQUIRE(s.memory[1].name == "total");
 }
 
 TEST_CASE("a tag name cannot break out of the script's quotes") {

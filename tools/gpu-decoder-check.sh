@@ -100,7 +100,7 @@ for run in "nccl1:world 1 over NCCL:--set world_size=1 --set shardswap.communica
   $bin train --config configs/qwen2.5-0.5b-lisa.json "${q[@]}" "${extra[@]}" \
     --set checkpoint.dir="$work/q-ckpt-$tag" --set checkpoint.every=25 \
     --metrics "$OUT/qwen05b-$tag.jsonl" > "$OUT/qwen05b-$tag.log" 2>&1 || status=1
-  grep -E "shardswap train:|memory of rank 0|GPU 0 after|switch at|done:|validation loss after" "$OUT/qwen05b-$tag.log"
+  grep -E "shardswap train:|memory of rank 0|GPU 0 after|switch before|done:|validation loss after" "$OUT/qwen05b-$tag.log"
   # The plan against the measured peak: every report within 0.01%.
   awk '/measured peak/ { gsub(/[()%+]/, "", $NF); if ($NF > 0.01 || $NF < -0.01) bad = 1 }
        END { exit bad }' "$OUT/qwen05b-$tag.log" || { echo "plan != peak"; status=1; }

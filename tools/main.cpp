@@ -1,10 +1,12 @@
 // The shardswap command line. Exit codes: 0 success, 1 runtime failure, 2 bad input; a train
 // stopped by SIGINT, SIGTERM or SIGHUP (after its step, saved): 128 + the signal's number.
 #include <fmt/format.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
@@ -36,9 +38,10 @@ namespace {
 
 constexpr const char* kUsage = R"(usage:
   shardswap train --config FILE [--metrics FILE [--metrics-errors=fail|warn]]
-                  [--set key.path=value]... [--memory-report]
-  shardswap plan --config FILE [--set key.path=value]...
+                  [--set key.path=value]... [--strict] [--memory-report]
+  shardswap plan --config FILE [--set key.path=value]... [--strict]
   shardswap eval --config FILE [--checkpoint DIR] [--logits FILE.safetensors] [--set k.path=v]...
+                 [--strict]
 
   shardswap bench optimizer [--backend cpu|cuda] [--sizes 64M,256M,1G] [--iters N] [--json FILE]
 
@@ -47,7 +50,12 @@ constexpr const char* kUsage = R"(usage:
           --metrics-errors=fail|warn
                              a metrics line that cannot be written stops the run (fail, the
                              default), or is counted and reported at the end (warn)
-          --set k.path=v     overrides a config key (v is JSON, or a bare string)
+          --set k.path=v     overrides a config key (v is JSON, or a bare string); a key
+                             nothing reads is an error
+          --strict           (train, plan, eval; or shardswap.strict: true) every config
+                             warning is an error: unknown keys, DeepSpeed keys ShardSwap does
+                             not implement, keys with no effect, resolved "auto" values; all
+                             listed at once, exit 2, nothing written
           --memory-report    prints rank 0's buffers and their holders after build
           SIGINT, SIGTERM, SIGHUP (alike): finishes the step, saves it if checkpoint.dir is
           set, says so and exits 128 + the signal (130, 143, 129); a second signal ends it at
@@ -63,12 +71,13 @@ constexpr const char* kUsage = R"(usage:
   bench switch
           the time of a layer switch against the bytes it touches over the copy bandwidth
 
-  shardswap plot METRICS --out FILE.png|FILE.svg
+  shardswap plot METRICS --out FILE.png|FILE.svg [--log-y]
   shardswap ckpt export DIR --out FILE.safetensors [--master]
   shardswap ckpt inspect DIR
 
-  plot    draws loss and val_loss, and memory by tag (MiB), against the step from a
-          train --metrics file, layer switches marked; needs gnuplot (package gnuplot-nox)
+  plot    draws loss and val_loss (from before training on; --log-y: on a log axis), and
+          memory by tag (MiB), against the step from a train --metrics file, each layer
+          switch marked with the groups that came in; needs gnuplot (package gnuplot-nox)
   ckpt export
           a checkpoint's bit16 weights (or with --master its fp32 masters) as safetensors
   ckpt inspect
@@ -119,6 +128,7 @@ struct BadUsage : std::runtime_error {
 struct ConfigArgs {
   std::string path;
   std::vector<std::string> overrides;
+  bool strict = false;  ///< --strict: shardswap.strict = true, whatever the file and --set say
 
   /// Takes a flag's value (the next argument), refusing a flag given last without one.
   using TakeValue = std::function<const std::string&()>;
@@ -143,6 +153,8 @@ ConfigArgs ConfigArgs::parse(const std::vector<std::string>& args, const OtherFl
       parsed.path = value();
     else if (flag == "--set")
       parsed.overrides.push_back(value());
+    else if (flag == "--strict")
+      parsed.strict = true;
     else if (!other || !other(flag, value))
       throw BadUsage(fmt::format("unknown argument '{}'", flag));
   }
@@ -153,6 +165,7 @@ shardswap::TrainConfig load_config(const ConfigArgs& args) {
   if (args.path.empty()) throw BadUsage("needs --config FILE");
   auto reader = shardswap::ConfigReader::from_file(args.path);
   for (const auto& o : args.overrides) reader.set(o);
+  if (args.strict) reader.set("shardswap.strict=true");  // after --set: the flag wins
   auto config = shardswap::train_config_from_json(reader);
   for (const auto& w : shardswap::config_warnings(reader)) spdlog::warn("{}", w);
   return config;
@@ -214,26 +227,50 @@ int train_command(const std::vector<std::string>& args) {
   install_stop_handlers();
   const auto summary = shardswap::train(config, out);
   if (metrics) metrics->finish();
+  if (summary.already_finished) {
+    std::cout << fmt::format(
+        "already finished: the checkpoint resumed is at step {} of steps = {}; nothing trained "
+        "or written (raise steps to train further)\n",
+        summary.steps, config.steps);
+    return 0;
+  }
   const std::string ending =
       summary.stopped_by != 0
           ? fmt::format("stopped by {}", shardswap::stop_signal_name(summary.stopped_by))
           : std::string("done");
+  const std::int64_t ran = summary.steps - summary.start_step;
+  // Steps this process ran, and where the run stands (a resumed run counts the steps before).
+  const std::string steps =
+      summary.start_step == 0
+          ? fmt::format("{} of {} steps", summary.steps, config.steps)
+          : fmt::format("{} steps this run ({} to {}), {} of {} in all", ran,
+                        summary.start_step + 1, summary.steps, summary.steps, config.steps);
   std::cout << fmt::format(
-      "{}: {} steps, {} skipped, {} switches; loss {:.4f} -> {:.4f}; validation loss {:.4f} -> "
-      "{:.4f}; {:.0f} tokens/s; rank 0 peak {:.2f} MiB, predicted {:.2f} MiB\n",
-      ending, summary.steps, summary.skipped, summary.switches, summary.first_loss,
-      summary.final_loss, summary.first_val_loss, summary.final_val_loss, summary.tokens_per_s,
+      "{}: {}, {} skipped, {} switches; loss {:.4f} -> {:.4f}; validation loss {:.4f} -> "
+      "{:.4f}; {:.0f} tokens/s{}; rank 0 peak {:.2f} MiB, predicted {:.2f} MiB\n",
+      ending, steps, summary.skipped, summary.switches, summary.first_loss, summary.final_loss,
+      summary.first_val_loss, summary.final_val_loss, summary.tokens_per_s,
+      summary.rate_of_first_step ? " (one step: with its one-off warm-up)" : "",
       summary.peak_bytes / 1048576.0, summary.predicted_bytes / 1048576.0);
   if (config.timing) {
-    std::cout << fmt::format("step time: {:.1f}% in engine.step() (reduce, optimizer, gather)",
-                             100.0 * summary.engine_step_share);
-    if (summary.model_tflops > 0)
+    if (std::isnan(summary.engine_step_share))
+      std::cout << "step time: the share of engine.step() not measured (one step, warm-up only)";
+    else
+      std::cout << fmt::format("step time: {:.1f}% in engine.step() (reduce, optimizer, gather)",
+                               100.0 * summary.engine_step_share);
+    // The model's GEMM rate is measured on cuda for a run without layer switching (the FLOPs
+    // of a step with frozen groups are not counted), and only with two steps or more.
+    if (summary.model_tflops > 0) {
       std::cout << fmt::format("; model forward+backward {:.1f} TFLOP/s of GEMM work",
                                summary.model_tflops);
-    if (summary.cublas_tflops > 0)
-      std::cout << fmt::format(" ({:.0f}% of cuBLAS's {:.1f} TFLOP/s in this run)",
-                               100.0 * summary.model_tflops / summary.cublas_tflops,
-                               summary.cublas_tflops);
+      if (summary.cublas_tflops > 0)
+        std::cout << fmt::format(" ({:.0f}% of cuBLAS's {:.1f} TFLOP/s in this run)",
+                                 100.0 * summary.model_tflops / summary.cublas_tflops,
+                                 summary.cublas_tflops);
+    } else {
+      std::cout << "; model GEMM rate not measured (it is on cuda, without layer switching, "
+                   "over two steps or more)";
+    }
     std::cout << "\n";
     if (!summary.phase_seconds.empty()) {
       double total = 0.0;
@@ -304,9 +341,16 @@ int main(int argc, char** argv) {
   // Line-buffered even into a file or pipe: `shardswap train > run.log` shows each line as it
   // comes (a file is otherwise block-buffered), and a run that is killed keeps what it printed.
   std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
+  // Warnings and errors on stderr, results and progress on stdout: `train > run.log` keeps the
+  // run's lines apart from what went wrong.
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>(
+      "", std::make_shared<spdlog::sinks::stderr_color_sink_mt>()));
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
-    if (args.empty() || args[0] == "--help" || args[0] == "-h") {
+    const bool help = std::any_of(args.begin(), args.end(), [](const std::string& a) {
+      return a == "--help" || a == "-h";
+    });
+    if (args.empty() || help) {  // `shardswap --help`, `shardswap train --help`, ...
       std::cout << kUsage;
       return args.empty() ? 2 : 0;
     }

@@ -85,9 +85,20 @@ struct MemoryColumns {
     for (Tag t : kAllTags) order.push_back(tag_name(t));
     for (const auto& key : first_seen)
       if (!is_tag(key) && key != "total" && key != "peak") order.push_back(key);
+    // A tag that never reaches kMinTagShare of the largest total draws a line on zero.
+    double largest = 0.0;
+    if (const auto total = values.find("total"); total != values.end())
+      for (double v : total->second)
+        if (std::isfinite(v)) largest = std::max(largest, v);
+    const auto visible = [&](const std::string& key) {
+      if (!non_zero.count(key)) return false;
+      for (double v : values.at(key))
+        if (std::isfinite(v) && v >= kMinTagShare * largest) return true;
+      return false;
+    };
     std::vector<MemorySeries> out;
     for (const auto& key : order)
-      if (non_zero.count(key)) out.push_back({key, values.at(key)});
+      if (visible(key)) out.push_back({key, values.at(key)});
     if (values.count("total")) out.push_back({"total", values.at("total")});
     return out;
   }
@@ -146,6 +157,7 @@ MetricsSeries read_metrics(std::istream& in, const std::string& source) {
   for (const auto& [line, where] : lines) {
     s.steps.push_back(line.at("step").get<std::int64_t>());
     s.loss.push_back(number_at(line, "loss", where).value_or(kNaN));
+    if (const auto v = number_at(line, "initial_val_loss", where)) s.val_loss.emplace_back(0, *v);
     if (const auto v = number_at(line, "val_loss", where))
       s.val_loss.emplace_back(s.steps.back(), *v);
 
@@ -162,6 +174,11 @@ MetricsSeries read_metrics(std::istream& in, const std::string& source) {
         throw ConfigError(
             fmt::format("plot: {}: 'switch' must be an object, not {}", where, sw->type_name()));
       s.switch_steps.push_back(s.steps.back());
+      std::string in;
+      if (const auto groups = sw->find("in"); groups != sw->end() && groups->is_array())
+        for (const auto& g : *groups)
+          if (g.is_string()) in += (in.empty() ? "" : ", ") + g.get<std::string>();
+      s.switch_in.push_back(std::move(in));
     }
   }
   if (s.steps.empty())
@@ -262,12 +279,17 @@ void write_plot_data(const MetricsSeries& s, const std::string& folder) {
   });
 }
 
-std::string gnuplot_script(const MetricsSeries& s, PlotFormat format) {
+std::string gnuplot_script(const MetricsSeries& s, PlotFormat format, bool log_y) {
   check_shape(s);
-  const auto [lo, hi] = std::minmax_element(s.steps.begin(), s.steps.end());
+  if (log_y && !all_positive(s))
+    throw ConfigError("plot: --log-y: the loss has values <= 0 (or none), which a log axis "
+                      "cannot draw");
+  std::int64_t lo = *std::min_element(s.steps.begin(), s.steps.end());
+  const std::int64_t hi = *std::max_element(s.steps.begin(), s.steps.end());
+  for (const auto& [step, v] : s.val_loss) lo = std::min(lo, step);  // step 0: before training
   // One x range for both panels, so that a step sits at the same column in each.
-  const double x0 = static_cast<double>(*lo) - (*lo == *hi ? 1.0 : 0.0);
-  const double x1 = static_cast<double>(*hi) + (*lo == *hi ? 1.0 : 0.0);
+  const double x0 = static_cast<double>(lo) - (lo == hi ? 1.0 : 0.0);
+  const double x1 = static_cast<double>(hi) + (lo == hi ? 1.0 : 0.0);
   const bool any_loss =
       std::any_of(s.loss.begin(), s.loss.end(), [](double v) { return std::isfinite(v); });
   std::string g =
@@ -297,10 +319,17 @@ std::string gnuplot_script(const MetricsSeries& s, PlotFormat format) {
         step);
   const std::string switch_key =
       s.switch_steps.empty() ? "" : ", NaN with lines dt 2 lc rgb '#808080' title 'layer switch'";
+  // Each switch's line in the loss panel says which groups came in.
+  for (std::size_t i = 0; i < s.switch_steps.size() && i < s.switch_in.size(); ++i)
+    if (!s.switch_in[i].empty())
+      g += fmt::format(
+          "set label {} {} at first {}, graph 0.97 rotate by 90 right offset -0.5,0 "
+          "font ',8' tc rgb '#606060'\n",
+          100 + i, quoted("in: " + s.switch_in[i]), s.switch_steps[i]);
 
-  // (a) loss and val_loss. A log axis shows the late, slow part of a falling loss; it needs
-  // every value > 0, else the axis stays linear.
-  if (all_positive(s))
+  // (a) loss and val_loss, on a linear axis with gnuplot's round ticks; a log axis (--log-y)
+  // shows the late, slow part of a falling loss.
+  if (log_y)
     g += "set logscale y\nset ylabel 'loss (log scale)'\n";
   else
     g += "set ylabel 'loss'\n";
@@ -318,7 +347,7 @@ std::string gnuplot_script(const MetricsSeries& s, PlotFormat format) {
   g += "plot ";
   for (std::size_t i = 0; i < plots.size(); ++i) g += (i ? ", " : "") + plots[i];
   g += switch_key + "\n";
-  g += "unset label 1\nunset logscale y\n";
+  g += "unset label\nunset logscale y\n";  // the switches' labels too: the loss panel's
 
   // (b) memory by tag. Memory changes at a step boundary (a switch) and holds until the next:
   // steps, not a slope between two measurements.
@@ -415,7 +444,7 @@ void plot_metrics(const MetricsSeries& series, const std::string& out_path,
   const auto script = temp.path() / "plot.gp";
   {
     std::ofstream f(script);
-    f << gnuplot_script(series, format);
+    f << gnuplot_script(series, format, options.log_y);
     f.close();
     if (!f) throw Error(fmt::format("plot: cannot write '{}'", script.string()));
   }
@@ -441,8 +470,11 @@ void plot_metrics(const MetricsSeries& series, const std::string& out_path,
 
 int plot_command(const std::vector<std::string>& args, std::ostream& out) {
   std::string metrics, out_path;
+  bool log_y = false;
   for (std::size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--out") {
+    if (args[i] == "--log-y") {
+      log_y = true;
+    } else if (args[i] == "--out") {
       if (i + 1 >= args.size()) throw ConfigError("plot: --out needs a value");
       out_path = args[++i];
     } else if (args[i].starts_with("--")) {
@@ -458,6 +490,7 @@ int plot_command(const std::vector<std::string>& args, std::ostream& out) {
   if (out_path.empty()) throw ConfigError("plot: needs --out FILE.png or --out FILE.svg");
   plot_format(out_path);  // a bad --out is named before the metrics are read
   PlotOptions options;
+  options.log_y = log_y;
   options.inputs = {{"the metrics file", metrics}};
   check_output_path("--out", out_path, options.inputs);
   const auto series = read_metrics_file(metrics);

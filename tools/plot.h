@@ -30,11 +30,16 @@ struct MemorySeries {
 struct MetricsSeries {
   std::vector<std::int64_t> steps;  ///< every line's step, in file order
   std::vector<double> loss;         ///< one per step; NaN where absent or null (non-finite)
-  std::vector<std::pair<std::int64_t, double>> val_loss;  ///< evaluation steps only
-  /// The tags that are non-zero on some line (ShardSwap's tags in their order, then unknown
-  /// numeric keys of memory_bytes as first seen), then "total" if present. "peak" is left out.
+  /// Evaluation steps only; step 0 is the validation loss before training (the first line's
+  /// "initial_val_loss").
+  std::vector<std::pair<std::int64_t, double>> val_loss;
+  /// The tags that reach kMinTagShare of the largest total on some line (ShardSwap's tags in
+  /// their order, then unknown numeric keys of memory_bytes as first seen), then "total" if
+  /// present. "peak" is left out, and so are tags that would only draw a line on zero (comm's
+  /// few bytes of scalars).
   std::vector<MemorySeries> memory;
   std::vector<std::int64_t> switch_steps;  ///< lines with a "switch" object
+  std::vector<std::string> switch_in;      ///< per switch: the groups that came in, joined
   std::vector<std::int64_t> resume_steps;  ///< the steps of resume lines, in file order
   std::vector<std::string> warnings;       ///< what was skipped (a cut-off last line), per line
 };
@@ -50,6 +55,9 @@ MetricsSeries read_metrics(std::istream& in, const std::string& source);
 /// read_metrics of a file; ConfigError naming it if it cannot be read.
 MetricsSeries read_metrics_file(const std::string& path);
 
+/// A memory tag is drawn when it reaches this share of the largest total on some line.
+inline constexpr double kMinTagShare = 1e-3;
+
 enum class PlotFormat { png, svg };
 
 /// From the extension of `out_path` (.png or .svg, any case); ConfigError naming --out otherwise.
@@ -59,13 +67,16 @@ PlotFormat plot_format(const std::string& out_path);
 /// files write_plot_data wrote) and ARG3 (the title), so no path is ever quoted into it.
 /// Both throw ConfigError for a series with no step, or with a loss or memory series whose
 /// length is not the number of steps.
-std::string gnuplot_script(const MetricsSeries& series, PlotFormat format);
+/// The loss axis is linear unless log_y (every loss value must then be > 0: ConfigError naming
+/// --log-y otherwise).
+std::string gnuplot_script(const MetricsSeries& series, PlotFormat format, bool log_y = false);
 /// Writes the data files gnuplot_script reads into `folder`.
 void write_plot_data(const MetricsSeries& series, const std::string& folder);
 
 struct PlotOptions {
   std::string gnuplot = "gnuplot";  ///< the program, looked up on PATH
   std::string title;                ///< above both panels
+  bool log_y = false;               ///< the loss on a log axis (--log-y)
   std::vector<InputFile> inputs;    ///< files the output must never replace (the metrics file)
 };
 

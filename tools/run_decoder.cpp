@@ -198,7 +198,6 @@ void decoder_config_from_json(ConfigReader& c, TrainConfig& t) {
       if (!fields.contains("model_type")) fields["model_type"] = "llama";
       d.shape = hf_config_from_json(fields, HfConfigSource{{}, "model."}, seq_len).shape;
     }
-    d.hf_config = hf_config_to_json(d.shape, t.engine.dtype);
   } catch (const ConfigError& e) {
     c.rethrow_naming_file(e);
   }

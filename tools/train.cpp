@@ -11,6 +11,7 @@
 #include <cmath>
 #include <csignal>
 #include <exception>
+#include <iostream>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -24,6 +25,7 @@
 #include "shardswap/nccl.h"
 #include "tools/lm/cublas_rate.h"
 #include "tools/lm/decoder.h"
+#include "tools/lm/hf_config.h"
 #include "tools/run_model.h"
 #include "tools/metrics_log.h"
 #include "tools/progress.h"
@@ -60,12 +62,12 @@ TrainConfig train_config_from_json(ConfigReader& c) {
       c.fail(key, fmt::format("{}", v), fmt::format("must lie in [1, {}]", max));
     return v;
   };
+  // --strict sets it (tools/main.cpp): every warning below becomes an error, at the end.
+  const bool strict = c.boolean("shardswap.strict", false);
   t.world_size = static_cast<int>(positive("world_size", 1, 1024));
   t.batches = resolve_batch_sizes(c, t.world_size);
-  t.engine = engine_config_from_json(c, t.batches);
   t.steps = positive("steps", 100, std::int64_t{1} << 40);
   t.seed = static_cast<std::uint64_t>(c.integer("seed", 1));
-  t.lr = lr_schedule_from_json(c, t.engine.optimizer.lr);
 
   // One built-in model family: model.type may be left out. The byte-level MLP LM it once chose
   // between was removed; its configs are refused rather than read as a decoder's with the
@@ -83,7 +85,15 @@ TrainConfig train_config_from_json(ConfigReader& c) {
                                        "use the decoder's (docs/config.md) with data.tokenizer "
                                        "\"bytes\" (configs/quickstart.json)",
                                        key));
+  // The model before the engine: Hugging Face's "auto" reduce bucket is the hidden size squared.
   decoder_config_from_json(c, t);
+  t.engine = engine_config_from_json(c, t.batches, t.decoder.shape.hidden);
+  try {
+    t.decoder.hf_config = hf_config_to_json(t.decoder.shape, t.engine.dtype);
+  } catch (const ConfigError& e) {
+    c.rethrow_naming_file(e);
+  }
+  t.lr = lr_schedule_from_json(c, t.engine.optimizer.lr);
 
   t.log_interval = static_cast<int>(positive("logging.interval", 10, 1 << 30));
   t.eval_interval = static_cast<int>(positive("logging.eval_interval", 100, 1 << 30));
@@ -147,6 +157,8 @@ TrainConfig train_config_from_json(ConfigReader& c) {
     c.rethrow_naming_file(e);  // "layer_switching.KEY = ...: what": add the file
   }
   reject_unknown_keys(c, kShardSwapSections);
+  reject_unread_overrides(c);
+  if (strict) refuse_warnings(c, config_warnings(c));
   t.source = c.json();
   return t;
 }
@@ -395,10 +407,6 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
                                     dtype_name(config.engine.dtype), gemm.at(0), gemm.at(1),
                                     gemm.at(2), rate));
     }
-    double val = evaluate();
-    say(fmt::format("validation loss before training: {:.4f}", val));
-    if (rank == 0) summary.first_val_loss = val;
-
     std::int64_t planned = predicted.total();  // changes when a switch changes the active set
     std::int64_t updates = 0;                  // applied optimizer steps: the lr schedule's clock
     // Resuming: the engine's state from the checkpoint; the schedule's position and the data's
@@ -417,16 +425,34 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
                 run->activation_bytes(micro, config.engine.dtype, space.device());
       say(fmt::format("resumed from {} (saved at world size {}): step {}, {} updates",
                       resume_from.string(), loaded.world_size, start, updates));
+      if (schedule.enabled())
+        say(fmt::format("active after the resume: {}", fmt::join(engine.active_groups(), ", ")));
     } else if (config.checkpoint.load == "latest") {
       say(fmt::format("no checkpoint under {} yet: starting at step 0", config.checkpoint.dir));
     }
+    if (rank == 0) summary.start_step = start;
+    if (start >= config.steps) {  // resuming a finished run: nothing is evaluated or written
+      if (rank == 0) {
+        std::lock_guard lock(mu);
+        summary.already_finished = true;
+        summary.steps = start;
+        progress->finish();
+      }
+      return;
+    }
+    // The weights training starts from: the fresh model's, or the resumed checkpoint's.
+    double val = evaluate();
+    say(start == 0 ? fmt::format("validation loss before training: {:.4f}", val)
+                   : fmt::format("validation loss at step {} (resumed): {:.4f}", start, val));
+    if (rank == 0) summary.first_val_loss = val;
     if (rank == 0 && out.metrics) {  // before the first step's line: a resume appends
       std::lock_guard lock(mu);
       out.metrics->begin(resume_from.empty()
                              ? std::nullopt
                              : std::optional<ResumePoint>(ResumePoint{start, resume_from}));
     }
-    double interval_loss = 0.0, timed_seconds = 0.0, model_seconds = 0.0, engine_seconds = 0.0;
+    double interval_loss = 0.0, timed_seconds = 0.0, model_seconds = 0.0, engine_seconds = 0.0,
+           first_seconds = 0.0;
     int interval_steps = 0;
     space.reset_peaks();
     std::filesystem::path stop_checkpoint;  // the checkpoint saved on a stop signal, if any
@@ -439,6 +465,10 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           switched = engine.set_active(wanted, schedule.policy());
           planned = engine.plan().total() +
                     run->activation_bytes(micro, config.engine.dtype, space.device());
+          // The check after this step compares the plan of the new active set with what is
+          // held from here on: a window from before the switch would include the bytes of the
+          // groups it let go (a false excess after a switch that shrinks the set).
+          space.reset_peaks();
         }
       }
       engine.set_lr(config.lr.lr_at(updates));
@@ -487,7 +517,10 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       // point the metrics have not reached.
       if (rank == 0) {
         std::lock_guard lock(mu);
-        if (step == start) summary.first_loss = loss;
+        if (step == start) {
+          summary.first_loss = loss;
+          first_seconds = seconds;
+        }
         if (step > start) {  // the first step carries one-off work (allocation, cuBLAS warm-up)
           timed_seconds += seconds;
           model_seconds += model_s;
@@ -503,7 +536,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
         summary.peak_bytes = std::max(summary.peak_bytes, mem.requested.peak);
         if (switched)
           progress->message(fmt::format(
-              "switch at step {}: in [{}] out [{}], {} freed, {} allocated, {:.3f} ms", step,
+              "switch before step {}: in [{}] out [{}], {} freed, {} allocated, {:.3f} ms", step + 1,
               fmt::join(switched->activated, ", "), fmt::join(switched->deactivated, ", "),
               mib(switched->bytes_freed), mib(switched->bytes_allocated), switched->seconds * 1e3));
         if (step == start || switched) {
@@ -546,6 +579,8 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
                                  {"step_seconds", seconds}};
           if (!std::isfinite(r.grad_norm)) line["grad_norm"] = nullptr;  // JSON has no Inf
           if (evaluating) line["val_loss"] = val;
+          // The validation loss before training, on a fresh run's first line.
+          if (step == 0) line["initial_val_loss"] = summary.first_val_loss;
           if (!phases.empty()) {
             nlohmann::json split;
             for (const auto& [name, s] : phases) split[name] = s;
@@ -625,6 +660,10 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
         if (config.timing && space.device() == DeviceKind::cuda && !schedule.enabled())
           summary.model_tflops = run->micro_flops(micro) * accumulation *
                                  timed_steps / model_seconds / 1e12;
+      } else if (summary.steps > start) {  // one step this run: its rate, warm-up and all
+        summary.tokens_per_s = tokens_per_step / first_seconds;
+        summary.rate_of_first_step = true;
+        summary.engine_step_share = std::numeric_limits<double>::quiet_NaN();
       }
     }
   };
@@ -652,7 +691,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
         comms[static_cast<std::size_t>(r)]->check();
       } catch (const std::exception& e) {
         std::lock_guard lock(mu);
-        out.log << fmt::format("rank {} failed: {}\n", r, e.what()) << std::flush;
+        std::cerr << fmt::format("rank {} failed: {}\n", r, e.what()) << std::flush;
         errors.push_back(std::current_exception());
       }
     });

@@ -45,7 +45,9 @@ struct CheckpointConfig {
 struct DecoderRunConfig {
   DecoderShape shape;     ///< from model.path's config.json, or the model.* fields
   std::string path;       ///< model.path: a Hugging Face model folder to start from ("": scratch)
-  nlohmann::json hf_config;  ///< the config.json a Hugging Face export of it carries
+  /// The config.json a Hugging Face export of it carries (set by train_config_from_json once the
+  /// engine's dtype is read, after the decoder's keys).
+  nlohmann::json hf_config;
   int seq_len = 128;      ///< data.seq_len: tokens per sample
   std::string data_train;  ///< data.train: a path or glob of token files (docs/data.md)
   std::string data_val;    ///< data.val: the validation set's ("": the tail of a bytes file)
@@ -111,10 +113,16 @@ struct TrainSummary {
   double final_loss = 0.0;      ///< mean over ranks and over the last log interval
   double first_val_loss = 0.0;  ///< before the first step
   double final_val_loss = 0.0;  ///< after the last step
-  std::int64_t steps = 0;
+  std::int64_t steps = 0;       ///< the run's steps done, resumed ones included
+  std::int64_t start_step = 0;  ///< the step this process resumed at (0: a fresh run)
+  /// Resumed at or past `steps`: nothing was trained, evaluated or written.
+  bool already_finished = false;
   std::int64_t skipped = 0;
   std::int64_t switches = 0;  ///< layer switches made
-  double tokens_per_s = 0.0;  ///< tokens per second over all ranks, steps 2..N
+  double tokens_per_s = 0.0;  ///< tokens per second over all ranks, this run's steps 2..N
+  /// This process ran one step: tokens_per_s is its rate, one-off work (allocation, warm-up)
+  /// included.
+  bool rate_of_first_step = false;
   std::int64_t predicted_bytes = 0;  ///< rank 0's plan (engine + activations), step 0's set
   std::int64_t peak_bytes = 0;       ///< rank 0's largest requested bytes over the run
   /// With timing: the share of step time spent in engine.step() (reduction, optimizer,

@@ -22,7 +22,9 @@ struct BatchSizes {
 /// - train_batch_size alone: accumulation 1, micro = train_batch / world_size (exact);
 /// - otherwise the micro batch defaults to 32 (DeepSpeed requires one of micro and train batch)
 ///   and the accumulation to 1.
-/// A key holding "auto" counts as absent, with one warning naming it and the value it got.
+/// A key holding "auto" takes what Hugging Face's Trainer fills in from its defaults (micro
+/// batch 8, accumulation 1, train batch = their product x world size), or the value a given
+/// train_batch_size determines, with one warning naming it and the value it got.
 /// Throws ConfigError naming the key (and the file) for a value that is not an integer, zero or
 /// negative, too large, or for sizes that do not multiply out, showing the arithmetic.
 BatchSizes resolve_batch_sizes(ConfigReader& config, int world_size);

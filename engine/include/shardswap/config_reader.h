@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -45,9 +46,16 @@ class ConfigReader {
   bool is_auto(std::string_view path) const;
   /// Throws ConfigError naming the key if it is present and not a JSON object (a section).
   void expect_object(std::string_view path) const;
+  /// Says what "auto" at `path` stands for: `value`, the one a Hugging Face Trainer run fills in
+  /// there. A getter that finds "auto" at `path` then reads `value` (checked as a value written in
+  /// the file is) and records one warning "SOURCE: PATH = "auto": ShardSwap uses VALUE WHY", so
+  /// the warning names the value the run gets; `why` says where it comes from. Registering a path
+  /// that does not hold "auto" changes nothing.
+  void resolve_auto(std::string path, nlohmann::json value, std::string why);
   /// Each getter returns `fallback` when the key is absent and throws ConfigError naming the key
-  /// and the source when it is present with the wrong type. A key holding "auto" also gives
-  /// `fallback` (ShardSwap's default for it) and records one warning naming the key.
+  /// and the source when it is present with the wrong type. A key holding "auto" gives the value
+  /// resolve_auto gave it or, where none was given, `fallback` (ShardSwap's default for it); either
+  /// way it records one warning naming the key and the value used.
   double number(std::string_view path, double fallback);
   /// Accepts integral numbers written as floats (5e8), as DeepSpeed configs do.
   std::int64_t integer(std::string_view path, std::int64_t fallback);
@@ -67,6 +75,8 @@ class ConfigReader {
   /// stay within kMaxDepth (ConfigError naming the key path otherwise), as in a file; a key
   /// repeated inside the value is refused too. A refused override changes nothing.
   void set(std::string_view assignment);
+  /// The overrides set() applied, as given ("key.path=value"), in order.
+  const std::vector<std::string>& overrides() const { return overrides_; }
   /// Counts the key (and everything under it) as read without reading it: for a caller that has
   /// dealt with it otherwise, e.g. recorded a warning that it is ignored.
   void mark_read(std::string_view path) { read_.emplace(path); }
@@ -106,13 +116,21 @@ class ConfigReader {
 
  private:
   const nlohmann::json* find(std::string_view path) const;
-  /// Marks `path` read; true (after recording the "auto" warning) if it holds "auto".
-  bool read_auto(std::string_view path, const nlohmann::json* node, const std::string& fallback);
+  /// What a getter reads at `path`, which it marks read: the value in the JSON; for "auto", the
+  /// value resolve_auto gave it, or nullptr (the getter's fallback, shown in the warning as
+  /// `fallback`); nullptr when absent.
+  const nlohmann::json* value_read(std::string_view path, const std::string& fallback);
+  struct ResolvedAuto {
+    nlohmann::json value;
+    std::string why;
+  };
   nlohmann::json root_;
   std::string source_;
   std::set<std::string, std::less<>> read_;
   std::set<std::string, std::less<>> warned_;
   std::vector<std::string> warnings_;
+  std::map<std::string, ResolvedAuto, std::less<>> resolved_autos_;
+  std::vector<std::string> overrides_;
 };
 
 }  // namespace shardswap
