@@ -11,7 +11,7 @@
 #   STEPS=25 WARMUP=5      ShardSwap's steps per row (the first WARMUP untimed)
 #   PEER_STEPS=10 PEER_WARMUP=3   the peers' timed steps and untimed steps before them
 #   MICRO=0.5b=8,...       micro-batch per shape (default train_bench.py's: 0.5b=8, 1.5b=4, 3b=4,
-#                          7b=2), the same for every system; a peer out of memory halves its own
+#                          7b=3), the same for every system; a peer out of memory halves its own
 #   BIN=build/cuda/tools/shardswap   built (target shardswap_cli only) when it is the default and missing
 #   SS_TIMEOUT=600 PEER_TIMEOUT=600  seconds per ShardSwap row / per peer process
 #   PEERS_COMMIT=<sha>     the commit to record where git metadata cannot be read
