@@ -138,6 +138,7 @@ class Campaign:
         self.counts["rounds"] += 1
         floor, attempt = 0, 0  # floor: the newest step an earlier attempt reported saved
         written = set()  # names of the checkpoints this round's attempts reported saved
+        finished_at = 0  # an attempt resumed a finished run's checkpoint: nothing was written
         while True:
             attempt += 1
             self.counts["attempts"] += 1
@@ -153,6 +154,8 @@ class Campaign:
                     resumed = int(line.split(": step ")[1].split(",")[0])
                 if "no checkpoint under" in line and "starting at step 0" in line:
                     resumed = 0
+                if line.startswith("already finished: the checkpoint resumed is at step "):
+                    finished_at = max(finished_at, int(line.split(" at step ")[1].split()[0]))
                 if "checkpoint saved:" in line:
                     saved = max(saved, int(line.rsplit("step-", 1)[1][:8]))
                     written.add(os.path.basename(line.split("checkpoint saved:")[1].strip()))
@@ -171,19 +174,22 @@ class Campaign:
                     self.fail(f"{where}: exit {rc} without a kill:\n{out[-2000:]}")
                     return
                 break
-        self.check_metrics(label, metrics, written)
+        self.check_metrics(label, metrics, written, finished_at)
         final = self.newest_of_step(ckdir, STEPS)
         if final and self.final:
             got = self.exports(final, "round")
             if got and got != self.final:
                 self.fail(f"{label}: the finished run's {final} differs from the control's")
 
-    def check_metrics(self, label, metrics, written):
+    def check_metrics(self, label, metrics, written, finished_at=0):
         """Every step once, after superseding; the steps up to a resume from a checkpoint this
         round did not write (the finished first run's, in the second-run scenario) were never
-        this file's to hold."""
-        lines = read_lines(metrics, label=label, fail=self.fail)
-        kept, exempt_upto = {}, 0
+        this file's to hold. Resuming a finished run writes nothing (not even a resume line):
+        `finished_at` is the step of such a checkpoint, exempt as well unless this round wrote
+        it."""
+        lines = read_lines(metrics, label=label, fail=self.fail) if os.path.exists(metrics) else []
+        kept = {}
+        exempt_upto = finished_at if f"step-{finished_at:08d}" not in written else 0
         for m in lines:
             if "resumed" in m:
                 at = m["resumed"].get("step", 0)
