@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <bit>
 #include <cerrno>
 #include <cstring>
@@ -300,9 +301,28 @@ struct BinaryFile {
 
 // Reads a metadata field, turning a missing or mistyped one into an error naming the file.
 template <class T>
+constexpr bool is_integer_field = std::is_integral_v<T> && !std::is_same_v<T, bool>;
+template <class T>
+struct integer_list : std::false_type {};
+template <class T>
+struct integer_list<std::vector<T>> : std::bool_constant<is_integer_field<T>> {};
+
+template <class T>
 T field(const json& j, const char* key, const fs::path& file) {
   try {
-    return j.at(key).get<T>();
+    const json& v = j.at(key);
+    // nlohmann casts a float to an integer type as it is: a value out of the type's range
+    // (1e300 where a shape or count belongs) would be undefined behaviour, so integers only.
+    const auto integer = [](const json& x) { return x.is_number_integer(); };
+    bool ok = true;
+    if constexpr (is_integer_field<T>) ok = integer(v);
+    if constexpr (integer_list<T>::value)
+      ok = v.is_array() && std::all_of(v.begin(), v.end(), integer);
+    if (!ok)
+      throw ConfigError(fmt::format("'{}': field '{}': expected {}, got {}", file.string(), key,
+                                    is_integer_field<T> ? "an integer" : "a list of integers",
+                                    v.dump().substr(0, 64)));
+    return v.get<T>();
   } catch (const json::exception& e) {
     throw ConfigError(fmt::format("'{}': field '{}': {}", file.string(), key, e.what()));
   }
