@@ -55,11 +55,11 @@ if(SHARDSWAP_WITH_CUDA)
   # Neither cudart nor NCCL ships a .pc file: their directories as this build found them.
   string(APPEND shardswap_pc_libs_private
          " -L${CUDAToolkit_LIBRARY_DIR} -lcudart -L${SHARDSWAP_NCCL_LIBRARY_DIR} -lnccl")
-  if(SHARDSWAP_WITH_MPI)
-    foreach(lib IN LISTS MPI_CXX_LIBRARIES)
-      string(APPEND shardswap_pc_libs_private " ${lib}")
-    endforeach()
-  endif()
+endif()
+if(SHARDSWAP_WITH_MPI)  # the MPI communicator (shardswap/mpi.h), with or without CUDA
+  foreach(lib IN LISTS MPI_CXX_LIBRARIES)
+    string(APPEND shardswap_pc_libs_private " ${lib}")
+  endforeach()
 endif()
 configure_file(${PROJECT_SOURCE_DIR}/cmake/shardswap.pc.in ${PROJECT_BINARY_DIR}/shardswap.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/shardswap.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

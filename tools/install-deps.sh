@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian packages ShardSwap builds against, only those missing (idempotent), and the
-# Python package its tokenizer tool needs.
+# Installs the Debian packages ShardSwap builds against, only those missing (idempotent), the
+# Python package its tokenizer tool needs, and TensorBoard (its event files' CLI test reads them).
 # pkg-config reads shardswap.pc in tools/consumer-check.sh.
 # gnuplot-nox draws `shardswap plot`; its CLI tests need it.
 # strace injects the kills of tools/kill_campaign.py at chosen system calls.
@@ -9,14 +9,19 @@ set -euo pipefail
 packages=(build-essential cmake ninja-build libeigen3-dev libspdlog-dev libfmt-dev
           nlohmann-json3-dev catch2 libopenmpi-dev gnuplot-nox pkg-config
           clang libclang-rt-14-dev strace)
-# tools/tokenize_data.py uses Hugging Face tokenizers (PyPI), and so does its CLI test, which
-# reports as skipped, saying why, where it cannot be installed.
-if ! python3 -c "import tokenizers" 2>/dev/null; then
-  echo "install-deps: pip install --user tokenizers"
-  python3 -m pip install --quiet --user tokenizers 2>/dev/null ||
-    python3 -m pip install --quiet --user --break-system-packages tokenizers ||
-    echo "install-deps: tokenizers could not be installed; the tokenizer tool's test is skipped"
-fi
+# A Python package from PyPI for the user, where it is missing; a test that needs it reports as
+# skipped, saying why, where it cannot be installed.
+pip_user() {  # PACKAGE WHAT-IS-SKIPPED
+  python3 -c "import $1" 2>/dev/null && return 0
+  echo "install-deps: pip install --user $1"
+  python3 -m pip install --quiet --user "$1" 2>/dev/null ||
+    python3 -m pip install --quiet --user --break-system-packages "$1" ||
+    echo "install-deps: $1 could not be installed; $2 is skipped"
+}
+# tools/tokenize_data.py uses Hugging Face tokenizers, and so does its CLI test.
+pip_user tokenizers "the tokenizer tool's test"
+# tests/cli/tensorboard.sh reads the tensorboard section's event files with TensorBoard's reader.
+pip_user tensorboard "the tensorboard CLI test"
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -29,9 +29,11 @@
 #include "tools/ckpt.h"
 #include "tools/lm/safetensors.h"
 #include "tools/metrics_log.h"
+#include "tools/metrics_tee.h"
 #include "tools/output_file.h"
 #include "tools/plot.h"
 #include "tools/progress.h"
+#include "tools/tensorboard.h"
 #include "tools/train.h"
 
 namespace {
@@ -48,8 +50,9 @@ constexpr const char* kUsage = R"(usage:
   train   runs the built-in model with the JSON config FILE (see docs/config.md)
           --metrics FILE     one JSON object per step (appended to on a resume)
           --metrics-errors=fail|warn
-                             a metrics line that cannot be written stops the run (fail, the
-                             default), or is counted and reported at the end (warn)
+                             a metrics line (or tensorboard event) that cannot be written
+                             stops the run (fail, the default), or is counted and reported at
+                             the end (warn)
           --set k.path=v     overrides a config key (v is JSON, or a bare string); a key
                              nothing reads is an error
           --strict           (train, plan, eval; or shardswap.strict: true) every config
@@ -166,7 +169,11 @@ shardswap::TrainConfig load_config(const ConfigArgs& args) {
   auto reader = shardswap::ConfigReader::from_file(args.path);
   for (const auto& o : args.overrides) reader.set(o);
   if (args.strict) reader.set("shardswap.strict=true");  // after --set: the flag wins
+  // Started as one process per rank (mpirun, srun)? Then world_size is the job's.
+  const auto launch = shardswap::process_launch_from_env();
+  shardswap::apply_launch_world_size(reader, launch);
   auto config = shardswap::train_config_from_json(reader);
+  shardswap::attach_process_launch(config, launch);
   for (const auto& w : shardswap::config_warnings(reader)) spdlog::warn("{}", w);
   return config;
 }
@@ -211,22 +218,36 @@ int train_command(const std::vector<std::string>& args) {
           return false;
         return true;
       });
-  if (metrics_errors && metrics_path.empty())
-    throw BadUsage("--metrics-errors needs --metrics FILE");
   // Everything is checked before anything is written: a refused config leaves no metrics file.
   const auto config = load_config(config_args);
+  // The policy covers the tensorboard event files too.
+  if (metrics_errors && metrics_path.empty() && !config.tensorboard.enabled)
+    throw BadUsage("--metrics-errors needs --metrics FILE (or tensorboard.enabled)");
+  // One process per rank (mpirun, srun): rank 0 writes the metrics and the summary.
+  const bool writes_outputs = !config.process || config.process->rank == 0;
+  if (!writes_outputs) metrics_path.clear();
   std::optional<shardswap::MetricsFile> metrics;
   if (!metrics_path.empty())
     metrics.emplace(metrics_path, train_inputs(config_args, config),
                     metrics_errors.value_or(shardswap::MetricsErrors::fail), std::cerr);
-  const bool terminal = isatty(fileno(stdout)) != 0;
-  shardswap::TrainOutput out{std::cout, metrics ? &*metrics : nullptr,
+  std::optional<shardswap::TensorBoardLog> tensorboard;  // makes its file when the run begins
+  if (config.tensorboard.enabled && writes_outputs)
+    tensorboard.emplace(config.tensorboard.log_dir(),
+                        metrics_errors.value_or(shardswap::MetricsErrors::fail), std::cerr);
+  shardswap::MetricsTee logs(
+      {metrics ? &*metrics : nullptr, tensorboard ? &*tensorboard : nullptr});
+  // A launcher's terminal is a pseudo-terminal of its own (Open MPI's), often logged to a file:
+  // one process per rank prints lines, not a progress bar.
+  const bool terminal = isatty(fileno(stdout)) != 0 && !config.process;
+  shardswap::TrainOutput out{std::cout, logs.empty() ? nullptr : &logs,
                              memory_report ? &std::cout : nullptr, terminal,
                              terminal ? shardswap::terminal_columns(fileno(stdout)) : 0};
   out.stop_signal = &stop_signal;
   install_stop_handlers();
   const auto summary = shardswap::train(config, out);
   if (metrics) metrics->finish();
+  if (tensorboard) tensorboard->finish();
+  if (!writes_outputs) return 0;
   if (summary.already_finished) {
     std::cout << fmt::format(
         "already finished: the checkpoint resumed is at step {} of steps = {}; nothing trained "

@@ -34,7 +34,7 @@ void MetricsStream::write(std::int64_t, const json& line) {
 
 MetricsFile::MetricsFile(fs::path path, const std::vector<InputFile>& inputs, MetricsErrors errors,
                          std::ostream& warnings)
-    : path_(std::move(path)), errors_(errors), warnings_(warnings) {
+    : path_(std::move(path)), warnings_(warnings), lines_(errors, warnings, "lines") {
   check_output_path("--metrics", path_, inputs);
   // O_NONBLOCK: should a FIFO take the file's place since the check, opening it must not hang.
   fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_APPEND | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC,
@@ -50,7 +50,8 @@ MetricsFile::MetricsFile(fs::path path, const std::vector<InputFile>& inputs, Me
         fmt::format("--metrics '{}': not a regular file; refusing to write it", path_.string()));
   }
   ::fcntl(fd_, F_SETFL, O_APPEND);  // blocking writes from here on
-  size_ = static_cast<std::uint64_t>(st.st_size);
+  lines_.attach(fd_, fmt::format("--metrics '{}'", path_.string()),
+                static_cast<std::uint64_t>(st.st_size));
 }
 
 MetricsFile::~MetricsFile() {
@@ -62,7 +63,7 @@ void MetricsFile::begin(const std::optional<ResumePoint>& resumed) {
     if (::ftruncate(fd_, static_cast<off_t>(size)) != 0)
       throw Error(fmt::format("--metrics '{}': cannot truncate it to {} bytes: {}", path_.string(),
                               size, std::strerror(errno)));
-    size_ = size;
+    lines_.set_size(size);
   };
   if (!resumed) {
     cut_to(0);
@@ -96,66 +97,73 @@ void MetricsFile::begin(const std::optional<ResumePoint>& resumed) {
         "stopped\n",
         path_.string(), size - end);
   } else {
-    size_ = size;
+    lines_.set_size(size);
   }
-  const int err = append(metrics_line(resume_marker(*resumed)));
-  if (err != 0)
-    failed(fmt::format("the line saying the run resumed at step {}", resumed->step), err);
+  lines_.append(metrics_line(resume_marker(*resumed)),
+                fmt::format("the line saying the run resumed at step {}", resumed->step));
 }
 
 void MetricsFile::write(std::int64_t step, const json& line) {
-  const int err = append(metrics_line(line));
-  if (err != 0) failed(fmt::format("the line of step {}", step), err);
+  lines_.append(metrics_line(line), fmt::format("the line of step {}", step));
 }
 
-int MetricsFile::append(const std::string& text) {
+std::int64_t MetricsFile::finish() {
+  return lines_.finish();
+}
+
+void RecordAppender::attach(int fd, std::string name, std::uint64_t size) {
+  fd_ = fd;
+  name_ = std::move(name);
+  size_ = size;
+}
+
+bool RecordAppender::append(std::string_view bytes, const std::string& what) {
   std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd_, text.data() + done, text.size() - done);
+  int err = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      const int err = n < 0 ? errno : EIO;
-      // A short write left part of the line: cut it off (shrinking needs no space), so that a
-      // line written later, once there is room again, starts on a line of its own. Best effort:
-      // the error reported is the write's.
+      err = n < 0 ? errno : EIO;
+      // A short write left part of a record: cut it off (shrinking needs no space), so that a
+      // record written later, once there is room again, starts whole. Best effort: the error
+      // reported is the write's.
       if (done > 0) {
         const int ignored = ::ftruncate(fd_, static_cast<off_t>(size_));
         (void)ignored;
       }
-      return err;
+      break;
     }
     done += static_cast<std::size_t>(n);
   }
-  size_ += text.size();
-  ++written_;
-  return 0;
-}
-
-void MetricsFile::failed(const std::string& what, int err) {
+  if (err == 0) {
+    size_ += bytes.size();
+    ++written_;
+    return true;
+  }
   const std::string message =
-      fmt::format("--metrics '{}': cannot write {}: {}", path_.string(), what, std::strerror(err));
+      fmt::format("{}: cannot write {}: {}", name_, what, std::strerror(err));
   if (errors_ == MetricsErrors::fail) throw Error(message);
   if (lost_++ == 0) {
     first_failure_ = message;
     warnings_ << fmt::format(
-        "shardswap: warning: {}; the run goes on (--metrics-errors=warn), lines that cannot be "
+        "shardswap: warning: {}; the run goes on (--metrics-errors=warn), {} that cannot be "
         "written are counted\n",
-        message);
+        message, records_);
   }
+  return false;
 }
 
-std::int64_t MetricsFile::finish() {
+std::int64_t RecordAppender::finish() {
+  if (fd_ < 0) return lost_;  // nothing was attached: nothing written
   if (::fsync(fd_) != 0) {
-    const std::string message =
-        fmt::format("--metrics '{}': fsync: {}", path_.string(), std::strerror(errno));
+    const std::string message = fmt::format("{}: fsync: {}", name_, std::strerror(errno));
     if (errors_ == MetricsErrors::fail) throw Error(message);
     warnings_ << fmt::format("shardswap: warning: {}\n", message);
   }
   if (lost_ > 0)
-    warnings_ << fmt::format(
-        "shardswap: warning: --metrics '{}': {} of {} lines lost (the first: "
-        "{})\n",
-        path_.string(), lost_, lost_ + written_, first_failure_);
+    warnings_ << fmt::format("shardswap: warning: {}: {} of {} {} lost (the first: {})\n", name_,
+                             lost_, lost_ + written_, records_, first_failure_);
   return lost_;
 }
 

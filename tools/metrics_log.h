@@ -10,6 +10,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tools/output_file.h"
@@ -59,9 +60,42 @@ enum class MetricsErrors {
   warn,  ///< a warning at the first failure, the run goes on; finish() says how many were lost
 };
 
-/// The --metrics file. Each line is one write(2) on a file opened O_APPEND, so a line is in the
-/// kernel (and survives a kill of the process) as soon as write() returns; a failed or short
-/// write is cut back off, so the file only ever holds whole lines.
+/// A file written by appending whole records (the metrics file's lines, TensorBoard's event
+/// records). Each record is one write(2) on a descriptor opened O_APPEND, so it is in the kernel
+/// (and survives a kill of the process) as soon as write() returns; a failed or short write is
+/// cut back off, so the file only ever holds whole records, and is then what `errors` says.
+class RecordAppender {
+ public:
+  /// `records` names what is written in messages ("lines", "records").
+  RecordAppender(MetricsErrors errors, std::ostream& warnings, const char* records)
+      : errors_(errors), warnings_(warnings), records_(records) {}
+  /// The file to append to: its descriptor (the caller's, who closes it), its name as messages
+  /// begin ("--metrics 'm.jsonl'") and the bytes of whole records it holds.
+  void attach(int fd, std::string name, std::uint64_t size);
+  /// After the caller cut the file to `size` bytes of whole records.
+  void set_size(std::uint64_t size) { size_ = size; }
+  /// Appends `bytes` whole and returns true; on failure cuts the file back and, under fail,
+  /// throws Error "NAME: cannot write WHAT: why", under warn warns at the first failure,
+  /// counts it and returns false.
+  bool append(std::string_view bytes, const std::string& what);
+  /// At the end of the run: fsyncs the file (if one was attached); under warn prints how many
+  /// records were lost, if any. Returns that count.
+  std::int64_t finish();
+  std::int64_t written() const { return written_; }
+  std::int64_t lost() const { return lost_; }
+
+ private:
+  MetricsErrors errors_;
+  std::ostream& warnings_;
+  const char* records_;
+  int fd_ = -1;
+  std::string name_;
+  std::uint64_t size_ = 0;  // bytes of whole records in the file
+  std::int64_t written_ = 0, lost_ = 0;
+  std::string first_failure_;
+};
+
+/// The --metrics file: one line a record of a RecordAppender.
 class MetricsFile final : public MetricsLog {
  public:
   /// Checks `path` (check_output_path with `inputs`: absent or a regular file, no checkpoint's,
@@ -82,23 +116,15 @@ class MetricsFile final : public MetricsLog {
   /// were lost, if any. Returns that count.
   std::int64_t finish();
 
-  std::int64_t lines_written() const { return written_; }
-  std::int64_t lines_lost() const { return lost_; }
+  std::int64_t lines_written() const { return lines_.written(); }
+  std::int64_t lines_lost() const { return lines_.lost(); }
   const std::filesystem::path& path() const { return path_; }
 
  private:
-  // Appends `text` whole; on failure cuts the file back to its last whole line and returns
-  // errno (0: written).
-  int append(const std::string& text);
-  void failed(const std::string& what, int err);
-
   std::filesystem::path path_;
-  MetricsErrors errors_;
   std::ostream& warnings_;
   int fd_ = -1;
-  std::uint64_t size_ = 0;  // bytes of whole lines in the file
-  std::int64_t written_ = 0, lost_ = 0;
-  std::string first_failure_;
+  RecordAppender lines_;
 };
 
 }  // namespace shardswap

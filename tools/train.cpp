@@ -137,6 +137,7 @@ TrainConfig train_config_from_json(ConfigReader& c) {
       c.fail("checkpoint.load", quote_value(t.checkpoint.load), e.what());
     }
   }
+  t.tensorboard = tensorboard_config_from_json(c);
 
   t.switching = layer_switching_from_json(c);
   const auto groups = decoder_groups(t.decoder.shape);
@@ -273,8 +274,11 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   // The checkpoint directory first, before anything is read or built: one that cannot take files
   // fails now rather than at the first save, `every` steps of work later; one that another
   // trainer holds is refused (two runs would overwrite each other's saves). Held to the end.
+  // With one process per rank, rank 0 alone probes, holds, recovers and scans the directory;
+  // it tells the others what it chose once they are connected (text_of_rank0, in per_rank).
+  const bool leads = !config.process || config.process->rank == 0;
   std::optional<CheckpointDirLock> dir_lock;
-  if (!config.checkpoint.dir.empty()) {
+  if (leads && !config.checkpoint.dir.empty()) {
     try {
       probe_checkpoint_dir(config.checkpoint.dir);
     } catch (const ConfigError& e) {
@@ -300,7 +304,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   std::string run_id = new_random_id();
   std::filesystem::path latest;
   std::vector<std::string> checkpoint_notes;
-  if (!config.checkpoint.dir.empty()) {
+  if (leads && !config.checkpoint.dir.empty()) {
     checkpoint_notes = recover_checkpoints(config.checkpoint.dir);
     if (config.checkpoint.load == "latest") {
       const CheckpointScan scan = scan_checkpoints(config.checkpoint.dir);
@@ -349,6 +353,10 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           : 0;
 
   auto per_rank = [&](int rank, Communicator& comm, std::unique_ptr<Allocator> allocator) {
+    if (config.process) {  // rank 0's choices above, for the ranks of the other processes
+      latest = text_of_rank0(comm, latest.string());
+      run_id = text_of_rank0(comm, run_id);
+    }
     MemorySpace space(rank, std::move(allocator));
     Engine engine(config.engine, comm, space, backend);
     run->declare(engine);
@@ -376,7 +384,11 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
           "shardswap train: {} ({} groups); world size {} ({}, {}), ZeRO stage {}, {}, {}; "
           "batch {} = {} x {} x {}; {}\n",
           run->describe(), engine.groups().size(), world, backend.name(),
-          config.comm == CommKind::nccl ? "nccl" : "in-process", config.engine.stage,
+          config.process ? (config.comm == CommKind::nccl ? "nccl over mpi, a process per rank"
+                                                          : "mpi, a process per rank")
+          : config.comm == CommKind::nccl ? "nccl"
+                                          : "in-process",
+          config.engine.stage,
           dtype_name(config.engine.dtype), optimizer_type_name(config.engine.optimizer.type),
           config.batches.train_samples, micro, accumulation, world, run->describe_data());
       if (schedule.enabled())
@@ -668,6 +680,13 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
     }
   };
 
+  if (config.process) {  // this process's rank alone: the others are processes of the same job
+    run_process_rank(*config.process, backend, config.comm == CommKind::nccl, config.comm_timeout,
+                     [&](int rank, Communicator& comm, std::unique_ptr<Allocator> allocator) {
+                       per_rank(rank, comm, std::move(allocator));
+                     });
+    return summary;
+  }
   if (config.comm == CommKind::in_process) {
     run_in_process_ranks(config, backend, [&](int rank, Communicator& comm) {
       per_rank(rank, comm, backend.make_allocator(rank));

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -22,7 +23,9 @@
 #include "shardswap/schedule.h"
 #include "shardswap/lr_schedule.h"
 #include "tools/lm/decoder_compute.h"
+#include "tools/process_launch.h"
 #include "tools/run_model.h"
+#include "tools/tensorboard.h"
 
 namespace shardswap {
 
@@ -88,6 +91,10 @@ struct TrainConfig {
   LayerSwitchingConfig switching;  ///< layer_switching; validated against the model's groups
   nlohmann::json source;           ///< the config as read, recorded in checkpoints
   CheckpointConfig checkpoint;
+  /// Set (by attach_process_launch) when this process is one rank of a job of one process per
+  /// rank (mpirun, srun): train() then runs that rank alone; rank 0 writes the outputs.
+  std::optional<ProcessLaunch> process;
+  TensorBoardConfig tensorboard;  ///< DeepSpeed's tensorboard section (tools/tensorboard.h)
 };
 
 /// Reads every key of the run and checks it (batch sizes, schedule against the model's groups,

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "engine/backend_ops.h"
+#include "engine/comm/collective_call.h"
 #include "engine/comm/collective_ops.h"
 #include "shardswap/communicator.h"
 #include "shardswap/error.h"
@@ -44,56 +45,14 @@ const char* reduce_op_name(ReduceOp op) {
 
 namespace {
 
-enum class Kind { all_reduce, reduce_scatter, reduce, all_gather, broadcast, barrier };
-
-const char* kind_name(Kind k) {
-  switch (k) {
-    case Kind::all_reduce:
-      return "all_reduce";
-    case Kind::reduce_scatter:
-      return "reduce_scatter";
-    case Kind::reduce:
-      return "reduce";
-    case Kind::all_gather:
-      return "all_gather";
-    case Kind::broadcast:
-      return "broadcast";
-    case Kind::barrier:
-      return "barrier";
-  }
-  return "?";
-}
-
-bool has_op(Kind k) {
-  return k == Kind::all_reduce || k == Kind::reduce_scatter || k == Kind::reduce;
-}
-bool has_root(Kind k) {
-  return k == Kind::reduce || k == Kind::broadcast;
-}
+using Kind = CollectiveKind;
 
 /// One rank's side of a collective, as posted at the opening rendezvous.
-struct Call {
-  Kind kind = Kind::barrier;
-  std::size_t count = 0;  // the count argument as the caller passed it
-  DType dtype = DType::f32;
-  ReduceOp op = ReduceOp::sum;  // left at sum where the collective has no op, so calls compare
-  int root = 0;                 // left at 0 where the collective has no root
+/// (CollectiveCall: the part that must agree across ranks.)
+struct Call : CollectiveCall {
   const void* send = nullptr;
   void* recv = nullptr;
   void* scratch = nullptr;  // all_reduce: this rank's reduced chunk, read by all in phase 2
-
-  /// The part that must agree across ranks.
-  bool same_as(const Call& o) const {
-    return kind == o.kind && count == o.count && dtype == o.dtype && op == o.op && root == o.root;
-  }
-
-  std::string describe() const {
-    if (kind == Kind::barrier) return "barrier()";
-    std::string s = fmt::format("{}(count={}, {}", kind_name(kind), count, dtype_name(dtype));
-    if (has_op(kind)) s += fmt::format(", {}", reduce_op_name(op));
-    if (has_root(kind)) s += fmt::format(", root={}", root);
-    return s + ")";
-  }
 };
 
 const std::byte* bytes(const void* p) {
@@ -294,7 +253,7 @@ class RankComm final : public Communicator {
     const std::size_t esize = dtype_size(dtype);
     const std::size_t begin = chunk_begin(count, rank_), end = chunk_begin(count, rank_ + 1);
     void* scratch = s_.ops.scratch((end - begin) * esize);
-    Call c{Kind::all_reduce, count, dtype, op, 0, data, data, scratch};
+    Call c{{Kind::all_reduce, count, dtype, op, 0}, data, data, scratch};
     check_data(c, data, "data");
     open(c);
     reduce_chunk(dtype, begin * esize, scratch, end - begin, op);
@@ -310,7 +269,7 @@ class RankComm final : public Communicator {
                       ReduceOp op) override {
     // Rank r reads only chunk r of each send buffer, so writing recv == chunk r of its own send
     // buffer (in place) never touches what another rank reads.
-    Call c{Kind::reduce_scatter, recv_count, dtype, op, 0, send, recv, nullptr};
+    Call c{{Kind::reduce_scatter, recv_count, dtype, op, 0}, send, recv, nullptr};
     check_data(c, send, "send");
     check_data(c, recv, "recv");
     open(c);
@@ -320,7 +279,7 @@ class RankComm final : public Communicator {
   }
 
   void reduce(void* data, std::size_t count, DType dtype, ReduceOp op, int root) override {
-    Call c{Kind::reduce, count, dtype, op, root, data, data, nullptr};
+    Call c{{Kind::reduce, count, dtype, op, root}, data, data, nullptr};
     check_root(c);
     check_data(c, data, "data");
     open(c);
@@ -331,7 +290,7 @@ class RankComm final : public Communicator {
   void all_gather(const void* send, void* recv, std::size_t send_count, DType dtype) override {
     // Rank r writes only its own recv; others read only their send chunks, which in place are
     // chunk q of rank q's recv, skipped by copy_bytes when r == q.
-    Call c{Kind::all_gather, send_count, dtype, ReduceOp::sum, 0, send, recv, nullptr};
+    Call c{{Kind::all_gather, send_count, dtype, ReduceOp::sum, 0}, send, recv, nullptr};
     check_data(c, send, "send");
     check_data(c, recv, "recv");
     open(c);
@@ -343,7 +302,7 @@ class RankComm final : public Communicator {
   }
 
   void broadcast(void* data, std::size_t count, DType dtype, int root) override {
-    Call c{Kind::broadcast, count, dtype, ReduceOp::sum, root, data, data, nullptr};
+    Call c{{Kind::broadcast, count, dtype, ReduceOp::sum, root}, data, data, nullptr};
     check_root(c);
     check_data(c, data, "data");
     open(c);
