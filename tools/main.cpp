@@ -174,7 +174,10 @@ shardswap::TrainConfig load_config(const ConfigArgs& args) {
   shardswap::apply_launch_world_size(reader, launch);
   auto config = shardswap::train_config_from_json(reader);
   shardswap::attach_process_launch(config, launch);
-  for (const auto& w : shardswap::config_warnings(reader)) spdlog::warn("{}", w);
+  // Every rank reads the same config: rank 0 alone says what is wrong with it (errors are
+  // thrown on every rank, which each ends with its own message).
+  if (!launch || launch->rank == 0)
+    for (const auto& w : shardswap::config_warnings(reader)) spdlog::warn("{}", w);
   return config;
 }
 

@@ -5,7 +5,7 @@
 # header and summary and writes the metrics. With a checkpoint.dir, both save after the last
 # step and their checkpoints export the same fp32 masters byte for byte; and a job resumed from
 # the middle with checkpoint.load = latest (rank 0 picks it and tells the others) continues the
-# in-process run's metrics exactly.
+# in-process run's metrics exactly. A config warning is printed once, by rank 0.
 # Usage: mpi_train.sh SHARDSWAP REPO_ROOT CONFIG NP STEPS [--set key=value]...
 set -u
 bin=$1
@@ -50,6 +50,16 @@ if not a or a != b:
 PY
 }
 
+# The config with one key that ShardSwap reads and only warns about (DeepSpeed's steps_per_print):
+# each rank reads the config, rank 0 alone prints the warning.
+python3 - "$config" "$work/config.json" <<'PY' || exit 1
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["steps_per_print"] = 1
+json.dump(c, open(sys.argv[2], "w"))
+PY
+config=$work/config.json
+
 t0=$(date +%s)
 "$bin" train --config "$config" --set world_size="$np" --set steps="$steps" "$@" \
   --set checkpoint.dir="$work/ckpt-threads" --set checkpoint.every="$steps" \
@@ -71,6 +81,8 @@ same "$work/threads.jsonl" "$work/mpi.jsonl" || fail "metrics of mpirun -np $np 
 grep -q "world size $np (cpu, mpi, a process per rank)" "$work/mpi.log" ||
   fail "the header does not say world size $np over mpi: $(grep '^shardswap train:' "$work/mpi.log")"
 [ "$(grep -c '^done:' "$work/mpi.log")" -eq 1 ] || fail "the summary is not printed once"
+[ "$(grep -c 'steps_per_print' "$work/mpi.log")" -eq 1 ] ||
+  fail "the config's warning is not printed once: $(grep 'steps_per_print' "$work/mpi.log")"
 
 export_master() {  # export_master DIR OUT: the fp32 masters of DIR's newest checkpoint
   ckpt=$(ls -d "$1"/step-* 2>/dev/null | tail -1)
