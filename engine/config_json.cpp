@@ -33,6 +33,9 @@ constexpr std::string_view kNoOffload =
     "ShardSwap keeps params, fp32 master and optimizer state on the training device";
 constexpr std::string_view kMetrics =
     "use `shardswap train --metrics FILE` (one JSON line per step)";
+constexpr std::string_view kOwnCheckpoints =
+    "a DeepSpeed checkpoint option; ShardSwap's checkpoints always store per-param, "
+    "world-size-independent state (docs/checkpoints.md)";
 constexpr std::string_view kNoZero3 = "a ZeRO-3 setting; ShardSwap implements stages 1 and 2";
 
 constexpr KnownKey kUnimplemented[] = {
@@ -49,7 +52,8 @@ constexpr KnownKey kUnimplemented[] = {
     {"comet", kMetrics},
     {"comms_logger", kMetrics},
     {"timers", kMetrics},
-    {"activation_checkpointing", "activation memory is the model's business, not the engine's"},
+    {"activation_checkpointing",
+     "the decoder recomputes its lowest layers with model.recompute_layers (docs/models.md)"},
     {"prescale_gradients",
      "ShardSwap sums gradients in the reduction and divides by ranks x micro-batches in the "
      "update"},
@@ -76,13 +80,14 @@ constexpr KnownKey kUnimplemented[] = {
     {"aio", kNoOffload},
     {"nebula", "not implemented"},
     {"compile", "not implemented"},
-    {"dataloader_drop_last", "ShardSwap's built-in data is generated per step"},
+    {"dataloader_drop_last",
+     "a step's batch is drawn across epoch boundaries, never partial (docs/data.md)"},
     {"seq_parallel_comm_data_type", "ShardSwap is data-parallel only"},
     {"use_data_before_expert_parallelism", "ShardSwap is data-parallel only"},
-    {"checkpoint.tag_validation", "checkpoints are not implemented yet"},
-    {"checkpoint.load_universal", "checkpoints are not implemented yet"},
-    {"checkpoint.use_node_local_storage", "checkpoints are not implemented yet"},
-    {"checkpoint.parallel_write", "checkpoints are not implemented yet"},
+    {"checkpoint.tag_validation", kOwnCheckpoints},
+    {"checkpoint.load_universal", kOwnCheckpoints},
+    {"checkpoint.use_node_local_storage", kOwnCheckpoints},
+    {"checkpoint.parallel_write", kOwnCheckpoints},
     {"optimizer.legacy_fusion", "ShardSwap's update is always one fused pass per shard"},
     {"optimizer.params.torch_adam",
      "ShardSwap runs its own fused kernel; the update rule is the same"},
@@ -113,8 +118,8 @@ constexpr KnownKey kUnimplemented[] = {
     {"zero_optimization.log_trace_cache_warnings", kNoZero3},
     {"zero_optimization.ignore_unused_parameters", "every declared param gets a gradient slot"},
     {"zero_optimization.legacy_stage1", "stage 1 has one implementation"},
-    {"zero_optimization.elastic_checkpoint", "checkpoints are not implemented yet"},
-    {"zero_optimization.load_from_fp32_weights", "checkpoints are not implemented yet"},
+    {"zero_optimization.elastic_checkpoint", kOwnCheckpoints},
+    {"zero_optimization.load_from_fp32_weights", kOwnCheckpoints},
     {"zero_optimization.use_multi_rank_bucket_allreduce",
      "stage-2 gradients are reduce-scattered in buckets"},
 };
