@@ -310,6 +310,13 @@ int train_command(const std::vector<std::string>& args) {
   return summary.stopped_by != 0 ? 128 + summary.stopped_by : 0;
 }
 
+// `plan` and `eval` compute every rank in one process (threads): under a launcher (mpirun,
+// srun) rank 0 runs the whole command and the other processes, having checked the same config
+// and inputs, end at once (N copies of the command would print N times and share the GPUs).
+bool runs_whole_command(const shardswap::TrainConfig& config) {
+  return !config.process || config.process->rank == 0;
+}
+
 int eval_command(const std::vector<std::string>& args) {
   std::string checkpoint, logits_path;
   const auto config_args =
@@ -324,6 +331,7 @@ int eval_command(const std::vector<std::string>& args) {
       });
   const auto config = load_config(config_args);
   if (!checkpoint.empty()) shardswap::read_checkpoint_metadata(checkpoint);  // checked first
+  if (!runs_whole_command(config)) return 0;
   std::optional<shardswap::OutputFile> logits_file;
   if (!logits_path.empty()) {
     std::vector<shardswap::InputFile> inputs = {{"the config file", config_args.path}};
@@ -350,7 +358,8 @@ int eval_command(const std::vector<std::string>& args) {
 }
 
 int plan_command(const std::vector<std::string>& args) {
-  shardswap::print_plan(load_config(ConfigArgs::parse(args)), std::cout);
+  const auto config = load_config(ConfigArgs::parse(args));
+  if (runs_whole_command(config)) shardswap::print_plan(config, std::cout);
   return 0;
 }
 
