@@ -597,7 +597,7 @@ std::vector<Case> shape_cases() {
   std::vector<Case> cases;
   {  // Llama 3: GQA, llama3 RoPE scaling whose bands all occur at these positions
     Case c{"llama3 GQA, 3 x 17", small_shape(), 3, 17, 3, 17};
-    c.shape.vocab = 300;  // two rounds of the cross-entropy's in-place gradient
+    c.shape.vocab = 302;  // two rounds of the cross-entropy's in-place gradient, a column a thread
     c.shape.rope_scaling = RopeScaling::llama3;
     c.shape.rope_factor = 8.0;
     c.shape.rope_original_max_positions = 32;
@@ -606,7 +606,7 @@ std::vector<Case> shape_cases() {
   {  // Qwen2: q/k/v biases, tied head, multi-head (K == H), head_dim 32 (one lane's worth)
     Case c{"qwen2 tied, K == H, 2 x 128", small_shape(), 2, 128, 2, 128};
     c.shape.family = DecoderFamily::qwen2;
-    c.shape.vocab = 700;  // three rounds of the cross-entropy's in-place gradient
+    c.shape.vocab = 2100;  // three rounds of its in-place gradient, 4 columns a thread
     c.shape.qkv_bias = true;
     c.shape.tied = true;
     c.shape.kv_heads = 4;
@@ -631,9 +631,11 @@ std::vector<Case> shape_cases() {
     cases.push_back(c);
   }
   {  // one position per sequence, head_dim 12 (part of a lane row), fp16, bit16 slots; an
-     // intermediate size that is not a multiple of 8 (SwiGLU one element a thread)
-    Case c{"fp16, 3 x 1, hd 12, I 90, fp16 slots", small_shape(), 3, 1, 3, 1, DType::f16,
+     // intermediate size that is not a multiple of 8 (SwiGLU one element a thread), a hidden
+     // size that is not a multiple of 4 (the norms one column a lane; the other cases take 4)
+    Case c{"fp16, 3 x 1, hd 12, D 66, I 90, fp16 slots", small_shape(), 3, 1, 3, 1, DType::f16,
            DType::f16};
+    c.shape.hidden = 66;
     c.shape.intermediate = 90;
     c.shape.head_dim = 12;
     c.shape.heads = 6;

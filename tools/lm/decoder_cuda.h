@@ -35,6 +35,7 @@ inline constexpr std::size_t kCudaCublasWorkspaceBytes = std::size_t{32} << 20;
 /// operands; the residual stream, norm statistics and reductions are fp32.
 struct CudaLayout {
   std::size_t inv_freq;       // f32 head_dim / 2 (RoPE), uploaded once
+  std::size_t rope_cos, rope_sin;  // f32 seq_len head_dim / 2: RoPE's angles, once a forward
   std::size_t tokens;         // i32 n: the batch's inputs
   std::size_t targets;        // i32 n
   std::size_t embed_rows;     // i32 n: the distinct input tokens, ascending
@@ -199,6 +200,8 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   const std::size_t partials = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
   CudaLayout l{};
   l.inv_freq = a.take(static_cast<std::size_t>(s.head_dim / 2), f32);
+  l.rope_cos = a.take(static_cast<std::size_t>(seq_len) * (s.head_dim / 2), f32);
+  l.rope_sin = a.take(static_cast<std::size_t>(seq_len) * (s.head_dim / 2), f32);
   l.tokens = a.take(n, i32);
   l.targets = a.take(n, i32);
   l.embed_rows = a.take(n, i32);
