@@ -139,8 +139,8 @@ __device__ float block_reduce(float v, float* shared) {
   return shared[0];
 }
 
-// N elements moved by one load or store: 16 bytes of T for N = 8, of fp32 for N = 4 (the
-// launchers check the alignment and fall back to N = 1).
+// N elements moved by one load or store: Pack<T, 8> and FloatPack<4> are 16 bytes, Pack<T, 4>
+// 8 (the launchers check the alignment and fall back to N = 1).
 template <class T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
@@ -166,7 +166,8 @@ __global__ void embed_forward(const T* __restrict__ table, const int* __restrict
 }
 
 // One warp per row: y = x / rms(x) * w in T; keeps 1 / rms when rstd is not null. N columns a
-// lane at a time (N = 4: 16-byte loads of x, where the launcher finds d a multiple of 4).
+// lane at a time (N = 4: 16-byte loads of x, where the launcher finds d a multiple of 4 and the
+// operands aligned; else 1).
 template <class T, int N>
 __global__ void rms_norm_forward(const float* __restrict__ x, const T* __restrict__ w, int n,
                                  int d, float eps, T* __restrict__ y, float* __restrict__ rstd) {
@@ -209,7 +210,7 @@ __global__ void rms_norm_backward(const float* __restrict__ dz, const float* __r
   const auto* xr = reinterpret_cast<const FloatPack<N>*>(x + base);
   const auto* wr = reinterpret_cast<const Pack<T, N>*>(w);
   auto* dxr = reinterpret_cast<FloatPack<N>*>(dx + base);
-  auto* d16r = reinterpret_cast<Pack<T, N>*>(d16 + base);
+  auto* d16r = d16 != nullptr ? reinterpret_cast<Pack<T, N>*>(d16 + base) : nullptr;
   const int packs = d / N;
   const float r = rstd[row];
   float s = 0.0f;
@@ -233,7 +234,7 @@ __global__ void rms_norm_backward(const float* __restrict__ dz, const float* __r
       out16.v[e] = from_float<T>(out.v[e]);
     }
     dxr[k] = out;
-    if (d16 != nullptr) d16r[k] = out16;
+    if (d16r != nullptr) d16r[k] = out16;
   }
 }
 
@@ -1321,7 +1322,7 @@ class CudaCompute final : public Compute {
         SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(out + static_cast<long long>(r0) * vocab, logits,
                                              sizeof(float) * rows * vocab, cudaMemcpyDeviceToHost,
                                              stream));
-      // Rows start 16-byte aligned (the layout aligns the block) when vocab is a multiple of 4.
+      // Every row starts 16-byte aligned when the chunk does and vocab is a multiple of 4.
       if (vocab % 4 == 0 && reinterpret_cast<std::uintptr_t>(logits) % 16 == 0)
         cross_entropy_rows<T, 4><<<rows, kCeThreads, 0, stream>>>(
             logits, vocab, at<int>(l_.targets) + r0, at(l_.row_loss) + r0, sink != nullptr);
