@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One run on a machine with an NVIDIA GPU: configure and build with its own cmake and nvcc, run
 # the CPU and GPU suites, compute-sanitizer memcheck over the GPU suite, the NCCL/MPI smoke check,
-# and the optimizer benchmark beside PyTorch's fused AdamW. Logs and JSON go under $OUT; a short
+# `shardswap train` under mpirun against the threaded launch (tools/gpu-mpirun-check.sh), and the
+# optimizer benchmark beside PyTorch's fused AdamW. Logs and JSON go under $OUT; a short
 # table is printed last.
 #   usage: bash tools/gpu-check.sh [quick]      (quick: no sanitizer, smaller benchmark)
 set -uo pipefail
@@ -72,6 +73,11 @@ done
 gpu_train nccl-world1
 gpu_train inproc-world4 --set world_size=4 --set shardswap.communicator=in_process
 gpu_train gemm-rate --set layer_switching.type=none --set steps=20
+if command -v mpirun >/dev/null; then
+  step "shardswap train under mpirun against the threaded launch (same metrics, timings aside)"
+  bash tools/gpu-mpirun-check.sh "$OUT/mpirun-train" > "$OUT/mpirun-train.log" 2>&1 || status=1
+  grep -E "^---|identical|differ|records|not run" "$OUT/mpirun-train.log"
+fi
 step "checkpoints on the GPU: exact resume (LISA, keep_host), safetensors export read by Python"
 bash tools/gpu-ckpt-check.sh "$OUT" || status=1
 
