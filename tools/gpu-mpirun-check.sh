@@ -31,27 +31,7 @@ run() {  # name, launcher ("" or the process count), then train's arguments
 }
 
 same() {  # two metrics files: identical bits in every field but the timings?
-  python3 - "$1" "$2" <<'EOF' || status=1
-import json, sys
-timing = {"step_seconds", "tokens_per_s", "device_free_bytes", "device_total_bytes",
-          "phase_seconds"}
-def load(path):
-    records = [json.loads(l) for l in open(path)]
-    for r in records:
-        if "switch" in r: r["switch"].pop("seconds", None)
-    return records
-a, b = load(sys.argv[1]), load(sys.argv[2])
-if len(a) != len(b) or not a:
-    sys.exit(f"  {len(a)} and {len(b)} records")
-for x, y in zip(a, b):
-    for k in sorted(set(x) | set(y)):
-        if k in timing: continue
-        if x.get(k) != y.get(k):
-            sys.exit(f"  differ first at step {x.get('step')}, {k}: {x.get(k)} vs {y.get(k)}")
-losses = [r["loss"] for r in a if "loss" in r]
-print(f"  identical: {len(a)} records, every field but the timings; loss {losses[0]} -> "
-      f"{losses[-1]}")
-EOF
+  python3 tools/metrics_same.py "$1" "$2" || status=1
 }
 
 pair() {  # name, process count, then train's arguments
