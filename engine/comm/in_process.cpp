@@ -143,6 +143,11 @@ struct Shared {
   /// may still be reading its inputs, so it must not return (and free them) before every rank
   /// has left the collective (each leaves at its next rendezvous, which the abort fails).
   void leave_after_failure(int rank);
+  /// Rank `rank` will call no collective again (its thread is done): it counts as departed, and
+  /// every collective another rank is in or calls later fails with PeerFailure naming it, since
+  /// none can complete without it. A rank that left after the last collective harms nobody: the
+  /// others have passed that one's closing rendezvous already.
+  void leave(int rank, const std::string& why);
 
   const int world_size;
   const CollectiveOps& ops;
@@ -229,6 +234,13 @@ void Shared::rendezvous(int rank, const Call& call, bool post) {
 void Shared::abort(const std::string& reason) {
   std::lock_guard lock(mutex);
   if (!abort_reason) abort_reason = reason;  // the first cause is the useful one
+  arrived_cv.notify_all();
+}
+
+void Shared::leave(int rank, const std::string& why) {
+  std::lock_guard lock(mutex);
+  departed[static_cast<std::size_t>(rank)] = 1;
+  if (!abort_reason) abort_reason = fmt::format("rank {} {}", rank, why);
   arrived_cv.notify_all();
 }
 
@@ -420,6 +432,11 @@ void InProcessGroup::abort(const std::string& reason) {
   state_->shared.abort(reason);
 }
 
+void InProcessGroup::leave(int rank) {
+  (void)this->rank(rank);  // range check
+  state_->shared.leave(rank, "left the group: its thread is done with collectives");
+}
+
 void InProcessGroup::set_timeout(std::chrono::milliseconds timeout) {
   Shared& s = state_->shared;
   std::lock_guard lock(s.mutex);
@@ -439,6 +456,9 @@ void run_ranks(int world_size, const std::function<void(int rank, Communicator& 
   auto run = [&](int r) {
     try {
       fn(r, group.rank(r));
+      // A rank that is done while another still waits in (or later calls) a collective would
+      // leave that one waiting forever, whatever the timeout: it fails instead, naming this rank.
+      group.leave(r);
     } catch (...) {
       std::string what = "unknown exception";
       try {
@@ -450,9 +470,13 @@ void run_ranks(int world_size, const std::function<void(int rank, Communicator& 
       {
         std::lock_guard lock(mutex);
         errors.push_back(std::current_exception());
-        if (errors.size() > 1) return;  // the group is aborted already
+        if (errors.size() > 1) {  // the group is aborted already
+          group.leave(r);
+          return;
+        }
       }
       group.abort(fmt::format("run_ranks: rank {} failed: {}", r, what));
+      group.leave(r);
     }
   };
   std::vector<std::thread> threads;

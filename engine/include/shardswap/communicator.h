@@ -102,13 +102,21 @@ class InProcessGroup {
   /// collective and the ranks that never arrived, and those ranks get it when they arrive.
   /// Set it before the ranks start (it is read under the group's lock, so later is safe too).
   void set_timeout(std::chrono::milliseconds timeout);
+  /// Says that rank `r` will call no collective again (its thread is done). Every collective
+  /// another rank is in, or calls later, can then never complete: it fails with PeerFailure
+  /// naming rank `r`, whatever the timeout. run_ranks calls it when a rank's function returns or
+  /// throws; a thread of one's own over rank(r) should call it when it is done. Throws ConfigError
+  /// if `r` is out of range.
+  void leave(int r);
 
  private:
   struct State;
   std::unique_ptr<State> state_;
 };
 
-/// Runs fn(rank, comm) on world_size threads over one InProcessGroup. If any rank throws, the
+/// Runs fn(rank, comm) on world_size threads over one InProcessGroup. A rank whose function
+/// returns leaves the group (InProcessGroup::leave): a rank still in a collective, or calling one
+/// later, gets PeerFailure naming it instead of waiting forever. If any rank throws, the
 /// group is aborted (so no rank waits forever) and, once every thread has joined, the root cause
 /// is rethrown here: the first exception (by time) that is not a PeerFailure (the other ranks'
 /// "another rank failed"), else the first. `timeout` is the group's (set_timeout), applied
