@@ -132,6 +132,7 @@ void BucketReducer::flush() {
     }
     pieces.push_back({data, count, piece.rank, piece.begin});
   }
+  hand_overs_.push_back({group_->index, lo_, hi_});
   comm_.set_deferred(overlap_);
   comm_.group_start();
   try {
@@ -168,6 +169,7 @@ void BucketReducer::settle() {
 
 void BucketReducer::discard() {
   settle();
+  hand_overs_.clear();
   if (group_ != nullptr) close("zero_grad discarded the pending bucket");
   last_group_ = nullptr;
 }

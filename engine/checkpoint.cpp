@@ -799,7 +799,15 @@ fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptio
                     options.run_id));
   const int rank = engine.rank(), world = engine.world_size();
   const int slots = engine.config().optimizer.state_slots();
-  const TrainingState state = engine.training_state(rank == 0);
+  // Refused in the save's own name, on every rank alike: a rank with gradients pending must
+  // not leave the others in the save's collectives.
+  TrainingState state;
+  std::exception_ptr pending;
+  attempt(pending, [&] {
+    EngineInternals::require_none_pending(engine, "save_checkpoint");
+    state = engine.training_state(rank == 0);
+  });
+  agree(engine, pending, "save_checkpoint");
 
   // Rank 0 recovers what an interrupted save of the name left, chooses the directory (the name
   // asked, or the run's suffixed one) and makes the temporary one. A failure here removes
@@ -1038,6 +1046,7 @@ LoadedCheckpoint load_checkpoint(Engine& engine, const fs::path& dir_in) {
   TrainingState state;
   std::exception_ptr error;
   attempt(error, [&] {
+    EngineInternals::require_none_pending(engine, "load_checkpoint");
     const fs::path dir = normalized(dir_in, "load_checkpoint");
     try {
       state = read_state_for(engine, dir, out);

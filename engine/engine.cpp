@@ -7,12 +7,15 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "engine/backend_ops.h"
 #include "engine/engine_impl.h"
 #include "engine/engine_internals.h"
 #include "engine/group.h"
+#include "engine/rank_agreement.h"
 #include "shardswap/error.h"
 
 namespace shardswap {
@@ -25,7 +28,8 @@ std::int64_t MemoryPlan::total() const {
 
 namespace {
 
-constexpr std::int64_t kScalarBytes = 8;  // one double
+// The step's scalars: the sum of squares, and the doubles RankAgreement exchanges.
+constexpr std::int64_t kScalarBytes = RankAgreement::kScratchDoubles * sizeof(double);
 
 LossScaleConfig scaling_for(const EngineConfig& config) {
   if (config.dtype == DType::f16) return config.loss_scale;
@@ -91,15 +95,22 @@ void Engine::add_param(std::string name, std::vector<std::int64_t> shape, std::s
     throw ConfigError(fmt::format("Engine::add_param: '{}' needs a group name", name));
   if (impl_->by_name.count(name))
     throw ConfigError(fmt::format("Engine::add_param: duplicate param name '{}'", name));
-  std::int64_t numel = 1;
-  for (auto extent : shape) numel *= extent;
   bool positive = !shape.empty();
   for (auto extent : shape) positive = positive && extent > 0;
   if (!positive)
     throw ConfigError(fmt::format("Engine::add_param: '{}' has zero elements (shape {})", name,
                                   shape_text(shape)));
-  auto& groups = impl_->group_names;
-  if (std::find(groups.begin(), groups.end(), group) == groups.end()) groups.push_back(group);
+  // Checked as it is multiplied: {2^32, 2^32} would wrap to 0 elements, {INT64_MAX, 4} to -4.
+  // The bound leaves room for the bytes of every kind of state an element has (bit16 weight and
+  // gradient, fp32 master, two fp32 moments) in an int64.
+  std::int64_t numel = 1;
+  for (auto extent : shape)
+    if (__builtin_mul_overflow(numel, extent, &numel) || numel > kMaxParamElements)
+      throw ConfigError(fmt::format(
+          "Engine::add_param: '{}' (shape {}) has more than {} elements, the most a param may "
+          "have",
+          name, shape_text(shape), kMaxParamElements));
+  if (impl_->declared_groups.insert(group).second) impl_->group_names.push_back(group);
   Param p;
   p.info = {std::move(name), std::move(shape), numel, std::move(group)};
   impl_->by_name.emplace(p.info.name, impl_->params.size());
@@ -124,20 +135,33 @@ std::vector<Group> plan_groups(const EngineConfig& config,
                                       std::vector<Param>& params,
                                       const std::map<std::string, double>& weight_decay,
                                       int world_size, int rank) {
+  // Each param's group looked up once (a scan of all params per group was quadratic: 21 s to
+  // plan 10,000 layers).
+  std::unordered_map<std::string_view, std::size_t> index_of;
+  for (std::size_t i = 0; i < names.size(); ++i) index_of.emplace(names[i], i);
+  std::vector<std::vector<std::size_t>> members(names.size());
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto it = index_of.find(params[i].info.group);
+    if (it == index_of.end())
+      throw Error(fmt::format("Engine: param '{}' has undeclared group '{}'", params[i].info.name,
+                              params[i].info.group));
+    members[it->second].push_back(i);
+  }
   std::vector<Group> groups;
-  for (const auto& name : names) {
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    const auto& name = names[k];
     Group g;
     g.name = name;
+    g.index = k;
     auto wd = weight_decay.find(name);
     g.weight_decay = wd != weight_decay.end() ? wd->second : config.optimizer.weight_decay;
     std::vector<std::int64_t> numels;
-    for (std::size_t i = 0; i < params.size(); ++i)
-      if (params[i].info.group == name) {
-        params[i].group = groups.size();
-        params[i].index_in_group = g.params.size();
-        g.params.push_back(i);
-        numels.push_back(params[i].info.numel);
-      }
+    for (const std::size_t i : members[k]) {
+      params[i].group = groups.size();
+      params[i].index_in_group = g.params.size();
+      g.params.push_back(i);
+      numels.push_back(params[i].info.numel);
+    }
     LayoutOptions options;
     options.element_bytes = dtype_size(config.dtype);
     options.alignment_bytes = config.alignment_bytes;
@@ -181,10 +205,13 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
   if (impl_->params.empty()) throw ConfigError("Engine::plan: no params declared");
   if (active_at_build && impl_->built)
     throw StateError("Engine::plan: an active set can only be assumed before build()");
+  const std::unordered_set<std::string_view> assumed =
+      active_at_build ? std::unordered_set<std::string_view>(active_at_build->begin(),
+                                                             active_at_build->end())
+                      : std::unordered_set<std::string_view>();
   if (active_at_build)
     for (const auto& name : *active_at_build)
-      if (std::find(impl_->group_names.begin(), impl_->group_names.end(), name) ==
-          impl_->group_names.end())
+      if (!impl_->declared_groups.count(name))
         throw ConfigError(fmt::format("Engine::plan: no group named '{}'", name));
   auto params = impl_->params;
   const bool built = impl_->built;
@@ -200,12 +227,8 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
     add(Tag::param16, g.layout.total_numel() * psize);
     // Before build() every group counts as active (build's default), unless told otherwise.
     const Group* now = built ? &impl_->groups[i] : nullptr;
-    const bool active =
-        now != nullptr ? now->active
-                       : !active_at_build || std::find(active_at_build->begin(),
-                                                       active_at_build->end(),
-                                                       impl_->group_names[i]) !=
-                                                 active_at_build->end();
+    const bool active = now != nullptr ? now->active
+                                       : !active_at_build || assumed.count(impl_->group_names[i]);
     const bool kept_on_device =
         now != nullptr && now->kept && now->kept->policy == DeactivatePolicy::keep_device;
     const bool in_place = accumulates_in_place(impl_->config, impl_->comm.world_size());
@@ -230,14 +253,21 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
   if (impl_->built) throw StateError("Engine::build: already built");
   if (impl_->params.empty()) throw ConfigError("Engine::build: no params declared");
   const auto& names = impl_->group_names;
+  const std::unordered_set<std::string_view> wanted =
+      active ? std::unordered_set<std::string_view>(active->begin(), active->end())
+             : std::unordered_set<std::string_view>();
   if (active)
     for (const auto& name : *active)
-      if (std::find(names.begin(), names.end(), name) == names.end())
+      if (!impl_->declared_groups.count(name))
         throw ConfigError(fmt::format("Engine::build: active group '{}' is not declared", name));
   const int rank = impl_->comm.rank();
   const DType dtype = impl_->config.dtype;
   const auto psize = dtype_size(dtype);
-  // Everything is built into locals and moved in at the end: a failure frees it all.
+  // Everything is built into locals and moved in at the end: a failure frees it all. The
+  // scalars come first: the ranks compare their declarations through them before anything else
+  // is allocated or exchanged.
+  Buffer scalars = impl_->space.allocate(kScalarBytes, Tag::comm, "step scalars");
+  impl_->require_same_declarations(scalars.data(), "build", "nothing stays allocated");
   auto params = impl_->params;
   auto groups = plan_groups(impl_->config, names, params, impl_->weight_decay, impl_->comm.world_size(), rank);
   std::vector<float> values;
@@ -263,18 +293,16 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
     impl_->comm.broadcast(g.param16.data(), total, dtype, 0);
   }
   const auto capacity = bucket_capacity(impl_->config, groups, params, impl_->comm.world_size(), rank == 0);
-  // The gradient path's buffers (stage 2 buckets, the compressed chunk), then the scalars.
+  // The gradient path's buffers (stage 2 buckets, the compressed chunk).
   auto reducer = make_gradient_reducer(impl_->config, impl_->comm, impl_->space, impl_->ops,
                                        capacity, params.size());
-  Buffer scalars = impl_->space.allocate(kScalarBytes, Tag::comm, "step scalars");
   // Active state last, through the same path as activate(); params and the reducer must be in
   // place for the gradient slots.
   std::swap(impl_->params, params);
   std::swap(impl_->reducer, reducer);
   try {
     for (auto& g : groups)
-      if (!active || std::find(active->begin(), active->end(), g.name) != active->end())
-        impl_->allocate_active_state(g);
+      if (!active || wanted.count(g.name)) impl_->allocate_active_state(g);
   } catch (...) {
     std::swap(impl_->params, params);
     std::swap(impl_->reducer, reducer);
@@ -291,14 +319,129 @@ View Engine::weight(const std::string& name) const {
   return impl_->param(name, "weight").weight;
 }
 
-View Engine::grad_slot(const std::string& name) {
-  impl_->require_built("grad_slot");
-  Param& p = impl_->param(name, "grad_slot");
-  Group& g = impl_->groups[p.group];
+// ---- what every rank must hold alike (RankAgreement) ----
+
+std::vector<std::uint64_t> Engine::Impl::declaration_entries() const {
+  std::vector<std::uint64_t> out;
+  out.reserve(params.size() + 1);
+  out.push_back(fnv1a_words(
+      kFnvStart,
+      {config.stage, static_cast<std::int64_t>(config.dtype),
+       static_cast<std::int64_t>(config.grad_type()), static_cast<std::int64_t>(config.comm_type()),
+       static_cast<std::int64_t>(config.alignment_bytes),
+       static_cast<std::int64_t>(config.reduce_bucket_bytes),
+       static_cast<std::int64_t>(config.order)}));
+  for (const Param& p : params) {
+    const ParamInfo& info = p.info;
+    std::uint64_t h = fnv1a(kFnvStart, info.name.data(), info.name.size());
+    h = fnv1a_words(h, {static_cast<std::int64_t>(info.name.size()),
+                        static_cast<std::int64_t>(info.shape.size())});
+    for (const auto extent : info.shape) h = fnv1a_words(h, {extent});
+    h = fnv1a(h, info.group.data(), info.group.size());
+    out.push_back(fnv1a_words(h, {static_cast<std::int64_t>(info.group.size())}));
+  }
+  return out;
+}
+
+std::string Engine::Impl::describe_declaration(std::size_t i) const {
+  if (i == 0)
+    return fmt::format(
+        "EngineConfig{{stage {}, {} params, {} gradients, {} on the wire, alignment {} bytes, "
+        "buckets of {} bytes, {} order}}",
+        config.stage, dtype_name(config.dtype), dtype_name(config.grad_type()),
+        dtype_name(config.comm_type()), config.alignment_bytes, config.reduce_bucket_bytes,
+        config.order == LayoutOrder::declaration ? "declaration" : "round-robin");
+  if (i > params.size()) return fmt::format("no param (it declared {})", params.size());
+  const ParamInfo& info = params[i - 1].info;
+  return fmt::format("param '{}' {} in group '{}'", info.name, shape_text(info.shape),
+                     info.group);
+}
+
+std::string Engine::Impl::describe_hand_over(std::size_t i) const {
+  const auto& log = reducer->hand_overs();
+  if (i >= log.size())
+    return fmt::format("nothing (it issued {} reduction{})", log.size(), log.size() == 1 ? "" : "s");
+  const HandOver& h = log[i];
+  const Group& g = groups[h.group];
+  std::vector<std::string> names;
+  for (const auto p : g.params) {
+    const LayoutEntry& e = g.layout.entry_of(params[p].index_in_group);
+    if (e.offset < h.end && e.offset + e.numel > h.begin) names.push_back(params[p].info.name);
+  }
+  std::string shown;
+  for (std::size_t k = 0; k < names.size() && k < 3; ++k)
+    shown += fmt::format("{}'{}'", k == 0 ? "" : ", ", names[k]);
+  if (names.size() > 3) shown += fmt::format(" and {} more", names.size() - 3);
+  return fmt::format("group '{}' elements [{}, {}) ({})", g.name, h.begin, h.end, shown);
+}
+
+void Engine::Impl::require_same_declarations(void* scratch, const char* caller,
+                                             const char* outcome) {
+  if (comm.world_size() == 1) return;
+  RankAgreement agreement(comm, space, scratch);
+  const auto entries = declaration_entries();
+  const auto d = agreement.first_difference(
+      entries, [&](std::size_t i) { return describe_declaration(i); });
+  if (!d) return;
+  throw CommError(fmt::format(
+      "Engine::{}: the ranks declared different params: declaration {} is {} on rank 0 but {} on "
+      "rank {}; every rank must make the same add_param calls in the same order with the same "
+      "EngineConfig; {}",
+      caller, d->index, d->at_rank0, d->at_rank, d->rank, outcome));
+}
+
+void Engine::Impl::require_same_hand_overs() {
+  if (comm.world_size() == 1) return;
+  // One all-reduce a step: the declarations (a re-form may have differed) and the reductions.
+  const auto entries = declaration_entries();
+  std::uint64_t declared = kFnvStart;
+  for (const auto e : entries) declared = fnv1a(declared, &e, sizeof e);
+  std::vector<std::uint64_t> issued;
+  issued.reserve(reducer->hand_overs().size());
+  for (const HandOver& h : reducer->hand_overs()) {
+    // By the group's name, not its index: ranks that re-formed alike in another order number
+    // the same groups differently.
+    const std::string& name = groups[h.group].name;
+    issued.push_back(fnv1a_words(fnv1a(kFnvStart, name.data(), name.size()),
+                                 {static_cast<std::int64_t>(name.size()), h.begin, h.end}));
+  }
+  std::uint64_t reduced = kFnvStart;
+  for (const auto e : issued) reduced = fnv1a(reduced, &e, sizeof e);
+  reduced = fnv1a_words(reduced, {static_cast<std::int64_t>(issued.size())});
+  RankAgreement agreement(comm, space, scalars.data());
+  const std::uint64_t both[2] = {declared, reduced};
+  const auto same = agreement.same_everywhere(both);
+  if (same[0] && same[1]) return;
+  // Every rank saw the same verdict: all of them drop the gradients and throw.
+  constexpr const char* kOutcome = "the step was not applied, the gradients were dropped";
+  if (!same[0]) {
+    reducer->clear(groups);
+    require_same_declarations(scalars.data(), "step", kOutcome);
+  }
+  const auto d = agreement.first_difference(
+      issued, [&](std::size_t i) { return describe_hand_over(i); });
+  reducer->clear(groups);
+  if (!d)  // the whole hashes differed, so some entry does: not reached
+    throw CommError(fmt::format("Engine::step: the ranks disagree; {}", kOutcome));
+  throw CommError(fmt::format(
+      "Engine::step: the ranks handed gradients over differently, which would add one param's "
+      "gradient to another's: reduction {} since the last step is of {} on rank 0 but of {} on "
+      "rank {}; every rank must hand over the same params in the same order; {}",
+      d->index + 1, d->at_rank0, d->at_rank, d->rank, kOutcome));
+}
+
+View Engine::Impl::grad_slot(const std::string& name, const char* caller) {
+  require_built(caller);
+  Param& p = param(name, caller);
+  Group& g = groups[p.group];
   if (!g.active)
-    throw StateError(
-        fmt::format("Engine::grad_slot: '{}' belongs to frozen group '{}'", name, p.info.group));
-  return impl_->reducer->slot(g, impl_->index_of(p), p);
+    throw StateError(fmt::format("Engine::{}: '{}' belongs to frozen group '{}'", caller, name,
+                                 p.info.group));
+  return reducer->slot(g, index_of(p), p);
+}
+
+View Engine::grad_slot(const std::string& name) {
+  return impl_->grad_slot(name, "grad_slot");
 }
 
 void Engine::grad_ready(const std::string& name) {
@@ -314,7 +457,7 @@ void Engine::add_grad(const std::string& name, std::span<const float> grad) {
   if (grad.size() != static_cast<std::size_t>(p.info.numel))
     throw ConfigError(fmt::format("Engine::add_grad: '{}' has {} elements, {} values given", name,
                                   p.info.numel, grad.size()));
-  const View slot = grad_slot(name);
+  const View slot = impl_->grad_slot(name, "add_grad");
   if (impl_->space.device() == DeviceKind::host) {
     impl_->ops.accumulate(slot.raw(), slot.dtype(), grad.data(), DType::f32, grad.size());
   } else {
@@ -346,7 +489,7 @@ void Engine::add_grad(const std::string& name, const void* grad, DType dtype, st
         "Engine::add_grad: '{}': fp64 gradients are not accepted (f32, bf16 or fp16)", name));
   if (grad == nullptr)
     throw ConfigError(fmt::format("Engine::add_grad: '{}': null gradient pointer", name));
-  const View slot = grad_slot(name);
+  const View slot = impl_->grad_slot(name, "add_grad");
   impl_->ops.accumulate(slot.raw(), slot.dtype(), grad, dtype, count);
   grad_ready(name);
 }
@@ -376,6 +519,7 @@ StepResult Engine::step() {
   auto& groups = impl_->groups;
   GradientReducer& reducer = *impl_->reducer;
   reducer.reduce_for_step(groups);
+  impl_->require_same_hand_overs();
 
   // Partitions now hold sums over ranks of loss-scaled micro-batch sums. One factor turns them
   // into the mean unscaled gradient; it is applied in registers, never to a stored copy.
@@ -499,6 +643,10 @@ std::int64_t Engine::group_step(const std::string& group) const {
 
 const FlatLayout& EngineInternals::layout(const Engine& engine, const std::string& group) {
   return engine.impl_->group_named(group, "layout").layout;
+}
+
+void EngineInternals::require_none_pending(const Engine& engine, std::string_view who) {
+  engine.impl_->require_none_pending(who);
 }
 
 std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "engine/gradient_reducer.h"
@@ -32,6 +33,9 @@ struct Engine::Impl {
   std::vector<ParamInfo> infos;  // the declarations, as params() returns them
   std::unordered_map<std::string, std::size_t> by_name;
   std::vector<std::string> group_names;  // in order of first declaration
+  // The groups add_param has seen, for lookups in time independent of their number (the
+  // declarations only: reform, after build, keeps group_names alone).
+  std::unordered_set<std::string> declared_groups;
   std::map<std::string, double> weight_decay;
   std::vector<Group> groups;  // after build
   std::unique_ptr<GradientReducer> reducer;  // after build
@@ -58,16 +62,35 @@ struct Engine::Impl {
   void require_built(const char* caller) const {
     if (!built) throw StateError(fmt::format("Engine::{}: call build() first", caller));
   }
+  // ---- what every rank must hold alike (RankAgreement; no-ops at world size 1) ----
+  /// One hash per declaration: the EngineConfig's layout-relevant fields, then each param
+  /// (name, shape, group) in declaration order; and the words that describe entry i.
+  std::vector<std::uint64_t> declaration_entries() const;
+  std::string describe_declaration(std::size_t i) const;
+  /// "group 'G' elements [B, E) ('p', 'q')": the reducer's i-th reduction since the last step.
+  std::string describe_hand_over(std::size_t i) const;
+  /// Collective through `scratch` (RankAgreement::kScratchDoubles doubles): throws CommError
+  /// "Engine::<caller>: the ranks declared different params: ... ; <outcome>" on every rank,
+  /// naming rank 0's and the first differing rank's declaration, unless all are the same.
+  void require_same_declarations(void* scratch, const char* caller, const char* outcome);
+  /// Collective, in step() before the reduced gradients are used: throws CommError on every
+  /// rank (after dropping the gradients) if the ranks' declarations or the reductions their
+  /// reducers issued since the last step differ, naming the first reduction that does on rank 0
+  /// and on the first rank that differs.
+  void require_same_hand_overs();
+  /// grad_slot(name), with errors naming `caller` (add_grad calls it too).
+  View grad_slot(const std::string& name, const char* caller);
   /// The built group named `group`; ConfigError naming `caller` if there is none.
   Group& group_named(const std::string& group, const char* caller);
   const Group& group_named(const std::string& group, const char* caller) const {
     return const_cast<Impl*>(this)->group_named(group, caller);
   }
-  /// Throws StateError if `g` has gradients pending: "<caller>: group 'G' has <what is
+  /// Throws StateError if `g` has gradients pending: "Engine::<caller>: group 'G' has <what is
   /// pending>; call step() or zero_grad() first; nothing was changed".
   void require_no_pending(const Group& g, const char* caller) const;
-  /// The same for every group.
-  void require_none_pending(const char* caller) const;
+  /// The same for every group, with the message starting "<who>: " (the call the user made:
+  /// "Engine::reform", "save_checkpoint").
+  void require_none_pending(std::string_view who) const;
   /// Lists the Pins on `buffers` ("'pin' on 'buffer'", comma separated); empty if none.
   static std::string pins_on(const std::vector<const Buffer*>& buffers);
 

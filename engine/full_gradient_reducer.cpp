@@ -78,6 +78,7 @@ void FullGradientReducer::reduce_scatter(Group& g) {
   const auto shard = static_cast<std::size_t>(g.shard.numel());
   const auto rank = static_cast<std::size_t>(comm_.rank());
   auto* grads = g.grad.as<std::byte>();
+  hand_overs_.push_back({g.index, 0, g.layout.total_numel()});
   if (!compressed_.valid()) {
     comm_.reduce_scatter(grads, grads + rank * shard * gsize, shard, dtype_, ReduceOp::sum);
     return;
@@ -105,6 +106,7 @@ void FullGradientReducer::clear(std::vector<Group>& groups) {
     g.holds_grads = false;
   }
   for (auto& s : slots_) s.out = s.ready = false;
+  hand_overs_.clear();
 }
 
 std::string FullGradientReducer::pending(const Group& g) const {

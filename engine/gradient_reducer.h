@@ -23,9 +23,21 @@
 
 namespace shardswap {
 
+/// One reduction a reducer issued: elements [begin, end) of group `group`'s flat space (stage 2:
+/// a bucket's window; stage 1: the whole group). Every rank must issue the same ones in the same
+/// order, or one param's gradient is added to another's.
+struct HandOver {
+  std::size_t group = 0;  // Group::index
+  std::int64_t begin = 0, end = 0;
+};
+
 class GradientReducer {
  public:
   virtual ~GradientReducer() = default;
+
+  /// The reductions issued since the last clear() or forget_groups(), in order, for the Engine
+  /// to compare across ranks before it uses their results.
+  const std::vector<HandOver>& hand_overs() const { return hand_overs_; }
 
   /// Elements of an active group's gradient buffer (stage 1: the full flat buffer; stage 2:
   /// this rank's partition), and the label it is allocated under.
@@ -54,6 +66,9 @@ class GradientReducer {
   virtual std::string pending(const Group& g) const = 0;
   /// Forgets every group (after a re-form rebuilt them; nothing may be pending).
   virtual void forget_groups() = 0;
+
+ protected:
+  std::vector<HandOver> hand_overs_;  // appended as reductions are issued; cleared with them
 };
 
 /// Whether gradients accumulate in place in each group's full buffer (stage 1's reducer) rather

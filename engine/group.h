@@ -33,6 +33,7 @@ struct KeptState {
 // hold `kept` state to resume from.
 struct Group {
   std::string name;
+  std::size_t index = 0;            // in the engine's groups (the same on every rank)
   std::vector<std::size_t> params;  // indices into the engine's params, declaration order
   double weight_decay = 0.0;
   FlatLayout layout;

@@ -49,7 +49,7 @@ void Engine::Impl::require_no_pending(const Group& g, const char* caller) const 
         caller, g.name, what));
 }
 
-void Engine::Impl::require_none_pending(const char* caller) const {
+void Engine::Impl::require_none_pending(std::string_view who) const {
   std::string all;
   for (const auto& g : groups) {
     const std::string what = reducer ? reducer->pending(g) : std::string();
@@ -59,7 +59,7 @@ void Engine::Impl::require_none_pending(const char* caller) const {
   }
   if (!all.empty())
     throw StateError(fmt::format(
-        "Engine::{}: {}; call step() or zero_grad() first; nothing was changed", caller, all));
+        "{}: {}; call step() or zero_grad() first; nothing was changed", who, all));
 }
 
 std::string Engine::Impl::pins_on(const std::vector<const Buffer*>& buffers) {
@@ -303,7 +303,7 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
                       "(deactivate it with drop first)",
                       g.name));
   // Every group is rebuilt (and the reducer forgets them all): nothing may be pending anywhere.
-  impl_->require_none_pending("reform");
+  impl_->require_none_pending("Engine::reform");
   // The re-formed groups' weight buffers are released at the commit: a Pin on one must stop
   // the re-form now, before anything is allocated or rebound.
   std::vector<const Buffer*> replaced;
@@ -376,7 +376,7 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
 
 TrainingState Engine::training_state(bool with_weights) const {
   impl_->require_built("training_state");
-  impl_->require_none_pending("training_state");
+  impl_->require_none_pending("Engine::training_state");
   TrainingState out;
   const auto slots = static_cast<std::size_t>(impl_->config.optimizer.state_slots());
   for (const auto& g : impl_->groups) {
@@ -417,7 +417,7 @@ TrainingState Engine::training_state(bool with_weights) const {
 void Engine::restore_training_state(const TrainingState& state) {
   impl_->require_built("restore_training_state");
   const char* const fn = "Engine::restore_training_state";
-  impl_->require_none_pending("restore_training_state");
+  impl_->require_none_pending("Engine::restore_training_state");
   auto& groups = impl_->groups;
   const auto& params = impl_->params;
   const auto slots = static_cast<std::size_t>(impl_->config.optimizer.state_slots());

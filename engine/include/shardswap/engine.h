@@ -121,8 +121,12 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // ---- declaration ----
+  /// The most elements one param may have (2^58): an element's bytes over every kind of state
+  /// (at most 18) stay within an int64, however the layout pads it.
+  static constexpr std::int64_t kMaxParamElements = std::int64_t{1} << 58;
   /// Throws ConfigError for an empty or duplicate name, an empty group name, a shape with a
-  /// non-positive extent (zero elements), or a call after build().
+  /// non-positive extent (zero elements) or more than kMaxParamElements elements (checked as the
+  /// extents are multiplied, so no product overflows), or a call after build().
   void add_param(std::string name, std::vector<std::int64_t> shape, std::string group);
   /// Overrides the optimizer's weight decay for one group (e.g. norms and biases: 0).
   void set_group_weight_decay(const std::string& group, double weight_decay);
