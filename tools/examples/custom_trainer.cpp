@@ -4,14 +4,18 @@
 // the hidden layer's group under `drop` and later activates it again.
 //
 // It checks what a user relies on and says so through its exit code: the loss falls by a clear
-// margin, and the memory stats equal Engine::plan() after build, after every lifecycle call and
-// after every step. Exit 0: every check passed; 1: a check or the run failed; 2: bad input.
+// margin, the memory stats equal Engine::plan() after build, after every lifecycle call and
+// after every step, and a run resumed from its checkpoint repeats the same bits. Exit 0: every
+// check passed; 1: a check or the run failed; 2: bad input.
 #include <fmt/format.h>
+
+#include <stdlib.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -19,6 +23,7 @@
 #include <vector>
 
 #include "shardswap/backend.h"
+#include "shardswap/checkpoint.h"
 #include "shardswap/engine.h"
 #include "shardswap/error.h"
 
@@ -37,6 +42,7 @@ constexpr int kEvalSamples = 512;
 constexpr int kSteps = 80;
 constexpr int kFreezeAt = 30;           // "hidden" is deactivated (drop) before this step ...
 constexpr int kThawAt = 50;             // ... and activated again before this one
+constexpr int kSaveAt = 60;             // a checkpoint before this step; the end resumes from it
 constexpr double kRequiredRatio = 0.5;  // the last evaluation loss must be below half the first
 
 /// A failed check of this program (as opposed to an error of the engine).
@@ -255,7 +261,23 @@ void print_plan(const MemoryPlan& plan, const MemoryStats& stats) {
              stats.allocated.current, stats.reserved.current);
 }
 
+// A folder of the run's own for its checkpoint, removed when the run ends.
+struct TemporaryFolder {
+  std::filesystem::path path;
+  TemporaryFolder() {
+    std::string name = (std::filesystem::temp_directory_path() / "custom-trainer-XXXXXX").string();
+    if (::mkdtemp(name.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + name);
+    path = name;
+  }
+  ~TemporaryFolder() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
+
 void run() {
+  const TemporaryFolder scratch;
+  const std::filesystem::path checkpoint_dir = scratch.path / "step-60";
   // doc-snippet: ranks
   const Backend backend = cpu_backend();
   const EngineConfig config = make_config();
@@ -286,6 +308,24 @@ void run() {
         if (log) fmt::print("before step 0: eval loss {:.4f}\n", first_eval);
         double last_eval = first_eval;
         std::vector<float> frozen_w1;
+        // One step: its micro-batches (a pure function of the step and rank), then step().
+        const auto train_step = [&](int step) {
+          // doc-snippet: step
+          double loss = 0.0;
+          for (int micro = 0; micro < kMicroBatches; ++micro) {
+            const auto stream =
+                1 + (static_cast<std::uint64_t>(step) * kMicroBatches + micro) * kRanks +
+                static_cast<std::uint64_t>(rank);
+            loss += train_micro_batch(engine, task.sample(stream, kBatch));
+          }
+          const StepResult result = engine.step();
+          require(result.applied, fmt::format("step {} was applied (no Inf/NaN)", step));
+          require_stats_equal_plan(engine, fmt::format("step {}", step));
+          // A collective: every rank calls it.
+          loss = engine.sum_across_ranks(loss / kMicroBatches) / kRanks;
+          // doc-snippet-end
+          return std::pair{loss, result};
+        };
         for (int step = 0; step < kSteps; ++step) {
           // doc-snippet: deactivate
           if (step == kFreezeAt) {
@@ -326,20 +366,16 @@ void run() {
             }
           }
 
-          // doc-snippet: step
-          double loss = 0.0;
-          for (int micro = 0; micro < kMicroBatches; ++micro) {
-            const auto stream =
-                1 + (static_cast<std::uint64_t>(step) * kMicroBatches + micro) * kRanks +
-                static_cast<std::uint64_t>(rank);
-            loss += train_micro_batch(engine, task.sample(stream, kBatch));
+          // doc-snippet: checkpoint
+          if (step == kSaveAt) {
+            // Collective: every rank writes its shard of the fp32 state; `extra` holds the
+            // trainer's own state (here, where to go on from), given back by load_checkpoint.
+            SaveOptions options;
+            options.extra = {{"next_step", step}};
+            save_checkpoint(engine, checkpoint_dir, options);
           }
-          const StepResult result = engine.step();
-          require(result.applied, fmt::format("step {} was applied (no Inf/NaN)", step));
-          require_stats_equal_plan(engine, fmt::format("step {}", step));
-          // A collective: every rank calls it.
-          loss = engine.sum_across_ranks(loss / kMicroBatches) / kRanks;
           // doc-snippet-end
+          const auto [loss, result] = train_step(step);
           if (log && (step % 10 == 0 || step == kFreezeAt - 1 || step == kThawAt - 1 ||
                       step == kSteps - 1)) {
             last_eval = evaluate(engine, eval);
@@ -356,8 +392,19 @@ void run() {
         require(last_eval < kRequiredRatio * first_eval,
                 fmt::format("the eval loss fell from {:.4f} to {:.4f}, not below {} of it",
                             first_eval, last_eval, kRequiredRatio));
+        const MemoryStats stats = engine.memory_stats();
+        // doc-snippet: resume
+        // Back to the checkpoint and on to the end again: the same bits as the first time.
+        const std::vector<float> w1 = engine.read_weight("fc1.weight");
+        const LoadedCheckpoint loaded = load_checkpoint(engine, checkpoint_dir);
+        require_stats_equal_plan(engine, "load_checkpoint");
+        for (int step = loaded.extra.at("next_step").get<int>(); step < kSteps; ++step)
+          train_step(step);
+        require(engine.read_weight("fc1.weight") == w1, "a resumed run repeats the same bits");
+        // doc-snippet-end
         if (log) {
-          const MemoryStats stats = engine.memory_stats();
+          fmt::print("resumed from {} (saved at step {} by {} ranks): the same weights at step {}\n",
+                     checkpoint_dir.filename().string(), kSaveAt, loaded.world_size, kSteps);
           fmt::print("peak requested {} B (activation peak {} B); {} Views, {} Pins live\n",
                      stats.requested.peak, stats.tag(Tag::activation).requested.peak, stats.views,
                      stats.pins);
@@ -370,11 +417,20 @@ void run() {
 }  // namespace
 
 int main() {
+  // doc-snippet: errors
   try {
     run();
     return 0;
   } catch (const CheckFailed& e) {
     std::fprintf(stderr, "custom_trainer: CHECK FAILED: %s\n", e.what());
+  } catch (const PeerFailure& e) {
+    // run_ranks rethrows a rank's own error first; this only when every failing rank failed
+    // because of another one, e.g. a rank that returned while the others were in a collective.
+    std::fprintf(stderr, "custom_trainer: a rank stopped the others: %s\n", e.what());
+  } catch (const CommError& e) {
+    // The ranks disagreed (declarations, the order gradients were handed over) or a collective
+    // failed: the message names both ranks' sides. End the run.
+    std::fprintf(stderr, "custom_trainer: ranks out of step: %s\n", e.what());
   } catch (const ConfigError& e) {
     std::fprintf(stderr, "custom_trainer: bad input: %s\n", e.what());
     return 2;
@@ -382,4 +438,5 @@ int main() {
     std::fprintf(stderr, "custom_trainer: error: %s\n", e.what());
   }
   return 1;
+  // doc-snippet-end
 }
