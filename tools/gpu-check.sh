@@ -44,6 +44,14 @@ if [ -x build/cuda/tools/shardswap_nccl_mpi_check ] && command -v mpirun >/dev/n
   mpirun --allow-run-as-root -np "$ngpu" -x NCCL_NVLS_ENABLE build/cuda/tools/shardswap_nccl_mpi_check \
     > "$OUT/mpi.log" 2>&1 || status=1
   tail -4 "$OUT/mpi.log"
+  step "one MPI session for the MPI and NCCL communicators, made and freed in both orders"
+  for order in mpi-first nccl-first; do
+    timeout 120 mpirun --allow-run-as-root -np "$ngpu" -x NCCL_NVLS_ENABLE \
+      build/cuda/tests/shardswap_mpi_session_check "$order" > "$OUT/mpi-session-$order.log" 2>&1 \
+      || status=1
+    echo "$order: $(grep -c ': ok: ' "$OUT/mpi-session-$order.log") checks held, \
+$(grep -c 'FAILED' "$OUT/mpi-session-$order.log") failed"
+  done
   step "engine over NCCL under mpirun against the float64 reference ($ngpu processes)"
   timeout 300 mpirun --allow-run-as-root -np "$ngpu" -x NCCL_NVLS_ENABLE \
     build/cuda/tests/gpu/shardswap_mpi_engine_tests > "$OUT/mpi-engine.log" 2>&1 || status=1

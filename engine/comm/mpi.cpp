@@ -20,7 +20,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -28,6 +27,7 @@
 
 #include "engine/comm/collective_call.h"
 #include "engine/comm/collective_ops.h"
+#include "engine/comm/mpi_session.h"
 #include "shardswap/error.h"
 #include "shardswap/mpi.h"
 
@@ -76,54 +76,6 @@ MPI_Datatype mpi_type(DType dtype) {
   }
   return MPI_BYTE;
 }
-
-/// MPI for the communicators made here: initialized on first use unless the program did it, and
-/// finalized when the last of them goes.
-class MpiSession {
- public:
-  static std::shared_ptr<MpiSession> acquire() {
-    static std::mutex mutex;
-    static std::weak_ptr<MpiSession> current;
-    std::lock_guard lock(mutex);
-    if (auto session = current.lock()) return session;
-    constexpr const char* where = "make_mpi_communicator";
-    int initialized = 0, finalized = 0;
-    mpi_check(MPI_Initialized(&initialized), where, "MPI_Initialized");
-    mpi_check(MPI_Finalized(&finalized), where, "MPI_Finalized");
-    if (finalized) {
-      throw CommError(
-          "make_mpi_communicator: MPI was already finalized in this process (it is finalized "
-          "when the last communicator made here goes, if MPI was initialized here)");
-    }
-    if (!initialized) {
-      // SERIALIZED: an engine's rank may be driven from a thread other than main's, one at a time.
-      int provided = 0;
-      mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), where,
-                "MPI_Init_thread");
-    }
-    auto session = std::make_shared<MpiSession>(/*owns=*/!initialized);
-    current = session;
-    return session;
-  }
-
-  explicit MpiSession(bool owns) : owns_(owns) {}
-  ~MpiSession() {
-    if (!owns_ || leaked_) return;
-    int finalized = 1;
-    MPI_Finalized(&finalized);
-    if (!finalized) MPI_Finalize();
-  }
-  MpiSession(const MpiSession&) = delete;
-  MpiSession& operator=(const MpiSession&) = delete;
-
-  /// A communicator failed with an operation still in flight: MPI_Finalize could wait for it
-  /// forever, so it is skipped (the process is about to end, or be ended by abort_mpi_job).
-  void leak() { leaked_ = true; }
-
- private:
-  bool owns_;
-  bool leaked_ = false;
-};
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -393,7 +345,8 @@ std::unique_ptr<Communicator> make_mpi_communicator(CommTimeout timeout) {
   if (timeout.count() < 0)
     throw ConfigError(
         fmt::format("make_mpi_communicator: timeout {} ms is negative", timeout.count()));
-  return std::make_unique<MpiCommunicator>(MpiSession::acquire(), timeout);
+  return std::make_unique<MpiCommunicator>(MpiSession::acquire("make_mpi_communicator"),
+                                           timeout);
 }
 
 void abort_mpi_job(int exit_code) noexcept {

@@ -56,6 +56,7 @@
 #include <mpi.h>
 #endif
 
+#include "engine/comm/mpi_session.h"
 #include "engine/comm/nccl_check.h"
 #include "memory/cuda/cuda_check.h"
 #include "shardswap/error.h"
@@ -797,49 +798,13 @@ void mpi_check(int status, const char* statement) {
   throw CommError(fmt::format("make_nccl_communicator_mpi: {} failed: {}", statement, text));
 }
 
-/// MPI for the communicators made by make_nccl_communicator_mpi: initialized on first use unless
-/// the program did it, and then finalized when the last of those communicators goes.
-class MpiSession {
- public:
-  static std::shared_ptr<MpiSession> acquire(int* argc, char*** argv) {
-    static std::mutex mutex;
-    static std::weak_ptr<MpiSession> current;
-    std::lock_guard lock(mutex);
-    if (auto session = current.lock()) return session;
-    int initialized = 0, finalized = 0;
-    mpi_check(MPI_Initialized(&initialized), "MPI_Initialized");
-    mpi_check(MPI_Finalized(&finalized), "MPI_Finalized");
-    if (finalized) {
-      throw CommError(
-          "make_nccl_communicator_mpi: MPI was already finalized in this process (it is "
-          "finalized when the last communicator made here goes, if MPI was initialized here)");
-    }
-    if (!initialized) mpi_check(MPI_Init(argc, argv), "MPI_Init");
-    auto session = std::make_shared<MpiSession>(/*owns=*/!initialized);
-    current = session;
-    return session;
-  }
-
-  explicit MpiSession(bool owns) : owns_(owns) {}
-  ~MpiSession() {
-    if (!owns_) return;
-    int finalized = 1;
-    MPI_Finalized(&finalized);
-    if (!finalized) MPI_Finalize();
-  }
-  MpiSession(const MpiSession&) = delete;
-  MpiSession& operator=(const MpiSession&) = delete;
-
- private:
-  bool owns_;
-};
-
 }  // namespace
 
 std::unique_ptr<Communicator> make_nccl_communicator_mpi(int* argc, char*** argv,
                                                          CommTimeout timeout) {
   require_timeout("make_nccl_communicator_mpi", timeout);
-  auto session = MpiSession::acquire(argc, argv);
+  // The session the MPI communicator shares (engine/comm/mpi_session.h).
+  auto session = MpiSession::acquire("make_nccl_communicator_mpi", argc, argv);
   int rank = 0, size = 0;
   mpi_check(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
   mpi_check(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");

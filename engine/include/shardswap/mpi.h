@@ -33,8 +33,9 @@ using CommTimeout = std::chrono::milliseconds;
 
 /// This process's rank of MPI_COMM_WORLD (over a duplicate of it, so its traffic never mixes with
 /// another library's). Initializes MPI if the program has not (MPI_THREAD_SERIALIZED), and then
-/// finalizes it when the last communicator made here is destroyed; making one after that throws
-/// CommError. Throws BackendUnavailable in a build without MPI, CommError when MPI fails.
+/// finalizes it when the last communicator made over MPI, by this factory or
+/// make_nccl_communicator_mpi (they share one MPI session), is destroyed; making one after that
+/// throws CommError. Throws BackendUnavailable in a build without MPI, CommError when MPI fails.
 std::unique_ptr<Communicator> make_mpi_communicator(CommTimeout timeout = CommTimeout{0});
 
 /// Ends every process of the MPI job with `exit_code` (MPI_Abort on MPI_COMM_WORLD): for a rank

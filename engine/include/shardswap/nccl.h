@@ -45,9 +45,10 @@ namespace shardswap {
 /// Milliseconds; zero waits forever. Negative values are refused (ConfigError).
 using CommTimeout = std::chrono::milliseconds;
 
-/// One rank per process, for `mpirun -np N`: initializes MPI if the program has not (and then
-/// finalizes it when the last communicator made here is destroyed; making one after that throws
-/// CommError). Rank and world size are MPI_COMM_WORLD's; the GPU is the rank's index among the
+/// One rank per process, for `mpirun -np N`: initializes MPI if the program has not
+/// (MPI_THREAD_SERIALIZED), and then finalizes it when the last communicator made over MPI, by
+/// this factory or make_mpi_communicator (they share one MPI session), is destroyed; making one
+/// after that throws CommError. Rank and world size are MPI_COMM_WORLD's; the GPU is the rank's index among the
 /// ranks of its node (or GPU 0 when the process sees exactly one GPU). That GPU is left current
 /// on the calling thread. Throws BackendUnavailable in a build without CUDA/NCCL or without MPI,
 /// ConfigError when the node has fewer GPUs than ranks, DeviceError/CommError when NCCL fails.
