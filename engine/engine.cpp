@@ -312,6 +312,7 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
   impl_->scalars = std::move(scalars);
   impl_->capacity = capacity;
   impl_->built = true;
+  impl_->hash_declarations();
 }
 
 View Engine::weight(const std::string& name) const {
@@ -375,6 +376,11 @@ std::string Engine::Impl::describe_hand_over(std::size_t i) const {
   return fmt::format("group '{}' elements [{}, {}) ({})", g.name, h.begin, h.end, shown);
 }
 
+void Engine::Impl::hash_declarations() {
+  declarations_hash = kFnvStart;
+  for (const auto e : declaration_entries()) declarations_hash = fnv1a(declarations_hash, &e, sizeof e);
+}
+
 void Engine::Impl::require_same_declarations(void* scratch, const char* caller,
                                              const char* outcome) {
   if (comm.world_size() == 1) return;
@@ -393,9 +399,6 @@ void Engine::Impl::require_same_declarations(void* scratch, const char* caller,
 void Engine::Impl::require_same_hand_overs() {
   if (comm.world_size() == 1) return;
   // One all-reduce a step: the declarations (a re-form may have differed) and the reductions.
-  const auto entries = declaration_entries();
-  std::uint64_t declared = kFnvStart;
-  for (const auto e : entries) declared = fnv1a(declared, &e, sizeof e);
   std::vector<std::uint64_t> issued;
   issued.reserve(reducer->hand_overs().size());
   for (const HandOver& h : reducer->hand_overs()) {
@@ -409,7 +412,7 @@ void Engine::Impl::require_same_hand_overs() {
   for (const auto e : issued) reduced = fnv1a(reduced, &e, sizeof e);
   reduced = fnv1a_words(reduced, {static_cast<std::int64_t>(issued.size())});
   RankAgreement agreement(comm, space, scalars.data());
-  const std::uint64_t both[2] = {declared, reduced};
+  const std::uint64_t both[2] = {declarations_hash, reduced};
   const auto same = agreement.same_everywhere(both);
   if (same[0] && same[1]) return;
   // Every rank saw the same verdict: all of them drop the gradients and throw.

@@ -66,6 +66,9 @@ struct Engine::Impl {
   /// One hash per declaration: the EngineConfig's layout-relevant fields, then each param
   /// (name, shape, group) in declaration order; and the words that describe entry i.
   std::vector<std::uint64_t> declaration_entries() const;
+  /// Sets declarations_hash from declaration_entries(): after build() and every reform().
+  void hash_declarations();
+  std::uint64_t declarations_hash = 0;
   std::string describe_declaration(std::size_t i) const;
   /// "group 'G' elements [B, E) ('p', 'q')": the reducer's i-th reduction since the last step.
   std::string describe_hand_over(std::size_t i) const;

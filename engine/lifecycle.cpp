@@ -368,6 +368,7 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
   impl_->params = std::move(params);
   impl_->groups = std::move(groups);
   impl_->group_names = std::move(names);
+  impl_->hash_declarations();  // params moved between groups: what step() compares changed
   for (std::size_t i = 0; i < impl_->params.size(); ++i)
     impl_->infos[i].group = impl_->params[i].info.group;
 }

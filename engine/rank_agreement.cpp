@@ -1,8 +1,12 @@
 #include "engine/rank_agreement.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
+
+#include "shardswap/error.h"
 
 namespace shardswap {
 
@@ -30,6 +34,9 @@ void RankAgreement::max_across(std::span<double> values) {
 std::vector<bool> RankAgreement::same_everywhere(std::span<const std::uint64_t> hashes) {
   double values[kScratchDoubles];
   const std::size_t n = hashes.size();
+  if (2 * n > kScratchDoubles)
+    throw Error(fmt::format("RankAgreement::same_everywhere: {} hashes at once, at most {}", n,
+                            kScratchDoubles / 2));
   for (std::size_t i = 0; i < n; ++i) {
     values[2 * i] = hash_as_double(hashes[i]);
     values[2 * i + 1] = -values[2 * i];

@@ -218,6 +218,29 @@ TEST_CASE(
   CHECK(allocated == std::vector<std::int64_t>{0, 0});
 }
 
+TEST_CASE("ranks that re-form their groups differently fail the next step naming the param") {
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config(2), comm, space);
+    declare_two_groups(e);
+    e.build(random_init, std::vector<std::string>{});  // all frozen: re-formable
+    const std::string moved = rank == 0 ? "a.w" : "b.w";
+    e.reform({{moved, "c"}});  // group 'c' holds a 64-element param on both ranks
+    e.activate("c");
+    hand_over(e, moved, 1.0f);
+    messages[static_cast<std::size_t>(rank)] = test::rank_message_of<CommError>([&] { e.step(); });
+    RANK_REQUIRE(e.group_step("c") == 0);  // not applied
+  });
+  for (const auto& m : messages) {
+    CAPTURE(m);
+    CHECK(contains(m, "Engine::step: the ranks declared different params: declaration 1 is param "
+                      "'a.w' [64] in group 'c' on rank 0 but param 'a.w' [64] in group 'a' on "
+                      "rank 1"));
+    CHECK(contains(m, "the step was not applied, the gradients were dropped"));
+  }
+}
+
 TEST_CASE("ranks built with different EngineConfigs are refused at build, naming both") {
   std::vector<std::string> messages(2);
   run_ranks(2, [&](int rank, Communicator& comm) {
