@@ -2,7 +2,8 @@
 # `ckpt export --format hf` folders: made as mkdir makes one (0755 under umask 022, 0750 under
 # 027; not mkdtemp's 0700), and the temporary folder of an export whose process died (SIGKILL,
 # a crash: FOLDER.tmp-export-HOST-PID-*) is removed by the next export of FOLDER, while one of a
-# live process, of another host or of another target is left alone.
+# live process, of another host or of another target is left alone. A used folder or a file as
+# --out is refused naming --out, with exit 2.
 # Usage: hf_export_folders.sh SHARDSWAP CONFIGS_DIR
 set -u
 bin=$1
@@ -54,5 +55,17 @@ for kept in "out.tmp-export-$host-$$-0badc0de" "out.tmp-export-otherhost-$dead-0
 done
 left=$(ls "$work" | grep -c 'tmp-export')
 [ "$left" -eq 3 ] || fail "$left temporary folders beside the export, expected the 3 kept: $(ls "$work")"
+
+# --- a refused folder is named as --out, before any work (not by an inner function) ---
+mkdir "$work/used" && touch "$work/used/x" && touch "$work/afile"
+for target in used afile; do
+  export_to "$work/$target"
+  code=$?
+  first=$(head -1 "$work/export.log")
+  case "$code:$first" in
+    "2:shardswap: --out '$work/$target': "*"refusing to"*) ok "refused $target: $first" ;;
+    *) fail "export into $target: exit $code: $first" ;;
+  esac
+done
 
 [ "$failures" -eq 0 ]

@@ -371,15 +371,12 @@ fs::path make_export_temporary(const fs::path& parent, const fs::path& folder) {
 
 }  // namespace
 
-void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DType dtype,
-                     const HfTensorFill& fill, std::uint64_t max_shard_bytes) {
+fs::path check_hf_folder(const fs::path& folder_arg, std::string_view label) {
   // "out/" names the folder "out".
   const fs::path folder = folder_arg.has_filename() ? folder_arg : folder_arg.parent_path();
   const auto refuse = [&](std::string_view why) {
-    return ConfigError(fmt::format("write_hf_folder '{}': {}", folder.string(), why));
+    return ConfigError(fmt::format("{} '{}': {}", label, folder.string(), why));
   };
-  const json config = hf_config_to_json(shape, dtype);  // refuses the shape and dtype first
-  if (max_shard_bytes < 1) throw refuse("the shard size limit must be at least 1 byte");
   if (folder.empty()) throw refuse("an empty path");
   const fs::path parent = folder.has_parent_path() ? folder.parent_path() : fs::path(".");
   struct stat st {};
@@ -393,6 +390,18 @@ void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DTyp
   } else if (errno != ENOENT) {
     throw refuse(std::strerror(errno));
   }
+  return folder;
+}
+
+void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DType dtype,
+                     const HfTensorFill& fill, std::uint64_t max_shard_bytes) {
+  const json config = hf_config_to_json(shape, dtype);  // refuses the shape and dtype first
+  if (max_shard_bytes < 1)
+    throw ConfigError(fmt::format("write_hf_folder '{}': the shard size limit must be at least 1 "
+                                  "byte",
+                                  folder_arg.string()));
+  const fs::path folder = check_hf_folder(folder_arg, "write_hf_folder");
+  const fs::path parent = folder.has_parent_path() ? folder.parent_path() : fs::path(".");
 
   // Shards: params in order, a new file where the next param would pass the limit.
   const auto specs = decoder_params(shape);

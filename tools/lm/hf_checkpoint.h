@@ -85,5 +85,10 @@ using HfTensorFill = std::function<void(const HfTensorSpec& spec, std::span<std:
 /// shape or dtype (nothing written), Error for a failing write.
 void write_hf_folder(const std::filesystem::path& folder, const DecoderShape& shape, DType dtype,
                      const HfTensorFill& fill, std::uint64_t max_shard_bytes);
+/// write_hf_folder's check of `folder` alone, for a command to run before any work: throws
+/// ConfigError "LABEL 'FOLDER': what is wrong" (its parent missing; a file, link or other
+/// non-directory; a directory that is not empty). Returns the folder without a trailing '/'.
+std::filesystem::path check_hf_folder(const std::filesystem::path& folder,
+                                      std::string_view label);
 
 }  // namespace shardswap
