@@ -2,8 +2,9 @@
 # A decoder shape beyond any model (num_hidden_layers = 1000000000 in an HF config.json, a huge
 # hidden_size, vocab_size, intermediate_size, head count, head_dim, or sizes each in range whose
 # params pass 2^48) is refused with exit 2 naming the field of config.json (or model.FIELD), at
-# once, before anything is made from it (once: std::bad_alloc after 1.7 GB). The unaltered model
-# still plans.
+# once, before anything is made from it (once: std::bad_alloc). Sizes in range whose plan is
+# more than the machine's memory: train and eval exit 1 saying so before allocating. The
+# unaltered model still plans.
 # Usage: decoder_huge_shapes.sh SHARDSWAP FIXTURES_DIR (tests/fixtures/decoder)
 set -u
 bin=$1
@@ -127,6 +128,23 @@ refused "model.num_hidden_layers = 1e9 from scratch" \
   --set model.num_hidden_layers=1000000000
 refused "model.vocab_size huge from scratch" "model.vocab_size = 2000000000: above 16777216" \
   --config "$work/scratch.json" --set model.vocab_size=2000000000
+
+# Sizes each in range whose plan (about 2.4 TB at rank 0) no machine here holds: train and eval
+# refuse it from the plan, exit 1, before allocating (once: 16 GB drawn and counting). Under a
+# memory limit and SIGKILL, so that a regression cannot take the machine's memory or hang.
+for command in train eval; do
+  cases=$((cases + 1))
+  out=$( (ulimit -v 8000000; timeout -s KILL 60 "$bin" $command --config "$work/scratch.json" \
+    --set model.hidden_size=65536 --set model.intermediate_size=262144 \
+    --set model.num_attention_heads=512 --set model.num_key_value_heads=512) 2>&1)
+  code=$?
+  case "$code:$out" in
+    "1:shardswap: error: the plan needs "*"GiB of host memory"*"refused before anything is allocated"*)
+      echo "ok   $command of a plan above the machine's memory: $out" | head -c 300; echo ;;
+    *) echo "FAIL $command of a plan above the machine's memory: exit $code: $(echo "$out" | head -c 300)"
+       failures=$((failures + 1)) ;;
+  esac
+done
 
 echo "$cases cases, $failures failed"
 [ "$failures" -eq 0 ]
