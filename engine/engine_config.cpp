@@ -25,8 +25,8 @@ namespace {
 
 void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {
   // "NAME = VALUE: why", the shape of every config error; the JSON reader adds the file.
-  const auto fail = [&](std::string_view json_key, std::string_view field,
-                        const std::string& value, std::string_view why) {
+  const auto fail = [&](std::string_view json_key, std::string_view field, const std::string& value,
+                        std::string_view why) {
     throw ConfigError(fmt::format("{} = {}: {}", name(json_key, field), value, why));
   };
   if (c.stage != 1 && c.stage != 2)
@@ -49,8 +49,7 @@ void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {
   if (c.alignment_bytes == 0 || (c.alignment_bytes & (c.alignment_bytes - 1)) != 0 ||
       c.alignment_bytes < dtype_size(c.dtype))
     fail("shardswap.alignment_bytes", "alignment_bytes", fmt::format("{} bytes", c.alignment_bytes),
-         fmt::format("must be a power of two >= {} bytes (the element size)",
-                     dtype_size(c.dtype)));
+         fmt::format("must be a power of two >= {} bytes (the element size)", dtype_size(c.dtype)));
   if (c.reduce_bucket_bytes < c.alignment_bytes) {
     // The JSON key counts elements of the gradient type, the field bytes: each in its own unit.
     const std::size_t element = dtype_size(grads);

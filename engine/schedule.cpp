@@ -245,9 +245,7 @@ std::vector<std::string> LayerSchedule::active_at(std::int64_t step) const {
 
   const auto& c = config_;
   std::vector<bool> active(groups_.size(), false);
-  const auto mark = [&](const std::string& name) {
-    active[group_index_.at(name)] = true;
-  };
+  const auto mark = [&](const std::string& name) { active[group_index_.at(name)] = true; };
   for (const auto& name : c.always_active) mark(name);
 
   if (c.type == SwitchingType::explicit_list) {

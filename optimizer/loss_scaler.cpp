@@ -25,15 +25,14 @@ void validate_loss_scale_config(const LossScaleConfig& c, const ConfigNames& nam
   if (c.dynamic) {
     if (!(std::isfinite(c.initial_scale) && c.initial_scale > 0)) {
       if (name.json)
-        throw ConfigError(
-            fmt::format("{} = {}: gives an initial scale of {}; it must be finite and > 0",
-                        name("initial_scale_power", ""), std::log2(c.initial_scale),
-                        c.initial_scale));
+        throw ConfigError(fmt::format(
+            "{} = {}: gives an initial scale of {}; it must be finite and > 0",
+            name("initial_scale_power", ""), std::log2(c.initial_scale), c.initial_scale));
       require(false, name("", "initial_scale"), c.initial_scale, "finite and > 0");
     }
   } else {
-    require(std::isfinite(c.static_scale) && c.static_scale > 0,
-            name("loss_scale", "static_scale"), c.static_scale, "finite and > 0");
+    require(std::isfinite(c.static_scale) && c.static_scale > 0, name("loss_scale", "static_scale"),
+            c.static_scale, "finite and > 0");
   }
   require(c.window >= 1, name("loss_scale_window", "window"), c.window, ">= 1");
   require(c.hysteresis >= 1, name("hysteresis", "hysteresis"), c.hysteresis, ">= 1");

@@ -119,14 +119,13 @@ void validate_schedule(const LrSchedule& s, const ConfigNames& name, const Confi
       require(lr_ok(s.peak_lr), peak("lr", "peak_lr"), s.peak_lr, "finite and >= 0");
       require(ratio_ok(s.warmup_min_ratio), name("warmup_min_ratio", "warmup_min_ratio"),
               s.warmup_min_ratio, "in [0, 1]");
-      require(ratio_ok(s.cos_min_ratio), name("cos_min_ratio", "cos_min_ratio"),
-              s.cos_min_ratio, "in [0, 1]");
+      require(ratio_ok(s.cos_min_ratio), name("cos_min_ratio", "cos_min_ratio"), s.cos_min_ratio,
+              "in [0, 1]");
       break;
   }
   if (s.warmup_num_steps < 0)
-    throw ConfigError(fmt::format("{} = {}: must be >= 0",
-                                  name("warmup_num_steps", "warmup_num_steps"),
-                                  s.warmup_num_steps));
+    throw ConfigError(fmt::format(
+        "{} = {}: must be >= 0", name("warmup_num_steps", "warmup_num_steps"), s.warmup_num_steps));
   const std::int64_t w = s.warmup_iterations();
   const auto total = name("total_num_steps", "total_num_steps");
   if (s.type == LrScheduleType::warmup_decay && s.total_num_steps < w)

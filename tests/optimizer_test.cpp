@@ -716,8 +716,7 @@ TEST_CASE("OptimizerConfig::validate accepts the defaults and names each bad key
   for (const Bad& b : bad) {
     OptimizerConfig c;
     b.spoil(c);
-    const std::string msg =
-        test::message_of<ConfigError>([&] { c.validate("optimizer.params"); });
+    const std::string msg = test::message_of<ConfigError>([&] { c.validate("optimizer.params"); });
     INFO(msg);
     // "KEY = VALUE: rule": the shape the config reader prefixes with the file.
     CHECK(msg.rfind(std::string(b.key) + " = ", 0) == 0);

@@ -8,8 +8,8 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <tuple>
 #include <string_view>
+#include <tuple>
 
 #include "shardswap/error.h"
 #include "tools/lm/decoder_cpu.h"

@@ -25,12 +25,12 @@ namespace shardswap {
 /// param list, let alone its memory, is made, and that no count of elements or bytes made from a
 /// shape overflows 64 bits.
 struct DecoderShapeLimits {
-  static constexpr int layers = 1 << 17;         ///< 131072
-  static constexpr int hidden = 1 << 20;         ///< 1048576
-  static constexpr int intermediate = 1 << 22;   ///< 4194304
-  static constexpr int vocab = 1 << 24;          ///< 16777216
-  static constexpr int heads = 1 << 16;          ///< 65536 (kv_heads: at most heads)
-  static constexpr int head_dim = 1 << 16;       ///< 65536
+  static constexpr int layers = 1 << 17;            ///< 131072
+  static constexpr int hidden = 1 << 20;            ///< 1048576
+  static constexpr int intermediate = 1 << 22;      ///< 4194304
+  static constexpr int vocab = 1 << 24;             ///< 16777216
+  static constexpr int heads = 1 << 16;             ///< 65536 (kv_heads: at most heads)
+  static constexpr int head_dim = 1 << 16;          ///< 65536
   static constexpr std::int64_t q_width = 1 << 20;  ///< heads x head_dim
   /// Params in all (decoder_param_count): 2^48, about 2.8e14, 700 times Llama 3.1 405B's.
   static constexpr std::int64_t params = std::int64_t{1} << 48;

@@ -9,8 +9,8 @@
 #include <bit>
 #include <cctype>
 #include <cerrno>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -346,8 +346,7 @@ void remove_dead_exports(const fs::path& parent, const fs::path& folder) {
       continue;
     const auto pid = static_cast<pid_t>(std::stol(std::string(rest.substr(0, dash))));
     struct stat st {};
-    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
-        st.st_uid != ::geteuid())
+    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
       continue;
     if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
     std::error_code removed;
@@ -397,9 +396,10 @@ void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DTyp
                      const HfTensorFill& fill, std::uint64_t max_shard_bytes) {
   const json config = hf_config_to_json(shape, dtype);  // refuses the shape and dtype first
   if (max_shard_bytes < 1)
-    throw ConfigError(fmt::format("write_hf_folder '{}': the shard size limit must be at least 1 "
-                                  "byte",
-                                  folder_arg.string()));
+    throw ConfigError(
+        fmt::format("write_hf_folder '{}': the shard size limit must be at least 1 "
+                    "byte",
+                    folder_arg.string()));
   const fs::path folder = check_hf_folder(folder_arg, "write_hf_folder");
   const fs::path parent = folder.has_parent_path() ? folder.parent_path() : fs::path(".");
 

@@ -88,7 +88,6 @@ void write_hf_folder(const std::filesystem::path& folder, const DecoderShape& sh
 /// write_hf_folder's check of `folder` alone, for a command to run before any work: throws
 /// ConfigError "LABEL 'FOLDER': what is wrong" (its parent missing; a file, link or other
 /// non-directory; a directory that is not empty). Returns the folder without a trailing '/'.
-std::filesystem::path check_hf_folder(const std::filesystem::path& folder,
-                                      std::string_view label);
+std::filesystem::path check_hf_folder(const std::filesystem::path& folder, std::string_view label);
 
 }  // namespace shardswap

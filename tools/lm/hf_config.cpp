@@ -271,8 +271,8 @@ void check_limits(const Fields& f, const DecoderShape& s) {
   if (s.head_dim > Limits::head_dim) {
     if (f.has("head_dim")) f.refuse("head_dim", above(Limits::head_dim));
     f.refuse("num_attention_heads",
-             fmt::format("gives head_dim = hidden_size / num_attention_heads = {}: {}",
-                         s.head_dim, above(Limits::head_dim)));
+             fmt::format("gives head_dim = hidden_size / num_attention_heads = {}: {}", s.head_dim,
+                         above(Limits::head_dim)));
   }
   // Without a head_dim the width is hidden_size, within its limit.
   if (s.q_width() > Limits::q_width)
