@@ -131,10 +131,14 @@ refused "model.vocab_size huge from scratch" "model.vocab_size = 2000000000: abo
 
 # Sizes each in range whose plan (about 2.4 TB at rank 0) no machine here holds: train and eval
 # refuse it from the plan, exit 1, before allocating (once: 16 GB drawn and counting). Under a
-# memory limit and SIGKILL, so that a regression cannot take the machine's memory or hang.
+# memory limit and SIGKILL, so that a regression cannot take the machine's memory or hang (no
+# limit on the address space of a sanitized build: ASan reserves terabytes of it for its shadow).
+sanitized=0
+grep -q __asan_init "$bin" && sanitized=1
 for command in train eval; do
   cases=$((cases + 1))
-  out=$( (ulimit -v 8000000; timeout -s KILL 60 "$bin" $command --config "$work/scratch.json" \
+  out=$( ([ $sanitized -eq 1 ] || ulimit -v 8000000
+    timeout -s KILL 60 "$bin" $command --config "$work/scratch.json" \
     --set model.hidden_size=65536 --set model.intermediate_size=262144 \
     --set model.num_attention_heads=512 --set model.num_key_value_heads=512) 2>&1)
   code=$?
