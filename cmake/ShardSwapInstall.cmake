@@ -61,5 +61,11 @@ if(SHARDSWAP_WITH_MPI)  # the MPI communicator (shardswap/mpi.h), with or withou
     string(APPEND shardswap_pc_libs_private " ${lib}")
   endforeach()
 endif()
+# A sanitized build's flags, which every consumer needs (root CMakeLists.txt).
+set(shardswap_pc_sanitize "")
+if(SHARDSWAP_SANITIZE)
+  string(JOIN " " shardswap_pc_sanitize ${shardswap_consumer_sanitize_flags})
+  string(PREPEND shardswap_pc_sanitize " ")
+endif()
 configure_file(${PROJECT_SOURCE_DIR}/cmake/shardswap.pc.in ${PROJECT_BINARY_DIR}/shardswap.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/shardswap.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

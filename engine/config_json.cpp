@@ -362,7 +362,7 @@ EngineConfig read(ConfigReader& c, const BatchSizes& batches,
   cfg.alignment_bytes = static_cast<std::size_t>(alignment);
   cfg.nonfinite = nonfinite_policy_from_name(
       c.string("shardswap.nonfinite", nonfinite_policy_name(cfg.nonfinite)), "shardswap.nonfinite");
-  cfg.validate();
+  cfg.validate("");  // the JSON keys, not the C++ fields
   return cfg;
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "optimizer/config_names.h"
 #include "shardswap/error.h"
 
 namespace shardswap {
@@ -20,49 +21,69 @@ const char* nonfinite_policy_name(NonFinitePolicy policy) {
   return policy == NonFinitePolicy::error ? "error" : "skip";
 }
 
-void EngineConfig::validate(std::string_view prefix) const {
-  const auto key = [&](std::string_view name) { return fmt::format("{}{}", prefix, name); };
-  // "KEY = VALUE: why", the shape of every config error; the JSON reader adds the file.
-  const auto fail = [&](std::string_view name, const std::string& value, std::string_view why) {
-    throw ConfigError(fmt::format("{} = {}: {}", key(name), value, why));
+namespace {
+
+void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {
+  // "NAME = VALUE: why", the shape of every config error; the JSON reader adds the file.
+  const auto fail = [&](std::string_view json_key, std::string_view field, const std::string& value,
+                        std::string_view why) {
+    throw ConfigError(fmt::format("{} = {}: {}", name(json_key, field), value, why));
   };
-    if (stage != 1 && stage != 2)
-    fail("zero_optimization.stage", fmt::format("{}", stage),
+  if (c.stage != 1 && c.stage != 2)
+    fail("zero_optimization.stage", "stage", fmt::format("{}", c.stage),
          "ShardSwap implements stages 1 and 2");
-  if (!is_bit16(dtype))
-    fail("dtype", quote_value(dtype_name(dtype)), "params and gradients must be bf16 or fp16");
-  const DType grads = grad_type(), comm = comm_type();
-  if (grads != dtype && grads != DType::f32)
-    fail("data_types.grad_accum_dtype", quote_value(dtype_name(grads)),
-         fmt::format("gradients are kept in the param type ({}) or fp32", dtype_name(dtype)));
+  // The JSON gives the dtype as bf16.enabled / fp16.enabled: named "dtype" either way.
+  if (!is_bit16(c.dtype))
+    fail("dtype", "dtype", quote_value(dtype_name(c.dtype)),
+         "params and gradients must be bf16 or fp16");
+  const DType grads = c.grad_type(), comm = c.comm_type();
+  if (grads != c.dtype && grads != DType::f32)
+    fail("data_types.grad_accum_dtype", "grad_dtype", quote_value(dtype_name(grads)),
+         fmt::format("gradients are kept in the param type ({}) or fp32", dtype_name(c.dtype)));
   if (comm == DType::f64 || (is_bit16(grads) && comm != grads))
-    fail("communication_data_type", quote_value(dtype_name(comm)),
+    fail("communication_data_type", "comm_dtype", quote_value(dtype_name(comm)),
          fmt::format("with {} gradients communication is in {}; compression to bf16/fp16 "
-                     "needs fp32 gradients (data_types.grad_accum_dtype = fp32)",
-                     dtype_name(grads), dtype_name(grads)));
-  if (alignment_bytes == 0 || (alignment_bytes & (alignment_bytes - 1)) != 0 ||
-      alignment_bytes < dtype_size(dtype))
-    fail("shardswap.alignment_bytes", fmt::format("{} bytes", alignment_bytes),
-         fmt::format("must be a power of two >= {} bytes (the element size)", dtype_size(dtype)));
-  if (reduce_bucket_bytes < alignment_bytes) {
-    // The JSON key counts elements of the gradient type; the field holds bytes: show both.
+                     "needs fp32 gradients ({} = fp32)",
+                     dtype_name(grads), dtype_name(grads),
+                     name("data_types.grad_accum_dtype", "grad_dtype")));
+  if (c.alignment_bytes == 0 || (c.alignment_bytes & (c.alignment_bytes - 1)) != 0 ||
+      c.alignment_bytes < dtype_size(c.dtype))
+    fail("shardswap.alignment_bytes", "alignment_bytes", fmt::format("{} bytes", c.alignment_bytes),
+         fmt::format("must be a power of two >= {} bytes (the element size)", dtype_size(c.dtype)));
+  if (c.reduce_bucket_bytes < c.alignment_bytes) {
+    // The JSON key counts elements of the gradient type, the field bytes: each in its own unit.
     const std::size_t element = dtype_size(grads);
-    fail("zero_optimization.reduce_bucket_size",
-         fmt::format("{} elements", reduce_bucket_bytes / element),
-         fmt::format("{} bytes of {} gradients is smaller than the alignment ({} bytes)",
-                     reduce_bucket_bytes, dtype_name(grads), alignment_bytes));
+    fail("zero_optimization.reduce_bucket_size", "reduce_bucket_bytes",
+         name.json ? fmt::format("{} elements", c.reduce_bucket_bytes / element)
+                   : fmt::format("{} bytes", c.reduce_bucket_bytes),
+         name.json ? fmt::format("{} bytes of {} gradients is smaller than the alignment ({} "
+                                 "bytes)",
+                                 c.reduce_bucket_bytes, dtype_name(grads), c.alignment_bytes)
+                   : fmt::format("is smaller than alignment_bytes = {}", c.alignment_bytes));
   }
-  if (gradient_accumulation_steps < 1)
-    fail("gradient_accumulation_steps", fmt::format("{}", gradient_accumulation_steps),
-         "must be >= 1");
-  if (!(gradient_clipping >= 0.0) || !std::isfinite(gradient_clipping))
-    fail("gradient_clipping", fmt::format("{}", gradient_clipping), "must be finite and >= 0");
-  if (dtype == DType::f16 && nonfinite != NonFinitePolicy::skip)
-    fail("shardswap.nonfinite", quote_value(nonfinite_policy_name(nonfinite)),
+  if (c.gradient_accumulation_steps < 1)
+    fail("gradient_accumulation_steps", "gradient_accumulation_steps",
+         fmt::format("{}", c.gradient_accumulation_steps), "must be >= 1");
+  if (!(c.gradient_clipping >= 0.0) || !std::isfinite(c.gradient_clipping))
+    fail("gradient_clipping", "gradient_clipping", fmt::format("{}", c.gradient_clipping),
+         "must be finite and >= 0");
+  if (c.dtype == DType::f16 && c.nonfinite != NonFinitePolicy::skip)
+    fail("shardswap.nonfinite", "nonfinite", quote_value(nonfinite_policy_name(c.nonfinite)),
          "applies to bf16 only: under fp16 Inf/NaN gradients are the loss scaler's overflow "
          "signal, and the step is always skipped");
-  optimizer.validate(fmt::format("{}optimizer.params", prefix));
-  if (dtype == DType::f16) loss_scale.validate(fmt::format("{}fp16", prefix));
+  validate_optimizer_config(c.optimizer, name.nested("optimizer.params", "optimizer"));
+  if (c.dtype == DType::f16)
+    validate_loss_scale_config(c.loss_scale, name.nested("fp16", "loss_scale"));
+}
+
+}  // namespace
+
+void EngineConfig::validate() const {
+  validate_engine_config(*this, ConfigNames::fields("EngineConfig"));
+}
+
+void EngineConfig::validate(std::string_view prefix) const {
+  validate_engine_config(*this, ConfigNames::keys(prefix));
 }
 
 }  // namespace shardswap

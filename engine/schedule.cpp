@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <climits>
 #include <numeric>
+#include <string_view>
+#include <unordered_map>
 
 #include "shardswap/error.h"
 
@@ -85,32 +87,42 @@ std::string group_list(const std::vector<std::string>& groups) {
                      groups.size());
 }
 
-bool is_group(const std::vector<std::string>& groups, const std::string& name) {
-  return std::find(groups.begin(), groups.end(), name) != groups.end();
+/// Each name's first position in `names`. Hashed, not searched: a model may have 100,000
+/// groups, and every check below is then linear in the names, not quadratic.
+using NameIndex = std::unordered_map<std::string_view, std::size_t>;
+NameIndex index_of(const std::vector<std::string>& names) {
+  NameIndex index;
+  index.reserve(names.size());
+  for (std::size_t i = 0; i < names.size(); ++i) index.emplace(names[i], i);
+  return index;
 }
 
 /// Every name of `names` (the list at config key `key`) is a group, and none repeats.
 void check_names(const std::vector<std::string>& names, const std::string& key,
-                 const std::vector<std::string>& groups) {
+                 const std::vector<std::string>& groups, const NameIndex& group_index) {
+  NameIndex seen;
+  seen.reserve(names.size());
   for (std::size_t i = 0; i < names.size(); ++i) {
-    if (!is_group(groups, names[i]))
+    if (!group_index.contains(names[i]))
       throw ConfigError(fmt::format("{}[{}] = {}: not a group of the model (groups: {})", key, i,
                                     quote_value(names[i]), group_list(groups)));
-    const auto first = std::find(names.begin(), names.end(), names[i]) - names.begin();
-    if (static_cast<std::size_t>(first) != i)
+    const auto [first, inserted] = seen.emplace(names[i], i);
+    if (!inserted)
       throw ConfigError(fmt::format("{}[{}] = {}: repeats {}[{}]", key, i, quote_value(names[i]),
-                                    key.substr(key.rfind('.') + 1), first));
+                                    key.substr(key.rfind('.') + 1), first->second));
   }
 }
 
-void validate(const LayerSwitchingConfig& c, const std::vector<std::string>& groups) {
-  for (std::size_t i = 0; i < groups.size(); ++i)
-    if (std::find(groups.begin(), groups.begin() + i, groups[i]) != groups.begin() + i)
-      throw ConfigError(
-          fmt::format("LayerSchedule: the model declares group '{}' twice", groups[i]));
+void validate(const LayerSwitchingConfig& c, const std::vector<std::string>& groups,
+              const NameIndex& group_index) {
+  if (group_index.size() != groups.size())
+    for (std::size_t i = 0; i < groups.size(); ++i)
+      if (group_index.at(groups[i]) != i)
+        throw ConfigError(
+            fmt::format("LayerSchedule: the model declares group '{}' twice", groups[i]));
 
   if (c.type == SwitchingType::none) return;
-  check_names(c.always_active, "layer_switching.always_active", groups);
+  check_names(c.always_active, "layer_switching.always_active", groups, group_index);
 
   if (c.type == SwitchingType::explicit_list) {
     if (!c.layers.empty())
@@ -133,7 +145,8 @@ void validate(const LayerSwitchingConfig& c, const std::vector<std::string>& gro
             fmt::format("layer_switching.schedule[{}].step = {}: does not come after "
                         "schedule[{}].step = {}",
                         i, step, i - 1, c.steps[i - 1].first));
-      check_names(active, fmt::format("layer_switching.schedule[{}].active", i), groups);
+      check_names(active, fmt::format("layer_switching.schedule[{}].active", i), groups,
+                  group_index);
       if (active.empty() && c.always_active.empty())
         throw ConfigError(
             fmt::format("layer_switching.schedule[{}].active = []: empty, and so is "
@@ -154,9 +167,10 @@ void validate(const LayerSwitchingConfig& c, const std::vector<std::string>& gro
   if (c.layers.empty())
     throw ConfigError(fmt::format(
         "layer_switching.layers = []: empty, but {} needs the layers to switch between", type));
-  check_names(c.layers, "layer_switching.layers", groups);
+  check_names(c.layers, "layer_switching.layers", groups, group_index);
+  const NameIndex layers = index_of(c.layers);
   for (std::size_t i = 0; i < c.always_active.size(); ++i)
-    if (is_group(c.layers, c.always_active[i]))
+    if (layers.contains(c.always_active[i]))
       throw ConfigError(
           fmt::format("layer_switching.always_active[{}] = {}: also in layer_switching.layers", i,
                       quote_value(c.always_active[i])));
@@ -220,7 +234,9 @@ const char* block_order_name(BlockOrder order) {
 
 LayerSchedule::LayerSchedule(LayerSwitchingConfig config, std::vector<std::string> groups)
     : config_(std::move(config)), groups_(std::move(groups)) {
-  validate(config_, groups_);
+  const NameIndex index = index_of(groups_);
+  validate(config_, groups_, index);
+  for (const auto& [name, position] : index) group_index_.emplace(name, position);
 }
 
 std::vector<std::string> LayerSchedule::active_at(std::int64_t step) const {
@@ -229,9 +245,7 @@ std::vector<std::string> LayerSchedule::active_at(std::int64_t step) const {
 
   const auto& c = config_;
   std::vector<bool> active(groups_.size(), false);
-  const auto mark = [&](const std::string& name) {
-    active[std::find(groups_.begin(), groups_.end(), name) - groups_.begin()] = true;
-  };
+  const auto mark = [&](const std::string& name) { active[group_index_.at(name)] = true; };
   for (const auto& name : c.always_active) mark(name);
 
   if (c.type == SwitchingType::explicit_list) {

@@ -6,39 +6,46 @@
 #include <algorithm>
 #include <cmath>
 
+#include "optimizer/config_names.h"
 #include "shardswap/error.h"
 
 namespace shardswap {
 
 namespace {
 
-void require(bool ok, std::string_view prefix, std::string_view key, double value,
-             std::string_view rule) {
-  if (!ok) {
-    throw ConfigError(fmt::format("{}.{} = {}: must be {}", prefix, key, value, rule));
-  }
+void require(bool ok, const std::string& name, double value, std::string_view rule) {
+  if (!ok) throw ConfigError(fmt::format("{} = {}: must be {}", name, value, rule));
 }
 
 }  // namespace
 
-void LossScaleConfig::validate(std::string_view prefix) const {
+void validate_loss_scale_config(const LossScaleConfig& c, const ConfigNames& name) {
   // Only the scale in use is checked: a parser may leave the other one at a placeholder (DeepSpeed
-  // spells "dynamic" as loss_scale = 0). initial_scale is given as 2^initial_scale_power.
-  if (dynamic) {
-    if (!(std::isfinite(initial_scale) && initial_scale > 0)) {
-      throw ConfigError(
-          fmt::format("{}.initial_scale_power = {}: gives an initial scale of {}; it must be "
-                      "finite and > 0",
-                      prefix, std::log2(initial_scale), initial_scale));
+  // spells "dynamic" as loss_scale = 0). The JSON gives initial_scale as 2^initial_scale_power.
+  if (c.dynamic) {
+    if (!(std::isfinite(c.initial_scale) && c.initial_scale > 0)) {
+      if (name.json)
+        throw ConfigError(fmt::format(
+            "{} = {}: gives an initial scale of {}; it must be finite and > 0",
+            name("initial_scale_power", ""), std::log2(c.initial_scale), c.initial_scale));
+      require(false, name("", "initial_scale"), c.initial_scale, "finite and > 0");
     }
   } else {
-    require(std::isfinite(static_scale) && static_scale > 0, prefix, "loss_scale", static_scale,
-            "finite and > 0");
+    require(std::isfinite(c.static_scale) && c.static_scale > 0, name("loss_scale", "static_scale"),
+            c.static_scale, "finite and > 0");
   }
-  require(window >= 1, prefix, "loss_scale_window", window, ">= 1");
-  require(hysteresis >= 1, prefix, "hysteresis", hysteresis, ">= 1");
-  require(std::isfinite(min_scale) && min_scale > 0, prefix, "min_loss_scale", min_scale,
-          "finite and > 0");
+  require(c.window >= 1, name("loss_scale_window", "window"), c.window, ">= 1");
+  require(c.hysteresis >= 1, name("hysteresis", "hysteresis"), c.hysteresis, ">= 1");
+  require(std::isfinite(c.min_scale) && c.min_scale > 0, name("min_loss_scale", "min_scale"),
+          c.min_scale, "finite and > 0");
+}
+
+void LossScaleConfig::validate() const {
+  validate_loss_scale_config(*this, ConfigNames::fields("LossScaleConfig"));
+}
+
+void LossScaleConfig::validate(std::string_view prefix) const {
+  validate_loss_scale_config(*this, ConfigNames::keys(fmt::format("{}.", prefix)));
 }
 
 LossScaler::LossScaler(const LossScaleConfig& config)

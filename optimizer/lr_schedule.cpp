@@ -10,6 +10,7 @@
 #include <numbers>
 #include <string>
 
+#include "optimizer/config_names.h"
 #include "shardswap/error.h"
 
 namespace shardswap {
@@ -17,9 +18,8 @@ namespace shardswap {
 namespace {
 
 // Throws unless `ok`, stated as the condition that must hold so a NaN fails too.
-void require(bool ok, std::string_view prefix, std::string_view key, double value,
-             std::string_view rule) {
-  if (!ok) throw ConfigError(fmt::format("{}.{} = {}: must be {}", prefix, key, value, rule));
+void require(bool ok, const std::string& name, double value, std::string_view rule) {
+  if (!ok) throw ConfigError(fmt::format("{} = {}: must be {}", name, value, rule));
 }
 
 // Fraction of warmup done at `iteration` (< warmup iterations W): 0 at iteration 0.
@@ -98,39 +98,58 @@ double LrSchedule::lr_at(std::int64_t update) const {
   return warmup_min_lr + (peak_lr - warmup_min_lr) * gamma;
 }
 
-void LrSchedule::validate(std::string_view prefix) const {
+namespace {
+
+// The lr of the schedule's peak is optimizer.params.lr in the JSON, except WarmupLR's and
+// WarmupDecayLR's warmup_max_lr.
+void validate_schedule(const LrSchedule& s, const ConfigNames& name, const ConfigNames& peak) {
   const auto lr_ok = [](double v) { return std::isfinite(v) && v >= 0.0; };
   const auto ratio_ok = [](double v) { return v >= 0.0 && v <= 1.0; };
-  switch (type) {
+  switch (s.type) {
     case LrScheduleType::constant:
-      require(lr_ok(peak_lr), "optimizer.params", "lr", peak_lr, "finite and >= 0");
+      require(lr_ok(s.peak_lr), peak("lr", "peak_lr"), s.peak_lr, "finite and >= 0");
       return;
     case LrScheduleType::warmup:
     case LrScheduleType::warmup_decay:
-      require(lr_ok(warmup_min_lr), prefix, "warmup_min_lr", warmup_min_lr, "finite and >= 0");
-      require(lr_ok(peak_lr), prefix, "warmup_max_lr", peak_lr, "finite and >= 0");
+      require(lr_ok(s.warmup_min_lr), name("warmup_min_lr", "warmup_min_lr"), s.warmup_min_lr,
+              "finite and >= 0");
+      require(lr_ok(s.peak_lr), name("warmup_max_lr", "peak_lr"), s.peak_lr, "finite and >= 0");
       break;
     case LrScheduleType::warmup_cosine:
-      require(lr_ok(peak_lr), "optimizer.params", "lr", peak_lr, "finite and >= 0");
-      require(ratio_ok(warmup_min_ratio), prefix, "warmup_min_ratio", warmup_min_ratio,
+      require(lr_ok(s.peak_lr), peak("lr", "peak_lr"), s.peak_lr, "finite and >= 0");
+      require(ratio_ok(s.warmup_min_ratio), name("warmup_min_ratio", "warmup_min_ratio"),
+              s.warmup_min_ratio, "in [0, 1]");
+      require(ratio_ok(s.cos_min_ratio), name("cos_min_ratio", "cos_min_ratio"), s.cos_min_ratio,
               "in [0, 1]");
-      require(ratio_ok(cos_min_ratio), prefix, "cos_min_ratio", cos_min_ratio, "in [0, 1]");
       break;
   }
-  if (warmup_num_steps < 0)
-    throw ConfigError(
-        fmt::format("{}.warmup_num_steps = {}: must be >= 0", prefix, warmup_num_steps));
-  const std::int64_t w = warmup_iterations();
-  if (type == LrScheduleType::warmup_decay && total_num_steps < w)
+  if (s.warmup_num_steps < 0)
     throw ConfigError(fmt::format(
-        "{}.total_num_steps = {}: must be >= the warmup, max(2, "
+        "{} = {}: must be >= 0", name("warmup_num_steps", "warmup_num_steps"), s.warmup_num_steps));
+  const std::int64_t w = s.warmup_iterations();
+  const auto total = name("total_num_steps", "total_num_steps");
+  if (s.type == LrScheduleType::warmup_decay && s.total_num_steps < w)
+    throw ConfigError(fmt::format(
+        "{} = {}: must be >= the warmup, max(2, "
         "warmup_num_steps) = {}: after warmup the lr would drop straight to warmup_min_lr",
-        prefix, total_num_steps, w));
-  if (type == LrScheduleType::warmup_cosine && total_num_steps <= w)
+        total, s.total_num_steps, w));
+  if (s.type == LrScheduleType::warmup_cosine && s.total_num_steps <= w)
     throw ConfigError(
-        fmt::format("{}.total_num_steps = {}: must be > the warmup, max(2, "
+        fmt::format("{} = {}: must be > the warmup, max(2, "
                     "warmup_num_steps) = {}: the cosine needs steps to decay over",
-                    prefix, total_num_steps, w));
+                    total, s.total_num_steps, w));
+}
+
+}  // namespace
+
+void LrSchedule::validate() const {
+  const auto fields = ConfigNames::fields("LrSchedule");
+  validate_schedule(*this, fields, fields);
+}
+
+void LrSchedule::validate(std::string_view prefix) const {
+  validate_schedule(*this, ConfigNames::keys(fmt::format("{}.", prefix)),
+                    ConfigNames::keys("optimizer.params."));
 }
 
 }  // namespace shardswap

@@ -2,6 +2,7 @@
 // the per-call scalars of the fused update).
 #include "optimizer/optimizer.h"
 #include "memory/quoted.h"
+#include "optimizer/config_names.h"
 #include "optimizer/kernel_checks.h"
 
 #include <fmt/format.h>
@@ -27,11 +28,8 @@ std::string lower(std::string_view s) {
 
 // Throws unless `ok`; written so that callers state the condition that must hold, which makes a
 // NaN (for which every comparison is false) fail too.
-void require(bool ok, std::string_view prefix, std::string_view key, double value,
-             std::string_view rule) {
-  if (!ok) {
-    throw ConfigError(fmt::format("{}.{} = {}: must be {}", prefix, key, value, rule));
-  }
+void require(bool ok, const std::string& name, double value, std::string_view rule) {
+  if (!ok) throw ConfigError(fmt::format("{} = {}: must be {}", name, value, rule));
 }
 
 }  // namespace
@@ -58,25 +56,34 @@ const char* optimizer_type_name(OptimizerType type) {
 }
 
 // Keys follow the DeepSpeed / torch.optim JSON spelling: "betas" is a pair, so beta1 and beta2
-// are named "betas[0]" and "betas[1]".
-void OptimizerConfig::validate(std::string_view prefix) const {
-  require(std::isfinite(lr), prefix, "lr", lr, "finite");
-  require(lr >= 0, prefix, "lr", lr, ">= 0");
-  require(beta1 >= 0 && beta1 < 1, prefix, "betas[0]", beta1, "in [0, 1)");
-  require(beta2 >= 0 && beta2 < 1, prefix, "betas[1]", beta2, "in [0, 1)");
-  require(std::isfinite(eps), prefix, "eps", eps, "finite");
-  require(eps > 0, prefix, "eps", eps, "> 0");
-  require(std::isfinite(weight_decay), prefix, "weight_decay", weight_decay, "finite");
-  require(weight_decay >= 0, prefix, "weight_decay", weight_decay, ">= 0");
-  require(std::isfinite(momentum), prefix, "momentum", momentum, "finite");
-  require(momentum >= 0, prefix, "momentum", momentum, ">= 0");
-  require(dampening >= 0 && dampening <= 1, prefix, "dampening", dampening, "in [0, 1]");
-  if (nesterov && !(momentum > 0 && dampening == 0)) {
-    throw ConfigError(
-        fmt::format("{}.nesterov = true: needs {}.momentum > 0 (got {}) and {}.dampening = 0 "
-                    "(got {})",
-                    prefix, prefix, momentum, prefix, dampening));
+// are named "betas[0]" and "betas[1]" (fields: beta1, beta2).
+void validate_optimizer_config(const OptimizerConfig& c, const ConfigNames& name) {
+  require(std::isfinite(c.lr), name("lr", "lr"), c.lr, "finite");
+  require(c.lr >= 0, name("lr", "lr"), c.lr, ">= 0");
+  require(c.beta1 >= 0 && c.beta1 < 1, name("betas[0]", "beta1"), c.beta1, "in [0, 1)");
+  require(c.beta2 >= 0 && c.beta2 < 1, name("betas[1]", "beta2"), c.beta2, "in [0, 1)");
+  require(std::isfinite(c.eps), name("eps", "eps"), c.eps, "finite");
+  require(c.eps > 0, name("eps", "eps"), c.eps, "> 0");
+  require(std::isfinite(c.weight_decay), name("weight_decay", "weight_decay"), c.weight_decay,
+          "finite");
+  require(c.weight_decay >= 0, name("weight_decay", "weight_decay"), c.weight_decay, ">= 0");
+  require(std::isfinite(c.momentum), name("momentum", "momentum"), c.momentum, "finite");
+  require(c.momentum >= 0, name("momentum", "momentum"), c.momentum, ">= 0");
+  require(c.dampening >= 0 && c.dampening <= 1, name("dampening", "dampening"), c.dampening,
+          "in [0, 1]");
+  if (c.nesterov && !(c.momentum > 0 && c.dampening == 0)) {
+    throw ConfigError(fmt::format("{} = true: needs {} > 0 (got {}) and {} = 0 (got {})",
+                                  name("nesterov", "nesterov"), name("momentum", "momentum"),
+                                  c.momentum, name("dampening", "dampening"), c.dampening));
   }
+}
+
+void OptimizerConfig::validate() const {
+  validate_optimizer_config(*this, ConfigNames::fields("OptimizerConfig"));
+}
+
+void OptimizerConfig::validate(std::string_view prefix) const {
+  validate_optimizer_config(*this, ConfigNames::keys(fmt::format("{}.", prefix)));
 }
 
 int OptimizerConfig::state_slots() const {

@@ -42,7 +42,10 @@ TEST_CASE("compression raises peak memory by at most one reduce bucket whatever 
 TEST_CASE("compression to bf16 is refused for bf16 gradients, naming the keys") {
   EngineConfig cfg;
   cfg.comm_dtype = DType::f16;
-  const auto msg = test::message_of<ConfigError>([&] { cfg.validate(); });
+  const auto msg = test::message_of<ConfigError>([&] { cfg.validate(""); });
   REQUIRE(test::contains(msg, "communication_data_type"));
   REQUIRE(test::contains(msg, "grad_accum_dtype"));
+  const auto fields = test::message_of<ConfigError>([&] { cfg.validate(); });
+  REQUIRE(test::contains(fields, "EngineConfig.comm_dtype"));
+  REQUIRE(test::contains(fields, "EngineConfig.grad_dtype"));
 }

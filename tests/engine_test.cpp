@@ -253,11 +253,13 @@ TEST_CASE("bad engine input is refused with a typed error that names it") {
       CAPTURE(msg);
       REQUIRE(test::contains(msg, expected));
     };
-    bad([](EngineConfig& c) { c.optimizer.lr = -0.1; }, "optimizer.params.lr");
-    bad([](EngineConfig& c) { c.alignment_bytes = 96; }, "alignment_bytes");
-    bad([](EngineConfig& c) { c.reduce_bucket_bytes = 128; }, "reduce_bucket_size");
-    bad([](EngineConfig& c) { c.stage = 3; }, "zero_optimization.stage");
-    bad([](EngineConfig& c) { c.dtype = DType::f32; }, "dtype");
+    // The struct's fields, as the caller set them (not the JSON keys of the config reader).
+    bad([](EngineConfig& c) { c.optimizer.lr = -0.1; }, "EngineConfig.optimizer.lr = -0.1");
+    bad([](EngineConfig& c) { c.alignment_bytes = 96; }, "EngineConfig.alignment_bytes = 96");
+    bad([](EngineConfig& c) { c.reduce_bucket_bytes = 128; },
+        "EngineConfig.reduce_bucket_bytes = 128 bytes");
+    bad([](EngineConfig& c) { c.stage = 3; }, "EngineConfig.stage = 3");
+    bad([](EngineConfig& c) { c.dtype = DType::f32; }, "EngineConfig.dtype");
 
     Engine e(base_config(2), comm, space);
     e.add_param("w", {4, 4}, "g");

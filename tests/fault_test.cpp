@@ -572,7 +572,8 @@ TEST_CASE("shardswap.nonfinite is read from JSON, refused with a wrong value or 
                  "k = \"abort\": expected skip or error"));
   cfg.dtype = DType::f16;
   cfg.nonfinite = NonFinitePolicy::error;
-  CHECK(contains(test::message_of<ConfigError>([&] { cfg.validate(); }), "shardswap.nonfinite"));
+  CHECK(contains(test::message_of<ConfigError>([&] { cfg.validate(""); }), "shardswap.nonfinite"));
+  CHECK(contains(test::message_of<ConfigError>([&] { cfg.validate(); }), "EngineConfig.nonfinite"));
   const auto from_json = [](const std::string& precision, const std::string& nonfinite) {
     auto c = ConfigReader::from_text(
         fmt::format(

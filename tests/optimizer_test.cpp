@@ -716,7 +716,7 @@ TEST_CASE("OptimizerConfig::validate accepts the defaults and names each bad key
   for (const Bad& b : bad) {
     OptimizerConfig c;
     b.spoil(c);
-    const std::string msg = test::message_of<ConfigError>([&] { c.validate(); });
+    const std::string msg = test::message_of<ConfigError>([&] { c.validate("optimizer.params"); });
     INFO(msg);
     // "KEY = VALUE: rule": the shape the config reader prefixes with the file.
     CHECK(msg.rfind(std::string(b.key) + " = ", 0) == 0);
@@ -727,8 +727,10 @@ TEST_CASE("OptimizerConfig::validate accepts the defaults and names each bad key
 TEST_CASE("OptimizerConfig::validate reports a negative lr with its value and the rule") {
   OptimizerConfig c;
   c.lr = -0.1;
-  CHECK(test::message_of<ConfigError>([&] { c.validate(); }) ==
+  CHECK(test::message_of<ConfigError>([&] { c.validate("optimizer.params"); }) ==
         "optimizer.params.lr = -0.1: must be >= 0");
+  CHECK(test::message_of<ConfigError>([&] { c.validate(); }) ==
+        "OptimizerConfig.lr = -0.1: must be >= 0");
   CHECK(test::contains(test::message_of<ConfigError>([&] { c.validate("groups[2]"); }),
                        "groups[2].lr"));
 }
@@ -857,7 +859,7 @@ TEST_CASE("LossScaleConfig::validate accepts the defaults and names each bad key
   for (const Bad& b : bad) {
     LossScaleConfig c;
     b.spoil(c);
-    const std::string msg = test::message_of<ConfigError>([&] { c.validate(); });
+    const std::string msg = test::message_of<ConfigError>([&] { c.validate("fp16"); });
     INFO(msg);
     CHECK(msg.rfind(std::string(b.key) + " = ", 0) == 0);
     CHECK(!test::contains(msg, "::"));

@@ -47,7 +47,7 @@ struct Options {
 std::size_t parse_count(const std::string& text) {
   const auto bad = [&] {
     return ConfigError(fmt::format(
-        "bench_optimizer: --sizes: '{}' is not a count like 64M, 256M or 1G (K, M, G are "
+        "bench optimizer: --sizes: '{}' is not a count like 64M, 256M or 1G (K, M, G are "
         "powers of 1024)",
         text));
   };
@@ -92,14 +92,14 @@ Options parse(const std::vector<std::string>& args) {
   for (std::size_t i = 0; i < args.size(); ++i) {
     const auto value = [&]() -> const std::string& {
       if (i + 1 >= args.size())
-        throw ConfigError(fmt::format("bench_optimizer: {} needs a value", args[i]));
+        throw ConfigError(fmt::format("bench optimizer: {} needs a value", args[i]));
       return args[++i];
     };
     if (args[i] == "--backend") {
       o.backend = value();
       if (o.backend != "cpu" && o.backend != "cuda")
         throw ConfigError(
-            fmt::format("bench_optimizer: --backend '{}' is not cpu or cuda", o.backend));
+            fmt::format("bench optimizer: --backend '{}' is not cpu or cuda", o.backend));
     } else if (args[i] == "--sizes") {
       sizes = value();
     } else if (args[i] == "--iters") {
@@ -108,12 +108,12 @@ Options parse(const std::vector<std::string>& args) {
           !v.empty() && v.size() <= 6 &&
           std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
       if (!digits || std::stoi(v) < 1)
-        throw ConfigError(fmt::format("bench_optimizer: --iters '{}' is not a count >= 1", v));
+        throw ConfigError(fmt::format("bench optimizer: --iters '{}' is not a count >= 1", v));
       o.iters = std::stoi(v);
     } else if (args[i] == "--json") {
       o.json = value();
     } else {
-      throw ConfigError(fmt::format("bench_optimizer: unknown argument '{}'", args[i]));
+      throw ConfigError(fmt::format("bench optimizer: unknown argument '{}'", args[i]));
     }
   }
   if (o.backend.empty()) o.backend = cuda_device_count() > 0 ? "cuda" : "cpu";

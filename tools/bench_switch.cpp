@@ -50,7 +50,7 @@ Options parse(const std::vector<std::string>& args) {
   for (std::size_t i = 0; i < args.size(); ++i) {
     const auto value = [&]() -> const std::string& {
       if (i + 1 >= args.size())
-        throw ConfigError(fmt::format("bench_switch: {} needs a value", args[i]));
+        throw ConfigError(fmt::format("bench switch: {} needs a value", args[i]));
       return args[++i];
     };
     const auto number = [&](int lo) {
@@ -59,9 +59,9 @@ Options parse(const std::vector<std::string>& args) {
       try {
         n = std::stoi(v);
       } catch (const std::exception&) {
-        throw ConfigError(fmt::format("bench_switch: {} '{}' is not a number", args[i - 1], v));
+        throw ConfigError(fmt::format("bench switch: {} '{}' is not a number", args[i - 1], v));
       }
-      if (n < lo) throw ConfigError(fmt::format("bench_switch: {} must be >= {}", args[i - 1], lo));
+      if (n < lo) throw ConfigError(fmt::format("bench switch: {} must be >= {}", args[i - 1], lo));
       return n;
     };
     if (args[i] == "--backend")
@@ -75,7 +75,7 @@ Options parse(const std::vector<std::string>& args) {
     else if (args[i] == "--json")
       o.json = value();
     else
-      throw ConfigError(fmt::format("bench_switch: unknown argument '{}'", args[i]));
+      throw ConfigError(fmt::format("bench switch: unknown argument '{}'", args[i]));
   }
   return o;
 }

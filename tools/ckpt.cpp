@@ -90,6 +90,7 @@ namespace {
 // the config.json the trainer recorded in the checkpoint (extra.hf_config).
 int export_hf_folder(const fs::path& dir, const fs::path& folder, bool master,
                      std::uint64_t max_shard_bytes, std::ostream& out) {
+  check_hf_folder(folder, "--out");  // before any work, named as the user gave it
   const json meta = read_checkpoint_metadata(dir);
   const json& extra = meta.at("extra");
   if (!extra.contains("hf_config"))

@@ -10,6 +10,10 @@
 #  3. pkg-config: shardswap.pc gives the flags, and custom_trainer.cpp builds and runs with them;
 #  4. add_subdirectory: tests/consumer/add_subdirectory builds ShardSwap (CPU, SHARDSWAP_CUDA=OFF,
 #     library only) inside its own build and custom_trainer.cpp against it, then runs it.
+# A sanitized build (SHARDSWAP_SANITIZE=ON, preset asan; tools/test.sh checks build/asan too):
+# 1 and 3 build the consumers with nothing but what the package and shardswap.pc hand them, so
+# they link only if the -fsanitize flags are handed over (checked by name as well); 4 is skipped
+# (it builds a library of its own, not this one).
 # Usage: bash tools/consumer-check.sh [build dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +22,8 @@ build="${1:-build/default}"
 jobs="$(nproc)"
 [ -f "$build/CMakeCache.txt" ] || { echo "consumer-check: no build in '$build' (cmake --preset default && cmake --build --preset default)" >&2; exit 2; }
 bash tools/install-deps.sh  # pkg-config among them (dpkg-checked, installs only what is missing)
+sanitized=0
+grep -q '^SHARDSWAP_SANITIZE:BOOL=ON$' "$build/CMakeCache.txt" && sanitized=1
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 prefix="$tmp/prefix"
@@ -55,6 +61,16 @@ say "installed include/ holds $(echo "$installed" | wc -l) public headers and no
 pc_dir="$(dirname "$(find "$prefix" -name shardswap.pc)")"
 export PKG_CONFIG_PATH="$pc_dir"
 say "pkg-config --cflags --libs shardswap: $(pkg-config --cflags --libs shardswap)"
+if [ $sanitized -eq 1 ]; then
+  for part in cflags libs; do
+    pkg-config --"$part" shardswap | grep -q -- '-fsanitize=address,undefined' \
+      || fail "a sanitized build's shardswap.pc lacks -fsanitize=address,undefined in its $part"
+  done
+  grep -q 'INTERFACE_LINK_OPTIONS "-fsanitize=address,undefined"' \
+    "$(find "$prefix" -name ShardSwapTargets.cmake | head -1)" \
+    || fail "a sanitized build's ShardSwap::shardswap does not hand consumers its link flags"
+  say "sanitized: shardswap.pc (Cflags, Libs) and ShardSwap::shardswap hand consumers -fsanitize=address,undefined"
+fi
 pc_flags="$(pkg-config --cflags --static --libs shardswap fmt)"
 # shellcheck disable=SC2086  # the flags are words
 g++ -o "$tmp/pc_custom_trainer" tools/examples/custom_trainer.cpp $pc_flags \
@@ -66,6 +82,11 @@ rc=0; LD_LIBRARY_PATH="$ld_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$tmp/pc_c
 [ $rc -eq 0 ] || { cat "$tmp/pc-run.log"; fail "the pkg-config-built example exited $rc"; }
 say "pkg-config: custom_trainer.cpp built with pkg-config --static flags and ran, exit 0"
 
+if [ $sanitized -eq 1 ]; then
+  say "add_subdirectory: skipped for a sanitized build (it builds a library of its own)"
+  say "all consumer checks passed"
+  exit 0
+fi
 # 4. add_subdirectory, CPU only (a sub-project defaults to SHARDSWAP_CUDA=OFF; set here too so
 # the check does not depend on that default): rebuilds the library, so it is the slow part.
 start=$SECONDS

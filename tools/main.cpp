@@ -19,7 +19,7 @@
 
 #include <unistd.h>
 
-#include <cstdio>
+#include <cstring>
 
 #include "shardswap/checkpoint.h"
 #include "shardswap/config_json.h"
@@ -363,22 +363,8 @@ int plan_command(const std::vector<std::string>& args) {
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  // Every cuBLAS handle ShardSwap makes is given a workspace from the engine's plan
-  // (cublasSetWorkspace); without this cuBLAS would also keep a pool of its own per handle
-  // (64 MiB on an H200, cuBLAS 13), outside the plan (docs/memory.md). Before any thread and
-  // any CUDA call; a value the user set wins.
-  setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0", /*overwrite=*/0);
-  // Line-buffered even into a file or pipe: `shardswap train > run.log` shows each line as it
-  // comes (a file is otherwise block-buffered), and a run that is killed keeps what it printed.
-  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
-  // Warnings and errors on stderr, results and progress on stdout: `train > run.log` keeps the
-  // run's lines apart from what went wrong.
-  spdlog::set_default_logger(std::make_shared<spdlog::logger>(
-      "", std::make_shared<spdlog::sinks::stderr_color_sink_mt>()));
-  std::vector<std::string> args(argv + 1, argv + argc);
+// The command named by args[0]; exceptions become the exit codes above, with the message.
+int run_command(const std::vector<std::string>& args) {
   try {
     const bool help = std::any_of(args.begin(), args.end(), [](const std::string& a) {
       return a == "--help" || a == "-h";
@@ -416,4 +402,33 @@ int main(int argc, char** argv) {
     std::cerr << "shardswap: error: " << e.what() << "\n";
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Every cuBLAS handle ShardSwap makes is given a workspace from the engine's plan
+  // (cublasSetWorkspace); without this cuBLAS would also keep a pool of its own per handle
+  // (64 MiB on an H200, cuBLAS 13), outside the plan (docs/memory.md). Before any thread and
+  // any CUDA call; a value the user set wins.
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0", /*overwrite=*/0);
+  // Results and progress on stdout, line-buffered even into a file or pipe: `shardswap train >
+  // run.log` shows each line as it comes (a file is otherwise block-buffered), and a run that is
+  // killed keeps what it printed. Every command's output is a result: one that could not be
+  // written whole (a full disk, a closed stdout) ends the command with exit 1 naming stdout;
+  // train still runs to its end (its checkpoints and metrics are written on their own).
+  shardswap::DescriptorOutput stdout_buffer(STDOUT_FILENO);
+  std::streambuf* const stdio_buffer = std::cout.rdbuf(&stdout_buffer);
+  // Warnings and errors on stderr: `train > run.log` keeps the run's lines apart from what went
+  // wrong.
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>(
+      "", std::make_shared<spdlog::sinks::stderr_color_sink_mt>()));
+  int code = run_command({argv + 1, argv + argc});
+  std::cout.flush();
+  if (const int error = stdout_buffer.finish(); error != 0) {
+    std::cerr << "shardswap: error: stdout: " << std::strerror(error) << "\n";
+    if (code == 0) code = 1;
+  }
+  std::cout.rdbuf(stdio_buffer);  // before stdout_buffer goes: std::cout outlives main
+  return code;
 }

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -179,6 +180,64 @@ void OutputFile::commit() {
   if (!synced)
     throw Error(fmt::format("{} '{}': fsync of the folder '{}': {}", flag_, target_.string(),
                             folder.string(), std::strerror(err)));
+}
+
+DescriptorOutput::DescriptorOutput(int fd) : fd_(fd) {
+  setp(buffer_, buffer_ + sizeof buffer_);
+}
+
+DescriptorOutput::~DescriptorOutput() {
+  write_buffered();
+}
+
+bool DescriptorOutput::write_buffered() {
+  const char* data = pbase();
+  std::size_t left = static_cast<std::size_t>(pptr() - pbase());
+  setp(buffer_, buffer_ + sizeof buffer_);
+  while (left > 0 && error_ == 0) {
+    const ssize_t wrote = ::write(fd_, data, left);
+    if (wrote < 0 && errno == EINTR) continue;
+    if (wrote <= 0) {
+      error_ = wrote < 0 ? errno : EIO;
+      break;
+    }
+    data += wrote;
+    left -= static_cast<std::size_t>(wrote);
+  }
+  return error_ == 0;
+}
+
+DescriptorOutput::int_type DescriptorOutput::overflow(int_type c) {
+  if (traits_type::eq_int_type(c, traits_type::eof()))
+    return write_buffered() ? traits_type::not_eof(c) : traits_type::eof();
+  if (pptr() == epptr() && !write_buffered()) return traits_type::eof();
+  *pptr() = traits_type::to_char_type(c);
+  pbump(1);
+  if (traits_type::to_char_type(c) == '\n' && !write_buffered()) return traits_type::eof();
+  return error_ == 0 ? c : traits_type::eof();
+}
+
+std::streamsize DescriptorOutput::xsputn(const char* s, std::streamsize n) {
+  if (error_ != 0) return 0;
+  const auto size = static_cast<std::size_t>(n);
+  for (std::size_t done = 0; done < size;) {
+    if (pptr() == epptr() && !write_buffered()) return 0;
+    const std::size_t piece = std::min(size - done, static_cast<std::size_t>(epptr() - pptr()));
+    std::memcpy(pptr(), s + done, piece);
+    pbump(static_cast<int>(piece));
+    done += piece;
+  }
+  if (std::memchr(s, '\n', size) != nullptr && !write_buffered()) return 0;
+  return n;
+}
+
+int DescriptorOutput::sync() {
+  return write_buffered() ? 0 : -1;
+}
+
+int DescriptorOutput::finish() {
+  write_buffered();
+  return error_;
 }
 
 }  // namespace shardswap

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <streambuf>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -61,6 +62,34 @@ class OutputFile {
   std::filesystem::path temporary_;
   int fd_ = -1;
   bool committed_ = false;
+};
+
+/// The buffer of the CLI's std::cout: line-buffered (a line is written as it ends, so that
+/// `train > run.log` shows each as it comes), with write(2) to `fd`, keeping the first error.
+/// stdio's buffer drops the errno of a failed write, and a result lost on a full disk or a
+/// closed descriptor must end the command with exit 1 naming why, not 0 (docs/reliability.md).
+class DescriptorOutput final : public std::streambuf {
+ public:
+  explicit DescriptorOutput(int fd);
+  ~DescriptorOutput() override;
+  DescriptorOutput(const DescriptorOutput&) = delete;
+  DescriptorOutput& operator=(const DescriptorOutput&) = delete;
+
+  /// Writes what is buffered; returns the errno of the first write that failed, 0 when every
+  /// byte handed over so far was written.
+  int finish();
+
+ protected:
+  int_type overflow(int_type c) override;
+  std::streamsize xsputn(const char* s, std::streamsize n) override;
+  int sync() override;
+
+ private:
+  bool write_buffered();
+
+  int fd_;
+  int error_ = 0;  ///< the first write's errno; once set, what follows is dropped
+  char buffer_[4096];
 };
 
 }  // namespace shardswap

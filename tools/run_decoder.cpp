@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "memory/quoted.h"
@@ -110,18 +111,22 @@ class DecoderRun final : public RunModel {
         data_(token_spec(c)) {
     if (!config_.path.empty())
       checkpoint_.emplace(HfCheckpoint::open(config_.path, {config_.seq_len, "data.seq_len"}));
-    else
-      init_ahead_ = std::make_unique<InitAhead>(
-          config_.shape, seed_, static_cast<int>(std::thread::hardware_concurrency()));
   }
   std::vector<std::string> groups() const override { return decoder_groups(config_.shape); }
   std::int64_t param_count() const override { return decoder_param_count(config_.shape); }
   void declare(Engine& engine) const override { Decoder::declare(config_.shape, engine); }
   void init(const ParamInfo& param, std::span<float> values) const override {
-    if (checkpoint_)
+    if (checkpoint_) {
       checkpoint_->copy(param.name, DType::f32, std::as_writable_bytes(values));
-    else
-      init_ahead_->fill(param, values);
+      return;
+    }
+    // Made at the first value asked for: `plan` draws none, and its index of every param (as
+    // large as the engine's declarations) is not made for it.
+    std::call_once(init_ahead_made_, [&] {
+      init_ahead_ = std::make_unique<InitAhead>(
+          config_.shape, seed_, static_cast<int>(std::thread::hardware_concurrency()));
+    });
+    init_ahead_->fill(param, values);
   }
   std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const override {
     return Decoder::activation_bytes(config_.shape, micro, config_.seq_len, dtype, device,
@@ -164,7 +169,9 @@ class DecoderRun final : public RunModel {
  private:
   DecoderRunConfig config_;
   std::uint64_t seed_;
-  std::unique_ptr<InitAhead> init_ahead_;  // from scratch: Decoder::init's values, drawn ahead
+  // From scratch: Decoder::init's values, drawn ahead (init is const: made on first use).
+  mutable std::once_flag init_ahead_made_;
+  mutable std::unique_ptr<InitAhead> init_ahead_;
   int global_batch_;
   bool on_cuda_;
   TokenDataset data_;

@@ -22,6 +22,8 @@ cmake --build --preset asan -j "$jobs"
 # Its own TMPDIR (the asan test preset sets it): temporary files of the two passes stay apart.
 mkdir -p build/asan/tmp
 ctest --preset asan -j "$jobs"
+# The sanitized library as consumers install it: it must hand them its -fsanitize flags.
+bash tools/consumer-check.sh build/asan
 
 cmake --preset fuzz
 cmake --build --preset fuzz -j "$jobs"

@@ -11,11 +11,14 @@
 #include <cmath>
 #include <csignal>
 #include <exception>
+#include <fstream>
 #include <iostream>
 #include <limits>
 #include <mutex>
 #include <optional>
 #include <thread>
+
+#include <unistd.h>
 
 #include "shardswap/backend.h"
 #include "shardswap/checkpoint.h"
@@ -52,7 +55,35 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
+// The memory this process may use: the machine's, or its cgroup's limit where lower (a
+// container's). 0 when neither can be read.
+std::int64_t host_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  std::int64_t bytes = pages > 0 && page > 0 ? std::int64_t{pages} * page : 0;
+  std::ifstream limit("/sys/fs/cgroup/memory.max");
+  std::int64_t cgroup = 0;
+  if (limit >> cgroup && cgroup > 0 && (bytes == 0 || cgroup < bytes)) bytes = cgroup;
+  return bytes;
+}
+
 }  // namespace
+
+void check_plan_fits(const TrainConfig& config, const PlannedMemory& rank0) {
+  // On the cpu backend every rank of this process holds its buffers in host memory; on cuda
+  // they are on the devices, whose allocator names what does not fit.
+  if (device_of(config.backend) != DeviceKind::host) return;
+  const std::int64_t memory = host_memory_bytes();
+  const int ranks = config.process ? 1 : config.world_size;
+  // Ranks hold near-equal shares; in doubles, so that no product overflows.
+  const double needed = static_cast<double>(rank0.total()) * ranks;
+  if (memory <= 0 || needed <= static_cast<double>(memory)) return;
+  throw Error(fmt::format(
+      "the plan needs {:.1f} GiB of host memory ({} on rank 0 x {} rank{} in this process; "
+      "`shardswap plan` lists it by tag), more than the {:.1f} GiB this machine has: refused "
+      "before anything is allocated",
+      needed / 1073741824.0, mib(rank0.total()), ranks, ranks == 1 ? "" : "s",
+      static_cast<double>(memory) / 1073741824.0));
+}
 
 TrainConfig train_config_from_json(ConfigReader& c) {
   TrainConfig t;
@@ -223,6 +254,7 @@ EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& che
   const auto run = make_run_model(config);
   const Backend backend = backend_from_name(config.backend, "shardswap.backend");
   const LayerSchedule schedule(config.switching, run->groups());
+  check_plan_fits(config, plan_memory(config, 0));
   const int world = config.world_size;
   EvalSummary summary;
   summary.batches = config.eval_batches;
@@ -291,6 +323,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   const Backend backend = backend_from_name(config.backend, "shardswap.backend");
   const LayerSchedule schedule(config.switching, run->groups());
   const PlannedMemory predicted = plan_memory(config, 0);
+  check_plan_fits(config, predicted);
   const int world = config.world_size;
   const int micro = config.batches.micro_samples;
   const int accumulation = config.batches.gradient_accumulation_steps;

@@ -114,6 +114,10 @@ struct PlannedMemory {
 PlannedMemory plan_memory(const TrainConfig& config, int rank);
 /// `shardswap plan`: a table of predicted bytes by tag for every rank.
 void print_plan(const TrainConfig& config, std::ostream& out);
+/// Throws Error when the cpu backend's ranks in this process would need more host memory than
+/// the machine (or its cgroup) has, by rank 0's plan: train and eval refuse such a model before
+/// anything is allocated, rather than end in std::bad_alloc or the OOM killer gigabytes later.
+void check_plan_fits(const TrainConfig& config, const PlannedMemory& rank0);
 
 struct TrainSummary {
   double first_loss = 0.0;      ///< mean over ranks, first step

@@ -6,8 +6,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <string_view>
+#include <tuple>
 
 #include "shardswap/error.h"
 #include "tools/lm/decoder_cpu.h"
@@ -221,19 +223,48 @@ class EngineDecoder final : public Decoder {
   std::unique_ptr<lm::dec::Compute> compute_;
 };
 
+// The elements of decoder_params(s) for sizes within DecoderShapeLimits (each term is then below
+// 2^45 and the sum below 2^62: no overflow).
+std::int64_t count_params(const DecoderShape& s) {
+  const std::int64_t d = s.hidden, i = s.intermediate, v = s.vocab, q = s.q_width(),
+                     kv = s.kv_width();
+  const std::int64_t layer =
+      2 * d + q * d + 2 * kv * d + d * q + 3 * i * d + (s.qkv_bias ? q + 2 * kv : 0);
+  return v * d + s.layers * layer + d + (s.tied ? 0 : v * d);
+}
+
 }  // namespace
 
 void validate_decoder_shape(const DecoderShape& s) {
-  const auto fail = [](const char* field, const std::string& value, const char* why) {
+  const auto fail = [](const char* field, const std::string& value, const std::string& why) {
     throw ConfigError(
         fmt::format("validate_decoder_shape: DecoderShape.{} = {} {}", field, value, why));
   };
-  const std::pair<const char*, int> sizes[] = {
-      {"vocab", s.vocab},       {"hidden", s.hidden},   {"intermediate", s.intermediate},
-      {"layers", s.layers},     {"heads", s.heads},     {"kv_heads", s.kv_heads},
-      {"head_dim", s.head_dim}, {"max_positions", s.max_positions}};
-  for (const auto& [name, value] : sizes)
+  using Limits = DecoderShapeLimits;
+  const std::tuple<const char*, int, int> sizes[] = {
+      {"vocab", s.vocab, Limits::vocab},
+      {"hidden", s.hidden, Limits::hidden},
+      {"intermediate", s.intermediate, Limits::intermediate},
+      {"layers", s.layers, Limits::layers},
+      {"heads", s.heads, Limits::heads},
+      {"kv_heads", s.kv_heads, Limits::heads},
+      {"head_dim", s.head_dim, Limits::head_dim},
+      {"max_positions", s.max_positions, INT_MAX}};
+  for (const auto& [name, value, most] : sizes) {
     if (value < 1) fail(name, fmt::format("{}", value), "must be at least 1");
+    if (value > most)
+      fail(name, fmt::format("{}", value),
+           fmt::format("is above {}, the most DecoderShapeLimits allows", most));
+  }
+  if (s.q_width() > Limits::q_width)
+    fail("heads", fmt::format("{}", s.heads),
+         fmt::format("x head_dim = {} is {}, above {}, the most DecoderShapeLimits allows",
+                     s.head_dim, s.q_width(), Limits::q_width));
+  if (const auto params = count_params(s); params > Limits::params)
+    fail("layers", fmt::format("{}", s.layers),
+         fmt::format("makes {} params (hidden {}, intermediate {}, vocab {}), above {}, the most "
+                     "DecoderShapeLimits allows",
+                     params, s.hidden, s.intermediate, s.vocab, Limits::params));
   if (s.heads % s.kv_heads != 0)
     fail("heads", fmt::format("{}", s.heads),
          fmt::format("must be a multiple of kv_heads = {}", s.kv_heads).c_str());
@@ -293,9 +324,12 @@ std::vector<std::string> decoder_groups(const DecoderShape& shape) {
 }
 
 std::int64_t decoder_param_count(const DecoderShape& shape) {
-  std::int64_t total = 0;
-  for (const auto& p : decoder_params(shape)) total += numel_of(p.shape);
-  return total;
+  validate_decoder_shape(shape);
+  return count_params(shape);
+}
+
+std::int64_t decoder_param_count_unchecked(const DecoderShape& shape) {
+  return count_params(shape);
 }
 
 double decoder_step_flops(const DecoderShape& s, std::int64_t tokens, int seq_len) {

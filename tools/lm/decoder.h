@@ -19,8 +19,27 @@
 
 namespace shardswap {
 
+/// The largest sizes a DecoderShape may have: far above any published model (Llama 3.1 405B has
+/// 126 layers, hidden 16384, intermediate 53248, 128 heads; vocabularies reach 262144), and low
+/// enough that a mistyped config.json (num_hidden_layers = 1e9) is refused before the model's
+/// param list, let alone its memory, is made, and that no count of elements or bytes made from a
+/// shape overflows 64 bits.
+struct DecoderShapeLimits {
+  static constexpr int layers = 1 << 17;            ///< 131072
+  static constexpr int hidden = 1 << 20;            ///< 1048576
+  static constexpr int intermediate = 1 << 22;      ///< 4194304
+  static constexpr int vocab = 1 << 24;             ///< 16777216
+  static constexpr int heads = 1 << 16;             ///< 65536 (kv_heads: at most heads)
+  static constexpr int head_dim = 1 << 16;          ///< 65536
+  static constexpr std::int64_t q_width = 1 << 20;  ///< heads x head_dim
+  /// Params in all (decoder_param_count): 2^48, about 2.8e14, 700 times Llama 3.1 405B's.
+  static constexpr std::int64_t params = std::int64_t{1} << 48;
+};
+
 /// Throws ConfigError naming the first DecoderShape field that is out of range (a size not
-/// positive, heads not a multiple of kv_heads, an odd head_dim, a RoPE factor not positive...).
+/// positive or above DecoderShapeLimits, heads not a multiple of kv_heads, an odd head_dim, a
+/// RoPE factor not positive...) or, for a shape whose fields are each in range, the param count
+/// above DecoderShapeLimits::params.
 void validate_decoder_shape(const DecoderShape& shape);
 
 /// One param: its Hugging Face name, shape [out, in] and group.
@@ -38,7 +57,11 @@ std::vector<DecoderParam> decoder_params(const DecoderShape& shape);
 std::string decoder_param_name(lm::dec::ParamId id);
 /// "embed", "layers.0", ..., "head": the declaration order.
 std::vector<std::string> decoder_groups(const DecoderShape& shape);
+/// The elements of decoder_params(shape), counted without making the list.
 std::int64_t decoder_param_count(const DecoderShape& shape);
+/// decoder_param_count without validate_decoder_shape, for a reader that checks the count itself
+/// to name its own keys: exact for sizes each within DecoderShapeLimits (no overflow then).
+std::int64_t decoder_param_count_unchecked(const DecoderShape& shape);
 /// FLOPs of one forward + backward over `tokens` positions of sequences of `seq_len` with every
 /// group active, as MFU is usually counted (PaLM's appendix B): 6 N per token for the N params
 /// plus 12 L (H hd) seq_len for attention's two matrix products, the causal mask not discounted.

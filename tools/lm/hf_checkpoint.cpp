@@ -7,14 +7,18 @@
 #include <unistd.h>
 
 #include <bit>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include "memory/file_kind.h"
 #include "memory/host_types.h"
@@ -311,15 +315,67 @@ void HfCheckpoint::copy(std::string_view name, DType dtype, std::span<std::byte>
   convert_tensor(files_[p.file].tensors()[p.tensor], files_[p.file].path(), dtype, out);
 }
 
-void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DType dtype,
-                     const HfTensorFill& fill, std::uint64_t max_shard_bytes) {
+namespace {
+
+// An export's temporary folder is FOLDER.tmp-export-HOST-PID-RANDOM: the host and process that
+// write it, so that the next export of FOLDER can tell one left by a writer that died
+// (SIGKILL, a crash) from one being written now, here or on another machine sharing the
+// filesystem.
+std::string export_temporary_prefix(const fs::path& folder) {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+  std::string name;
+  for (const char* c = host; *c != '\0'; ++c)
+    name += (std::isalnum(static_cast<unsigned char>(*c)) != 0 || *c == '.') ? *c : '_';
+  if (name.empty()) name = "host";
+  return fmt::format("{}.tmp-export-{}-", folder.filename().string(), name);
+}
+
+// Removes the temporary folders of FOLDER's exports from this host whose process is gone. One of
+// a live process, of another host or of another user is left alone.
+void remove_dead_exports(const fs::path& parent, const fs::path& folder) {
+  const std::string prefix = export_temporary_prefix(folder);
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(parent, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with(prefix)) continue;
+    const std::string_view rest = std::string_view(name).substr(prefix.size());
+    const auto dash = rest.find('-');
+    if (dash == 0 || dash == std::string_view::npos || dash > 9 ||
+        rest.substr(0, dash).find_first_not_of("0123456789") != std::string_view::npos)
+      continue;
+    const auto pid = static_cast<pid_t>(std::stol(std::string(rest.substr(0, dash))));
+    struct stat st {};
+    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+      continue;
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code removed;
+    fs::remove_all(entry.path(), removed);
+  }
+}
+
+// A new, empty temporary folder for FOLDER, made as mkdir(1) makes one (0777 less the umask), so
+// that the renamed export is as readable as any folder the user makes, not 0700 as mkdtemp's.
+fs::path make_export_temporary(const fs::path& parent, const fs::path& folder) {
+  const std::string prefix = export_temporary_prefix(folder);
+  std::random_device random;
+  for (int attempt = 0;; ++attempt) {
+    const fs::path tmp = parent / fmt::format("{}{}-{:08x}", prefix, ::getpid(), random());
+    if (::mkdir(tmp.c_str(), 0777) == 0) return tmp;
+    if (errno != EEXIST || attempt == 100)
+      throw Error(fmt::format("write_hf_folder '{}': cannot create a temporary folder '{}': {}",
+                              folder.string(), tmp.string(), std::strerror(errno)));
+  }
+}
+
+}  // namespace
+
+fs::path check_hf_folder(const fs::path& folder_arg, std::string_view label) {
   // "out/" names the folder "out".
   const fs::path folder = folder_arg.has_filename() ? folder_arg : folder_arg.parent_path();
   const auto refuse = [&](std::string_view why) {
-    return ConfigError(fmt::format("write_hf_folder '{}': {}", folder.string(), why));
+    return ConfigError(fmt::format("{} '{}': {}", label, folder.string(), why));
   };
-  const json config = hf_config_to_json(shape, dtype);  // refuses the shape and dtype first
-  if (max_shard_bytes < 1) throw refuse("the shard size limit must be at least 1 byte");
   if (folder.empty()) throw refuse("an empty path");
   const fs::path parent = folder.has_parent_path() ? folder.parent_path() : fs::path(".");
   struct stat st {};
@@ -333,6 +389,19 @@ void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DTyp
   } else if (errno != ENOENT) {
     throw refuse(std::strerror(errno));
   }
+  return folder;
+}
+
+void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DType dtype,
+                     const HfTensorFill& fill, std::uint64_t max_shard_bytes) {
+  const json config = hf_config_to_json(shape, dtype);  // refuses the shape and dtype first
+  if (max_shard_bytes < 1)
+    throw ConfigError(
+        fmt::format("write_hf_folder '{}': the shard size limit must be at least 1 "
+                    "byte",
+                    folder_arg.string()));
+  const fs::path folder = check_hf_folder(folder_arg, "write_hf_folder");
+  const fs::path parent = folder.has_parent_path() ? folder.parent_path() : fs::path(".");
 
   // Shards: params in order, a new file where the next param would pass the limit.
   const auto specs = decoder_params(shape);
@@ -358,11 +427,8 @@ void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DTyp
                       : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, count);
   };
 
-  std::string tmp_template = folder.string() + ".tmp-export-XXXXXX";
-  if (::mkdtemp(tmp_template.data()) == nullptr)
-    throw Error(fmt::format("write_hf_folder '{}': cannot create a temporary folder '{}': {}",
-                            folder.string(), tmp_template, std::strerror(errno)));
-  const fs::path tmp = tmp_template;
+  remove_dead_exports(parent, folder);
+  const fs::path tmp = make_export_temporary(parent, folder);
   try {
     const auto write_json = [&](const std::string& name, const json& j) {
       OutputFile out("write_hf_folder", tmp / name);

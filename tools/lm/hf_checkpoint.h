@@ -77,11 +77,17 @@ using HfTensorFill = std::function<void(const HfTensorSpec& spec, std::span<std:
 /// time, as model.safetensors when their bytes are at most `max_shard_bytes`, else as
 /// model-0000i-of-0000n.safetensors (params in order, a new file where the next would pass the
 /// limit; a larger param alone) with model.safetensors.index.json. `folder` must be absent or
-/// an empty directory in an existing one. Everything is written into a new FOLDER.tmp-export-*
-/// beside it and renamed to FOLDER at the end, so that a folder of that name is complete or
-/// absent: a failure removes the temporary folder. Throws ConfigError for a refused folder,
+/// an empty directory in an existing one. Everything is written into a new
+/// FOLDER.tmp-export-HOST-PID-* (mode 0777 less the umask, as mkdir makes one) beside it and
+/// renamed to FOLDER at the end, so that a folder of that name is complete or absent: a failure
+/// removes the temporary folder, and the temporaries of FOLDER's exports whose process died on
+/// this host (killed, crashed) are removed first. Throws ConfigError for a refused folder,
 /// shape or dtype (nothing written), Error for a failing write.
 void write_hf_folder(const std::filesystem::path& folder, const DecoderShape& shape, DType dtype,
                      const HfTensorFill& fill, std::uint64_t max_shard_bytes);
+/// write_hf_folder's check of `folder` alone, for a command to run before any work: throws
+/// ConfigError "LABEL 'FOLDER': what is wrong" (its parent missing; a file, link or other
+/// non-directory; a directory that is not empty). Returns the folder without a trailing '/'.
+std::filesystem::path check_hf_folder(const std::filesystem::path& folder, std::string_view label);
 
 }  // namespace shardswap

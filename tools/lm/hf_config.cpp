@@ -10,10 +10,12 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "memory/file_kind.h"
 #include "memory/quoted.h"
 #include "shardswap/error.h"
+#include "tools/lm/decoder.h"
 
 namespace shardswap {
 
@@ -251,6 +253,42 @@ const char* torch_dtype_name(DType t) {
                   dtype_name(t)));
 }
 
+// The sizes against DecoderShapeLimits, naming the key, before anything is made from them (a
+// param list of num_hidden_layers = 1000000000 would take gigabytes before any other check).
+void check_limits(const Fields& f, const DecoderShape& s) {
+  using Limits = DecoderShapeLimits;
+  const auto above = [](std::int64_t most) {
+    return fmt::format("above {}, the most ShardSwap accepts", most);
+  };
+  const std::tuple<const char*, int, int> sizes[] = {
+      {"vocab_size", s.vocab, Limits::vocab},
+      {"hidden_size", s.hidden, Limits::hidden},
+      {"intermediate_size", s.intermediate, Limits::intermediate},
+      {"num_hidden_layers", s.layers, Limits::layers},
+      {"num_attention_heads", s.heads, Limits::heads}};
+  for (const auto& [key, value, most] : sizes)
+    if (value > most) f.refuse(key, above(most));
+  if (s.head_dim > Limits::head_dim) {
+    if (f.has("head_dim")) f.refuse("head_dim", above(Limits::head_dim));
+    f.refuse("num_attention_heads",
+             fmt::format("gives head_dim = hidden_size / num_attention_heads = {}: {}", s.head_dim,
+                         above(Limits::head_dim)));
+  }
+  // Without a head_dim the width is hidden_size, within its limit.
+  if (s.q_width() > Limits::q_width)
+    f.refuse("head_dim", fmt::format("num_attention_heads x head_dim = {} x {} = {}: {}", s.heads,
+                                     s.head_dim, s.q_width(), above(Limits::q_width)));
+  DecoderShape counted = s;
+  counted.qkv_bias = s.family == DecoderFamily::qwen2;
+  counted.tied = f.boolean("tie_word_embeddings", false);
+  if (const auto params = decoder_param_count_unchecked(counted); params > Limits::params)
+    throw ConfigError(
+        fmt::format("{} = {} (hidden_size = {}, intermediate_size = {}, vocab_size = {}): {} "
+                    "params, {}",
+                    f.name("num_hidden_layers"), s.layers, s.hidden, s.intermediate, s.vocab,
+                    params, above(Limits::params)));
+}
+
 }  // namespace
 
 HfModelConfig hf_config_from_json(const json& config, const HfConfigSource& source,
@@ -288,6 +326,7 @@ HfModelConfig hf_config_from_json(const json& config, const HfConfigSource& sour
         "rotates pairs)",
         f.name("hidden_size"), s.hidden, f.name("num_attention_heads"), s.heads, s.head_dim));
   }
+  check_limits(f, s);
   s.max_positions = f.integer("max_position_embeddings", family.max_positions, 1);
   s.rms_eps = f.positive("rms_norm_eps", kDefaultRmsEps);
   s.tied = f.boolean("tie_word_embeddings", false);

@@ -54,10 +54,15 @@ struct EngineConfig {
   /// bf16 only (shardswap.nonfinite): skip the step or fail it when gradients are not finite.
   NonFinitePolicy nonfinite = NonFinitePolicy::skip;
 
-  /// Throws ConfigError "KEY = VALUE: what is wrong" for the first bad value, KEY being its JSON
-  /// key under `prefix` (zero_optimization.stage, shardswap.alignment_bytes, ...; dtype, which
-  /// the JSON gives as bf16.enabled / fp16.enabled, is named "dtype").
-  void validate(std::string_view prefix = "") const;
+  /// Throws ConfigError "NAME = VALUE: what is wrong" for the first bad value, NAME being its
+  /// field, in the field's unit ("EngineConfig.reduce_bucket_bytes = 128 bytes: ...",
+  /// "EngineConfig.optimizer.lr = -0.1: ..."). The Engine constructor calls it.
+  void validate() const;
+  /// The same, naming the JSON key under `prefix` in the key's unit
+  /// ("zero_optimization.reduce_bucket_size = 64 elements: ...", "optimizer.params.lr"; dtype,
+  /// which the JSON gives as bf16.enabled / fp16.enabled, is named "dtype"): for a config read
+  /// from JSON.
+  void validate(std::string_view prefix) const;
 };
 
 }  // namespace shardswap

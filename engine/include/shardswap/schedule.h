@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -74,6 +75,7 @@ class LayerSchedule {
  private:
   LayerSwitchingConfig config_;
   std::vector<std::string> groups_;
+  std::unordered_map<std::string, std::size_t> group_index_;  ///< a group's place in groups_
 };
 
 }  // namespace shardswap

@@ -15,10 +15,13 @@ struct LossScaleConfig {
   int hysteresis = 2;              ///< overflows tolerated before the scale halves
   double min_scale = 1.0;          ///< the scale never goes below this
 
-  /// Throws ConfigError "KEY = VALUE: must be ...", KEY under `prefix` (e.g.
-  /// "fp16.loss_scale_window"), for a
-  /// scale <= 0 or not finite, window < 1, hysteresis < 1, min_scale <= 0.
-  void validate(std::string_view prefix = "fp16") const;
+  /// Throws ConfigError "NAME = VALUE: must be ...", NAME the field
+  /// ("LossScaleConfig.window"), for a scale <= 0 or not finite, window < 1, hysteresis < 1,
+  /// min_scale <= 0.
+  void validate() const;
+  /// The same, naming the JSON key under `prefix` ("fp16" gives "fp16.loss_scale_window",
+  /// "fp16.initial_scale_power"): for a config read from JSON.
+  void validate(std::string_view prefix) const;
 };
 
 /// A scaler's changing part, as checkpoints save and restore it.

@@ -50,12 +50,15 @@ struct LrSchedule {
   /// The effective warmup length, max(2, warmup_num_steps).
   std::int64_t warmup_iterations() const;
 
-  /// Throws ConfigError "KEY = VALUE: must be ...", KEY under `prefix`
-  /// ("scheduler.params.warmup_max_lr"), for: an
-  /// lr or ratio negative or not finite, a ratio above 1, warmup_num_steps < 0, and for the
-  /// decaying schedules total_num_steps < the effective warmup (WarmupDecayLR) or <= it
+  /// Throws ConfigError "NAME = VALUE: must be ...", NAME the field ("LrSchedule.peak_lr"),
+  /// for: an lr or ratio negative or not finite, a ratio above 1, warmup_num_steps < 0, and for
+  /// the decaying schedules total_num_steps < the effective warmup (WarmupDecayLR) or <= it
   /// (WarmupCosineLR; DeepSpeed divides by zero there).
-  void validate(std::string_view prefix = "scheduler.params") const;
+  void validate() const;
+  /// The same, naming the JSON key under `prefix` ("scheduler.params" gives
+  /// "scheduler.params.warmup_max_lr"; the peak of WarmupCosineLR and the constant lr are
+  /// "optimizer.params.lr"): for a config read from JSON.
+  void validate(std::string_view prefix) const;
 };
 
 }  // namespace shardswap

@@ -23,11 +23,14 @@ struct OptimizerConfig {
   double dampening = 0.0;     ///< SGD only
   bool nesterov = false;      ///< SGD only; needs momentum > 0 and dampening == 0
 
-  /// Throws ConfigError "KEY = VALUE: must be ...", KEY under `prefix` (e.g.
-  /// "optimizer.params.lr"), for: lr < 0
-  /// or not finite, betas outside [0, 1), eps <= 0, weight_decay < 0, momentum < 0, dampening
-  /// outside [0, 1], nesterov without momentum or with dampening.
-  void validate(std::string_view prefix = "optimizer.params") const;
+  /// Throws ConfigError "NAME = VALUE: must be ...", NAME the field ("OptimizerConfig.lr",
+  /// "OptimizerConfig.beta1"), for: lr < 0 or not finite, betas outside [0, 1), eps <= 0,
+  /// weight_decay < 0, momentum < 0, dampening outside [0, 1], nesterov without momentum or with
+  /// dampening.
+  void validate() const;
+  /// The same, naming the JSON key under `prefix` ("optimizer.params" gives
+  /// "optimizer.params.lr", "optimizer.params.betas[0]"): for a config read from JSON.
+  void validate(std::string_view prefix) const;
 
   /// fp32 state values kept per parameter element: Adam/AdamW 2 (exp_avg, exp_avg_sq),
   /// SGD 1 with momentum (momentum buffer), 0 without.
