@@ -8,12 +8,11 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "memory/file_kind.h"
 #include "memory/quoted.h"
 #include "shardswap/error.h"
+#include "shardswap/json_reader.h"
 
 namespace shardswap {
 
@@ -41,6 +40,9 @@ constexpr FamilyDefaults kFamilies[] = {
     {"mistral", DecoderFamily::mistral, 4096 * 32, 8},
 };
 constexpr double kDefaultTheta = 10000.0;
+// The largest config.json read: real ones are a few KiB (a classifier's label names make some
+// larger), so this only bounds the memory a hostile one takes.
+constexpr std::size_t kMaxHfConfigBytes = std::size_t{16} << 20;
 constexpr double kDefaultRmsEps = 1e-6;
 constexpr int kMistralSlidingWindow = 4096;
 constexpr int kQwen2SlidingWindow = 4096;
@@ -327,16 +329,10 @@ HfModelConfig read_hf_config(const fs::path& file, const HfSeqLen& seq_len) {
                                  : fmt::format("cannot be read: {}", std::strerror(errno)));
   if (!S_ISREG(st.st_mode))
     throw refuse(fmt::format("not a regular file ({})", file_kind(st.st_mode)));
-  std::ifstream in(file, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (!in && !in.eof()) throw refuse("cannot be read");
-  json config;
-  try {
-    config = json::parse(text.str());
-  } catch (const json::exception& e) {
-    throw refuse(fmt::format("not JSON: {}", e.what()));
-  }
+  // Read whole (to its size: a NUL byte is refused, not taken for the end) through the bounded
+  // reader: at most kMaxHfConfigBytes, nested at most 64 deep (a real one is 3 deep).
+  const json config = read_json_file(file, JsonLimits{64, kMaxHfConfigBytes, "a config.json"},
+                                     "Hugging Face config.json");
   if (!config.is_object()) throw refuse("not a JSON object");
   return hf_config_from_json(config, HfConfigSource{file, {}}, seq_len);
 }
