@@ -132,11 +132,10 @@ MetricsSeries read_metrics(std::istream& in, const std::string& source) {
             "plot: {}: a cut-off last line (no newline, not valid JSON) skipped", where));
         break;
       }
-      // "LINE:COLUMN" of a one-line text: the column is what says where.
-      throw ConfigError(fmt::format("plot: {}, column {}: {}", where, e.column(),
-                                    json_path_text(e.path()).empty()
-                                        ? e.reason()
-                                        : json_path_text(e.path()) + ": " + e.reason()));
+      // Of "LINE:COLUMN" in a one-line text, the column is what says where.
+      const auto column = e.column() == 0 ? "" : fmt::format(", column {}", e.column());
+      const auto key = e.path().empty() ? "" : json_path_text(e.path()) + ": ";
+      throw ConfigError(fmt::format("plot: {}{}: {}{}", where, column, key, e.reason()));
     }
     if (!line.is_object())
       throw ConfigError(
