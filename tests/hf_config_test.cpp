@@ -350,3 +350,18 @@ TEST_CASE("read_hf_config names the file that is missing, not JSON or refused", 
   CHECK(contains(message_of<ConfigError>([&] { read_hf_config(folder.path(), kSeq); }),
                  "not a regular file (a directory)"));
 }
+
+TEST_CASE(
+    "a default that does not fit an absent field is refused naming the field, not with the "
+    "JSON library's text",
+    "[hf]") {
+  // Mistral's default of 8 key/value heads with 4 attention heads: the refusal looked the absent
+  // field up to show its value (found by tests/fuzz/hf_config_fuzz.cpp).
+  const auto mistral = without(with(kMistral, "num_attention_heads", 4), "num_key_value_heads");
+  const auto m = refusal(mistral);
+  CAPTURE(m);
+  CHECK(m ==
+        "/models/x/config.json 'num_key_value_heads': not in the file, and its default for the "
+        "model_type "
+        "must divide num_attention_heads = 4");
+}
