@@ -351,6 +351,18 @@ TEST_CASE("read_hf_config names the file that is missing, not JSON or refused", 
                  "not a regular file (a directory)"));
 }
 
+TEST_CASE("a config.json larger than 16 MiB is refused from its size, before it is read", "[hf]") {
+  // A 1 GiB one (sparse here) was read whole: 2.2 GB of memory, then parsed.
+  const test_support::ScratchFolder folder("hf-config-size");
+  const auto file = folder / "config.json";
+  std::ofstream(file) << kQwen.dump();
+  std::filesystem::resize_file(file, std::uintmax_t{1} << 30);
+  CHECK(message_of<ConfigError>([&] { read_hf_config(file, kSeq); }) ==
+        file.string() +
+            ": larger than 16 MiB (16777216 bytes), the most a Hugging Face config.json may hold: "
+            "it has 1073741824 bytes");
+}
+
 TEST_CASE(
     "a default that does not fit an absent field is refused naming the field, not with the "
     "JSON library's text",
