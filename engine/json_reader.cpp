@@ -69,6 +69,64 @@ std::size_t offset_of_level(std::string_view text, std::size_t level) {
   return std::string_view::npos;
 }
 
+// The byte offset of the second occurrence of the key `steps` ends with, in the object at the
+// path before it, in text that the parser read as JSON up to there; npos if not found (a key
+// written with escapes is not matched). The builder knows the key path, not the position: this
+// finds it, only for the error, in one pass.
+std::size_t offset_of_repeat(std::string_view text, const std::vector<JsonPathStep>& steps) {
+  if (steps.empty() || steps.back().is_index) return std::string_view::npos;
+  struct Frame {
+    bool object;
+    bool on_path;  // the container `steps` passes through (or, at depth n, holds the key)
+    bool expect_key;
+    std::size_t index;  // lists: the element being read
+    std::string key;    // objects: the key of the member being read
+    int seen;           // the target object: how often its key was read
+  };
+  const std::size_t n = steps.size();  // the object holding the repeated key is on level n
+  std::vector<Frame> open;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '"') {
+      const std::size_t start = i;
+      std::string s;
+      bool escaped = false;
+      for (++i; i < text.size() && text[i] != '"'; ++i) {
+        if (text[i] == '\\') {
+          escaped = true;
+          ++i;
+        } else {
+          s += text[i];
+        }
+      }
+      if (open.empty() || !open.back().object || !open.back().expect_key) continue;
+      Frame& f = open.back();
+      f.key = std::move(s);
+      f.expect_key = false;
+      if (f.on_path && open.size() == n && !escaped && f.key == steps.back().key && ++f.seen == 2)
+        return start;
+    } else if (c == '{' || c == '[') {
+      bool on_path = open.empty();
+      if (!open.empty() && open.back().on_path && open.size() + 1 <= n) {
+        const Frame& parent = open.back();
+        const JsonPathStep& step = steps[open.size() - 1];
+        on_path = parent.object ? !step.is_index && parent.key == step.key
+                                : step.is_index && parent.index == step.index;
+      }
+      open.push_back(Frame{c == '{', on_path, c == '{', 0, {}, 0});
+    } else if ((c == '}' || c == ']') && !open.empty()) {
+      open.pop_back();
+    } else if (c == ',' && !open.empty()) {
+      Frame& f = open.back();
+      if (f.object)
+        f.expect_key = true;
+      else
+        ++f.index;
+    }
+  }
+  return std::string_view::npos;
+}
+
 // What a SAX parse refuses beyond JSON's own rules, with the key path where it happened; the
 // message is worded by parse_json, which knows the text.
 struct TooDeep {
@@ -240,7 +298,10 @@ nlohmann::json parse_json(std::string_view text, const std::string& source,
     return builder.take();
   } catch (const RepeatedKey& e) {
     const std::vector<JsonPathStep> parent(e.steps.begin(), e.steps.end() - 1);
-    throw JsonError(Kind::repeated_key, source, 0, 0, e.steps,
+    const auto offset = offset_of_repeat(text, e.steps);
+    const auto [line, column] =
+        offset == std::string_view::npos ? std::pair<std::size_t, std::size_t>{0, 0} : at(offset);
+    throw JsonError(Kind::repeated_key, source, line, column, e.steps,
                     fmt::format("the key '{}' appears twice in {}", clipped(e.steps.back().key, 32),
                                 parent.empty() ? "the top-level object" : json_path_text(parent)));
   } catch (const TooDeep& e) {

@@ -70,7 +70,7 @@ TEST_CASE("each limit is the reader's own: depth and size refused naming the lim
 TEST_CASE("a key repeated at any depth is refused naming its key path", "[json]") {
   const auto e = refusal(R"({"a": [{"x": 1}, {"x": 1, "y": 2, "x": 3}]})");
   CHECK(e.kind() == Kind::repeated_key);
-  CHECK(std::string(e.what()) == "t.json: a[1].x: the key 'x' appears twice in a[1]");
+  CHECK(std::string(e.what()) == "t.json:1:35: a[1].x: the key 'x' appears twice in a[1]");
 }
 
 TEST_CASE("a file is read only if it is a regular file within its limit, to its end", "[json]") {

@@ -246,7 +246,8 @@ TEST_CASE(
                                           "plot: bad.jsonl line 2, column 21: not valid JSON: "},
       {R"({"step": 2, "loss": 1e999})",
        "plot: bad.jsonl line 2, column 21: loss: the number 1e999 is beyond the range of a double"},
-      {R"({"step": 2, "step": 3})", "plot: bad.jsonl line 2: step: the key 'step' appears twice"},
+      {R"({"step": 2, "step": 3})",
+       "plot: bad.jsonl line 2, column 13: step: the key 'step' appears twice"},
       {R"({"step": 2, "x": )" + std::string(100'000, '[') + std::string(100'000, ']') + "}",
        "plot: bad.jsonl line 2, column 81: x[0][0][0][0][0] ... [0][0][0]: nested deeper than 64 "
        "levels"},

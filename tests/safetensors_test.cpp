@@ -406,7 +406,7 @@ TEST_CASE(
   // A name repeated at the top level names the tensor; inside an entry, the field.
   CHECK(refused(R"({"w": {}, "w": {}})") == where + "tensor \"w\": named twice in the header");
   CHECK(refused(R"({"w": {"dtype": "F32", "dtype": "F16"}})") ==
-        where + "the header, at w.dtype: the key 'dtype' appears twice in w");
+        where + "the header, at 1:24: w.dtype: the key 'dtype' appears twice in w");
   // JSON holds no NUL: the text after one is not ignored (the parser took it for the end).
   std::string nul = R"({"__metadata__": {}})";
   nul += std::string(1, '\0') + "garbage";
