@@ -69,12 +69,15 @@ std::size_t offset_of_level(std::string_view text, std::size_t level) {
   return std::string_view::npos;
 }
 
-// The byte offset of the second occurrence of the key `steps` ends with, in the object at the
-// path before it, in text that the parser read as JSON up to there; npos if not found (a key
-// written with escapes is not matched). The builder knows the key path, not the position: this
-// finds it, only for the error, in one pass.
-std::size_t offset_of_repeat(std::string_view text, const std::vector<JsonPathStep>& steps) {
-  if (steps.empty() || steps.back().is_index) return std::string_view::npos;
+// In text that the parser read as JSON up to there: with `container`, the byte offset of the
+// bracket of the container at key path `steps`; else of the second occurrence of the key `steps`
+// ends with, in the object at the path before it. npos if not found (a key written with escapes
+// is not matched). The builder knows the key path, not the position: this finds it, only for the
+// error, in one pass.
+std::size_t offset_of_path(std::string_view text, const std::vector<JsonPathStep>& steps,
+                           bool container) {
+  if (!container && (steps.empty() || steps.back().is_index)) return std::string_view::npos;
+  if (container && steps.empty()) return text.find_first_not_of(" \t\r\n");  // the root
   struct Frame {
     bool object;
     bool on_path;  // the container `steps` passes through (or, at depth n, holds the key)
@@ -83,7 +86,8 @@ std::size_t offset_of_repeat(std::string_view text, const std::vector<JsonPathSt
     std::string key;    // objects: the key of the member being read
     int seen;           // the target object: how often its key was read
   };
-  const std::size_t n = steps.size();  // the object holding the repeated key is on level n
+  // The object holding the repeated key is on level n; the container sought, on level n + 1.
+  const std::size_t n = steps.size();
   std::vector<Frame> open;
   for (std::size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
@@ -103,16 +107,18 @@ std::size_t offset_of_repeat(std::string_view text, const std::vector<JsonPathSt
       Frame& f = open.back();
       f.key = std::move(s);
       f.expect_key = false;
-      if (f.on_path && open.size() == n && !escaped && f.key == steps.back().key && ++f.seen == 2)
+      if (!container && f.on_path && open.size() == n && !escaped && f.key == steps.back().key &&
+          ++f.seen == 2)
         return start;
     } else if (c == '{' || c == '[') {
       bool on_path = open.empty();
-      if (!open.empty() && open.back().on_path && open.size() + 1 <= n) {
+      if (!open.empty() && open.back().on_path && open.size() <= n) {
         const Frame& parent = open.back();
         const JsonPathStep& step = steps[open.size() - 1];
         on_path = parent.object ? !step.is_index && parent.key == step.key
                                 : step.is_index && parent.index == step.index;
       }
+      if (container && on_path && open.size() == n) return i;
       open.push_back(Frame{c == '{', on_path, c == '{', 0, {}, 0});
     } else if ((c == '}' || c == ']') && !open.empty()) {
       open.pop_back();
@@ -129,6 +135,9 @@ std::size_t offset_of_repeat(std::string_view text, const std::vector<JsonPathSt
 
 // What a SAX parse refuses beyond JSON's own rules, with the key path where it happened; the
 // message is worded by parse_json, which knows the text.
+struct TooLong {
+  std::vector<JsonPathStep> steps;  // the key path of the list that would grow too long
+};
 struct TooDeep {
   std::vector<JsonPathStep> steps;  // the key path of the container that would open too deep
 };
@@ -148,7 +157,8 @@ struct OutOfRange {
 // costs O(1) (a key lookup O(log n)), and a key path is made only for an error.
 class TreeBuilder {
  public:
-  explicit TreeBuilder(std::size_t max_depth) : max_depth_(max_depth) {}
+  TreeBuilder(std::size_t max_depth, std::size_t max_list_items)
+      : max_depth_(max_depth), max_list_items_(max_list_items) {}
 
   bool null() { return put(nullptr); }
   bool boolean(bool v) { return put(v); }
@@ -194,6 +204,11 @@ class TreeBuilder {
     }
     Level& top = open_.back();
     if (top.node->is_array()) {
+      if (top.node->size() >= max_list_items_) {
+        auto steps = steps_to_pending();
+        steps.pop_back();  // the list's own path, not its next element's
+        throw TooLong{std::move(steps)};
+      }
       top.node->push_back(std::move(v));
       return &top.node->back();
     }
@@ -226,6 +241,7 @@ class TreeBuilder {
   }
 
   std::size_t max_depth_;
+  std::size_t max_list_items_;
   json root_;
   std::vector<Level> open_;
 };
@@ -292,18 +308,25 @@ nlohmann::json parse_json(std::string_view text, const std::string& source,
     throw JsonError(Kind::syntax, source, line, column, {},
                     "not valid JSON: a NUL byte (JSON text holds none)");
   }
-  TreeBuilder builder(limits.max_depth);
+  TreeBuilder builder(limits.max_depth, limits.max_list_items);
   try {
     json::sax_parse(text.begin(), text.end(), &builder);
     return builder.take();
   } catch (const RepeatedKey& e) {
     const std::vector<JsonPathStep> parent(e.steps.begin(), e.steps.end() - 1);
-    const auto offset = offset_of_repeat(text, e.steps);
+    const auto offset = offset_of_path(text, e.steps, false);
     const auto [line, column] =
         offset == std::string_view::npos ? std::pair<std::size_t, std::size_t>{0, 0} : at(offset);
     throw JsonError(Kind::repeated_key, source, line, column, e.steps,
                     fmt::format("the key '{}' appears twice in {}", clipped(e.steps.back().key, 32),
                                 parent.empty() ? "the top-level object" : json_path_text(parent)));
+  } catch (const TooLong& e) {
+    const auto offset = offset_of_path(text, e.steps, true);
+    const auto [line, column] =
+        offset == std::string_view::npos ? std::pair<std::size_t, std::size_t>{0, 0} : at(offset);
+    throw JsonError(Kind::too_long, source, line, column, e.steps,
+                    fmt::format("a list of more than {} elements, the most {} may have",
+                                limits.max_list_items, limits.holder));
   } catch (const TooDeep& e) {
     const auto offset = offset_of_level(text, limits.max_depth + 1);
     const auto [line, column] =

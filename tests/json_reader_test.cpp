@@ -61,6 +61,15 @@ TEST_CASE("each limit is the reader's own: depth and size refused naming the lim
   CHECK(std::string(deep.what()) ==
         "t.json:1:9: a[0][0]: nested deeper than 3 levels of objects "
         "and lists, the most a test file may have");
+  const JsonLimits short_lists{3, 100, "a test file", 2};
+  CHECK_NOTHROW(parse_json("[1, [2, 3]]", "t.json", short_lists));
+  CHECK(std::string(refusal(" [1, 2, 3]", short_lists).what()) ==
+        "t.json:1:2: a list of more than 2 elements, the most a test file may have");
+  const auto long_list = refusal(R"({"a": [1, [1, 2, 3]]})", short_lists);
+  CHECK(long_list.kind() == Kind::too_long);
+  CHECK(long_list.located() ==
+        "1:11: a[1]: a list of more than 2 elements, the most a test file "
+        "may have");
   const auto large = refusal("[" + std::string(99, ' ') + "]", limits);
   CHECK(large.kind() == Kind::too_large);
   CHECK(std::string(large.what()) ==

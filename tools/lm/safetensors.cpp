@@ -21,9 +21,12 @@ namespace {
 // A bigger header is no checkpoint's: the reference implementation refuses the same size, and a
 // corrupt size must not make the reader parse gigabytes.
 constexpr std::uint64_t kMaxHeaderBytes = 100ull << 20;
-// The format's header is two levels deep ({name: {shape: [...]}}); a little room beyond that
+// The format's header is three levels deep ({name: {shape: [...]}}); a little room beyond that
 // lets a deeper one be refused naming its field rather than for its depth.
 constexpr std::size_t kMaxHeaderDepth = 8;
+// Its lists are a shape (a dimension each) and data_offsets (two): a longer list is refused as
+// soon as it grows past this, before a hostile one (a million {}) is built.
+constexpr std::size_t kMaxHeaderListItems = 1024;
 
 struct DTypeInfo {
   std::string_view name;
@@ -122,8 +125,9 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
   // sorted by their offsets below.
   nlohmann::json header;
   try {
-    header = parse_json(std::string_view(text, n), "",
-                        JsonLimits{kMaxHeaderDepth, kMaxHeaderBytes, "a safetensors header"});
+    header = parse_json(
+        std::string_view(text, n), "",
+        JsonLimits{kMaxHeaderDepth, kMaxHeaderBytes, "a safetensors header", kMaxHeaderListItems});
   } catch (const JsonError& e) {
     if (e.kind() == JsonError::Kind::repeated_key && e.path().size() == 1)
       refuse_tensor(path, e.path().front().key, "named twice in the header");

@@ -38,16 +38,19 @@ struct JsonLimits {
   std::size_t max_depth = 256;
   /// The largest text parsed, in bytes.
   std::size_t max_bytes = std::size_t{16} << 20;
-  /// What the text is, in the message about nesting: "..., the most HOLDER may have".
+  /// What the text is, in the messages about limits: "..., the most HOLDER may have".
   std::string_view holder = "a JSON text";
+  /// The most elements one list may hold (a list is refused when one more would be added,
+  /// before it is built further): for formats whose lists are short by nature.
+  std::size_t max_list_items = static_cast<std::size_t>(-1);
 };
 
-/// JSON text refused: not JSON, a number beyond double's range, nested too deep, a repeated key,
-/// larger than the limit, or a file that cannot be read. what() is the whole message:
-/// "SOURCE:LINE:COLUMN: KEY.PATH: REASON", without the parts that are unknown.
+/// JSON text refused: not JSON, a number beyond double's range, nested too deep, a list too long,
+/// a repeated key, larger than the limit, or a file that cannot be read. what() is the whole
+/// message: "SOURCE:LINE:COLUMN: KEY.PATH: REASON", without the parts that are unknown.
 class JsonError : public ConfigError {
  public:
-  enum class Kind { syntax, number_range, too_deep, repeated_key, too_large, unreadable };
+  enum class Kind { syntax, number_range, too_deep, too_long, repeated_key, too_large, unreadable };
   JsonError(Kind kind, std::string source, std::size_t line, std::size_t column,
             std::vector<JsonPathStep> path, std::string reason);
 
@@ -75,7 +78,8 @@ class JsonError : public ConfigError {
 /// the text is longer than limits.max_bytes, is not JSON (a NUL byte included: JSON text holds
 /// none, and the parser would otherwise stop at it and ignore the rest), holds a number beyond
 /// double's range, nests deeper than limits.max_depth (refused at the bracket that would open the
-/// level, before anything deeper is built) or repeats a key in an object.
+/// level, before anything deeper is built), has a list longer than limits.max_list_items or
+/// repeats a key in an object.
 nlohmann::json parse_json(std::string_view text, const std::string& source,
                           const JsonLimits& limits = {});
 
