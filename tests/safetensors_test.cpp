@@ -714,6 +714,11 @@ TEST_CASE("a sharded folder opens when its index and the files' headers agree", 
   CHECK(contains(with_index(json::array()), "not an object with a \"weight_map\" object"));
   std::ofstream(index, std::ios::trunc) << "{";
   CHECK(contains(open_refusal(folder), index.string() + ":1:2: not valid JSON: "));
+  // Refused from its size, before it is read (it was read whole, however large).
+  std::filesystem::resize_file(index, (std::uintmax_t{64} << 20) + 1);
+  CHECK(contains(open_refusal(folder), index.string() +
+                                           ": larger than 64 MiB (67108864 bytes), the "
+                                           "most a safetensors index may hold"));
   std::ofstream(index, std::ios::trunc) << good.dump();
   write_bytes(folder / "model.safetensors", raw_file({}));
   CHECK(contains(open_refusal(folder),
