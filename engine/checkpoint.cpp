@@ -20,20 +20,23 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <bit>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
 #include <set>
 #include <system_error>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 
-#include "shardswap/error.h"
 #include "partition/flat_layout.h"
+#include "shardswap/error.h"
+#include "shardswap/json_reader.h"
 
 #ifndef SHARDSWAP_VERSION
 #define SHARDSWAP_VERSION "unknown"
@@ -283,6 +286,15 @@ class InputFile {
 // Bounds what a reader allocates for a file whose size no metadata vouches for.
 constexpr std::uint64_t kMaxMetadataBytes = 256ull << 20;
 constexpr std::uint64_t kMaxHeaderBytes = 64ull << 20;
+// metadata.json: the outer object is level 1, the metadata level 2, `extra` and `config` level 3.
+// save_checkpoint refuses an extra or config that would be stored deeper, so every checkpoint it
+// writes reads back; 1024 leaves a config of the reader's 256 levels room for the encoding of
+// byte strings (encode_byte_strings).
+constexpr std::size_t kMaxMetadataDepth = 1024;
+constexpr JsonLimits kMetadataLimits{kMaxMetadataDepth, kMaxMetadataBytes,
+                                     "a checkpoint's metadata"};
+// A binary file's header is ShardSwap's own: a few levels.
+constexpr JsonLimits kHeaderLimits{16, kMaxHeaderBytes, "a checkpoint file's header"};
 
 struct BinaryFile {
   fs::path path;
@@ -307,25 +319,62 @@ struct integer_list : std::false_type {};
 template <class T>
 struct integer_list<std::vector<T>> : std::bool_constant<is_integer_field<T>> {};
 
+// What a field of type T must hold, as messages say it.
+template <class T>
+constexpr const char* expected_kind() {
+  if constexpr (std::is_same_v<T, bool>) return "true or false";
+  if constexpr (is_integer_field<T>) return "an integer";
+  if constexpr (integer_list<T>::value) return "a list of integers";
+  if constexpr (std::is_floating_point_v<T>) return "a number";
+  if constexpr (std::is_same_v<T, std::string>) return "a string";
+  if constexpr (std::is_same_v<T, std::vector<std::string>>) return "a list of strings";
+  return "a value";
+}
+
+// Whether `v` holds a T, in range: nlohmann casts a float or a too-large integer to an integer
+// type as it is (1e300 where a shape or count belongs would be undefined behaviour, 2^40 an int
+// wrapped), so integers only, and within the type's range.
+template <class T>
+bool holds(const json& v) {
+  if constexpr (is_integer_field<T>) {
+    if (!v.is_number_integer()) return false;
+    if (v.is_number_unsigned())
+      return v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<T>::max());
+    const auto x = v.get<std::int64_t>();
+    return std::cmp_greater_equal(x, std::numeric_limits<T>::min()) &&
+           std::cmp_less_equal(x, std::numeric_limits<T>::max());
+  } else if constexpr (integer_list<T>::value) {
+    return v.is_array() && std::all_of(v.begin(), v.end(), [](const json& x) {
+             return holds<typename T::value_type>(x);
+           });
+  } else if constexpr (std::is_same_v<T, bool>) {
+    return v.is_boolean();
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return v.is_number();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return v.is_string();
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    return v.is_array() &&
+           std::all_of(v.begin(), v.end(), [](const json& x) { return x.is_string(); });
+  } else {
+    return true;
+  }
+}
+
+// Reads a metadata field, turning a missing or mistyped one into an error naming the file and
+// the field (never the JSON library's own message). `j` must be an object.
 template <class T>
 T field(const json& j, const char* key, const fs::path& file) {
-  try {
-    const json& v = j.at(key);
-    // nlohmann casts a float to an integer type as it is: a value out of the type's range
-    // (1e300 where a shape or count belongs) would be undefined behaviour, so integers only.
-    const auto integer = [](const json& x) { return x.is_number_integer(); };
-    bool ok = true;
-    if constexpr (is_integer_field<T>) ok = integer(v);
-    if constexpr (integer_list<T>::value)
-      ok = v.is_array() && std::all_of(v.begin(), v.end(), integer);
-    if (!ok)
-      throw ConfigError(fmt::format("'{}': field '{}': expected {}, got {}", file.string(), key,
-                                    is_integer_field<T> ? "an integer" : "a list of integers",
-                                    v.dump().substr(0, 64)));
-    return v.get<T>();
-  } catch (const json::exception& e) {
-    throw ConfigError(fmt::format("'{}': field '{}': {}", file.string(), key, e.what()));
-  }
+  if (!j.is_object())
+    throw ConfigError(fmt::format("'{}': field '{}': it lies in {}, not in an object",
+                                  file.string(), key, j.dump().substr(0, 64)));
+  const auto it = j.find(key);
+  if (it == j.end())
+    throw ConfigError(fmt::format("'{}': field '{}' is missing", file.string(), key));
+  if (!holds<T>(*it))
+    throw ConfigError(fmt::format("'{}': field '{}': expected {}, got {}", file.string(), key,
+                                  expected_kind<T>(), it->dump().substr(0, 64)));
+  return it->template get<T>();
 }
 
 // What the metadata records of one file of the save: its size and the FNV-1a 64 of its bytes
@@ -368,7 +417,12 @@ std::optional<std::string> header_save_id(const InputFile& in) {
     return std::nullopt;
   std::string text(static_cast<std::size_t>(length), '\0');
   in.read(text.data(), text.size(), kHeadBytes);
-  const json header = json::parse(text, nullptr, false);
+  json header;
+  try {
+    header = parse_json(text, "", kHeaderLimits);
+  } catch (const JsonError&) {
+    return std::nullopt;
+  }
   if (!header.is_object() || !header.contains("save_id") || !header["save_id"].is_string())
     return std::nullopt;
   return header["save_id"].get<std::string>();
@@ -411,8 +465,12 @@ BinaryFile read_binary(const fs::path& dir, const std::string& name, const json&
   if (length > f.bytes.size() - kHeadBytes - kTrailBytes)
     throw ConfigError(fmt::format("'{}': header length {} exceeds the file", path, length));
   const auto* text = reinterpret_cast<const char*>(f.bytes.data() + kHeadBytes);
-  f.header = json::parse(text, text + length, nullptr, false);
-  if (f.header.is_discarded() || !f.header.is_object())
+  try {
+    f.header = parse_json(std::string_view(text, length), path, kHeaderLimits);
+  } catch (const JsonError& e) {
+    throw ConfigError(fmt::format("'{}': the header is not a JSON object: {}", path, e.located()));
+  }
+  if (!f.header.is_object())
     throw ConfigError(fmt::format("'{}': the header is not a JSON object", path));
   const auto id = f.header.find("save_id");
   if (id == f.header.end() || !id->is_string())
@@ -792,6 +850,19 @@ fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptio
   const fs::path asked = normalized(dir_in, "save_checkpoint");
   if (!options.extra.is_object())
     throw ConfigError("save_checkpoint: SaveOptions::extra must be a JSON object");
+  // What load would refuse is refused before anything is written. The values are checked before
+  // encode_byte_strings walks them (recursively) and again as they would be stored.
+  for (const auto& [name, value] : {std::pair<const char*, const json*>{"extra", &options.extra},
+                                    {"config", &options.config}}) {
+    constexpr std::size_t kStoredDepth = kMaxMetadataDepth - 2;  // below the outer and metadata
+    auto deep = json_deeper_than(*value, kStoredDepth);
+    if (!deep) deep = json_deeper_than(encode_byte_strings(*value), kStoredDepth);
+    if (deep)
+      throw ConfigError(fmt::format(
+          "save_checkpoint: SaveOptions::{}: {}: nested deeper than {} levels of objects and "
+          "lists (as stored), the most a checkpoint's metadata holds there",
+          name, json_path_text(*deep), kStoredDepth));
+  }
   if (!options.run_id.empty() && (options.run_id.size() < 8 || !is_lower_hex(options.run_id)))
     throw ConfigError(
         fmt::format("save_checkpoint: SaveOptions::run_id '{}' must be empty or at "
@@ -1013,8 +1084,18 @@ json read_checkpoint_metadata(const fs::path& dir) {
     throw ConfigError(fmt::format("'{}': checksum mismatch (stored {}, computed {}): the file is "
                                   "corrupt",
                                   file.string(), stored, computed));
-  json meta = json::parse(inner, nullptr, false);
-  if (meta.is_discarded() || !meta.is_object())
+  // The whole file is parsed (it is JSON as a whole), so a line and column count in the file.
+  // Bounded in depth: `extra` is the trainer's own and may nest, but nothing deeper than what
+  // save_checkpoint writes is read (a hostile one 100,000 levels deep would overflow the stack in
+  // every recursive walk of it: dump, copy, decode_byte_strings).
+  json whole = parse_json(text, file.string(), kMetadataLimits);
+  // The prefix puts "format", "fnv1a64" and "metadata" first; any other key would be text after
+  // the metadata that the checksum covers but the reader would not see as metadata.
+  if (!whole.is_object() || whole.size() != 3 || !whole.contains("metadata"))
+    throw ConfigError(
+        fmt::format("'{}' is not a ShardSwap checkpoint metadata file", file.string()));
+  json meta = std::move(whole["metadata"]);
+  if (!meta.is_object())
     throw ConfigError(fmt::format("'{}': the metadata is not a JSON object", file.string()));
   const int version = field<int>(meta, "format_version", file);
   if (version == 1)
@@ -1038,6 +1119,52 @@ json read_checkpoint_metadata(const fs::path& dir) {
     (void)field<std::string>(parent, "run_id", file);
     (void)field<std::int64_t>(parent, "step", file);
   }
+  // Every field a reader (load, inspect, export, a trainer) takes as given, checked once here,
+  // so each failure is a ConfigError naming the field.
+  (void)field<std::string>(meta, "shardswap_version", file);
+  (void)field<int>(meta, "world_size", file);
+  (void)field<int>(meta, "stage", file);
+  (void)field<int>(meta, "state_slots", file);
+  (void)field<std::string>(meta, "dtype", file);
+  (void)field<std::string>(meta, "optimizer", file);
+  (void)field<double>(meta, "lr", file);
+  (void)field<std::vector<std::string>>(meta, "active", file);
+  const json& scaler = field<json>(meta, "loss_scaler", file);
+  (void)field<double>(scaler, "scale", file);
+  (void)field<std::int64_t>(scaler, "clean_steps", file);
+  (void)field<int>(scaler, "hysteresis_left", file);
+  const auto list_of_objects = [&](const char* key) -> const json& {
+    const json& list = meta.at(key);
+    if (!list.is_array() ||
+        !std::all_of(list.begin(), list.end(), [](const json& e) { return e.is_object(); }))
+      throw ConfigError(fmt::format("'{}': field '{}': expected a list of objects, got {}",
+                                    file.string(), key, list.dump().substr(0, 64)));
+    return list;
+  };
+  (void)field<json>(meta, "params", file);
+  for (const auto& p : list_of_objects("params")) {
+    (void)field<std::string>(p, "name", file);
+    (void)field<std::vector<std::int64_t>>(p, "shape", file);
+    (void)field<std::string>(p, "group", file);
+  }
+  (void)field<json>(meta, "groups", file);
+  for (const auto& g : list_of_objects("groups")) {
+    (void)field<std::string>(g, "name", file);
+    (void)field<std::string>(g, "state", file);
+    (void)field<std::int64_t>(g, "step", file);
+  }
+  (void)field<json>(meta, "files", file);
+  for (const auto& f : list_of_objects("files")) {
+    (void)field<std::string>(f, "name", file);
+    (void)field<std::uint64_t>(f, "bytes", file);
+    (void)field<std::string>(f, "fnv1a64", file);
+  }
+  // The trainer's state: an object, as save_checkpoint requires (a trainer reads its fields by
+  // name; tools/train.cpp checks those of ShardSwap's own trainer).
+  const json& extra = field<json>(meta, "extra", file);
+  if (!extra.is_object())
+    throw ConfigError(fmt::format("'{}': field 'extra': expected an object, got {}", file.string(),
+                                  extra.dump().substr(0, 64)));
   return meta;
 }
 
@@ -1301,6 +1428,8 @@ json encode_byte_strings(const json& j) {
   return out;
 }
 
+// Recursive, and bounded: metadata is read at most kMaxMetadataDepth deep (read_checkpoint_metadata
+// refuses deeper), and save_checkpoint refuses to store anything deeper.
 json decode_byte_strings(const json& j) {
   if (j.is_array()) {
     json out = json::array();

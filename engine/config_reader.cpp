@@ -1,18 +1,16 @@
 #include "shardswap/config_reader.h"
-#include "memory/file_kind.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "shardswap/error.h"
+#include "shardswap/json_reader.h"
 
 namespace shardswap {
 
@@ -109,13 +107,6 @@ void collect_leaves(const nlohmann::json& j, const std::string& prefix,
   }
 }
 
-// One step of a key path as messages show it: an object key, or a list index.
-struct Step {
-  std::string key;
-  std::size_t index = 0;
-  bool is_index = false;
-};
-
 // The first `max` bytes of `text`, not cutting a UTF-8 sequence, with "..." if anything was cut.
 std::string clipped(std::string_view text, std::size_t max) {
   if (text.size() <= max) return std::string(text);
@@ -123,255 +114,18 @@ std::string clipped(std::string_view text, std::size_t max) {
   return std::string(text.substr(0, max)) + "...";
 }
 
-std::string joined(const std::vector<Step>& steps, std::size_t from, std::size_t to) {
-  std::string out;
-  for (std::size_t i = from; i < to; ++i) {
-    if (steps[i].is_index)
-      out += fmt::format("[{}]", steps[i].index);
-    else
-      out += (i == 0 ? "" : ".") + clipped(steps[i].key, 32);
-  }
-  return out;
-}
-
-// A key path short enough for a message however deep or long its keys: the first six and the
-// last three steps, each key at most 32 bytes.
-std::string shown_path(const std::vector<Step>& steps) {
-  const auto n = steps.size();
-  if (n <= 10) return joined(steps, 0, n);
-  return joined(steps, 0, 6) + " ... " + joined(steps, n - 3, n);
-}
-
 // "KEY: nested deeper than ...", for a container at key path `steps` one level too deep.
-std::string too_deep(const std::vector<Step>& steps) {
+std::string too_deep(const std::vector<JsonPathStep>& steps) {
   return fmt::format(
       "{}: nested deeper than {} levels of objects and lists, the most a config "
       "may have",
-      shown_path(steps), ConfigReader::kMaxDepth);
+      json_path_text(steps), ConfigReader::kMaxDepth);
 }
 
-// What a SAX parse refuses beyond JSON's own rules; from_text and set() word the message.
-struct TooDeep {
-  std::vector<Step> steps;  // the key path of the container that would open one level too deep
-};
-struct RepeatedKey {
-  std::vector<Step> steps;  // the key path of the repeated key
-};
-
-// Builds the tree from nlohmann's SAX events, refusing a repeated key and nesting deeper than
-// `max_depth` before anything deeper is built. nlohmann's callback parser (json::parse with a
-// callback) is quadratic in a list of many objects (each object's end scans its parent for
-// discarded elements), and keeping a key path per level is quadratic in depth: here each event
-// costs O(1) (a key lookup O(log n)), and a key path is made only for an error.
-class TreeBuilder {
- public:
-  using json = nlohmann::json;
-  explicit TreeBuilder(std::size_t max_depth) : max_depth_(max_depth) {}
-
-  bool null() { return put(nullptr); }
-  bool boolean(bool v) { return put(v); }
-  bool number_integer(json::number_integer_t v) { return put(v); }
-  bool number_unsigned(json::number_unsigned_t v) { return put(v); }
-  bool number_float(json::number_float_t v, const json::string_t&) { return put(v); }
-  bool string(json::string_t& v) { return put(std::move(v)); }
-  bool binary(json::binary_t& v) { return put(json::binary(std::move(v))); }
-  bool start_object(std::size_t) { return open(json::object()); }
-  bool start_array(std::size_t) { return open(json::array()); }
-  bool key(json::string_t& k) {
-    Level& top = open_.back();
-    top.key = std::move(k);
-    if (top.node->contains(top.key)) throw RepeatedKey{steps_to_pending()};
-    return true;
-  }
-  bool end_object() { return close(); }
-  bool end_array() { return close(); }
-  template <class Exception>
-  bool parse_error(std::size_t, const std::string&, const Exception& e) {
-    throw e;
-  }
-
-  json take() { return std::move(root_); }
-
- private:
-  struct Level {
-    json* node;
-    std::string key;  // objects: the key of the member being read
-  };
-
-  // Places `v` where the parse is (the root, the end of a list, the pending key of an object);
-  // returns where it lies. Pointers into an open container stay valid: only the innermost open
-  // container grows.
-  json* place(json&& v) {
-    if (open_.empty()) {
-      root_ = std::move(v);
-      return &root_;
-    }
-    Level& top = open_.back();
-    if (top.node->is_array()) {
-      top.node->push_back(std::move(v));
-      return &top.node->back();
-    }
-    return &top.node->get_ref<json::object_t&>().emplace(top.key, std::move(v)).first->second;
-  }
-  bool put(json&& v) {
-    place(std::move(v));
-    return true;
-  }
-  bool open(json&& v) {
-    if (open_.size() >= max_depth_) throw TooDeep{steps_to_pending()};
-    open_.push_back(Level{place(std::move(v)), {}});
-    return true;
-  }
-  bool close() {
-    open_.pop_back();
-    return true;
-  }
-  // The key path of the value being read now (the member's key, or the next list index).
-  std::vector<Step> steps_to_pending() const {
-    std::vector<Step> steps;
-    for (std::size_t i = 0; i < open_.size(); ++i) {
-      const Level& l = open_[i];
-      if (l.node->is_object())
-        steps.push_back(Step{l.key});
-      else  // the open list's element being read: the last one below the top, the next at it
-        steps.push_back(Step{{}, l.node->size() - (i + 1 < open_.size() ? 1 : 0), true});
-    }
-    return steps;
-  }
-
-  std::size_t max_depth_;
-  json root_;
-  std::vector<Level> open_;
-};
-
-nlohmann::json parse_bounded(std::string_view text, std::size_t max_depth) {
-  TreeBuilder builder(max_depth);
-  nlohmann::json::sax_parse(text.begin(), text.end(), &builder);
-  return builder.take();
-}
-
-// The byte offset of the bracket that opens nesting level `level` (the top-level value's opens
-// level 1), in text that the parser read as JSON up to there; npos if none. The builder knows the
-// key path, not the position: this finds it, only for the error.
-std::size_t offset_of_level(std::string_view text, std::size_t level) {
-  std::size_t depth = 0;
-  bool in_string = false;
-  for (std::size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\')
-        ++i;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth == level) return i;
-    } else if ((c == '}' || c == ']') && depth > 0) {
-      --depth;
-    }
-  }
-  return std::string_view::npos;
-}
-
-// "LINE:COLUMN" of byte `offset` (both counting from 1).
-std::string line_column(std::string_view text, std::size_t offset) {
-  const auto before = text.substr(0, std::min(offset, text.size()));
-  const std::size_t line =
-      1 + static_cast<std::size_t>(std::count(before.begin(), before.end(), '\n'));
-  const auto newline = before.rfind('\n');
-  return fmt::format("{}:{}", line,
-                     before.size() - (newline == std::string_view::npos ? 0 : newline + 1) + 1);
-}
-
-// The key path (first kMaxDepth + 1 levels) of the first container of `root` that lies deeper
-// than kMaxDepth, or nothing. Iterative: `root` may be nested arbitrarily deep.
-std::optional<std::vector<Step>> too_deep_in(const nlohmann::json& root) {
-  struct Frame {
-    const nlohmann::json* node;
-    nlohmann::json::const_iterator child;
-    std::size_t index;
-  };
-  if (!root.is_structured()) return std::nullopt;
-  std::vector<Frame> chain{{&root, root.begin(), 0}};
-  while (!chain.empty()) {
-    Frame& f = chain.back();
-    if (f.child == f.node->end()) {
-      chain.pop_back();
-      if (!chain.empty()) {
-        ++chain.back().child;
-        ++chain.back().index;
-      }
-      continue;
-    }
-    if (!f.child->is_structured()) {
-      ++f.child;
-      ++f.index;
-      continue;
-    }
-    if (chain.size() >= ConfigReader::kMaxDepth) {
-      std::vector<Step> steps;
-      for (const auto& g : chain)
-        steps.push_back(g.node->is_object() ? Step{g.child.key()} : Step{{}, g.index, true});
-      return steps;
-    }
-    const nlohmann::json* child = &*f.child;
-    chain.push_back(Frame{child, child->begin(), 0});
-  }
-  return std::nullopt;
-}
-
-[[noreturn]] void refuse_file(const std::string& path, std::string_view why) {
-  throw ConfigError(fmt::format("{}: {}", path, why));
-}
-
-[[noreturn]] void too_large(const std::string& path, std::string_view size) {
-  refuse_file(path,
-              fmt::format("larger than {} MiB ({} bytes), the most a config file may hold{}",
-                          ConfigReader::kMaxFileBytes >> 20, ConfigReader::kMaxFileBytes, size));
-}
-
-// The whole of a config file, read only if it is a regular file of at most kMaxFileBytes. A
-// device or FIFO is refused from stat() before it is opened (opening some devices acts, and a
-// FIFO's open blocks until a writer comes); it is opened non-blocking and checked again with
-// fstat() in case the path was replaced in between; the read stops one byte past the limit, as a
-// file may grow while it is read (and /proc files report size 0).
-std::string read_config_file(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0)
-    refuse_file(path, fmt::format("cannot open the config file: {}", std::strerror(errno)));
-  const auto check = [&] {
-    if (!S_ISREG(st.st_mode))
-      refuse_file(path, fmt::format("not a regular file ({}): a config must be one",
-                                    file_kind(st.st_mode)));
-    if (static_cast<std::uint64_t>(st.st_size) > ConfigReader::kMaxFileBytes)
-      too_large(path, fmt::format(": it has {} bytes", st.st_size));
-  };
-  check();
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0)
-    refuse_file(path, fmt::format("cannot open the config file: {}", std::strerror(errno)));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  if (::fstat(fd, &st) != 0)
-    refuse_file(path, fmt::format("cannot read the config file: {}", std::strerror(errno)));
-  check();
-  std::string text(ConfigReader::kMaxFileBytes + 1, '\0');
-  std::size_t got = 0;
-  while (got < text.size()) {
-    const auto n = ::read(fd, text.data() + got, text.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0)
-      refuse_file(path, fmt::format("cannot read the config file: {}", std::strerror(errno)));
-    if (n == 0) break;
-    got += static_cast<std::size_t>(n);
-  }
-  if (got > ConfigReader::kMaxFileBytes) too_large(path, "");
-  text.resize(got);
-  text.shrink_to_fit();
-  return text;
+// What a config's text may be. A file's size is bounded where it is read (from_file); text
+// handed to from_text is already in memory.
+JsonLimits config_limits(std::size_t max_depth) {
+  return JsonLimits{max_depth, std::numeric_limits<std::size_t>::max(), "a config"};
 }
 
 }  // namespace
@@ -380,47 +134,20 @@ ConfigReader::ConfigReader(nlohmann::json root, std::string source)
     : root_(std::move(root)), source_(std::move(source)) {
   if (!root_.is_object())
     throw ConfigError(fmt::format("{}: the top level must be a JSON object {{...}}", source_));
-  if (const auto steps = too_deep_in(root_)) throw ConfigError(naming_file(too_deep(*steps)));
+  if (const auto steps = json_deeper_than(root_, kMaxDepth))
+    throw ConfigError(naming_file(too_deep(*steps)));
 }
 
 ConfigReader ConfigReader::from_file(const std::string& path) {
-  return from_text(read_config_file(path), path);
+  return from_text(read_json_text(path, kMaxFileBytes, "config file"), path);
 }
 
 ConfigReader ConfigReader::from_text(std::string_view text, std::string source) {
-  try {
-    // nlohmann keeps the last of repeated keys without a word; DeepSpeed refuses them, and so do
-    // we: a repeated key usually means one of the two values is not the one the author meant.
-    return ConfigReader(parse_bounded(text, kMaxDepth), source);
-  } catch (const RepeatedKey& e) {
-    const std::vector<Step> parent(e.steps.begin(), e.steps.end() - 1);
-    throw ConfigError(fmt::format("{}: {}: the key '{}' appears twice in {}", source,
-                                  shown_path(e.steps), clipped(e.steps.back().key, 32),
-                                  parent.empty() ? "the top-level object" : shown_path(parent)));
-  } catch (const TooDeep& e) {
-    const auto offset = offset_of_level(text, kMaxDepth + 1);
-    const auto where = offset == std::string_view::npos
-                           ? source
-                           : fmt::format("{}:{}", source, line_column(text, offset));
-    throw ConfigError(fmt::format("{}: {}", where, too_deep(e.steps)));
-  } catch (const nlohmann::json::parse_error& e) {
-    // e.byte counts from 1 and points at the last character read: the one that broke the parse
-    // (one past the end when the text ended early).
-    const std::size_t end = std::min<std::size_t>(e.byte == 0 ? 0 : e.byte - 1, text.size());
-    // Keep nlohmann's reason, without its own prefix ("[json.exception...] parse error at ...: ").
-    std::string reason = e.what();
-    if (const auto colon = reason.find(": "); colon != std::string::npos)
-      reason = reason.substr(colon + 2);
-    throw ConfigError(
-        fmt::format("{}:{}: not valid JSON: {}", source, line_column(text, end), reason));
-  } catch (const nlohmann::json::out_of_range& e) {
-    // A number beyond double's range (1e309): nlohmann reports it as out_of_range, with no
-    // position (found by tests/fuzz, corpus file crash-number-overflow.json).
-    std::string reason = e.what();
-    if (const auto bracket = reason.find("] "); bracket != std::string::npos)
-      reason = reason.substr(bracket + 2);
-    throw ConfigError(fmt::format("{}: not valid JSON: {}", source, reason));
-  }
+  // nlohmann keeps the last of repeated keys without a word; DeepSpeed refuses them, and so does
+  // the reader: a repeated key usually means one of the two values is not the one the author
+  // meant.
+  auto root = parse_json(text, source, config_limits(kMaxDepth));
+  return ConfigReader(std::move(root), std::move(source));
 }
 
 std::string ConfigReader::naming_file(std::string_view message) const {
@@ -601,10 +328,10 @@ void ConfigReader::set(std::string_view assignment) {
   const auto steps = parse_path(path);
   // Each key and each index is a level below the top-level object: the value's own objects and
   // lists get what is left of kMaxDepth.
-  std::vector<Step> levels;
+  std::vector<JsonPathStep> levels;
   for (const auto& step : steps) {
-    levels.push_back(Step{step.key});
-    for (const auto index : step.indices) levels.push_back(Step{{}, index, true});
+    levels.push_back(JsonPathStep{step.key});
+    for (const auto index : step.indices) levels.push_back(JsonPathStep{{}, index, true});
   }
   if (levels.size() > kMaxDepth) {
     levels.resize(kMaxDepth);
@@ -612,18 +339,21 @@ void ConfigReader::set(std::string_view assignment) {
   }
   nlohmann::json value;
   try {
-    value = parse_bounded(text, kMaxDepth - levels.size());
-  } catch (const TooDeep& e) {
-    levels.insert(levels.end(), e.steps.begin(), e.steps.end());
-    throw refuse(too_deep(levels));
-  } catch (const RepeatedKey& e) {
-    levels.insert(levels.end(), e.steps.begin(), e.steps.end());
-    throw refuse(fmt::format("{}: the key appears twice", shown_path(levels)));
-  } catch (const nlohmann::json::parse_error&) {
-    value = std::string(text);  // a bare word: a string
-  } catch (const nlohmann::json::out_of_range& e) {
-    // A number beyond double's range: refused, not kept as the string "1e309".
-    throw refuse(e.what());
+    value = parse_json(text, "", config_limits(kMaxDepth - levels.size()));
+  } catch (const JsonError& e) {
+    levels.insert(levels.end(), e.path().begin(), e.path().end());
+    switch (e.kind()) {
+      case JsonError::Kind::syntax:
+        value = std::string(text);  // a bare word: a string
+        break;
+      case JsonError::Kind::too_deep:
+        throw refuse(too_deep(levels));
+      case JsonError::Kind::repeated_key:
+        throw refuse(fmt::format("{}: the key appears twice", json_path_text(levels)));
+      default:
+        // A number beyond double's range: refused, not kept as the string "1e309".
+        throw refuse(fmt::format("{}: {}", json_path_text(levels), e.reason()));
+    }
   }
   // Edit a copy, so a refused override leaves the config as it was. A missing key is created.
   nlohmann::json updated = root_;

@@ -6,10 +6,12 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -932,6 +934,167 @@ TEST_CASE("a checkpoint of the previous format version is refused with a message
   CHECK(test::contains(msg, path.string()));
   CHECK(test::contains(msg, "format version 1"));
   CHECK(test::contains(inspect_error(dir), "format version 1"));
+}
+
+namespace {
+
+// Rewrites the metadata of the checkpoint in `dir` as a forger would: `change` edits the parsed
+// metadata, the string "deep" in its text is replaced by `deep` (a value nlohmann could not write
+// without recursing), and the checksum is made anew, so only the reader's own checks stand.
+void forge_metadata(const fs::path& dir, const std::function<void(nlohmann::json&)>& change,
+                    const std::string& deep = "") {
+  const auto path = dir / "metadata.json";
+  std::ifstream in(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  in.close();
+  const std::string middle = "\",\"metadata\":";
+  const auto body = text.find(middle) + middle.size();
+  auto meta = nlohmann::json::parse(text.substr(body, text.size() - body - 2));
+  change(meta);
+  std::string inner = meta.dump(1);
+  if (const auto at = inner.find("\"deep\""); !deep.empty() && at != std::string::npos)
+    inner.replace(at, 6, deep);
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      << "{\"format\":\"shardswap-checkpoint\",\"fnv1a64\":\""
+      << fmt::format("{:016x}", fnv1a64(inner.data(), inner.size())) << middle << inner << "}\n";
+}
+
+double seconds_of(const std::function<void()>& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a checkpoint whose extra nests 100,000 levels is refused by load and inspect in under "
+    "a second, naming the file, the position and the key path") {
+  // Valid checksum, 0.2 MB: it crashed inspect and load (recursion in dump and in
+  // decode_byte_strings).
+  Damaged d;
+  const auto dir = d.copy("deep");
+  forge_metadata(
+      dir, [](nlohmann::json& m) { m["extra"]["nested"] = "deep"; },
+      std::string(100'000, '[') + std::string(100'000, ']'));
+  const std::string where = (dir / "metadata.json").string() + ":";
+  const std::string what =
+      ": metadata.extra.nested[0][0][0] ... [0][0][0]: nested deeper than 1024 levels of objects "
+      "and lists, the most a checkpoint's metadata may have";
+  std::string inspected;
+  const double inspect_seconds = seconds_of(
+      [&] { inspected = test::message_of<ConfigError>([&] { describe_checkpoint(dir); }); });
+  std::vector<std::string> loaded(2);
+  std::vector<double> load_seconds(2);
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(Setup{}, 2), comm, space);
+    build(e, 7);
+    load_seconds[rank] = seconds_of([&] {
+      loaded[rank] = test::rank_message_of<ConfigError>([&] { load_checkpoint(e, dir); });
+    });
+  });
+  for (const auto& m : {inspected, loaded[0], loaded[1], load_error(dir), inspect_error(dir)}) {
+    CAPTURE(m);
+    CHECK(test::contains(m, where));
+    CHECK(test::contains(m, what));
+    CHECK(m.size() < 400);
+  }
+  CAPTURE(inspect_seconds, load_seconds[0], load_seconds[1]);
+  CHECK(inspect_seconds < 1.0);
+  CHECK(load_seconds[0] < 1.0);
+  CHECK(load_seconds[1] < 1.0);
+}
+
+TEST_CASE(
+    "a metadata field missing, of the wrong type or out of range is refused by load and "
+    "inspect naming the field") {
+  Damaged d;
+  const auto file = [](const fs::path& dir) {
+    return "'" + (dir / "metadata.json").string() + "'";
+  };
+  const std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>> cases = {
+      {[](auto& m) {
+         m["extra"] = {1, 2};
+       },
+       "field 'extra': expected an object, got [1,2]"},
+      {[](auto& m) { m.erase("shardswap_version"); }, "field 'shardswap_version' is missing"},
+      {[](auto& m) { m["world_size"] = "2"; },
+       "field 'world_size': expected an integer, got \"2\""},
+      {[](auto& m) { m["loss_scaler"]["hysteresis_left"] = std::int64_t{1} << 40; },
+       "field 'hysteresis_left': expected an integer, got 1099511627776"},
+      {[](auto& m) { m["groups"][0]["step"] = 1e300; },
+       "field 'step': expected an integer, got 1e+300"},
+      {[](auto& m) {
+         m["active"] = {"a", 1};
+       },
+       "field 'active': expected a list of strings, got [\"a\",1]"},
+      {[](auto& m) { m["files"] = {1}; }, "field 'files': expected a list of objects, got [1]"},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const auto dir = d.copy(fmt::format("field-{}", i));
+    forge_metadata(dir, cases[i].first);
+    for (const auto& m : {load_error(dir), inspect_error(dir)}) {
+      CAPTURE(i, m);
+      CHECK(test::contains(m, file(dir) + ": " + cases[i].second));
+      CHECK(!test::contains(m, "json.exception"));
+    }
+  }
+}
+
+TEST_CASE(
+    "save_checkpoint refuses an extra nested deeper than a load reads back, writing "
+    "nothing") {
+  const ScratchFolder folder = scratch("deep-extra");
+  const auto nested = [](std::size_t levels) {
+    nlohmann::json extra = nlohmann::json::object();
+    nlohmann::json* node = &extra;
+    for (std::size_t level = 2; level <= levels; ++level)
+      node = &((*node)["a"] = nlohmann::json::object());
+    return extra;
+  };
+  // 1022 levels below the metadata's own two: the deepest that loads.
+  SaveOptions ok;
+  ok.extra = nested(1022);
+  const Saved saved = save_after(2, 2, folder.path() / "ok", ok);
+  LoadedCheckpoint loaded;
+  load_states(2, saved.path, &loaded);
+  CHECK(loaded.extra.at("a") == ok.extra.at("a"));
+  for (const std::size_t levels : {1023, 100'000}) {
+    SaveOptions options;
+    options.extra = nested(levels);
+    const auto dir = folder.path() / fmt::format("deep-{}", levels);
+    std::vector<std::string> messages(2);
+    run_ranks(2, [&](int rank, Communicator& comm) {
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(config_of(Setup{}, 2), comm, space);
+      build(e, 1);
+      messages[rank] =
+          test::rank_message_of<ConfigError>([&] { save_checkpoint(e, dir, options); });
+    });
+    CAPTURE(levels, messages[0]);
+    CHECK(messages[0] == messages[1]);
+    CHECK(test::contains(messages[0],
+                         "save_checkpoint: SaveOptions::extra: a.a.a.a.a.a ... "
+                         ".a.a.a: nested deeper than 1022 levels"));
+    CHECK(!fs::exists(dir));
+  }
+  // A byte string is stored as {"bytes_hex": ...}, one level deeper than it was given.
+  SaveOptions bytes;
+  bytes.extra = nested(1022);
+  nlohmann::json* node = &bytes.extra;
+  while (!(*node)["a"].empty()) node = &(*node)["a"];  // to the object on level 1021
+  (*node)["a"]["a"] = std::string("\xff");             // a string in the object on level 1022
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_of(Setup{}, 2), comm, space);
+    build(e, 1);
+    messages[rank] = test::rank_message_of<ConfigError>(
+        [&] { save_checkpoint(e, folder.path() / "bytes", bytes); });
+  });
+  CAPTURE(messages[0]);
+  CHECK(test::contains(messages[0], "(as stored)"));
 }
 
 TEST_CASE(

@@ -249,7 +249,8 @@ TEST_CASE("a key given twice in one object is refused naming the key and where i
   CAPTURE(msg);
   REQUIRE(test::contains(msg, "duplicate_key.json"));
   REQUIRE(test::contains(msg, "'lr' appears twice in optimizer.params"));
-  REQUIRE(test::config_shaped(msg, kConfigs + "duplicate_key.json", "optimizer.params.lr"));
+  // Where the second one is: line 2, column 53 (its opening quote).
+  REQUIRE(test::config_shaped(msg, kConfigs + "duplicate_key.json:2:53", "optimizer.params.lr"));
   // The same key in different objects is fine.
   ConfigReader::from_text(R"({"a": {"x": 1}, "b": {"x": 2}, "l": [{"x": 1}, {"x": 2}]})", "ok");
 }

@@ -338,7 +338,7 @@ TEST_CASE("read_hf_config names the file that is missing, not JSON or refused", 
         file.string() + ": no such file");
   std::ofstream(file) << "{\"model_type\": ";
   CHECK(contains(message_of<ConfigError>([&] { read_hf_config(file, kSeq); }),
-                 file.string() + ": not JSON"));
+                 file.string() + ":1:16: not valid JSON: "));
   std::ofstream(file, std::ios::trunc) << "[1]";
   CHECK(message_of<ConfigError>([&] { read_hf_config(file, kSeq); }) ==
         file.string() + ": not a JSON object");
@@ -349,4 +349,31 @@ TEST_CASE("read_hf_config names the file that is missing, not JSON or refused", 
   CHECK(read_hf_config(file, kSeq).shape.hidden == 896);
   CHECK(contains(message_of<ConfigError>([&] { read_hf_config(folder.path(), kSeq); }),
                  "not a regular file (a directory)"));
+}
+
+TEST_CASE("a config.json larger than 16 MiB is refused from its size, before it is read", "[hf]") {
+  // A 1 GiB one (sparse here) was read whole: 2.2 GB of memory, then parsed.
+  const test_support::ScratchFolder folder("hf-config-size");
+  const auto file = folder / "config.json";
+  std::ofstream(file) << kQwen.dump();
+  std::filesystem::resize_file(file, std::uintmax_t{1} << 30);
+  CHECK(message_of<ConfigError>([&] { read_hf_config(file, kSeq); }) ==
+        file.string() +
+            ": larger than 16 MiB (16777216 bytes), the most a Hugging Face config.json may hold: "
+            "it has 1073741824 bytes");
+}
+
+TEST_CASE(
+    "a default that does not fit an absent field is refused naming the field, not with the "
+    "JSON library's text",
+    "[hf]") {
+  // Mistral's default of 8 key/value heads with 4 attention heads: the refusal looked the absent
+  // field up to show its value (found by tests/fuzz/hf_config_fuzz.cpp).
+  const auto mistral = without(with(kMistral, "num_attention_heads", 4), "num_key_value_heads");
+  const auto m = refusal(mistral);
+  CAPTURE(m);
+  CHECK(m ==
+        "/models/x/config.json 'num_key_value_heads': not in the file, and its default for the "
+        "model_type "
+        "must divide num_attention_heads = 4");
 }

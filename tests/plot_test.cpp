@@ -237,6 +237,31 @@ TEST_CASE("a malformed metrics line is refused naming the file and the line") {
   REQUIRE(test::contains(config_error(R"({"step": 1, "switch": true})"), "'switch'"));
 }
 
+TEST_CASE(
+    "a metrics line that is not JSON, too deep or repeating a key is refused naming its "
+    "line, column and key, without the JSON library's text") {
+  const std::string good = R"({"step": 1, "loss": 0.5})";
+  const auto cases = {
+      std::pair<std::string, std::string>{R"({"step": 2, "loss": oops})",
+                                          "plot: bad.jsonl line 2, column 21: not valid JSON: "},
+      {R"({"step": 2, "loss": 1e999})",
+       "plot: bad.jsonl line 2, column 21: loss: the number 1e999 is beyond the range of a double"},
+      {R"({"step": 2, "step": 3})",
+       "plot: bad.jsonl line 2, column 13: step: the key 'step' appears twice"},
+      {R"({"step": 2, "x": )" + std::string(100'000, '[') + std::string(100'000, ']') + "}",
+       "plot: bad.jsonl line 2, column 81: x[0][0][0][0][0] ... [0][0][0]: nested deeper than 64 "
+       "levels"},
+      {R"({"step": 2})" + std::string(1, '\0') + R"({"step": 3})",
+       "plot: bad.jsonl line 2, column 12: not valid JSON: a NUL byte"},
+  };
+  for (const auto& [line, expected] : cases) {
+    const auto m = config_error(good + "\n" + line + "\n");
+    CAPTURE(m.substr(0, 300));
+    REQUIRE(test::contains(m, expected));
+    REQUIRE(!test::contains(m, "json.exception"));
+  }
+}
+
 TEST_CASE("a cut-off last line is skipped with a warning naming the file") {
   for (std::uint64_t seed : {4, 5, 6}) {
     const auto [text, e] = random_metrics(seed);

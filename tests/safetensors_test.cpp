@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -314,8 +315,8 @@ TEST_CASE("every malformed safetensors file is refused naming the file and the t
   CHECK(contains(refused(longer), "the tensors' data ends at byte 30 of the 31 bytes"));
   CHECK(contains(refused(raw_file("{}", {}, 1000)), where + "header size 1000 is beyond the file"));
   CHECK(contains(refused(raw_file("{}", {}, 200ull << 20)), "is above the limit of 104857600"));
-  CHECK(contains(refused(header("{\"w\": [", {})), where + "the header is not JSON"));
-  CHECK(contains(refused(header("", {})), where + "the header is not JSON"));
+  CHECK(contains(refused(header("{\"w\": [", {})), where + "the header, at 1:8: not valid JSON: "));
+  CHECK(contains(refused(header("", {})), where + "the header, at 1:1: not valid JSON: "));
   CHECK(refused(header("[1, 2]", {})) == where + "the header is not a JSON object");
   CHECK(refused(header(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
                        R"("b":{"dtype":"F32","shape":[2],"data_offsets":[20,28]}})",
@@ -361,6 +362,68 @@ TEST_CASE("every malformed safetensors file is refused naming the file and the t
   // A refused file leaves nothing mapped behind the caller's back; the good file still opens.
   write_bytes(path, whole);
   CHECK(SafetensorsFile::open(path).tensors().size() == 2);
+}
+
+TEST_CASE("a header holding a list of a million empty objects is refused in under a second",
+          "[hf]") {
+  // Valid JSON, 3 MB: the callback parser the reader used took minutes (quadratic in the list).
+  const ScratchFolder folder("safetensors");
+  const auto path = folder / "list.safetensors";
+  std::string list = "[";
+  for (int i = 0; i < 1'000'000; ++i) list += i == 0 ? "{}" : ",{}";
+  list += "]";
+  // Its lists are short by nature (a shape, data_offsets): one is refused once it grows past
+  // 1024 elements, before the rest is built.
+  for (const auto& [header, why] :
+       {std::pair<std::string, std::string>{
+            list,
+            "the header, at 1:1: a list of more than 1024 elements, the most a safetensors "
+            "header may have"},
+        {R"({"w": )" + list + "}",
+         "the header, at 1:7: w: a list of more than 1024 elements, the most a safetensors header "
+         "may have"}}) {
+    write_bytes(path, raw_file(header, {}, header.size()));
+    const auto start = std::chrono::steady_clock::now();
+    const auto m = refusal_of(path);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CAPTURE(m, seconds);
+    CHECK(m == "safetensors file '" + path.string() + "': " + why);
+    CHECK(seconds < 1.0);
+  }
+}
+
+TEST_CASE(
+    "a header nested too deep, repeating a key inside an entry or holding a NUL is refused "
+    "naming where",
+    "[hf]") {
+  const ScratchFolder folder("safetensors");
+  const auto path = folder / "h.safetensors";
+  const std::string where = "safetensors file '" + path.string() + "': ";
+  const auto refused = [&](const std::string& header) {
+    write_bytes(path, raw_file(header, {}, header.size()));
+    return refusal_of(path);
+  };
+  const std::string deep =
+      R"({"w": )" + std::string(100'000, '[') + std::string(100'000, ']') + "}";
+  // A list of 1024 objects is within the limit of list lengths: read, then refused as no entry.
+  std::string list = R"({"w": [{})";
+  for (int i = 1; i < 1024; ++i) list += ",{}";
+  CHECK(refused(list + "]}") == where + "tensor \"w\": its entry is not an object");
+  CHECK(refused(deep) == where +
+                             "the header, at 1:14: w[0][0][0][0][0][0][0]: nested "
+                             "deeper than 8 levels of objects and lists, the most a "
+                             "safetensors header may have");
+  // A name repeated at the top level names the tensor; inside an entry, the field.
+  CHECK(refused(R"({"w": {}, "w": {}})") == where + "tensor \"w\": named twice in the header");
+  CHECK(refused(R"({"w": {"dtype": "F32", "dtype": "F16"}})") ==
+        where + "the header, at 1:24: w.dtype: the key 'dtype' appears twice in w");
+  // JSON holds no NUL: the text after one is not ignored (the parser took it for the end).
+  std::string nul = R"({"__metadata__": {}})";
+  nul += std::string(1, '\0') + "garbage";
+  CHECK(refused(nul) == where +
+                            "the header, at 1:21: not valid JSON: a NUL byte (JSON text holds "
+                            "none)");
 }
 
 TEST_CASE("the safetensors writer refuses bad entries and short data, leaving no file", "[hf]") {
@@ -650,7 +713,12 @@ TEST_CASE("a sharded folder opens when its index and the files' headers agree", 
   CHECK(contains(with_index(j), "not a file name in the folder"));
   CHECK(contains(with_index(json::array()), "not an object with a \"weight_map\" object"));
   std::ofstream(index, std::ios::trunc) << "{";
-  CHECK(contains(open_refusal(folder), index.string() + ": not JSON"));
+  CHECK(contains(open_refusal(folder), index.string() + ":1:2: not valid JSON: "));
+  // Refused from its size, before it is read (it was read whole, however large).
+  std::filesystem::resize_file(index, (std::uintmax_t{64} << 20) + 1);
+  CHECK(contains(open_refusal(folder), index.string() +
+                                           ": larger than 64 MiB (67108864 bytes), the "
+                                           "most a safetensors index may hold"));
   std::ofstream(index, std::ios::trunc) << good.dump();
   write_bytes(folder / "model.safetensors", raw_file({}));
   CHECK(contains(open_refusal(folder),

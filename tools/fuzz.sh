@@ -15,7 +15,7 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/shardswap-fuzz.XXXXXX")"
 export ASAN_OPTIONS="${ASAN_OPTIONS:-halt_on_error=1:abort_on_error=1:print_stacktrace=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-halt_on_error=1:abort_on_error=1:print_stacktrace=1}"
 status=0
-for target in config checkpoint; do
+for target in config checkpoint safetensors hf_config; do
   corpus="$work/$target-corpus"
   mkdir -p "$corpus" "$work/$target-artifacts"
   cp tests/fuzz/corpus/"$target"/* "$corpus"/

@@ -21,6 +21,7 @@
 #include <optional>
 #include <sstream>
 
+#include "shardswap/json_reader.h"
 #include "shardswap/stats.h"
 #include "tools/output_file.h"
 
@@ -34,6 +35,9 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr const char* kPackage = "gnuplot-nox";
+// A line of metrics.jsonl is an object of numbers, a few hundred bytes, nested 3 deep; these
+// bound what a hostile one costs.
+constexpr JsonLimits kLineLimits{64, std::size_t{16} << 20, "a metrics line"};
 // Distinct on white; gnuplot's default cycle has a yellow that barely shows.
 constexpr std::array<const char*, 8> kColors = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728",
                                                 "#9467bd", "#8c564b", "#e377c2", "#17becf"};
@@ -121,14 +125,17 @@ MetricsSeries read_metrics(std::istream& in, const std::string& source) {
     std::string where = fmt::format("{} line {}", source, number);
     nlohmann::json line;
     try {
-      line = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::parse_error& e) {
-      if (unterminated) {
+      line = parse_json(text, "", kLineLimits);
+    } catch (const JsonError& e) {
+      if (unterminated && e.kind() == JsonError::Kind::syntax) {
         s.warnings.push_back(fmt::format(
             "plot: {}: a cut-off last line (no newline, not valid JSON) skipped", where));
         break;
       }
-      throw ConfigError(fmt::format("plot: {}: not valid JSON ({})", where, e.what()));
+      // Of "LINE:COLUMN" in a one-line text, the column is what says where.
+      const auto column = e.column() == 0 ? "" : fmt::format(", column {}", e.column());
+      const auto key = e.path().empty() ? "" : json_path_text(e.path()) + ": ";
+      throw ConfigError(fmt::format("plot: {}{}: {}{}", where, column, key, e.reason()));
     }
     if (!line.is_object())
       throw ConfigError(

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdint>
 #include <exception>
 #include <fstream>
 #include <iostream>
@@ -64,6 +65,30 @@ std::int64_t host_memory_bytes() {
   std::int64_t cgroup = 0;
   if (limit >> cgroup && cgroup > 0 && (bytes == 0 || cgroup < bytes)) bytes = cgroup;
   return bytes;
+}
+
+// A field of the trainer's state that the loop saves in a checkpoint's `extra` (step, updates):
+// an integer >= 0, or a ConfigError "DIR/metadata.json: extra.KEY ...". The library keeps
+// `extra` as the trainer gave it, so a checkpoint of another trainer (docs/api.md invites custom
+// ones) or an edited one reaches here with anything in it. Every rank calls this: a rank that
+// threw alone would leave the others in the next collective.
+std::int64_t trainer_field(const LoadedCheckpoint& loaded, const std::filesystem::path& dir,
+                           const char* key) {
+  const std::string file = (dir / "metadata.json").string();
+  const auto it = loaded.extra.find(key);
+  if (it == loaded.extra.end())
+    throw ConfigError(
+        fmt::format("{}: extra.{}: missing; not a checkpoint that shardswap train "
+                    "wrote (it saves extra.step and extra.updates)",
+                    file, key));
+  if (!it->is_number_integer() || (!it->is_number_unsigned() && it->get<std::int64_t>() < 0) ||
+      (it->is_number_unsigned() && it->get<std::uint64_t>() > INT64_MAX)) {
+    // Decoded strings may hold any bytes: shown with replacement characters.
+    const auto shown = it->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    throw ConfigError(fmt::format("{}: extra.{} = {}: must be an integer >= 0", file, key,
+                                  shown.size() > 64 ? shown.substr(0, 64) + "..." : shown));
+  }
+  return it->get<std::int64_t>();
 }
 
 }  // namespace
@@ -270,7 +295,8 @@ EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& che
                  schedule.active_at(0));
     if (!checkpoint.empty()) {
       const LoadedCheckpoint loaded = load_checkpoint(engine, checkpoint);
-      if (rank == 0) summary.step = loaded.extra.at("step").get<std::int64_t>();
+      const std::int64_t step = trainer_field(loaded, checkpoint, "step");
+      if (rank == 0) summary.step = step;
     }
     auto model = run->make_rank_model(config.batches.micro_samples, config.engine.dtype, space);
     double sum = 0.0;
@@ -463,9 +489,9 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
         config.checkpoint.load == "latest" ? latest : std::filesystem::path(config.checkpoint.load);
     if (!resume_from.empty()) {
       const LoadedCheckpoint loaded = load_checkpoint(engine, resume_from);
-      start = loaded.extra.at("step").get<std::int64_t>();
+      start = trainer_field(loaded, resume_from, "step");
       parent = CheckpointParent{loaded.run_id, start};
-      updates = loaded.extra.at("updates").get<std::int64_t>();
+      updates = trainer_field(loaded, resume_from, "updates");
       planned = engine.plan().total() +
                 run->activation_bytes(micro, config.engine.dtype, space.device());
       say(fmt::format("resumed from {} (saved at world size {}): step {}, {} updates",

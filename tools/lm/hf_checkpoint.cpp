@@ -13,17 +13,16 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
-#include <sstream>
 #include <string_view>
 
 #include "memory/file_kind.h"
 #include "memory/host_types.h"
 #include "memory/quoted.h"
 #include "shardswap/error.h"
+#include "shardswap/json_reader.h"
 
 namespace shardswap {
 
@@ -39,6 +38,7 @@ namespace {
 
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
+constexpr std::size_t kMaxIndexBytes = std::size_t{64} << 20;
 
 std::string shape_text(const std::vector<std::int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
@@ -66,14 +66,6 @@ float element(DType t, const std::byte* p) {
     default:
       return load<float>(p);
   }
-}
-
-std::string read_text(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (!in && !in.eof()) throw ConfigError(fmt::format("{}: cannot be read", file.string()));
-  return text.str();
 }
 
 // Whether `path` exists as anything (a dangling link too).
@@ -181,12 +173,10 @@ HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len)
     };
     if (::stat(index_path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
       throw refuse_index("not a regular file");
-    json index_json;
-    try {
-      index_json = json::parse(read_text(index_path));
-    } catch (const json::exception& e) {
-      throw refuse_index(fmt::format("not JSON: {}", e.what()));
-    }
+    // An index lists every tensor once: tens of thousands of names in the largest models, a
+    // few MiB; a bigger one is refused before it is read.
+    json index_json = read_json_file(
+        index_path, JsonLimits{64, kMaxIndexBytes, "a safetensors index"}, "safetensors index");
     if (!index_json.is_object() || !index_json.contains("weight_map") ||
         !index_json["weight_map"].is_object())
       throw refuse_index("not an object with a \"weight_map\" object");

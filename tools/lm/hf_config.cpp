@@ -8,14 +8,13 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <tuple>
 
 #include "memory/file_kind.h"
 #include "memory/quoted.h"
 #include "shardswap/error.h"
 #include "tools/lm/decoder.h"
+#include "shardswap/json_reader.h"
 
 namespace shardswap {
 
@@ -43,6 +42,9 @@ constexpr FamilyDefaults kFamilies[] = {
     {"mistral", DecoderFamily::mistral, 4096 * 32, 8},
 };
 constexpr double kDefaultTheta = 10000.0;
+// The largest config.json read: real ones are a few KiB (a classifier's label names make some
+// larger), so this only bounds the memory a hostile one takes.
+constexpr std::size_t kMaxHfConfigBytes = std::size_t{16} << 20;
 constexpr double kDefaultRmsEps = 1e-6;
 constexpr int kMistralSlidingWindow = 4096;
 constexpr int kQwen2SlidingWindow = 4096;
@@ -63,7 +65,13 @@ class Fields {
     return source_.field(fmt::format("{}{}", path_, key));
   }
   [[noreturn]] void refuse(std::string_view key, std::string_view why) const {
-    throw ConfigError(fmt::format("{} = {}: {}", name(key), value_text(object_.at(key)), why));
+    // An absent field refused is its default that does not fit (a Mistral's 8 key/value heads
+    // with 4 attention heads; found by tests/fuzz/hf_config_fuzz.cpp).
+    const auto it = object_.find(key);
+    if (it == object_.end())
+      throw ConfigError(fmt::format("{}: not in the file, and its default for the model_type {}",
+                                    name(key), why));
+    throw ConfigError(fmt::format("{} = {}: {}", name(key), value_text(*it), why));
   }
   [[noreturn]] void refuse_missing(std::string_view key, std::string_view why) const {
     throw ConfigError(fmt::format("{}: missing; {}", name(key), why));
@@ -366,16 +374,10 @@ HfModelConfig read_hf_config(const fs::path& file, const HfSeqLen& seq_len) {
                                  : fmt::format("cannot be read: {}", std::strerror(errno)));
   if (!S_ISREG(st.st_mode))
     throw refuse(fmt::format("not a regular file ({})", file_kind(st.st_mode)));
-  std::ifstream in(file, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (!in && !in.eof()) throw refuse("cannot be read");
-  json config;
-  try {
-    config = json::parse(text.str());
-  } catch (const json::exception& e) {
-    throw refuse(fmt::format("not JSON: {}", e.what()));
-  }
+  // Read whole (to its size: a NUL byte is refused, not taken for the end) through the bounded
+  // reader: at most kMaxHfConfigBytes, nested at most 64 deep (a real one is 3 deep).
+  const json config = read_json_file(file, JsonLimits{64, kMaxHfConfigBytes, "a config.json"},
+                                     "Hugging Face config.json");
   if (!config.is_object()) throw refuse("not a JSON object");
   return hf_config_from_json(config, HfConfigSource{file, {}}, seq_len);
 }

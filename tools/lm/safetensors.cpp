@@ -9,6 +9,7 @@
 
 #include "memory/quoted.h"
 #include "shardswap/error.h"
+#include "shardswap/json_reader.h"
 
 namespace shardswap {
 
@@ -20,6 +21,12 @@ namespace {
 // A bigger header is no checkpoint's: the reference implementation refuses the same size, and a
 // corrupt size must not make the reader parse gigabytes.
 constexpr std::uint64_t kMaxHeaderBytes = 100ull << 20;
+// The format's header is three levels deep ({name: {shape: [...]}}); a little room beyond that
+// lets a deeper one be refused naming its field rather than for its depth.
+constexpr std::size_t kMaxHeaderDepth = 8;
+// Its lists are a shape (a dimension each) and data_offsets (two): a longer list is refused as
+// soon as it grows past this, before a hostile one (a million {}) is built.
+constexpr std::size_t kMaxHeaderListItems = 1024;
 
 struct DTypeInfo {
   std::string_view name;
@@ -112,23 +119,22 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
            fmt::format("header size {} is beyond the file ({} bytes after the size)", n, size - 8));
   const char* text = reinterpret_cast<const char*>(base + 8);
 
-  // Repeated names would leave which entry counts to the parser: refused.
-  std::string repeated;
-  std::set<std::string> names;
-  const auto note_keys = [&](int depth, nlohmann::detail::parse_event_t event, ordered_json& v) {
-    if (depth == 1 && event == nlohmann::detail::parse_event_t::key && repeated.empty() &&
-        !names.insert(v.get<std::string>()).second)
-      repeated = v.get<std::string>();
-    return true;
-  };
-  ordered_json header;
+  // The bounded reader: linear in the header's size (nlohmann's callback parser is quadratic in
+  // a list of many objects), at most kMaxHeaderDepth deep, and a repeated name refused (which
+  // entry counts would otherwise be the parser's choice). Order is not needed: the tensors are
+  // sorted by their offsets below.
+  nlohmann::json header;
   try {
-    header = ordered_json::parse(text, text + n, note_keys);
-  } catch (const ordered_json::exception& e) {
-    refuse(path, fmt::format("the header is not JSON: {}", e.what()));
+    header = parse_json(
+        std::string_view(text, n), "",
+        JsonLimits{kMaxHeaderDepth, kMaxHeaderBytes, "a safetensors header", kMaxHeaderListItems});
+  } catch (const JsonError& e) {
+    if (e.kind() == JsonError::Kind::repeated_key && e.path().size() == 1)
+      refuse_tensor(path, e.path().front().key, "named twice in the header");
+    // Its line and column count in the header's text, which starts at byte 8 of the file.
+    refuse(path, fmt::format("the header, at {}", e.located()));
   }
   if (!header.is_object()) refuse(path, "the header is not a JSON object");
-  if (!repeated.empty()) refuse_tensor(path, repeated, "named twice in the header");
 
   const std::uint64_t data_size = size - 8 - n;
   struct Placed {
@@ -169,7 +175,7 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
                       fmt::format("shape {}: not all integers >= 0", entry["shape"].dump()));
       t.shape.push_back(d.get<std::int64_t>());
     }
-    const auto& offsets = entry.contains("data_offsets") ? entry["data_offsets"] : ordered_json();
+    const auto& offsets = entry.contains("data_offsets") ? entry["data_offsets"] : nlohmann::json();
     if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
         !offsets[1].is_number_unsigned())
       refuse_tensor(

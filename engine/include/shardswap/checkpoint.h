@@ -50,7 +50,9 @@ struct CheckpointParent {
 
 struct SaveOptions {
   /// The trainer's own state (its step, data position, ...): stored as given, returned by
-  /// load_checkpoint. Must be a JSON object. Strings need not be UTF-8 (see docs/checkpoints.md).
+  /// load_checkpoint. Must be a JSON object, nested at most 1022 levels as stored (a string that
+  /// is not UTF-8 is stored one level deeper): save_checkpoint refuses a deeper one, which a
+  /// load would refuse. Strings need not be UTF-8 (see docs/checkpoints.md).
   nlohmann::json extra = nlohmann::json::object();
   /// The run's config, for the record (inspect shows it; load does not read it).
   nlohmann::json config = nlohmann::json::object();
@@ -93,9 +95,12 @@ LoadedCheckpoint load_checkpoint(Engine& engine, const std::filesystem::path& di
 
 // ---- reading without an Engine (export, inspect) ----
 
-/// The verified metadata (checksum, format version, save id, lineage fields checked) of the
-/// checkpoint in `dir`, its `config` and `extra` as stored (see encode_byte_strings); ConfigError
-/// naming the file when `dir` is not a checkpoint or the file is corrupt.
+/// The verified metadata (checksum, format version, save id, lineage and every field a reader
+/// uses checked for presence and type; `extra` an object) of the checkpoint in `dir`, its
+/// `config` and `extra` as stored (see encode_byte_strings); ConfigError naming the file (and
+/// the field, or the line, column and key path) when `dir` is not a checkpoint, the file is
+/// corrupt, or its JSON nests deeper than 1024 levels (which save_checkpoint never writes).
+/// Nothing in it is nested deeper, so walking it recursively is safe.
 nlohmann::json read_checkpoint_metadata(const std::filesystem::path& dir);
 
 /// One param's values as a checkpoint holds them.

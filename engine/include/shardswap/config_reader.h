@@ -31,12 +31,14 @@ class ConfigReader {
   /// naming `source` if `root` is not an object or nests deeper than kMaxDepth: nothing a reader
   /// holds is deeper, so walking it never recurses further.
   ConfigReader(nlohmann::json root, std::string source);
-  /// Parses a file. Throws ConfigError naming the file if it is not a regular file (a FIFO or
-  /// device is refused without being opened, so nothing blocks), is larger than kMaxFileBytes
-  /// (nothing past the limit is read) or cannot be read; and as from_text does.
+  /// Parses a file through read_json_text (shardswap/json_reader.h). Throws ConfigError naming
+  /// the file if it is not a regular file (a FIFO or device is refused without being opened, so
+  /// nothing blocks), is larger than kMaxFileBytes (nothing past the limit is read) or cannot be
+  /// read; and as from_text does.
   static ConfigReader from_file(const std::string& path);
-  /// Parses `text` in time linear in its size; `source` names it in messages. Throws ConfigError
-  /// naming the source, line and column if it is not JSON; the source, line, column and key path
+  /// Parses `text` with parse_json (shardswap/json_reader.h), in time linear in its size;
+  /// `source` names it in messages. Throws ConfigError (a JsonError) naming the source, line and
+  /// column if it is not JSON (a NUL byte included); the source, line, column and key path
   /// (shortened) if it nests deeper than kMaxDepth, refused before anything deeper is built; and
   /// the key path if an object repeats a key (DeepSpeed refuses those too).
   static ConfigReader from_text(std::string_view text, std::string source);
