@@ -17,7 +17,6 @@ was removed, and the paths of other projects listed in OTHER_PROJECTS.
 """
 import os
 import re
-import subprocess
 import sys
 
 # Paths of other projects that the pages quote, and whose they are.
@@ -33,15 +32,22 @@ SINGLE = re.compile(r"`([A-Z][a-z0-9]+[A-Z]\w*|[a-z][a-z0-9]*_[a-z0-9_]+)(?:\([^
 PLACEHOLDER = re.compile(r"[*<>{}\[\]$]|[A-Z]{3,}")
 
 
-def tracked_files(root):
-    out = subprocess.run(["git", "-C", root, "ls-files"], capture_output=True, text=True,
-                         check=True).stdout
-    return [f for f in out.split("\n") if f]
+def tree_files(root):
+    """The tree's files, relative to `root`: every file outside build/ and hidden folders (.git,
+    the peers' unpacked sources) but .ci/. Not git's list: a copy of the tree may carry no .git,
+    or a stale one."""
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders
+                         if (d == ".ci" or not d.startswith(".")) and
+                         not (folder == root and d == "build")]
+        files += [os.path.relpath(os.path.join(folder, n), root) for n in names]
+    return files
 
 
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
-    files = tracked_files(root)
+    files = tree_files(root)
     tracked = set(files)
     folders = {os.path.dirname(f) for f in files}
     for f in list(folders):

@@ -21,7 +21,6 @@ PAGE
 cat > "$work/docs/api.md" <<'PAGE'
 `run_ranks` is in engine/comm.h; `Engine::plan()` in engine/engine.h; `missing_call` too.
 PAGE
-git -C "$work" init -q && git -C "$work" add -A
 if out=$(python3 "$root/tools/docs_refs_check.py" "$work"); then
   echo "docs_refs.sh: the check passed a page naming what does not exist"; exit 1
 fi

@@ -68,9 +68,9 @@ bool finalized() {
 std::unique_ptr<Communicator> try_nccl(int* argc, char*** argv) {
   try {
     return make_nccl_communicator_mpi(argc, argv);
-  } catch (const BackendUnavailable& e) {
-    std::printf("rank %d: no NCCL communicator here: %s\n", rank, e.what());
-  } catch (const ConfigError& e) {
+  } catch (const Error& e) {
+    // No CUDA (BackendUnavailable), no GPU for this rank (ConfigError), or another rank without
+    // one (CommError): every rank refuses alike.
     std::printf("rank %d: no NCCL communicator here: %s\n", rank, e.what());
   }
   return nullptr;
