@@ -55,7 +55,6 @@ namespace {
 constexpr char kMagic[8] = {'S', 'S', 'C', 'K', 'P', 'T', '0', '1'};
 constexpr std::size_t kHeadBytes = 16;   // magic + header length
 constexpr std::size_t kTrailBytes = 8;   // FNV-1a 64 of everything before it
-constexpr const char* kFormat = "shardswap-checkpoint";
 // 2: save ids in every file, per-file checksums, lineage and save sequence in the metadata.
 constexpr int kFormatVersion = 2;
 constexpr const char* kMetadataName = "metadata.json";
