@@ -1159,7 +1159,7 @@ json read_checkpoint_metadata(const fs::path& dir) {
     (void)field<std::string>(f, "fnv1a64", file);
   }
   // The trainer's state: an object, as save_checkpoint requires (a trainer reads its fields by
-  // name; tools/train.cpp checks those of ShardSwap's own trainer).
+  // name; tools/trainer/train.cpp checks those of ShardSwap's own trainer).
   const json& extra = field<json>(meta, "extra", file);
   if (!extra.is_object())
     throw ConfigError(fmt::format("'{}': field 'extra': expected an object, got {}", file.string(),

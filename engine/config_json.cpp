@@ -44,7 +44,7 @@ constexpr KnownKey kUnimplemented[] = {
     {"memory_breakdown", "use `shardswap train --memory-report`"},
     {"dump_state", "not implemented"},
     {"flops_profiler", kMetrics},
-    // `shardswap train` reads the tensorboard section (tools/tensorboard.h): this is what a
+    // `shardswap train` reads the tensorboard section (tools/trainer/tensorboard.h): this is what a
     // program of its own that loads the config through the engine's API is told.
     {"tensorboard", "the engine writes no event files; `shardswap train` does (docs/config.md)"},
     {"wandb", kMetrics},

@@ -29,7 +29,7 @@
 #include "partition/flat_layout.h"
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/ckpt.h"
+#include "cli/ckpt.h"
 
 using namespace shardswap;
 using test_support::ScratchFolder;

@@ -26,7 +26,7 @@
 #include "shardswap/lr_schedule.h"
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/train.h"
+#include "trainer/train.h"
 
 using namespace shardswap;
 

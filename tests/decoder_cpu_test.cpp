@@ -17,7 +17,7 @@
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/decoder_reference.h"
-#include "tools/lm/decoder_cpu.h"
+#include "model/decoder_cpu.h"
 
 using namespace shardswap;
 using lm::dec::ParamId;

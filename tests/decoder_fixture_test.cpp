@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "tools/lm/decoder.h"
-#include "tools/lm/decoder_cpu.h"
-#include "tools/lm/hf_config.h"
-#include "tools/lm/safetensors.h"
+#include "model/decoder.h"
+#include "model/decoder_cpu.h"
+#include "model/hf_config.h"
+#include "model/safetensors.h"
 
 namespace shardswap {
 namespace {

@@ -4,7 +4,7 @@
 
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
-#include "tools/lm/decoder.h"
+#include "model/decoder.h"
 
 using namespace shardswap;
 

@@ -17,14 +17,14 @@
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/ckpt.h"
-#include "tools/lm/decoder.h"
-#include "tools/lm/hf_checkpoint.h"
-#include "tools/lm/safetensors.h"
-#include "tools/lm/token_data.h"
-#include "tools/metrics_log.h"
-#include "tools/run_model.h"
-#include "tools/train.h"
+#include "cli/ckpt.h"
+#include "model/decoder.h"
+#include "model/hf_checkpoint.h"
+#include "model/safetensors.h"
+#include "data/token_data.h"
+#include "trainer/metrics_log.h"
+#include "trainer/run_model.h"
+#include "trainer/train.h"
 
 using namespace shardswap;
 using shardswap::test_support::ScratchFolder;

@@ -9,7 +9,7 @@
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/lm/hf_config.h"
+#include "model/hf_config.h"
 
 using namespace shardswap;
 using nlohmann::json;

@@ -1,4 +1,4 @@
-// InitAhead (tools/lm/init_ahead.h): the decoder's random initial values drawn ahead on threads
+// InitAhead (tools/model/init_ahead.h): the decoder's random initial values drawn ahead on threads
 // are Decoder::init's, in whatever order and from however many threads they are asked for.
 #include <algorithm>
 #include <string>
@@ -7,8 +7,8 @@
 
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
-#include "tools/lm/decoder.h"
-#include "tools/lm/init_ahead.h"
+#include "model/decoder.h"
+#include "model/init_ahead.h"
 
 using namespace shardswap;
 

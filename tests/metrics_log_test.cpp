@@ -16,7 +16,7 @@
 #include "tests/catch_compat.h"
 #include "tests/support/file_size_limit.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/metrics_log.h"
+#include "trainer/metrics_log.h"
 
 using namespace shardswap;
 using nlohmann::json;

@@ -17,7 +17,7 @@
 #include "tests/catch_compat.h"
 #include "tests/support/file_size_limit.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/output_file.h"
+#include "files/output_file.h"
 
 using namespace shardswap;
 using test_support::FileSizeLimit;

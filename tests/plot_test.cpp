@@ -18,7 +18,7 @@
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/plot.h"
+#include "cli/plot.h"
 
 using namespace shardswap;
 using test_support::ScratchFolder;

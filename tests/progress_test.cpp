@@ -9,7 +9,7 @@
 
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
-#include "tools/progress.h"
+#include "trainer/progress.h"
 
 using namespace shardswap;
 using Clock = ProgressReporter::Clock;

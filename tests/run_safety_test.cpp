@@ -35,8 +35,8 @@
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
 #include "tests/support/small_models.h"
-#include "tools/metrics_log.h"
-#include "tools/train.h"
+#include "trainer/metrics_log.h"
+#include "trainer/train.h"
 
 using namespace shardswap;
 using test::contains;

@@ -24,8 +24,8 @@
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/lm/hf_checkpoint.h"
-#include "tools/lm/safetensors.h"
+#include "model/hf_checkpoint.h"
+#include "model/safetensors.h"
 
 using namespace shardswap;
 using nlohmann::json;

@@ -1,4 +1,4 @@
-// DeepSpeed's tensorboard section (tools/tensorboard.h): CRC-32C against the standard check
+// DeepSpeed's tensorboard section (tools/trainer/tensorboard.h): CRC-32C against the standard check
 // values, the protobuf and TFRecord bytes against ones worked out by hand (and equal to what
 // TensorBoard's own protobuf classes serialize), the metrics line's mapping to tags, and the
 // event file as the trainer writes it: whole records, on disk per step, a resume in a new file,
@@ -21,8 +21,8 @@
 #include "tests/catch_compat.h"
 #include "tests/support/file_size_limit.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/crc32c.h"
-#include "tools/tensorboard.h"
+#include "trainer/crc32c.h"
+#include "trainer/tensorboard.h"
 
 using namespace shardswap;
 using nlohmann::json;

@@ -18,7 +18,7 @@
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/scratch_folder.h"
-#include "tools/lm/token_data.h"
+#include "data/token_data.h"
 
 using namespace shardswap;
 using shardswap::test_support::ScratchFolder;

@@ -17,8 +17,8 @@
 #include "shardswap/config_json.h"
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
-#include "tools/metrics_log.h"
-#include "tools/train.h"
+#include "trainer/metrics_log.h"
+#include "trainer/train.h"
 
 using namespace shardswap;
 
@@ -350,7 +350,7 @@ TEST_CASE("a bad layer_switching section is refused before anything is allocated
 
 TEST_CASE("every config in configs/ plans its memory to within 2% of the measured peak") {
   // The CPU ones (and the soak's, moved to the cpu) train two steps here; the GPU ones are
-  // checked by tools/gpu-check.sh.
+  // checked by tools/checks/gpu-check.sh.
   for (const char* name : {"quickstart.json", "lisa.json", "soak.json"}) {
     auto reader = ConfigReader::from_file(std::string(SHARDSWAP_TEST_DIR "/../configs/") + name);
     reader.set("steps=2");

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages ShardSwap builds against, only those missing (idempotent), the
 # Python package its tokenizer tool needs, and TensorBoard (its event files' CLI test reads them).
-# pkg-config reads shardswap.pc in tools/consumer-check.sh.
+# pkg-config reads shardswap.pc in tools/checks/consumer-check.sh.
 # gnuplot-nox draws `shardswap plot`; its CLI tests need it.
-# strace injects the kills of tools/kill_campaign.py at chosen system calls.
+# strace injects the kills of tools/checks/kill_campaign.py at chosen system calls.
 # clang and libclang-rt-14-dev (ASan, UBSan, libFuzzer runtimes) build the fuzz targets (preset fuzz).
 set -euo pipefail
 packages=(build-essential cmake ninja-build libeigen3-dev libspdlog-dev libfmt-dev
@@ -18,7 +18,7 @@ pip_user() {  # PACKAGE WHAT-IS-SKIPPED
     python3 -m pip install --quiet --user --break-system-packages "$1" ||
     echo "install-deps: $1 could not be installed; $2 is skipped"
 }
-# tools/tokenize_data.py uses Hugging Face tokenizers, and so does its CLI test.
+# tools/data/tokenize_data.py uses Hugging Face tokenizers, and so does its CLI test.
 pip_user tokenizers "the tokenizer tool's test"
 # tests/cli/tensorboard.sh reads the tensorboard section's event files with TensorBoard's reader.
 pip_user tensorboard "the tensorboard CLI test"

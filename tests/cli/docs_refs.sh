@@ -1,10 +1,10 @@
 #!/bin/sh
-# tools/docs_refs_check.py over the tree passes, and over a small repository whose page names a
+# tools/checks/docs_refs_check.py over the tree passes, and over a small repository whose page names a
 # file, a function and an invariant's test that do not exist it fails naming each.
 # Usage: docs_refs.sh REPO_ROOT
 set -eu
 root=$1
-python3 "$root/tools/docs_refs_check.py" "$root"
+python3 "$root/tools/checks/docs_refs_check.py" "$root"
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -21,7 +21,7 @@ PAGE
 cat > "$work/docs/api.md" <<'PAGE'
 `run_ranks` is in engine/comm.h; `Engine::plan()` in engine/engine.h; `missing_call` too.
 PAGE
-if out=$(python3 "$root/tools/docs_refs_check.py" "$work"); then
+if out=$(python3 "$root/tools/checks/docs_refs_check.py" "$work"); then
   echo "docs_refs.sh: the check passed a page naming what does not exist"; exit 1
 fi
 echo "$out"

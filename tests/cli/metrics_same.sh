@@ -1,5 +1,5 @@
 #!/bin/sh
-# tools/metrics_same.py, which the GPU scripts (tools/gpu-repro-check.sh, gpu-mpirun-check.sh)
+# tools/checks/metrics_same.py, which the GPU scripts (tools/checks/gpu-repro-check.sh, gpu-mpirun-check.sh)
 # compare their runs with: two runs of the same LISA config (switches and timings included) are
 # identical, a run of another seed differs (exit 1; 0 with --differ-ok), a shorter file differs.
 # Usage: metrics_same.sh SHARDSWAP REPO_ROOT
@@ -22,7 +22,7 @@ train "$work/a1.jsonl"
 train "$work/a2.jsonl"
 train "$work/b.jsonl" --set seed=2
 head -3 "$work/a1.jsonl" > "$work/short.jsonl"
-same() { python3 tools/metrics_same.py "$@" > "$work/out.txt" 2>&1; }
+same() { python3 tools/checks/metrics_same.py "$@" > "$work/out.txt" 2>&1; }
 
 same "$work/a1.jsonl" "$work/a2.jsonl" || fail "two runs of one config: $(cat "$work/out.txt")"
 grep -q "identical: 6 records" "$work/out.txt" || fail "identical runs: $(cat "$work/out.txt")"

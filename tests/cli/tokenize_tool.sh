@@ -1,5 +1,5 @@
 #!/bin/sh
-# tools/tokenize_data.py with tokenizers trained here (a BPE on a few lines, with an EOS among its
+# tools/data/tokenize_data.py with tokenizers trained here (a BPE on a few lines, with an EOS among its
 # special tokens, and a WordLevel of 70000 words for uint32 ids): a text file and a JSON lines
 # file tokenized, with the EOS between documents, read back by an independent reader of llm.c's
 # header and compared id for id with tokenizer.encode; bad input exits 2 naming the file and

@@ -9,7 +9,7 @@
 #include "shardswap/config_json.h"
 #include "shardswap/config_reader.h"
 #include "shardswap/error.h"
-#include "tools/train.h"
+#include "trainer/train.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);

@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shardswap/error.h"
-#include "tools/lm/hf_config.h"
+#include "model/hf_config.h"
 
 namespace {
 

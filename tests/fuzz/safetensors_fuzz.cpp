@@ -19,7 +19,7 @@
 #include <string_view>
 
 #include "shardswap/error.h"
-#include "tools/lm/safetensors.h"
+#include "model/safetensors.h"
 
 namespace {
 

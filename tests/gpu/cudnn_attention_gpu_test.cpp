@@ -1,4 +1,4 @@
-// Causal GQA attention through cuDNN (tools/lm/cudnn_attention.h) against the decoder's own
+// Causal GQA attention through cuDNN (tools/model/cudnn_attention.h) against the decoder's own
 // attention kernels and a float64 host reference, on random bf16 / fp16 operands: forward O and
 // lse, backward dQ, dK, dV, over MHA and GQA, head_dim 64 and 128 and sequence lengths that are
 // not multiples of a tile. cuDNN runs on the decoder's layouts (q, k, v in their own regions,
@@ -22,8 +22,8 @@
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/gpu/device_memory_check.h"
-#include "tools/lm/cudnn_attention.h"
-#include "tools/lm/decoder_cuda.h"
+#include "model/cudnn_attention.h"
+#include "model/decoder_cuda.h"
 
 using namespace shardswap;
 using namespace shardswap::lm::dec;

@@ -15,10 +15,10 @@
 
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
-#include "tools/lm/decoder.h"
-#include "tools/lm/decoder_cuda.h"
-#include "tools/lm/hf_config.h"
-#include "tools/lm/safetensors.h"
+#include "model/decoder.h"
+#include "model/decoder_cuda.h"
+#include "model/hf_config.h"
+#include "model/safetensors.h"
 
 using namespace shardswap;
 

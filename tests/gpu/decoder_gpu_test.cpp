@@ -1,4 +1,4 @@
-// The decoder's CUDA backend (tools/lm/decoder_cuda.h) against a float64 host reference on
+// The decoder's CUDA backend (tools/model/decoder_cuda.h) against a float64 host reference on
 // random weights and tokens: logits, loss and every gradient over shapes that cover GQA and
 // multi-head attention, q/k/v biases, a tied head, llama3 RoPE scaling, head dims of 1 to 4
 // lanes a warp, one to 128 positions and several sequences; frozen groups; bitwise equal runs;
@@ -21,7 +21,7 @@
 
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
-#include "tools/lm/decoder_cuda.h"
+#include "model/decoder_cuda.h"
 
 using namespace shardswap;
 using namespace shardswap::lm::dec;

@@ -66,7 +66,7 @@ void test::allow_retained_device_memory(std::int64_t bytes, const char* what) {
 CATCH_REGISTER_LISTENER(DeviceMemoryListener)
 
 int main(int argc, char* argv[]) {
-  // As the CLI does (tools/main.cpp): cuBLAS keeps no workspace pool of its own per handle,
+  // As the CLI does (tools/cli/main.cpp): cuBLAS keeps no workspace pool of its own per handle,
   // the handles use the workspace they are given.
   setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0", /*overwrite=*/0);
   bool listing = false;

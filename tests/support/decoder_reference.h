@@ -1,4 +1,4 @@
-// The decoder (tools/lm/decoder_compute.h) in float64 with plain loops, written apart from its
+// The decoder (tools/model/decoder_compute.h) in float64 with plain loops, written apart from its
 // backends (sequence by sequence, token by token, no matrices, no chunking, no shared helpers),
 // and its gradient by central finite differences. What a backend is checked against.
 #pragma once
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/lm/decoder_compute.h"
+#include "model/decoder_compute.h"
 
 namespace shardswap::test_support {
 

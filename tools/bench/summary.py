@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Prints the optimizer benchmark table from the JSON of `shardswap bench optimizer` and of
-tools/bench/torch_adamw.py (same run of tools/gpu-check.sh), with the ratios the issue asks for:
+tools/bench/torch_adamw.py (same run of tools/checks/gpu-check.sh), with the ratios the issue asks for:
 ShardSwap's fused update against the copy bandwidth of its own run, and against PyTorch's fused
 AdamW.
 

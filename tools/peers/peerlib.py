@@ -122,7 +122,7 @@ def init_nccl(torch, script):
 
 
 class DecoderLike:
-    """The shape of ShardSwap's byte decoder (tools/lm/decoder.h; Llama, vocabulary 256, tied head,
+    """The shape of ShardSwap's byte decoder (tools/model/decoder.h; Llama, vocabulary 256, tied head,
     as configs/gpu-300m.json): transformers' LlamaForCausalLM of the same config.json fields, so
     that ShardSwap's plan/train with the same model.* keys and the peers hold the same params."""
 

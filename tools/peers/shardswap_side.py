@@ -202,7 +202,7 @@ def main():
     args = ap.parse_args()
     if not (os.path.isfile(args.bin) and os.access(args.bin, os.X_OK)):
         peerlib.fail(SCRIPT, f"{args.bin}: no shardswap binary (build build/cuda first: "
-                     "bash tools/gpu-check.sh quick, or cmake --preset cuda && cmake --build "
+                     "bash tools/checks/gpu-check.sh quick, or cmake --preset cuda && cmake --build "
                      "--preset cuda --target shardswap_cli)", {"workload": args.cmd,
                                                            "system": "shardswap"}, args.jsonl)
     return {"optimizer": cmd_optimizer, "memory": cmd_memory, "compress": cmd_compress,

@@ -1,0 +1,403 @@
+// The decoder's params (Hugging Face names, shapes, groups), its initial values, and the
+// engine-facing Decoder: weights looked up by name and checked, grad slots handed to the backend
+// in the order it asks for them, frozen groups told to it.
+#include "model/decoder.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <string_view>
+#include <tuple>
+
+#include "shardswap/error.h"
+#include "model/decoder_cpu.h"
+#include "model/decoder_cuda.h"
+#include "model/init_random.h"
+
+namespace shardswap {
+
+namespace {
+
+using lm::dec::ParamId;
+using lm::dec::ParamKind;
+
+std::string layer_group(int i) {
+  return fmt::format("layers.{}", i);
+}
+
+int group_index(const DecoderShape& s, const ParamId& id) {
+  switch (id.kind) {
+    case ParamKind::embed:
+      return 0;
+    case ParamKind::final_norm:
+    case ParamKind::head:
+      return s.layers + 1;
+    default:
+      return 1 + id.layer;
+  }
+}
+
+std::vector<std::int64_t> param_shape(const DecoderShape& s, ParamKind kind) {
+  const std::int64_t d = s.hidden, i = s.intermediate, v = s.vocab, q = s.q_width(),
+                     kv = s.kv_width();
+  switch (kind) {
+    case ParamKind::embed:
+    case ParamKind::head:
+      return {v, d};
+    case ParamKind::attn_norm:
+    case ParamKind::mlp_norm:
+    case ParamKind::final_norm:
+      return {d};
+    case ParamKind::q:
+      return {q, d};
+    case ParamKind::q_bias:
+      return {q};
+    case ParamKind::k:
+    case ParamKind::v:
+      return {kv, d};
+    case ParamKind::k_bias:
+    case ParamKind::v_bias:
+      return {kv};
+    case ParamKind::o:
+      return {d, q};
+    case ParamKind::gate:
+    case ParamKind::up:
+      return {i, d};
+    case ParamKind::down:
+      return {d, i};
+  }
+  return {};
+}
+
+std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (const auto x : shape) n *= x;
+  return n;
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// Hands the backend the engine's grad slots by param, checking each slot's dtype and size. A
+// tied embedding's slot is opened by the head's gradient and held until the lookup's is added.
+class EngineSink final : public lm::dec::GradSink {
+ public:
+  EngineSink(Engine& engine, const DecoderShape& shape, DType dtype)
+      : engine_(engine), shape_(shape), dtype_(dtype) {
+    active_.push_back(engine.is_active("embed"));
+    for (int i = 0; i < shape.layers; ++i) active_.push_back(engine.is_active(layer_group(i)));
+    active_.push_back(engine.is_active("head"));
+  }
+  bool active(int group) const override { return active_.at(static_cast<std::size_t>(group)); }
+  lm::dec::GradSlot open(ParamId param) override {
+    const auto name = decoder_param_name(param);
+    View& slot = param.kind == ParamKind::embed ? embed_slot_ : slot_;
+    slot = engine_.grad_slot(name);
+    const auto numel = static_cast<std::size_t>(numel_of(param_shape(shape_, param.kind)));
+    if (slot.dtype() != dtype_ && slot.dtype() != DType::f32)
+      throw ConfigError(fmt::format(
+          "Decoder::train_step: the grad slot of '{}' is {}; this model writes {} or fp32 "
+          "gradients",
+          name, dtype_name(slot.dtype()), dtype_name(dtype_)));
+    if (slot.count() != numel)
+      throw ConfigError(fmt::format(
+          "Decoder::train_step: the grad slot of '{}' has {} elements, the model's param {}",
+          name, slot.count(), numel));
+    return {slot.raw(), slot.dtype()};
+  }
+  void close(ParamId param) override {
+    engine_.grad_ready(decoder_param_name(param));
+    (param.kind == ParamKind::embed ? embed_slot_ : slot_) = View();
+  }
+
+ private:
+  Engine& engine_;
+  const DecoderShape& shape_;
+  DType dtype_;
+  std::vector<bool> active_;
+  View slot_;        // the open slot of a param other than the embedding
+  View embed_slot_;  // the embedding's, open across backward when the head is tied
+};
+
+class EngineDecoder final : public Decoder {
+ public:
+  EngineDecoder(const DecoderShape& shape, int max_sequences, int seq_len, DType dtype,
+                Buffer memory)
+      : shape_(shape),
+        max_sequences_(max_sequences),
+        seq_len_(seq_len),
+        dtype_(dtype),
+        memory_(std::move(memory)) {}
+  void set_compute(std::unique_ptr<lm::dec::Compute> compute) { compute_ = std::move(compute); }
+
+  double train_step(Engine& engine, const DecoderBatch& batch) override {
+    const auto b = check(batch, "Decoder::train_step");
+    const auto w = weights(engine, "Decoder::train_step");
+    EngineSink sink(engine, shape_, dtype_);
+    return compute_->train_step(w, b, engine.loss_scale(), sink);
+  }
+  double loss(const Engine& engine, const DecoderBatch& batch) override {
+    const auto b = check(batch, "Decoder::loss");
+    return compute_->loss(weights(engine, "Decoder::loss"), b);
+  }
+  std::vector<float> logits(const Engine& engine, const DecoderBatch& batch) override {
+    const auto b = check(batch, "Decoder::logits");
+    std::vector<float> out(batch.inputs.size() * static_cast<std::size_t>(shape_.vocab));
+    compute_->logits(weights(engine, "Decoder::logits"), b, out.data());
+    return out;
+  }
+  void time_phases(bool on) override { compute_->time_phases(on); }
+  lm::dec::PhaseTimes take_phase_times() override { return compute_->take_phase_times(); }
+
+ private:
+  lm::dec::Batch check(const DecoderBatch& batch, const char* fn) const {
+    if (batch.sequences < 1 || batch.sequences > max_sequences_)
+      throw ConfigError(fmt::format("{}: {} sequences is outside [1, max_sequences = {}]", fn,
+                                    batch.sequences, max_sequences_));
+    if (batch.seq_len < 1 || batch.seq_len > seq_len_)
+      throw ConfigError(fmt::format("{}: seq_len {} is outside [1, the model's seq_len {}]", fn,
+                                    batch.seq_len, seq_len_));
+    const auto n = static_cast<std::size_t>(batch.sequences) *
+                   static_cast<std::size_t>(batch.seq_len);
+    if (batch.inputs.size() != n || batch.targets.size() != n)
+      throw ConfigError(fmt::format(
+          "{}: a batch of {} x {} tokens needs {} inputs and targets, it has {} and {}", fn,
+          batch.sequences, batch.seq_len, n, batch.inputs.size(), batch.targets.size()));
+    for (const auto* ids : {&batch.inputs, &batch.targets})
+      for (std::size_t i = 0; i < n; ++i)
+        if ((*ids)[i] < 0 || (*ids)[i] >= shape_.vocab)
+          throw ConfigError(fmt::format("{}: {} token {} is {}, outside the vocabulary [0, {})",
+                                        fn, ids == &batch.inputs ? "input" : "target", i,
+                                        (*ids)[i], shape_.vocab));
+    return {batch.sequences, batch.seq_len, batch.inputs.data(), batch.targets.data()};
+  }
+
+  const void* weight(const Engine& engine, ParamId id, const char* fn) const {
+    const auto name = decoder_param_name(id);
+    const View v = engine.weight(name);
+    const auto numel = static_cast<std::size_t>(numel_of(param_shape(shape_, id.kind)));
+    if (v.dtype() != dtype_ || v.count() != numel)
+      throw ConfigError(fmt::format(
+          "{}: weight '{}' is {} x {}; the model was made for {} x {} (Decoder::declare and "
+          "the engine's dtype)",
+          fn, name, dtype_name(v.dtype()), v.count(), dtype_name(dtype_), numel));
+    return v.raw();
+  }
+
+  lm::dec::Weights weights(const Engine& engine, const char* fn) const {
+    lm::dec::Weights w;
+    w.dtype = dtype_;
+    w.embed = weight(engine, {ParamKind::embed}, fn);
+    const auto bias = [&](ParamKind kind, int l) {
+      return shape_.qkv_bias ? weight(engine, {kind, l}, fn) : nullptr;
+    };
+    for (int l = 0; l < shape_.layers; ++l) {
+      lm::dec::LayerWeights lw;
+      lw.attn_norm = weight(engine, {ParamKind::attn_norm, l}, fn);
+      lw.q = weight(engine, {ParamKind::q, l}, fn);
+      lw.q_bias = bias(ParamKind::q_bias, l);
+      lw.k = weight(engine, {ParamKind::k, l}, fn);
+      lw.k_bias = bias(ParamKind::k_bias, l);
+      lw.v = weight(engine, {ParamKind::v, l}, fn);
+      lw.v_bias = bias(ParamKind::v_bias, l);
+      lw.o = weight(engine, {ParamKind::o, l}, fn);
+      lw.mlp_norm = weight(engine, {ParamKind::mlp_norm, l}, fn);
+      lw.gate = weight(engine, {ParamKind::gate, l}, fn);
+      lw.up = weight(engine, {ParamKind::up, l}, fn);
+      lw.down = weight(engine, {ParamKind::down, l}, fn);
+      w.layers.push_back(lw);
+    }
+    w.final_norm = weight(engine, {ParamKind::final_norm}, fn);
+    w.head = shape_.tied ? w.embed : weight(engine, {ParamKind::head}, fn);
+    return w;
+  }
+
+  DecoderShape shape_;
+  int max_sequences_;
+  int seq_len_;
+  DType dtype_;
+  Buffer memory_;  // the activation block; outlives compute_
+  std::unique_ptr<lm::dec::Compute> compute_;
+};
+
+// The elements of decoder_params(s) for sizes within DecoderShapeLimits (each term is then below
+// 2^45 and the sum below 2^62: no overflow).
+std::int64_t count_params(const DecoderShape& s) {
+  const std::int64_t d = s.hidden, i = s.intermediate, v = s.vocab, q = s.q_width(),
+                     kv = s.kv_width();
+  const std::int64_t layer =
+      2 * d + q * d + 2 * kv * d + d * q + 3 * i * d + (s.qkv_bias ? q + 2 * kv : 0);
+  return v * d + s.layers * layer + d + (s.tied ? 0 : v * d);
+}
+
+}  // namespace
+
+void validate_decoder_shape(const DecoderShape& s) {
+  const auto fail = [](const char* field, const std::string& value, const std::string& why) {
+    throw ConfigError(
+        fmt::format("validate_decoder_shape: DecoderShape.{} = {} {}", field, value, why));
+  };
+  using Limits = DecoderShapeLimits;
+  const std::tuple<const char*, int, int> sizes[] = {
+      {"vocab", s.vocab, Limits::vocab},
+      {"hidden", s.hidden, Limits::hidden},
+      {"intermediate", s.intermediate, Limits::intermediate},
+      {"layers", s.layers, Limits::layers},
+      {"heads", s.heads, Limits::heads},
+      {"kv_heads", s.kv_heads, Limits::heads},
+      {"head_dim", s.head_dim, Limits::head_dim},
+      {"max_positions", s.max_positions, INT_MAX}};
+  for (const auto& [name, value, most] : sizes) {
+    if (value < 1) fail(name, fmt::format("{}", value), "must be at least 1");
+    if (value > most)
+      fail(name, fmt::format("{}", value),
+           fmt::format("is above {}, the most DecoderShapeLimits allows", most));
+  }
+  if (s.q_width() > Limits::q_width)
+    fail("heads", fmt::format("{}", s.heads),
+         fmt::format("x head_dim = {} is {}, above {}, the most DecoderShapeLimits allows",
+                     s.head_dim, s.q_width(), Limits::q_width));
+  if (const auto params = count_params(s); params > Limits::params)
+    fail("layers", fmt::format("{}", s.layers),
+         fmt::format("makes {} params (hidden {}, intermediate {}, vocab {}), above {}, the most "
+                     "DecoderShapeLimits allows",
+                     params, s.hidden, s.intermediate, s.vocab, Limits::params));
+  if (s.heads % s.kv_heads != 0)
+    fail("heads", fmt::format("{}", s.heads),
+         fmt::format("must be a multiple of kv_heads = {}", s.kv_heads).c_str());
+  if (s.head_dim % 2 != 0) fail("head_dim", fmt::format("{}", s.head_dim), "must be even (RoPE)");
+  if (!(s.rms_eps > 0.0) || !std::isfinite(s.rms_eps))
+    fail("rms_eps", fmt::format("{}", s.rms_eps), "must be positive");
+  if (!(s.rope_theta > 1.0) || !std::isfinite(s.rope_theta))
+    fail("rope_theta", fmt::format("{}", s.rope_theta), "must be above 1");
+  if (s.rope_scaling != RopeScaling::none && (!(s.rope_factor > 0.0) || !std::isfinite(s.rope_factor)))
+    fail("rope_factor", fmt::format("{}", s.rope_factor), "must be positive");
+  if (s.rope_scaling == RopeScaling::llama3) {
+    if (!(s.rope_high_freq_factor > s.rope_low_freq_factor) || !(s.rope_low_freq_factor > 0.0))
+      fail("rope_high_freq_factor", fmt::format("{}", s.rope_high_freq_factor),
+           fmt::format("must be above rope_low_freq_factor = {} > 0", s.rope_low_freq_factor)
+               .c_str());
+    if (s.rope_original_max_positions < 1)
+      fail("rope_original_max_positions", fmt::format("{}", s.rope_original_max_positions),
+           "must be at least 1");
+  }
+}
+
+std::string decoder_param_name(ParamId id) {
+  return lm::dec::param_name(id);
+}
+
+std::vector<DecoderParam> decoder_params(const DecoderShape& s) {
+  validate_decoder_shape(s);
+  std::vector<DecoderParam> out;
+  const auto add = [&](ParamKind kind, int layer) {
+    const ParamId id{kind, layer};
+    const int g = group_index(s, id);
+    out.push_back({id, decoder_param_name(id), param_shape(s, kind),
+                   g == 0 ? std::string("embed")
+                          : g == s.layers + 1 ? std::string("head") : layer_group(g - 1)});
+  };
+  add(ParamKind::embed, -1);
+  for (int l = 0; l < s.layers; ++l) {
+    for (const auto kind :
+         {ParamKind::attn_norm, ParamKind::q, ParamKind::q_bias, ParamKind::k, ParamKind::k_bias,
+          ParamKind::v, ParamKind::v_bias, ParamKind::o, ParamKind::mlp_norm, ParamKind::gate,
+          ParamKind::up, ParamKind::down}) {
+      const bool bias = kind == ParamKind::q_bias || kind == ParamKind::k_bias ||
+                        kind == ParamKind::v_bias;
+      if (!bias || s.qkv_bias) add(kind, l);
+    }
+  }
+  add(ParamKind::final_norm, -1);
+  if (!s.tied) add(ParamKind::head, -1);
+  return out;
+}
+
+std::vector<std::string> decoder_groups(const DecoderShape& shape) {
+  std::vector<std::string> groups{"embed"};
+  for (int i = 0; i < shape.layers; ++i) groups.push_back(layer_group(i));
+  groups.emplace_back("head");
+  return groups;
+}
+
+std::int64_t decoder_param_count(const DecoderShape& shape) {
+  validate_decoder_shape(shape);
+  return count_params(shape);
+}
+
+std::int64_t decoder_param_count_unchecked(const DecoderShape& shape) {
+  return count_params(shape);
+}
+
+double decoder_step_flops(const DecoderShape& s, std::int64_t tokens, int seq_len) {
+  const double n = static_cast<double>(decoder_param_count(s));
+  const double attention = 12.0 * s.layers * static_cast<double>(s.q_width()) * seq_len;
+  return (6.0 * n + attention) * static_cast<double>(tokens);
+}
+
+void Decoder::declare(const DecoderShape& shape, Engine& engine) {
+  for (auto& p : decoder_params(shape)) engine.add_param(p.name, p.shape, p.group);
+}
+
+void Decoder::init(const DecoderShape& shape, const ParamInfo& param, std::span<float> values,
+                   std::uint64_t seed) {
+  (void)shape;
+  const std::string_view name = param.name;
+  std::mt19937_64 rng = lm::param_rng(name, seed);
+  if (ends_with(name, "norm.weight")) {  // input_layernorm, post_attention_layernorm, norm
+    std::fill(values.begin(), values.end(), 1.0f);
+  } else if (ends_with(name, ".bias")) {
+    std::fill(values.begin(), values.end(), 0.0f);
+  } else if (ends_with(name, ".weight")) {  // the embedding and every projection
+    for (auto& v : values) v = static_cast<float>(0.02 * lm::normal01(rng));
+  } else {
+    throw ConfigError(fmt::format("Decoder::init: '{}' is not a param of the decoder", name));
+  }
+}
+
+std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequences,
+                                       int seq_len, DType dtype, DeviceKind device,
+                                       int recompute_layers) {
+  validate_decoder_shape(shape);
+  // (cpu_bytes and cuda_bytes check recompute_layers' range.)
+  if (max_sequences < 1)
+    throw ConfigError(fmt::format(
+        "Decoder::activation_bytes: max_sequences = {} must be at least 1", max_sequences));
+  if (seq_len < 1 || seq_len > shape.max_positions)
+    throw ConfigError(fmt::format(
+        "Decoder::activation_bytes: seq_len = {} is outside [1, max_positions = {}]", seq_len,
+        shape.max_positions));
+  if (!is_bit16(dtype))
+    throw ConfigError(fmt::format("Decoder::activation_bytes: dtype {} is not bf16 or fp16",
+                                  dtype_name(dtype)));
+  return static_cast<std::int64_t>(device == DeviceKind::cuda
+                                       ? lm::dec::cuda_bytes(shape, max_sequences, seq_len,
+                                                             recompute_layers)
+                                       : lm::dec::cpu_bytes(shape, max_sequences, seq_len,
+                                                            recompute_layers));
+}
+
+std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
+                                      DType dtype, MemorySpace& space, int recompute_layers) {
+  const auto bytes = static_cast<std::size_t>(Decoder::activation_bytes(
+      shape, max_sequences, seq_len, dtype, space.device(), recompute_layers));  // validates
+  Buffer memory = space.allocate(
+      bytes, Tag::activation,
+      fmt::format("decoder activations ({} x {} tokens)", max_sequences, seq_len));
+  void* const base = memory.data();
+  auto model = std::make_unique<EngineDecoder>(shape, max_sequences, seq_len, dtype,
+                                               std::move(memory));
+  if (space.device() == DeviceKind::cuda)
+    model->set_compute(
+        lm::dec::make_cuda_compute(shape, max_sequences, seq_len, dtype, base, bytes,
+                                   recompute_layers));
+  else
+    model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes,
+                                                 recompute_layers));
+  return model;
+}
+
+}  // namespace shardswap

@@ -1,0 +1,211 @@
+// The decoder-only transformer (Llama / Qwen2 / Mistral architecture) at the seam between the
+// engine-facing model (tools/model/decoder.h: names, groups, grad slots) and its compute backends
+// (CPU: tools/model/decoder_cpu.cpp). C++17 and free of Eigen and the engine so that nvcc compiles
+// it: weights and slots travel as raw pointers (device pointers for a device backend), the batch
+// as host token ids.
+//
+// The model, as Hugging Face transformers computes it (LlamaForCausalLM, Qwen2ForCausalLM,
+// MistralForCausalLM), for a batch of B sequences of T tokens:
+//   x_0 = embed[tokens]                                             [B*T, D]
+//   per layer l:
+//     a = rmsnorm(x_l) * input_layernorm                            eps = rms_eps
+//     q = a Wq^T (+ bq), k = a Wk^T (+ bk), v = a Wv^T (+ bv)       heads H, kv_heads K, head_dim hd
+//     q, k = rope(q), rope(k) at positions 0..T-1 of each sequence  (rotate-half convention)
+//     o_h = softmax(q_h k_g^T / sqrt(hd) + causal mask) v_g         g = h / (H / K)
+//     y = x_l + o Wo^T
+//     b = rmsnorm(y) * post_attention_layernorm
+//     x_{l+1} = y + (silu(b Wgate^T) * (b Wup^T)) Wdown^T
+//   f = rmsnorm(x_L) * norm
+//   logits = f Whead^T (Whead = embed when tied)                    [B*T, V]
+//   loss = mean over the B*T positions of -log softmax(logits)[target]
+// Weight matrices are row-major [out, in], as Hugging Face stores them.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardswap/dtype.h"
+
+namespace shardswap {
+
+enum class DecoderFamily { llama, qwen2, mistral };
+enum class RopeScaling { none, linear, llama3 };
+
+/// Everything that fixes the decoder's parameters and arithmetic (Hugging Face config.json
+/// fields in brackets).
+struct DecoderShape {
+  DecoderFamily family = DecoderFamily::llama;  ///< [model_type]
+  int vocab = 256;                              ///< [vocab_size]
+  int hidden = 128;                             ///< D [hidden_size]
+  int intermediate = 384;                       ///< [intermediate_size]
+  int layers = 4;                               ///< [num_hidden_layers]
+  int heads = 4;                                ///< H [num_attention_heads]
+  int kv_heads = 2;                             ///< K [num_key_value_heads], divides H
+  int head_dim = 32;                            ///< hd [head_dim], even; default D / H
+  int max_positions = 2048;                     ///< [max_position_embeddings]
+  double rms_eps = 1e-6;                        ///< [rms_norm_eps]
+  double rope_theta = 10000.0;                  ///< [rope_theta]
+  RopeScaling rope_scaling = RopeScaling::none; ///< [rope_scaling.rope_type]
+  double rope_factor = 1.0;                     ///< [rope_scaling.factor] (linear, llama3)
+  double rope_low_freq_factor = 1.0;            ///< [rope_scaling.low_freq_factor] (llama3)
+  double rope_high_freq_factor = 4.0;           ///< [rope_scaling.high_freq_factor] (llama3)
+  int rope_original_max_positions = 8192;  ///< [rope_scaling.original_max_position_embeddings]
+  bool qkv_bias = false;  ///< biases on q, k, v only (Qwen2) [attention_bias / model_type]
+  bool tied = false;      ///< the head is the embedding [tie_word_embeddings]
+
+  std::int64_t q_width() const { return std::int64_t{heads} * head_dim; }
+  std::int64_t kv_width() const { return std::int64_t{kv_heads} * head_dim; }
+};
+
+/// RoPE's inverse frequencies inv_freq[i], i < head_dim / 2, as transformers computes them
+/// (float32: 1 / theta^(2i / hd), then the scaling of its rope_type); the angle of position p
+/// is float(p) * inv_freq[i] in float32, as transformers multiplies them.
+inline std::vector<float> rope_inv_freq(const DecoderShape& s) {
+  const int half = s.head_dim / 2;
+  std::vector<float> f(static_cast<std::size_t>(half));
+  for (int i = 0; i < half; ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(s.head_dim);
+    f[static_cast<std::size_t>(i)] = static_cast<float>(
+        1.0 / std::pow(static_cast<double>(static_cast<float>(s.rope_theta)),
+                       static_cast<double>(exponent)));
+  }
+  if (s.rope_scaling == RopeScaling::linear) {
+    for (auto& x : f) x = static_cast<float>(x / s.rope_factor);
+  } else if (s.rope_scaling == RopeScaling::llama3) {
+    // Long wavelengths are slowed by `factor`, short ones kept, those between interpolated.
+    const double pi = 3.14159265358979323846;
+    const double old_len = s.rope_original_max_positions;
+    const double low_wavelen = old_len / s.rope_low_freq_factor;
+    const double high_wavelen = old_len / s.rope_high_freq_factor;
+    for (auto& x : f) {
+      const double wavelen = 2.0 * pi / x;
+      if (wavelen > low_wavelen) {
+        x = static_cast<float>(x / s.rope_factor);
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (old_len / wavelen - s.rope_low_freq_factor) /
+                              (s.rope_high_freq_factor - s.rope_low_freq_factor);
+        x = static_cast<float>((1.0 - smooth) * x / s.rope_factor + smooth * x);
+      }
+    }
+  }
+  return f;
+}
+
+namespace lm::dec {
+
+/// A param by its place in the model; declaration (forward) order is the order of this enum
+/// within a layer (biases right after their weight), embed first and head last.
+enum class ParamKind {
+  embed,          // model.embed_tokens.weight            [V, D]
+  attn_norm,      // model.layers.N.input_layernorm.weight [D]
+  q,              // model.layers.N.self_attn.q_proj.weight [H*hd, D]
+  q_bias,         //                        q_proj.bias     [H*hd]
+  k,              //                        k_proj.weight   [K*hd, D]
+  k_bias,         //                        k_proj.bias     [K*hd]
+  v,              //                        v_proj.weight   [K*hd, D]
+  v_bias,         //                        v_proj.bias     [K*hd]
+  o,              //                        o_proj.weight   [D, H*hd]
+  mlp_norm,       // model.layers.N.post_attention_layernorm.weight [D]
+  gate,           // model.layers.N.mlp.gate_proj.weight  [I, D]
+  up,             //                   up_proj.weight     [I, D]
+  down,           //                   down_proj.weight   [D, I]
+  final_norm,     // model.norm.weight                     [D]
+  head,           // lm_head.weight                        [V, D] (absent when tied)
+};
+struct ParamId {
+  ParamKind kind;
+  int layer = -1;  ///< for the layer params
+};
+
+/// The param's Hugging Face name ("model.layers.3.self_attn.q_proj.weight"), which is also its
+/// name in the engine (tools/model/decoder_names.cpp).
+std::string param_name(ParamId id);
+
+struct LayerWeights {
+  const void* attn_norm = nullptr;
+  const void* q = nullptr;
+  const void* q_bias = nullptr;  ///< null without qkv_bias
+  const void* k = nullptr;
+  const void* k_bias = nullptr;
+  const void* v = nullptr;
+  const void* v_bias = nullptr;
+  const void* o = nullptr;
+  const void* mlp_norm = nullptr;
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+};
+
+/// Every weight, all of `dtype` (bf16 or fp16; the CPU backend also takes fp32).
+struct Weights {
+  DType dtype = DType::bf16;
+  const void* embed = nullptr;
+  std::vector<LayerWeights> layers;
+  const void* final_norm = nullptr;
+  const void* head = nullptr;  ///< == embed when tied
+};
+
+struct GradSlot {
+  void* data = nullptr;
+  DType dtype = DType::f32;  ///< the weights' dtype or fp32
+};
+
+/// Groups by index: 0 embed, 1 + l layers.l, layers + 1 head (final norm and, untied, lm_head;
+/// a tied head's matrix is the embedding and belongs to group 0).
+class GradSink {
+ public:
+  virtual ~GradSink() = default;
+  virtual bool active(int group) const = 0;
+  /// The slot to add the param's gradient into, asked for just before it is written and
+  /// closed right after: one slot open at a time (the engine reduces a stage-2 bucket when
+  /// backward moves on to another group). A tied embedding's head and lookup gradients are
+  /// summed by the backend and written once, at the end of backward.
+  virtual GradSlot open(ParamId param) = 0;
+  /// The gradient in the slot is complete (on a device: queued on the calling thread's stream).
+  virtual void close(ParamId param) = 0;
+};
+
+/// Host token ids: `sequences` rows of `seq_len`; targets[i] is the token that follows
+/// inputs[i]. Every id is in [0, vocab) (checked by the engine-facing model).
+struct Batch {
+  int sequences = 0;
+  int seq_len = 0;
+  const std::int32_t* inputs = nullptr;
+  const std::int32_t* targets = nullptr;
+};
+
+/// GPU milliseconds of train_step's phases, summed over the steps since the last
+/// take_phase_times (the CUDA backend with time_phases on; zeros elsewhere). forward and
+/// backward are what the MLPs and attention leave (embedding, norms, q/k/v/o projections,
+/// RoPE); the MLPs (norm, gate/up/down, SwiGLU) and attention have their own; head is the
+/// chunked head and loss, with its gradients.
+struct PhaseTimes {
+  double forward = 0, forward_mlp = 0, attention_forward = 0, head = 0, backward_mlp = 0,
+         backward = 0, attention_backward = 0;
+  int steps = 0;
+};
+
+class Compute {
+ public:
+  virtual ~Compute() = default;
+  /// Whether train_step records its phases' GPU time (CUDA events, read after the step's loss
+  /// is read back: no wait of their own). A backend without it ignores this.
+  virtual void time_phases(bool on) { (void)on; }
+  virtual PhaseTimes take_phase_times() { return {}; }
+  /// Forward and backward: adds grad_scale times the gradient of the mean loss into the slots
+  /// of the active groups. Frozen groups get no weight-gradient work; backward stops below the
+  /// lowest active group. Returns the mean loss.
+  virtual double train_step(const Weights& w, const Batch& batch, double grad_scale,
+                            GradSink& sink) = 0;
+  /// The mean loss only (validation); no gradients.
+  virtual double loss(const Weights& w, const Batch& batch) = 0;
+  /// The logits of every position, row-major [sequences * seq_len, vocab], into host memory
+  /// (a test and export check; allocates what it needs itself, outside the plan).
+  virtual void logits(const Weights& w, const Batch& batch, float* out) = 0;
+};
+
+}  // namespace lm::dec
+}  // namespace shardswap

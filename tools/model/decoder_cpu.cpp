@@ -1,0 +1,808 @@
+// The decoder's CPU backend: fp32 Eigen on the host. Activations are row-major [tokens,
+// features] as Hugging Face lays them out, so a chunk of token rows is contiguous for the chunked
+// cross-entropy. Bit16 weights are upcast one group at a time into scratch of the block.
+//
+// What backward keeps from forward, per layer: the residual stream x, the normalized inputs'
+// 1/rms, q and k after RoPE, v, the attention output, the post-attention residual y, gate and up.
+// Norm outputs, silu(gate) * up and the attention probabilities are recomputed (the latter from
+// the per-row log-sum-exp), which keeps activations O(tokens x width) per layer instead of
+// O(tokens x seq_len x heads).
+//
+// Gradients: dlogits carry grad_scale / tokens, so everything below them is already scaled. Each
+// param's gradient is formed in fp32 scratch and added into its slot once; a tied embedding's
+// head and lookup parts are summed in fp32 first and written at the end of backward, so that a
+// bit16 slot is rounded once.
+#include "model/decoder_cpu.h"
+
+#include <fmt/format.h>
+
+#include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
+
+#include "optimizer/optimizer.h"
+#include "shardswap/error.h"
+
+namespace shardswap::lm::dec {
+
+namespace {
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using MapR = Eigen::Map<RowMat>;
+using CMapR = Eigen::Map<const RowMat>;
+// One head's columns of a [tokens, heads * head_dim] matrix.
+using HeadMap = Eigen::Map<RowMat, 0, Eigen::OuterStride<>>;
+using MapRow = Eigen::Map<Eigen::RowVectorXf>;
+using CMapRow = Eigen::Map<const Eigen::RowVectorXf>;
+
+constexpr std::size_t kAlign = 64;
+
+// Carves one block into regions, each starting at a multiple of 64 bytes; the total is what the
+// backend needs, so planning and allocating cannot disagree.
+class Arena {
+ public:
+  std::size_t take_floats(std::size_t count) {
+    const std::size_t at = bytes_;
+    bytes_ += (count * sizeof(float) + kAlign - 1) / kAlign * kAlign;
+    return at;
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  std::size_t bytes_ = 0;
+};
+
+// Floats of a tensor in the upcast region, rounded so that every tensor starts 64-byte aligned.
+std::size_t padded(std::size_t floats) {
+  constexpr std::size_t per = kAlign / sizeof(float);
+  return (floats + per - 1) / per * per;
+}
+
+struct Sizes {
+  std::size_t n, t, d, inter, q, kv, v, h, k, half, layers;
+};
+
+Sizes sizes_of(const DecoderShape& s, int max_sequences, int seq_len) {
+  const auto z = [](auto x) { return static_cast<std::size_t>(x); };
+  return {z(max_sequences) * z(seq_len),
+          z(seq_len),
+          z(s.hidden),
+          z(s.intermediate),
+          z(s.q_width()),
+          z(s.kv_width()),
+          z(s.vocab),
+          z(s.heads),
+          z(s.kv_heads),
+          z(s.head_dim / 2),
+          z(s.layers)};
+}
+
+std::size_t layer_upcast_floats(const Sizes& z, bool bias) {
+  std::size_t f = 2 * padded(z.d) + padded(z.q * z.d) + 2 * padded(z.kv * z.d) + padded(z.d * z.q) +
+                  3 * padded(z.inter * z.d);
+  if (bias) f += padded(z.q) + 2 * padded(z.kv);
+  return f;
+}
+
+// Where layer l keeps its activations for backward: its own slot, or, for the lowest
+// `recompute` layers (which keep only x_l and run their forward again in backward), the one
+// slot they share. Slots: 0 .. kept_slots - 1.
+std::size_t kept_slots(std::size_t layers, std::size_t recompute) {
+  return recompute == 0 ? layers : layers - recompute + 1;
+}
+std::size_t slot_of(int l, std::size_t recompute) {
+  const auto layer = static_cast<std::size_t>(l);
+  return recompute == 0 ? layer : layer < recompute ? 0 : layer - recompute + 1;
+}
+
+// Byte offsets of the regions (fp32 all) for n = max_sequences * seq_len tokens. xs holds
+// x_l's rows at l * n * d; the other per-layer regions hold a slot's rows at slot * n * width.
+struct Layout {
+  std::size_t rope_cos, rope_sin;               // seq_len * hd/2
+  std::size_t xs;                               // (layers + 1) * n * d: x_0 .. x_L
+  // Per slot (kept_slots of them):
+  std::size_t ys;                               // n * d: after attention's residual
+  std::size_t rstd_attn, rstd_mlp, rstd_final;  // n, n per slot; final n
+  std::size_t qs, ks, vs, os;   // n * (q, kv, kv, q): q, k after RoPE; attention out
+  std::size_t lse;              // n * heads: attention rows' log-sum-exp
+  std::size_t gates, ups;       // n * I
+  std::size_t normed, act;      // scratch n * d (a norm's output), n * I (silu(gate) * up)
+  std::size_t dx, dn;           // n * d: residual gradient, gradient at a norm's output
+  std::size_t dq, dk, dv, d_o;  // n * (q, kv, kv, q)
+  std::size_t dgate, dup;       // n * I
+  std::size_t scores, dscores;  // seq_len^2: one (sequence, head)'s probabilities
+  std::size_t logits;           // kLossChunkRows * V
+  std::size_t weights;          // one group's weights upcast
+  std::size_t grad;             // one layer param's gradient
+  std::size_t head_grad;        // V * d: the head's gradient, then the lookup's
+  std::size_t bytes;
+};
+
+Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len, int recompute) {
+  const Sizes z = sizes_of(s, max_sequences, seq_len);
+  const std::size_t n = z.n, d = z.d, L = z.layers;
+  const std::size_t S = kept_slots(L, static_cast<std::size_t>(recompute));
+  Arena a;
+  Layout l{};
+  l.rope_cos = a.take_floats(z.t * z.half);
+  l.rope_sin = a.take_floats(z.t * z.half);
+  l.xs = a.take_floats((L + 1) * n * d);
+  l.ys = a.take_floats(S * n * d);
+  l.rstd_attn = a.take_floats(S * n);
+  l.rstd_mlp = a.take_floats(S * n);
+  l.rstd_final = a.take_floats(n);
+  l.qs = a.take_floats(S * n * z.q);
+  l.ks = a.take_floats(S * n * z.kv);
+  l.vs = a.take_floats(S * n * z.kv);
+  l.os = a.take_floats(S * n * z.q);
+  l.lse = a.take_floats(S * n * z.h);
+  l.gates = a.take_floats(S * n * z.inter);
+  l.ups = a.take_floats(S * n * z.inter);
+  l.normed = a.take_floats(n * d);
+  l.act = a.take_floats(n * z.inter);
+  l.dx = a.take_floats(n * d);
+  l.dn = a.take_floats(n * d);
+  l.dq = a.take_floats(n * z.q);
+  l.dk = a.take_floats(n * z.kv);
+  l.dv = a.take_floats(n * z.kv);
+  l.d_o = a.take_floats(n * z.q);
+  l.dgate = a.take_floats(n * z.inter);
+  l.dup = a.take_floats(n * z.inter);
+  l.scores = a.take_floats(z.t * z.t);
+  l.dscores = a.take_floats(z.t * z.t);
+  l.logits = a.take_floats(std::min<std::size_t>(kLossChunkRows, n) * z.v);
+  l.weights = a.take_floats(std::max(layer_upcast_floats(z, s.qkv_bias), padded(d) + z.v * d));
+  l.grad = a.take_floats(std::max({z.q * d, z.kv * d, z.inter * d}));
+  l.head_grad = a.take_floats(z.v * d);
+  l.bytes = a.bytes();
+  return l;
+}
+
+void validate(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
+              const char* fn) {
+  if (recompute < 0 || recompute > s.layers)
+    throw ConfigError(fmt::format("{}: recompute_layers = {} is outside [0, layers = {}]", fn,
+                                  recompute, s.layers));
+  const std::pair<const char*, int> positive[] = {{"vocab", s.vocab},
+                                                  {"hidden", s.hidden},
+                                                  {"intermediate", s.intermediate},
+                                                  {"layers", s.layers},
+                                                  {"heads", s.heads},
+                                                  {"kv_heads", s.kv_heads},
+                                                  {"head_dim", s.head_dim},
+                                                  {"max_positions", s.max_positions}};
+  for (const auto& [name, value] : positive)
+    if (value < 1)
+      throw ConfigError(
+          fmt::format("{}: DecoderShape.{} = {} must be at least 1", fn, name, value));
+  if (s.heads % s.kv_heads != 0)
+    throw ConfigError(fmt::format("{}: DecoderShape.kv_heads = {} must divide heads = {}", fn,
+                                  s.kv_heads, s.heads));
+  if (s.head_dim % 2 != 0)
+    throw ConfigError(
+        fmt::format("{}: DecoderShape.head_dim = {} must be even (RoPE)", fn, s.head_dim));
+  if (!(s.rms_eps > 0.0) || !std::isfinite(s.rms_eps))
+    throw ConfigError(fmt::format("{}: DecoderShape.rms_eps = {} must be positive", fn, s.rms_eps));
+  if (!(s.rope_theta > 0.0) || !std::isfinite(s.rope_theta))
+    throw ConfigError(
+        fmt::format("{}: DecoderShape.rope_theta = {} must be positive", fn, s.rope_theta));
+  if (max_sequences < 1)
+    throw ConfigError(fmt::format("{}: max_sequences = {} must be at least 1", fn, max_sequences));
+  if (seq_len < 1 || seq_len > s.max_positions)
+    throw ConfigError(
+        fmt::format("{}: seq_len = {} is outside [1, DecoderShape.max_positions = {}]", fn, seq_len,
+                    s.max_positions));
+}
+
+// y = (x / rms(x)) * w per row, keeping 1/rms for backward.
+void rms_norm(const float* x, std::size_t rows, std::size_t d, const float* w, float eps, float* y,
+              float* rstd) {
+  const CMapRow weight(w, static_cast<Eigen::Index>(d));
+  for (std::size_t r = 0; r < rows; ++r) {
+    const CMapRow xr(x + r * d, static_cast<Eigen::Index>(d));
+    const float ms = xr.squaredNorm() / static_cast<float>(d);
+    const float inv = 1.0f / std::sqrt(ms + eps);
+    MapRow(y + r * d, static_cast<Eigen::Index>(d)) = (xr * inv).cwiseProduct(weight);
+    rstd[r] = inv;
+  }
+}
+
+// y = (x * rstd) * w with the rstd forward kept: the norm's output again for backward.
+void rms_norm_again(const float* x, std::size_t rows, std::size_t d, const float* w,
+                    const float* rstd, float* y) {
+  const CMapRow weight(w, static_cast<Eigen::Index>(d));
+  for (std::size_t r = 0; r < rows; ++r)
+    MapRow(y + r * d, static_cast<Eigen::Index>(d)) =
+        (CMapRow(x + r * d, static_cast<Eigen::Index>(d)) * rstd[r]).cwiseProduct(weight);
+}
+
+// Given dy at the norm's output: when dw is given, writes the weight's gradient there (summed
+// over rows in order); when dx is given, adds the gradient at the input to it.
+void rms_norm_backward(const float* x, std::size_t rows, std::size_t d, const float* w,
+                       const float* rstd, const float* dy, float* dw, float* dx) {
+  const auto D = static_cast<Eigen::Index>(d);
+  const CMapRow weight(w, D);
+  if (dw != nullptr) MapRow(dw, D).setZero();
+  for (std::size_t r = 0; r < rows; ++r) {
+    const CMapRow xr(x + r * d, D), dyr(dy + r * d, D);
+    if (dw != nullptr) MapRow(dw, D) += (xr * rstd[r]).cwiseProduct(dyr);
+    if (dx == nullptr) continue;
+    // d/dx of x * (mean(x^2) + eps)^-1/2 applied to g = dy * w.
+    const auto g = dyr.cwiseProduct(weight);  // an expression: nothing allocated per row
+    const float inv = rstd[r];
+    const float coef = inv * inv * inv * g.dot(xr) / static_cast<float>(d);
+    MapRow(dx + r * d, D) += g * inv - xr * coef;
+  }
+}
+
+class CpuCompute final : public Compute {
+ public:
+  CpuCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
+             std::byte* memory)
+      : s_(s),
+        max_sequences_(max_sequences),
+        seq_len_(seq_len),
+        recompute_(static_cast<std::size_t>(recompute)),
+        z_(sizes_of(s, max_sequences, seq_len)),
+        mem_(memory),
+        l_(layout_of(s, max_sequences, seq_len, recompute)) {
+    // cos / sin of float(p) * inv_freq[i], the product in float32 as transformers forms it.
+    const std::vector<float> inv_freq = rope_inv_freq(s);
+    float* const c = at(l_.rope_cos);
+    float* const sn = at(l_.rope_sin);
+    for (std::size_t p = 0; p < z_.t; ++p)
+      for (std::size_t i = 0; i < z_.half; ++i) {
+        const float angle = static_cast<float>(p) * inv_freq[i];
+        c[p * z_.half + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
+        sn[p * z_.half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+      }
+  }
+
+  double train_step(const Weights& w, const Batch& b, double grad_scale, GradSink& sink) override {
+    check(w, b, "decoder CPU train_step");
+    if (!std::isfinite(grad_scale))
+      throw ConfigError(
+          fmt::format("decoder CPU train_step: grad_scale = {} is not finite", grad_scale));
+    forward_layers(w, b);
+    const int lowest = lowest_active_group(sink);
+    const bool backward = lowest <= s_.layers + 1;
+    const int embed_group = 0, head_group = s_.layers + 1;
+    const bool head_matrix = s_.tied ? sink.active(embed_group) : sink.active(head_group);
+    const std::size_t n = tokens(b);
+    // The gradient of the mean loss times grad_scale, folded into dlogits once.
+    const float alpha = static_cast<float>(grad_scale / static_cast<double>(n));
+    const double loss = head_forward(w, b, backward ? &alpha : nullptr, head_matrix);
+    if (backward) backward_pass(w, b, sink, lowest, head_matrix);
+    return loss;
+  }
+
+  double loss(const Weights& w, const Batch& b) override {
+    check(w, b, "decoder CPU loss");
+    forward_layers(w, b);
+    return head_forward(w, b, nullptr, false);
+  }
+
+  void logits(const Weights& w, const Batch& b, float* out) override {
+    check(w, b, "decoder CPU logits");
+    if (out == nullptr) throw ConfigError("decoder CPU logits: the output pointer is null");
+    forward_layers(w, b);
+    const Head hw = upcast_head(w);
+    const std::size_t n = tokens(b);
+    final_norm(hw, n);
+    for (std::size_t r0 = 0; r0 < n; r0 += kLossChunkRows) {
+      const std::size_t rows = std::min<std::size_t>(kLossChunkRows, n - r0);
+      MapR(out + r0 * z_.v, rows_i(rows), cols(z_.v)).noalias() =
+          CMapR(at(l_.normed) + r0 * z_.d, rows_i(rows), cols(z_.d)) * hw.w.transpose();
+    }
+  }
+
+ private:
+  static Eigen::Index rows_i(std::size_t r) { return static_cast<Eigen::Index>(r); }
+  static Eigen::Index cols(std::size_t c) { return static_cast<Eigen::Index>(c); }
+  float* at(std::size_t offset) const { return reinterpret_cast<float*>(mem_ + offset); }
+  std::size_t tokens(const Batch& b) const {
+    return static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
+  }
+  // x_l's rows (region xs, l in [0, layers]).
+  float* layer_at(std::size_t region, int l, std::size_t width) const {
+    return at(region) + static_cast<std::size_t>(l) * z_.n * width;
+  }
+  // Layer l's rows of a per-slot region of `width` features (slot_of).
+  float* slot_at(std::size_t region, int l, std::size_t width) const {
+    return at(region) + slot_of(l, recompute_) * z_.n * width;
+  }
+
+  int lowest_active_group(const GradSink& sink) const {
+    int g = 0;
+    while (g <= s_.layers + 1 && !sink.active(g)) ++g;
+    return g;
+  }
+
+  void check(const Weights& w, const Batch& b, const char* fn) const {
+    if (b.sequences < 1 || b.sequences > max_sequences_)
+      throw ConfigError(fmt::format("{}: batch of {} sequences is outside [1, max_sequences = {}]",
+                                    fn, b.sequences, max_sequences_));
+    if (b.seq_len < 1 || b.seq_len > seq_len_)
+      throw ConfigError(fmt::format("{}: batch seq_len = {} is outside [1, seq_len = {}]", fn,
+                                    b.seq_len, seq_len_));
+    if (b.inputs == nullptr || b.targets == nullptr)
+      throw ConfigError(fmt::format("{}: the batch's inputs or targets are null", fn));
+    if (w.dtype != DType::bf16 && w.dtype != DType::f16 && w.dtype != DType::f32)
+      throw ConfigError(
+          fmt::format("{}: weights of dtype {}; this backend takes bf16, fp16 or fp32", fn,
+                      dtype_name(w.dtype)));
+    if (w.layers.size() != static_cast<std::size_t>(s_.layers))
+      throw ConfigError(fmt::format("{}: weights of {} layers for a model of {}", fn,
+                                    w.layers.size(), s_.layers));
+    const auto need = [&](const void* p, ParamId id) {
+      if (p == nullptr)
+        throw ConfigError(fmt::format("{}: weight '{}' is null", fn, param_name(id)));
+    };
+    need(w.embed, {ParamKind::embed});
+    need(w.final_norm, {ParamKind::final_norm});
+    if (s_.tied) {
+      if (w.head != w.embed)
+        throw ConfigError(
+            fmt::format("{}: the head is tied to the embedding, but weight 'lm_head.weight' is not "
+                        "'model.embed_tokens.weight'",
+                        fn));
+    } else {
+      need(w.head, {ParamKind::head});
+    }
+    for (int l = 0; l < s_.layers; ++l) {
+      const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+      const std::pair<const void*, ParamKind> all[] = {{lw.attn_norm, ParamKind::attn_norm},
+                                                       {lw.q, ParamKind::q},
+                                                       {lw.k, ParamKind::k},
+                                                       {lw.v, ParamKind::v},
+                                                       {lw.o, ParamKind::o},
+                                                       {lw.mlp_norm, ParamKind::mlp_norm},
+                                                       {lw.gate, ParamKind::gate},
+                                                       {lw.up, ParamKind::up},
+                                                       {lw.down, ParamKind::down}};
+      for (const auto& [p, kind] : all) need(p, {kind, l});
+      const std::pair<const void*, ParamKind> biases[] = {{lw.q_bias, ParamKind::q_bias},
+                                                          {lw.k_bias, ParamKind::k_bias},
+                                                          {lw.v_bias, ParamKind::v_bias}};
+      for (const auto& [p, kind] : biases) {
+        if (s_.qkv_bias) need(p, {kind, l});
+        if (!s_.qkv_bias && p != nullptr)
+          throw ConfigError(fmt::format("{}: weight '{}' is given but the model has no qkv bias",
+                                        fn, param_name({kind, l})));
+      }
+    }
+    const auto v = static_cast<std::int32_t>(s_.vocab);
+    const std::size_t n = tokens(b);
+    for (std::size_t i = 0; i < n; ++i)
+      if (b.inputs[i] < 0 || b.inputs[i] >= v || b.targets[i] < 0 || b.targets[i] >= v)
+        throw ConfigError(
+            fmt::format("{}: token {} of the batch (input {}, target {}) is outside "
+                        "[0, vocab = {})",
+                        fn, i, b.inputs[i], b.targets[i], v));
+  }
+
+  // ---- weights upcast to fp32 ----
+
+  // Casts `count` weights to fp32 at the cursor and advances it to the next aligned slot.
+  static const float* upcast(float*& cursor, const void* src, std::size_t count, DType dtype) {
+    float* const out = cursor;
+    cpu_device_ops().cast(out, DType::f32, src, dtype, count);
+    cursor += padded(count);
+    return out;
+  }
+
+  struct Layer {
+    const float *attn_norm, *q, *q_bias, *k, *k_bias, *v, *v_bias, *o, *mlp_norm, *gate, *up, *down;
+  };
+  Layer upcast_layer(const Weights& w, int l) const {
+    const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+    const std::size_t d = z_.d, q = z_.q, kv = z_.kv, in = z_.inter;
+    float* p = at(l_.weights);
+    Layer out{};
+    out.attn_norm = upcast(p, lw.attn_norm, d, w.dtype);
+    out.q = upcast(p, lw.q, q * d, w.dtype);
+    out.k = upcast(p, lw.k, kv * d, w.dtype);
+    out.v = upcast(p, lw.v, kv * d, w.dtype);
+    if (s_.qkv_bias) {
+      out.q_bias = upcast(p, lw.q_bias, q, w.dtype);
+      out.k_bias = upcast(p, lw.k_bias, kv, w.dtype);
+      out.v_bias = upcast(p, lw.v_bias, kv, w.dtype);
+    }
+    out.o = upcast(p, lw.o, d * q, w.dtype);
+    out.mlp_norm = upcast(p, lw.mlp_norm, d, w.dtype);
+    out.gate = upcast(p, lw.gate, in * d, w.dtype);
+    out.up = upcast(p, lw.up, in * d, w.dtype);
+    out.down = upcast(p, lw.down, d * in, w.dtype);
+    return out;
+  }
+
+  struct Head {
+    const float* norm;
+    CMapR w;  // [V, d]: lm_head, or the embedding when tied
+  };
+  Head upcast_head(const Weights& w) const {
+    float* p = at(l_.weights);
+    const float* norm = upcast(p, w.final_norm, z_.d, w.dtype);
+    const float* m = upcast(p, s_.tied ? w.embed : w.head, z_.v * z_.d, w.dtype);
+    return {norm, CMapR(m, cols(z_.v), cols(z_.d))};
+  }
+
+  // ---- forward ----
+
+  void rope(float* x, std::size_t n, std::size_t width, std::size_t t) const {
+    const std::size_t hd = 2 * z_.half, heads = width / hd;
+    const float* const cs = at(l_.rope_cos);
+    const float* const sn = at(l_.rope_sin);
+    for (std::size_t r = 0; r < n; ++r) {
+      const std::size_t p = r % t;
+      const float* c = cs + p * z_.half;
+      const float* s = sn + p * z_.half;
+      for (std::size_t h = 0; h < heads; ++h) {
+        float* const x1 = x + r * width + h * hd;
+        float* const x2 = x1 + z_.half;
+        for (std::size_t i = 0; i < z_.half; ++i) {
+          const float a = x1[i], b = x2[i];
+          x1[i] = a * c[i] - b * s[i];
+          x2[i] = b * c[i] + a * s[i];
+        }
+      }
+    }
+  }
+
+  // The transpose of rope(): the gradient before the rotation from the one after it.
+  void rope_backward(float* g, std::size_t n, std::size_t width, std::size_t t) const {
+    const std::size_t hd = 2 * z_.half, heads = width / hd;
+    const float* const cs = at(l_.rope_cos);
+    const float* const sn = at(l_.rope_sin);
+    for (std::size_t r = 0; r < n; ++r) {
+      const std::size_t p = r % t;
+      const float* c = cs + p * z_.half;
+      const float* s = sn + p * z_.half;
+      for (std::size_t h = 0; h < heads; ++h) {
+        float* const g1 = g + r * width + h * hd;
+        float* const g2 = g1 + z_.half;
+        for (std::size_t i = 0; i < z_.half; ++i) {
+          const float a = g1[i], b = g2[i];
+          g1[i] = a * c[i] + b * s[i];
+          g2[i] = b * c[i] - a * s[i];
+        }
+      }
+    }
+  }
+
+  HeadMap head_block(float* base, std::size_t seq, std::size_t head, std::size_t width,
+                     std::size_t t) const {
+    const std::size_t hd = 2 * z_.half;
+    return HeadMap(base + seq * t * width + head * hd, cols(t), cols(hd),
+                   Eigen::OuterStride<>(cols(width)));
+  }
+
+  // Causal softmax attention of every (sequence, head), keeping each row's log-sum-exp.
+  void attention(int l, const Batch& b) const {
+    const std::size_t t = static_cast<std::size_t>(b.seq_len), group = z_.h / z_.k;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(2 * z_.half));
+    float* const q = slot_at(l_.qs, l, z_.q);
+    float* const k = slot_at(l_.ks, l, z_.kv);
+    float* const v = slot_at(l_.vs, l, z_.kv);
+    float* const o = slot_at(l_.os, l, z_.q);
+    float* const lse = slot_at(l_.lse, l, z_.h);
+    MapR p(at(l_.scores), cols(t), cols(t));
+    for (std::size_t seq = 0; seq < static_cast<std::size_t>(b.sequences); ++seq)
+      for (std::size_t h = 0; h < z_.h; ++h) {
+        const std::size_t g = h / group;
+        p.noalias() = head_block(q, seq, h, z_.q, t) * head_block(k, seq, g, z_.kv, t).transpose();
+        float* const row_lse = lse + (seq * z_.h + h) * t;
+        for (std::size_t i = 0; i < t; ++i) {
+          auto row = p.row(cols(i));
+          const auto seen = row.head(cols(i + 1));
+          const float m = seen.maxCoeff() * scale;
+          // Scale, subtract the maximum and exponentiate the positions up to i; mask the rest.
+          row.head(cols(i + 1)) = (seen.array() * scale - m).exp().matrix();
+          const float sum = row.head(cols(i + 1)).sum();
+          row.head(cols(i + 1)) /= sum;
+          row.tail(cols(t - i - 1)).setZero();
+          row_lse[i] = m + std::log(sum);
+        }
+        head_block(o, seq, h, z_.q, t).noalias() = p * head_block(v, seq, g, z_.kv, t);
+      }
+  }
+
+  // Fills x_1 .. x_L from the batch's tokens.
+  void forward_layers(const Weights& w, const Batch& b) const {
+    const std::size_t n = tokens(b), d = z_.d;
+    float* const x0 = at(l_.xs);
+    const std::size_t row_bytes = d * dtype_size(w.dtype);
+    for (std::size_t r = 0; r < n; ++r)
+      cpu_device_ops().cast(x0 + r * d, DType::f32,
+                            static_cast<const std::byte*>(w.embed) +
+                                static_cast<std::size_t>(b.inputs[r]) * row_bytes,
+                            w.dtype, d);
+    for (int l = 0; l < s_.layers; ++l) forward_layer(upcast_layer(w, l), b, l, true);
+  }
+
+  // Layer l's forward from x_l into its slot and, with write_next, x_{l+1}. Run again in
+  // backward for a recomputed layer (write_next false: x_{l+1} is kept): the same operations on
+  // the same x_l and weights, so the same bits.
+  void forward_layer(const Layer& lw, const Batch& b, int l, bool write_next) const {
+    const std::size_t n = tokens(b), d = z_.d, t = static_cast<std::size_t>(b.seq_len);
+    const float eps = static_cast<float>(s_.rms_eps);
+    float* const normed = at(l_.normed);
+    const float* const x = layer_at(l_.xs, l, d);
+    // `normed` holds the attention's norm output, then the MLP's.
+    rms_norm(x, n, d, lw.attn_norm, eps, normed, slot_at(l_.rstd_attn, l, 1));
+    const CMapR a(normed, rows_i(n), cols(d));
+    MapR q(slot_at(l_.qs, l, z_.q), rows_i(n), cols(z_.q));
+    MapR k(slot_at(l_.ks, l, z_.kv), rows_i(n), cols(z_.kv));
+    MapR v(slot_at(l_.vs, l, z_.kv), rows_i(n), cols(z_.kv));
+    q.noalias() = a * CMapR(lw.q, cols(z_.q), cols(d)).transpose();
+    k.noalias() = a * CMapR(lw.k, cols(z_.kv), cols(d)).transpose();
+    v.noalias() = a * CMapR(lw.v, cols(z_.kv), cols(d)).transpose();
+    if (s_.qkv_bias) {
+      q.rowwise() += CMapRow(lw.q_bias, cols(z_.q));
+      k.rowwise() += CMapRow(lw.k_bias, cols(z_.kv));
+      v.rowwise() += CMapRow(lw.v_bias, cols(z_.kv));
+    }
+    rope(q.data(), n, z_.q, t);
+    rope(k.data(), n, z_.kv, t);
+    attention(l, b);
+    MapR y(slot_at(l_.ys, l, d), rows_i(n), cols(d));
+    y = CMapR(x, rows_i(n), cols(d));
+    y.noalias() += CMapR(slot_at(l_.os, l, z_.q), rows_i(n), cols(z_.q)) *
+                   CMapR(lw.o, cols(d), cols(z_.q)).transpose();
+    rms_norm(y.data(), n, d, lw.mlp_norm, eps, normed, slot_at(l_.rstd_mlp, l, 1));
+    MapR gate(slot_at(l_.gates, l, z_.inter), rows_i(n), cols(z_.inter));
+    MapR up(slot_at(l_.ups, l, z_.inter), rows_i(n), cols(z_.inter));
+    gate.noalias() = a * CMapR(lw.gate, cols(z_.inter), cols(d)).transpose();
+    up.noalias() = a * CMapR(lw.up, cols(z_.inter), cols(d)).transpose();
+    if (!write_next) return;
+    MapR act(at(l_.act), rows_i(n), cols(z_.inter));
+    act.array() = gate.array() * (1.0f + (-gate.array()).exp()).inverse() * up.array();
+    MapR next(layer_at(l_.xs, l + 1, d), rows_i(n), cols(d));
+    next = y;
+    next.noalias() += act * CMapR(lw.down, cols(d), cols(z_.inter)).transpose();
+  }
+
+  // f = rmsnorm(x_L) * norm into the normed scratch.
+  void final_norm(const Head& hw, std::size_t n) const {
+    rms_norm(layer_at(l_.xs, s_.layers, z_.d), n, z_.d, hw.norm, static_cast<float>(s_.rms_eps),
+             at(l_.normed), at(l_.rstd_final));
+  }
+
+  // The final norm, the head and the mean cross-entropy, a chunk of rows at a time. With
+  // `alpha` (training), also the gradient at the final norm's output into dn, already times
+  // alpha, and, with head_matrix, the head matrix's gradient into head_grad.
+  double head_forward(const Weights& w, const Batch& b, const float* alpha, bool head_matrix) {
+    const Head hw = upcast_head(w);
+    const std::size_t n = tokens(b), d = z_.d, v = z_.v;
+    final_norm(hw, n);
+    MapR head_grad(at(l_.head_grad), cols(v), cols(d));
+    if (head_matrix) head_grad.setZero();
+    double total = 0.0;
+    for (std::size_t r0 = 0; r0 < n; r0 += kLossChunkRows) {
+      const std::size_t rows = std::min<std::size_t>(kLossChunkRows, n - r0);
+      const CMapR f(at(l_.normed) + r0 * d, rows_i(rows), cols(d));
+      MapR z(at(l_.logits), rows_i(rows), cols(v));
+      z.noalias() = f * hw.w.transpose();
+      for (std::size_t r = 0; r < rows; ++r) {
+        auto row = z.row(cols(r));
+        const float m = row.maxCoeff();
+        const float lse = m + std::log((row.array() - m).exp().sum());
+        const auto target = static_cast<Eigen::Index>(b.targets[r0 + r]);
+        total += static_cast<double>(lse - row(target));
+        if (alpha == nullptr) continue;
+        // d loss / d logits = softmax - onehot(target), times alpha.
+        row = ((row.array() - lse).exp() * *alpha).matrix();
+        row(target) -= *alpha;
+      }
+      if (alpha == nullptr) continue;
+      MapR(at(l_.dn) + r0 * d, rows_i(rows), cols(d)).noalias() = z * hw.w;
+      if (head_matrix) head_grad.noalias() += z.transpose() * f;
+    }
+    return total / static_cast<double>(n);
+  }
+
+  // ---- backward ----
+
+  void emit(GradSink& sink, ParamId id, const float* g, std::size_t count) const {
+    const GradSlot slot = sink.open(id);
+    if (slot.data == nullptr)
+      throw ConfigError(
+          fmt::format("decoder CPU train_step: the grad slot of '{}' is null", param_name(id)));
+    cpu_device_ops().accumulate(slot.data, slot.dtype, g, DType::f32, count);
+    sink.close(id);
+  }
+
+  // dW = dy^T x for y = x W^T: [out, in] into the grad region, then into the slot.
+  void emit_weight(GradSink& sink, ParamId id, const float* dy, const float* x, std::size_t n,
+                   std::size_t out, std::size_t in) const {
+    float* const g = at(l_.grad);
+    MapR(g, cols(out), cols(in)).noalias() =
+        CMapR(dy, rows_i(n), cols(out)).transpose() * CMapR(x, rows_i(n), cols(in));
+    emit(sink, id, g, out * in);
+  }
+
+  // A bias's gradient: dy's column sums.
+  void emit_bias(GradSink& sink, ParamId id, const float* dy, std::size_t n,
+                 std::size_t width) const {
+    float* const g = at(l_.grad);
+    MapRow(g, cols(width)) = CMapR(dy, rows_i(n), cols(width)).colwise().sum();
+    emit(sink, id, g, width);
+  }
+
+  // Gradients of q, k, v (after RoPE) from that of the attention output (d_o).
+  void attention_backward(int l, const Batch& b) const {
+    const std::size_t t = static_cast<std::size_t>(b.seq_len), n = tokens(b), group = z_.h / z_.k;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(2 * z_.half));
+    float* const q = slot_at(l_.qs, l, z_.q);
+    float* const k = slot_at(l_.ks, l, z_.kv);
+    float* const v = slot_at(l_.vs, l, z_.kv);
+    float* const o = slot_at(l_.os, l, z_.q);
+    const float* const lse = slot_at(l_.lse, l, z_.h);
+    float* const dq = at(l_.dq);
+    float* const dk = at(l_.dk);
+    float* const dv = at(l_.dv);
+    float* const d_o = at(l_.d_o);
+    MapR(dk, rows_i(n), cols(z_.kv)).setZero();
+    MapR(dv, rows_i(n), cols(z_.kv)).setZero();
+    MapR p(at(l_.scores), cols(t), cols(t)), ds(at(l_.dscores), cols(t), cols(t));
+    for (std::size_t seq = 0; seq < static_cast<std::size_t>(b.sequences); ++seq)
+      for (std::size_t h = 0; h < z_.h; ++h) {
+        const std::size_t g = h / group;
+        const HeadMap qh = head_block(q, seq, h, z_.q, t), kg = head_block(k, seq, g, z_.kv, t),
+                      vg = head_block(v, seq, g, z_.kv, t), oh = head_block(o, seq, h, z_.q, t),
+                      doh = head_block(d_o, seq, h, z_.q, t);
+        // The probabilities again, from the scores and each row's log-sum-exp.
+        p.noalias() = qh * kg.transpose();
+        const float* const row_lse = lse + (seq * z_.h + h) * t;
+        for (std::size_t i = 0; i < t; ++i) {
+          auto row = p.row(cols(i));
+          row.head(cols(i + 1)) =
+              (row.head(cols(i + 1)).array() * scale - row_lse[i]).exp().matrix();
+          row.tail(cols(t - i - 1)).setZero();
+        }
+        head_block(dv, seq, g, z_.kv, t).noalias() += p.transpose() * doh;
+        ds.noalias() = doh * vg.transpose();
+        // d scores = P * (dP - rowsum(dO * O)), the softmax's Jacobian row by row.
+        for (std::size_t i = 0; i < t; ++i) {
+          const float dot = doh.row(cols(i)).dot(oh.row(cols(i)));
+          ds.row(cols(i)).array() = p.row(cols(i)).array() * (ds.row(cols(i)).array() - dot);
+        }
+        ds *= scale;
+        head_block(dq, seq, h, z_.q, t).noalias() = ds * kg;
+        head_block(dk, seq, g, z_.kv, t).noalias() += ds.transpose() * qh;
+      }
+  }
+
+  void backward_pass(const Weights& w, const Batch& b, GradSink& sink, int lowest,
+                     bool head_matrix) {
+    const std::size_t n = tokens(b), d = z_.d, v = z_.v;
+    const int head_group = s_.layers + 1;
+    float* const dx = at(l_.dx);
+    float* const dn = at(l_.dn);
+    float* const g = at(l_.grad);
+    // The head group: the head matrix, then the final norm. A tied head's matrix is the
+    // embedding: its gradient stays in head_grad (fp32), the lookup's joins it there and the
+    // slot is written once at the end. The engine's slot is never held open across other
+    // params' gradients: a stage-2 bucket is reduced once backward moves on to another group.
+    if (head_matrix && !s_.tied) emit(sink, {ParamKind::head}, at(l_.head_grad), v * d);
+    {
+      const Head hw = upcast_head(w);
+      const float* const x_last = layer_at(l_.xs, s_.layers, d);
+      const bool active = sink.active(head_group);
+      if (lowest < head_group) MapR(dx, rows_i(n), cols(d)).setZero();
+      rms_norm_backward(x_last, n, d, hw.norm, at(l_.rstd_final), dn, active ? g : nullptr,
+                        lowest < head_group ? dx : nullptr);
+      if (active) emit(sink, {ParamKind::final_norm}, g, d);
+    }
+    for (int l = s_.layers - 1; l >= 0 && l + 1 >= lowest; --l)
+      layer_backward(w, b, sink, l, sink.active(l + 1), l + 1 > lowest);
+    if (lowest > 0) return;
+    // The lookup: each input token's row gets its position's gradient, in token order.
+    MapR table(at(l_.head_grad), cols(v), cols(d));
+    if (!s_.tied) table.setZero();
+    for (std::size_t r = 0; r < n; ++r)
+      table.row(static_cast<Eigen::Index>(b.inputs[r])) += CMapRow(dx + r * d, cols(d));
+    emit(sink, {ParamKind::embed}, table.data(), v * d);
+  }
+
+  // Layer l's backward from dx (the gradient at x_{l+1}); leaves the one at x_l in dx when
+  // `below` (a lower group wants gradients). A frozen layer only carries dx through.
+  void layer_backward(const Weights& w, const Batch& b, GradSink& sink, int l, bool active,
+                      bool below) {
+    const std::size_t n = tokens(b), d = z_.d, in = z_.inter,
+                      t = static_cast<std::size_t>(b.seq_len);
+    const Layer lw = upcast_layer(w, l);
+    // A recomputed layer's activations, from x_l, into the slot the lowest layers share.
+    if (static_cast<std::size_t>(l) < recompute_) forward_layer(lw, b, l, false);
+    float* const dx = at(l_.dx);
+    float* const dn = at(l_.dn);
+    float* const normed = at(l_.normed);
+    float* const g = at(l_.grad);
+    const float* const y = slot_at(l_.ys, l, d);
+    const float* const x = layer_at(l_.xs, l, d);
+    const MapR dxm(dx, rows_i(n), cols(d));
+    // MLP: x_{l+1} = y + (silu(gate) * up) Wdown^T.
+    const CMapR gate(slot_at(l_.gates, l, in), rows_i(n), cols(in));
+    const CMapR up(slot_at(l_.ups, l, in), rows_i(n), cols(in));
+    MapR act(at(l_.act), rows_i(n), cols(in));
+    MapR dgate(at(l_.dgate), rows_i(n), cols(in)), dup(at(l_.dup), rows_i(n), cols(in));
+    // act holds sigmoid(gate) first, then silu(gate) * up for the down projection's gradient.
+    act.array() = (1.0f + (-gate.array()).exp()).inverse();
+    dgate.noalias() = dxm * CMapR(lw.down, cols(d), cols(in));  // d(silu(gate) * up)
+    dup.array() = dgate.array() * gate.array() * act.array();
+    dgate.array() *= up.array() * act.array() * (1.0f + gate.array() * (1.0f - act.array()));
+    if (active) {
+      act.array() = gate.array() * act.array() * up.array();
+      emit_weight(sink, {ParamKind::down, l}, dx, act.data(), n, d, in);
+      rms_norm_again(y, n, d, lw.mlp_norm, slot_at(l_.rstd_mlp, l, 1), normed);
+      emit_weight(sink, {ParamKind::up, l}, dup.data(), normed, n, in, d);
+      emit_weight(sink, {ParamKind::gate, l}, dgate.data(), normed, n, in, d);
+    }
+    MapR dnm(dn, rows_i(n), cols(d));
+    dnm.noalias() = dgate * CMapR(lw.gate, cols(in), cols(d));
+    dnm.noalias() += dup * CMapR(lw.up, cols(in), cols(d));
+    // dx becomes the gradient at y: the residual's plus the norm's.
+    rms_norm_backward(y, n, d, lw.mlp_norm, slot_at(l_.rstd_mlp, l, 1), dn, active ? g : nullptr,
+                      dx);
+    if (active) emit(sink, {ParamKind::mlp_norm, l}, g, d);
+    // Attention: y = x + o Wo^T.
+    MapR d_o(at(l_.d_o), rows_i(n), cols(z_.q));
+    d_o.noalias() = dxm * CMapR(lw.o, cols(d), cols(z_.q));
+    if (active) emit_weight(sink, {ParamKind::o, l}, dx, slot_at(l_.os, l, z_.q), n, d, z_.q);
+    attention_backward(l, b);
+    float* const dq = at(l_.dq);
+    float* const dk = at(l_.dk);
+    float* const dv = at(l_.dv);
+    rope_backward(dq, n, z_.q, t);
+    rope_backward(dk, n, z_.kv, t);
+    if (active) {
+      rms_norm_again(x, n, d, lw.attn_norm, slot_at(l_.rstd_attn, l, 1), normed);
+      if (s_.qkv_bias) emit_bias(sink, {ParamKind::v_bias, l}, dv, n, z_.kv);
+      emit_weight(sink, {ParamKind::v, l}, dv, normed, n, z_.kv, d);
+      if (s_.qkv_bias) emit_bias(sink, {ParamKind::k_bias, l}, dk, n, z_.kv);
+      emit_weight(sink, {ParamKind::k, l}, dk, normed, n, z_.kv, d);
+      if (s_.qkv_bias) emit_bias(sink, {ParamKind::q_bias, l}, dq, n, z_.q);
+      emit_weight(sink, {ParamKind::q, l}, dq, normed, n, z_.q, d);
+    }
+    if (!active && !below) return;
+    dnm.noalias() = CMapR(dq, rows_i(n), cols(z_.q)) * CMapR(lw.q, cols(z_.q), cols(d));
+    dnm.noalias() += CMapR(dk, rows_i(n), cols(z_.kv)) * CMapR(lw.k, cols(z_.kv), cols(d));
+    dnm.noalias() += CMapR(dv, rows_i(n), cols(z_.kv)) * CMapR(lw.v, cols(z_.kv), cols(d));
+    rms_norm_backward(x, n, d, lw.attn_norm, slot_at(l_.rstd_attn, l, 1), dn, active ? g : nullptr,
+                      below ? dx : nullptr);
+    if (active) emit(sink, {ParamKind::attn_norm, l}, g, d);
+  }
+
+  DecoderShape s_;
+  int max_sequences_, seq_len_;
+  std::size_t recompute_;  // the lowest layers that run their forward again in backward
+  Sizes z_;
+  std::byte* mem_;
+  Layout l_;
+};
+
+}  // namespace
+
+std::size_t cpu_bytes(const DecoderShape& s, int max_sequences, int seq_len,
+                      int recompute_layers) {
+  validate(s, max_sequences, seq_len, recompute_layers, "cpu_bytes");
+  return layout_of(s, max_sequences, seq_len, recompute_layers).bytes;
+}
+
+std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequences, int seq_len,
+                                          void* memory, std::size_t bytes,
+                                          int recompute_layers) {
+  validate(s, max_sequences, seq_len, recompute_layers, "make_cpu_compute");
+  const std::size_t need = layout_of(s, max_sequences, seq_len, recompute_layers).bytes;
+  if (memory == nullptr || bytes < need)
+    throw ConfigError(
+        fmt::format("make_cpu_compute: a block of {} bytes at {}; the backend needs {} (cpu_bytes)",
+                    bytes, memory, need));
+  if (reinterpret_cast<std::uintptr_t>(memory) % kAlign != 0)
+    throw ConfigError(
+        fmt::format("make_cpu_compute: the block at {} is not {}-byte aligned", memory, kAlign));
+  return std::make_unique<CpuCompute>(s, max_sequences, seq_len, recompute_layers,
+                                      static_cast<std::byte*>(memory));
+}
+
+}  // namespace shardswap::lm::dec

@@ -1,0 +1,17 @@
+// Linked when CUDA is off: the decoder's CUDA backend, failing with a clear error. (The layout
+// and cuda_bytes are inline in decoder_cuda.h, so a build without CUDA can still plan for one.)
+#include "shardswap/error.h"
+#include "model/decoder_cuda.h"
+
+namespace shardswap::lm::dec {
+
+std::unique_ptr<Compute> make_cuda_compute(const DecoderShape&, int, int, DType, void*,
+                                           std::size_t, int) {
+  throw BackendUnavailable("make_cuda_compute: ShardSwap was built without CUDA");
+}
+
+std::string cuda_attention_name(const DecoderShape&) {
+  throw BackendUnavailable("cuda_attention_name: ShardSwap was built without CUDA");
+}
+
+}  // namespace shardswap::lm::dec

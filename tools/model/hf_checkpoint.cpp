@@ -1,0 +1,464 @@
+#include "model/hf_checkpoint.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <string_view>
+
+#include "memory/file_kind.h"
+#include "memory/host_types.h"
+#include "memory/quoted.h"
+#include "shardswap/error.h"
+#include "shardswap/json_reader.h"
+
+namespace shardswap {
+
+namespace fs = std::filesystem;
+using lm::dec::ParamId;
+using lm::dec::ParamKind;
+using nlohmann::json;
+
+static_assert(std::endian::native == std::endian::little,
+              "safetensors data is little-endian and is copied as it is");
+
+namespace {
+
+constexpr const char* kSingleFile = "model.safetensors";
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+constexpr std::size_t kMaxIndexBytes = std::size_t{64} << 20;
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+// Buffers transformers registers on the model and older versions saved with the weights: not
+// params, computed from the config.
+bool is_known_buffer(std::string_view name) {
+  return name.ends_with(".rotary_emb.inv_freq");
+}
+
+template <class T>
+T load(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+float element(DType t, const std::byte* p) {
+  switch (t) {
+    case DType::bf16:
+      return static_cast<float>(load<bf16_t>(p));
+    case DType::f16:
+      return static_cast<float>(load<f16_t>(p));
+    default:
+      return load<float>(p);
+  }
+}
+
+// Whether `path` exists as anything (a dangling link too).
+bool exists_entry(const fs::path& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+void fsync_path(const fs::path& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
+  if (fd < 0)
+    throw Error(
+        fmt::format("write_hf_folder: cannot open '{}': {}", path.string(), std::strerror(errno)));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0)
+    throw Error(
+        fmt::format("write_hf_folder: cannot fsync '{}': {}", path.string(), std::strerror(err)));
+}
+
+}  // namespace
+
+
+void convert_tensor(const SafetensorsTensor& src, const fs::path& file, DType dtype,
+                    std::span<std::byte> out) {
+  const auto refuse = [&](std::string_view why) {
+    return ConfigError(fmt::format("convert_tensor: tensor {} in '{}': {}", quote_value(src.name),
+                                   file.string(), why));
+  };
+  const auto from = dtype_of_safetensors(src.dtype);
+  if (!from || *from == DType::f64)
+    throw refuse(fmt::format("stored as {}; supported: BF16, F16, F32", src.dtype));
+  if (dtype == DType::f64)
+    throw refuse("fp64 is no destination dtype; supported: bf16, fp16, fp32");
+  const auto n = static_cast<std::size_t>(src.numel());
+  if (out.size() != n * dtype_size(dtype))
+    throw refuse(fmt::format("{} elements of {} are {} bytes, the destination holds {}", n,
+                             dtype_name(dtype), n * dtype_size(dtype), out.size()));
+  if (*from == dtype) {
+    if (!out.empty()) std::memcpy(out.data(), src.data, out.size());  // an empty one may be null
+    return;
+  }
+  const std::size_t in_width = dtype_size(*from);
+  if (dtype == DType::f16) {
+    // Checked before anything is written: a refused copy leaves `out` as it was.
+    for (std::size_t k = 0; k < n; ++k) {
+      const float x = element(*from, src.data + k * in_width);
+      if (std::isfinite(x) && std::isinf(static_cast<float>(f16_t(x))))
+        throw refuse(fmt::format("element {} = {} is beyond fp16's range", k, x));
+    }
+  }
+  for (std::size_t k = 0; k < n; ++k) {
+    const float x = element(*from, src.data + k * in_width);  // exact: fp32 holds bf16 and fp16
+    std::byte* p = out.data() + k * dtype_size(dtype);
+    switch (dtype) {
+      case DType::bf16: {
+        const bf16_t y(x);  // round to nearest even
+        std::memcpy(p, &y, sizeof y);
+        break;
+      }
+      case DType::f16: {
+        const f16_t y(x);
+        std::memcpy(p, &y, sizeof y);
+        break;
+      }
+      default:
+        std::memcpy(p, &x, sizeof x);
+    }
+  }
+}
+
+HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len) {
+  const auto refuse = [&](std::string_view why) {
+    return ConfigError(fmt::format("Hugging Face model folder '{}': {}", folder.string(), why));
+  };
+  struct stat st {};
+  if (::stat(folder.c_str(), &st) != 0)
+    throw refuse(errno == ENOENT ? std::string("no such folder")
+                                 : fmt::format("cannot be read: {}", std::strerror(errno)));
+  if (!S_ISDIR(st.st_mode)) throw refuse(fmt::format("not a folder ({})", file_kind(st.st_mode)));
+
+  HfCheckpoint ck;
+  ck.folder_ = folder;
+  ck.config_ = read_hf_config(folder / "config.json", seq_len);
+
+  const bool single = exists_entry(folder / kSingleFile);
+  const bool index = exists_entry(folder / kIndexFile);
+  if (single && index)
+    throw refuse(fmt::format("holds both {} and {}: which one is the model is ambiguous",
+                             kSingleFile, kIndexFile));
+  if (!single && !index)
+    throw refuse(fmt::format("holds neither {} nor {} (only safetensors weights are read)",
+                             kSingleFile, kIndexFile));
+
+  std::map<std::string, Place, std::less<>> stored;  // every tensor of every file
+  if (single) {
+    ck.files_.push_back(SafetensorsFile::open(folder / kSingleFile));
+    const auto& tensors = ck.files_[0].tensors();
+    for (std::size_t t = 0; t < tensors.size(); ++t) stored.emplace(tensors[t].name, Place{0, t});
+  } else {
+    const fs::path index_path = folder / kIndexFile;
+    const auto refuse_index = [&](std::string_view why) {
+      return ConfigError(fmt::format("{}: {}", index_path.string(), why));
+    };
+    if (::stat(index_path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
+      throw refuse_index("not a regular file");
+    // An index lists every tensor once: tens of thousands of names in the largest models, a
+    // few MiB; a bigger one is refused before it is read.
+    json index_json = read_json_file(
+        index_path, JsonLimits{64, kMaxIndexBytes, "a safetensors index"}, "safetensors index");
+    if (!index_json.is_object() || !index_json.contains("weight_map") ||
+        !index_json["weight_map"].is_object())
+      throw refuse_index("not an object with a \"weight_map\" object");
+    // total_size is not checked: writers disagree on what it counts (some count padding or
+    // parameters); the files' own headers are what the weights are read from.
+    std::map<std::string, std::size_t> file_ids;
+    std::vector<std::pair<std::string, std::string>> mapped;  // tensor, file
+    for (const auto& [name, file] : index_json["weight_map"].items()) {
+      if (!file.is_string())
+        throw refuse_index(
+            fmt::format("weight_map {} = {}: not a file name", quote_value(name), file.dump()));
+      const auto f = file.get<std::string>();
+      if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos)
+        throw refuse_index(fmt::format("weight_map {} = {}: not a file name in the folder",
+                                       quote_value(name), quote_value(f)));
+      mapped.emplace_back(name, f);
+      file_ids.emplace(f, 0);
+    }
+    for (auto& [f, id] : file_ids) {
+      id = ck.files_.size();
+      ck.files_.push_back(SafetensorsFile::open(folder / f));
+    }
+    for (const auto& [name, f] : mapped) {
+      const std::size_t id = file_ids.at(f);
+      const auto& tensors = ck.files_[id].tensors();
+      const auto* t = ck.files_[id].find(name);
+      if (t == nullptr)
+        throw refuse_index(fmt::format("tensor {} is mapped to '{}', whose header does not hold it",
+                                       quote_value(name), f));
+      stored.emplace(name, Place{id, static_cast<std::size_t>(t - tensors.data())});
+    }
+    for (const auto& [f, id] : file_ids)
+      for (const auto& t : ck.files_[id].tensors()) {
+        const auto it = index_json["weight_map"].find(t.name);
+        if (it == index_json["weight_map"].end())
+          throw refuse_index(
+              fmt::format("'{}' holds tensor {}, which the weight_map does not "
+                          "list",
+                          f, quote_value(t.name)));
+        if (it->get<std::string>() != f)
+          throw refuse_index(
+              fmt::format("'{}' holds tensor {}, which the weight_map puts in "
+                          "'{}'",
+                          f, quote_value(t.name), it->get<std::string>()));
+      }
+  }
+
+  const auto file_name = [&](const Place& p) { return ck.files_[p.file].path().string(); };
+  const auto specs = decoder_params(ck.shape());
+  std::vector<std::string> missing;
+  for (const auto& spec : specs) {
+    const auto it = stored.find(spec.name);
+    if (it == stored.end()) {
+      missing.push_back(quote_value(spec.name));
+      continue;
+    }
+    const auto& t = ck.files_[it->second.file].tensors()[it->second.tensor];
+    if (t.shape != spec.shape)
+      throw refuse(fmt::format("tensor {} in '{}': shape {}, config.json makes it {}",
+                               quote_value(spec.name), file_name(it->second), shape_text(t.shape),
+                               shape_text(spec.shape)));
+    const auto dtype = dtype_of_safetensors(t.dtype);
+    if (!dtype || *dtype == DType::f64)
+      throw refuse(fmt::format("tensor {} in '{}': stored as {}; supported: BF16, F16, F32",
+                               quote_value(spec.name), file_name(it->second), t.dtype));
+    ck.params_.emplace(spec.name, it->second);
+  }
+  if (!missing.empty()) {
+    const std::size_t shown = std::min<std::size_t>(missing.size(), 4);
+    throw refuse(fmt::format(
+        "{} tensor{} of the model missing: {}{}", missing.size(), missing.size() == 1 ? "" : "s",
+        fmt::join(missing.begin(), missing.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
+        missing.size() > shown ? ", ..." : ""));
+  }
+  for (const auto& [name, p] : stored) {
+    if (ck.params_.contains(name) || is_known_buffer(name)) continue;
+    if (ck.shape().tied && name == decoder_param_name({ParamKind::head})) {
+      // Some converters store a tied head as well. Loaded tied, the embedding is the head, so
+      // a stored head is accepted only when it is the embedding to the byte: anything else
+      // would be a different model silently reduced to a tied one.
+      const auto& head = ck.files_[p.file].tensors()[p.tensor];
+      const auto& embed = ck.tensor(decoder_param_name({ParamKind::embed}));
+      if (head.dtype != embed.dtype || head.shape != embed.shape ||
+          (head.bytes > 0 && std::memcmp(head.data, embed.data, head.bytes) != 0))
+        throw refuse(
+            fmt::format("tensor {} in '{}': config.json ties the head to the "
+                        "embedding, but this head is not a copy of it",
+                        quote_value(name), file_name(p)));
+      continue;
+    }
+    throw refuse(
+        fmt::format("tensor {} in '{}' is no param of the model config.json describes "
+                    "({} layers, {}, {} head)",
+                    quote_value(name), file_name(p), ck.shape().layers,
+                    ck.shape().qkv_bias ? "q/k/v biases" : "no biases",
+                    ck.shape().tied ? "a tied" : "an untied"));
+  }
+  return ck;
+}
+
+std::vector<fs::path> HfCheckpoint::files() const {
+  std::vector<fs::path> out;
+  for (const auto& f : files_) out.push_back(f.path());
+  return out;
+}
+
+const HfCheckpoint::Place& HfCheckpoint::place(std::string_view name) const {
+  const auto it = params_.find(name);
+  if (it == params_.end())
+    throw ConfigError(fmt::format("HfCheckpoint: {} is not a param of the model in '{}'",
+                                  quote_value(name), folder_.string()));
+  return it->second;
+}
+
+const SafetensorsTensor& HfCheckpoint::tensor(std::string_view name) const {
+  const auto& p = place(name);
+  return files_[p.file].tensors()[p.tensor];
+}
+
+const fs::path& HfCheckpoint::file_of(std::string_view name) const {
+  return files_[place(name).file].path();
+}
+
+void HfCheckpoint::copy(std::string_view name, DType dtype, std::span<std::byte> out) const {
+  const auto& p = place(name);
+  convert_tensor(files_[p.file].tensors()[p.tensor], files_[p.file].path(), dtype, out);
+}
+
+namespace {
+
+// An export's temporary folder is FOLDER.tmp-export-HOST-PID-RANDOM: the host and process that
+// write it, so that the next export of FOLDER can tell one left by a writer that died
+// (SIGKILL, a crash) from one being written now, here or on another machine sharing the
+// filesystem.
+std::string export_temporary_prefix(const fs::path& folder) {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+  std::string name;
+  for (const char* c = host; *c != '\0'; ++c)
+    name += (std::isalnum(static_cast<unsigned char>(*c)) != 0 || *c == '.') ? *c : '_';
+  if (name.empty()) name = "host";
+  return fmt::format("{}.tmp-export-{}-", folder.filename().string(), name);
+}
+
+// Removes the temporary folders of FOLDER's exports from this host whose process is gone. One of
+// a live process, of another host or of another user is left alone.
+void remove_dead_exports(const fs::path& parent, const fs::path& folder) {
+  const std::string prefix = export_temporary_prefix(folder);
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(parent, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with(prefix)) continue;
+    const std::string_view rest = std::string_view(name).substr(prefix.size());
+    const auto dash = rest.find('-');
+    if (dash == 0 || dash == std::string_view::npos || dash > 9 ||
+        rest.substr(0, dash).find_first_not_of("0123456789") != std::string_view::npos)
+      continue;
+    const auto pid = static_cast<pid_t>(std::stol(std::string(rest.substr(0, dash))));
+    struct stat st {};
+    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+      continue;
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code removed;
+    fs::remove_all(entry.path(), removed);
+  }
+}
+
+// A new, empty temporary folder for FOLDER, made as mkdir(1) makes one (0777 less the umask), so
+// that the renamed export is as readable as any folder the user makes, not 0700 as mkdtemp's.
+fs::path make_export_temporary(const fs::path& parent, const fs::path& folder) {
+  const std::string prefix = export_temporary_prefix(folder);
+  std::random_device random;
+  for (int attempt = 0;; ++attempt) {
+    const fs::path tmp = parent / fmt::format("{}{}-{:08x}", prefix, ::getpid(), random());
+    if (::mkdir(tmp.c_str(), 0777) == 0) return tmp;
+    if (errno != EEXIST || attempt == 100)
+      throw Error(fmt::format("write_hf_folder '{}': cannot create a temporary folder '{}': {}",
+                              folder.string(), tmp.string(), std::strerror(errno)));
+  }
+}
+
+}  // namespace
+
+fs::path check_hf_folder(const fs::path& folder_arg, std::string_view label) {
+  // "out/" names the folder "out".
+  const fs::path folder = folder_arg.has_filename() ? folder_arg : folder_arg.parent_path();
+  const auto refuse = [&](std::string_view why) {
+    return ConfigError(fmt::format("{} '{}': {}", label, folder.string(), why));
+  };
+  if (folder.empty()) throw refuse("an empty path");
+  const fs::path parent = folder.has_parent_path() ? folder.parent_path() : fs::path(".");
+  struct stat st {};
+  if (::stat(parent.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw refuse(fmt::format("the folder '{}' does not exist", parent.string()));
+  if (::lstat(folder.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode))
+      throw refuse(fmt::format("{}; refusing to replace it", file_kind(st.st_mode)));
+    std::error_code ec;
+    if (!fs::is_empty(folder, ec) || ec) throw refuse("not empty; refusing to write into it");
+  } else if (errno != ENOENT) {
+    throw refuse(std::strerror(errno));
+  }
+  return folder;
+}
+
+void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DType dtype,
+                     const HfTensorFill& fill, std::uint64_t max_shard_bytes) {
+  const json config = hf_config_to_json(shape, dtype);  // refuses the shape and dtype first
+  if (max_shard_bytes < 1)
+    throw ConfigError(
+        fmt::format("write_hf_folder '{}': the shard size limit must be at least 1 "
+                    "byte",
+                    folder_arg.string()));
+  const fs::path folder = check_hf_folder(folder_arg, "write_hf_folder");
+  const fs::path parent = folder.has_parent_path() ? folder.parent_path() : fs::path(".");
+
+  // Shards: params in order, a new file where the next param would pass the limit.
+  const auto specs = decoder_params(shape);
+  std::vector<std::vector<std::size_t>> shards(1);
+  std::vector<std::uint64_t> shard_bytes(1, 0);
+  std::uint64_t total = 0;
+  std::vector<std::uint64_t> sizes;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    std::uint64_t n = dtype_size(dtype);
+    for (const auto e : specs[i].shape) n *= static_cast<std::uint64_t>(e);
+    sizes.push_back(n);
+    total += n;
+    if (!shards.back().empty() && shard_bytes.back() + n > max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes.push_back(0);
+    }
+    shards.back().push_back(i);
+    shard_bytes.back() += n;
+  }
+  const std::size_t count = shards.size();
+  const auto shard_name = [&](std::size_t k) {
+    return count == 1 ? std::string(kSingleFile)
+                      : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, count);
+  };
+
+  remove_dead_exports(parent, folder);
+  const fs::path tmp = make_export_temporary(parent, folder);
+  try {
+    const auto write_json = [&](const std::string& name, const json& j) {
+      OutputFile out("write_hf_folder", tmp / name);
+      out.write(j.dump(2));
+      out.write("\n");
+      out.commit();
+    };
+    write_json("config.json", config);
+    std::vector<std::byte> buffer;
+    json weight_map = json::object();
+    for (std::size_t k = 0; k < count; ++k) {
+      std::vector<SafetensorsEntry> entries;
+      for (const auto i : shards[k]) {
+        entries.push_back({specs[i].name, safetensors_dtype_name(dtype), specs[i].shape});
+        weight_map[specs[i].name] = shard_name(k);
+      }
+      OutputFile out("write_hf_folder", tmp / shard_name(k));
+      write_safetensors(out, entries,
+                        [&](std::size_t e) {
+                          const auto i = shards[k][e];
+                          buffer.assign(static_cast<std::size_t>(sizes[i]), std::byte{0});
+                          fill(specs[i], buffer);
+                          return std::span<const std::byte>(buffer);
+                        },
+                        {{"format", "pt"}});
+    }
+    if (count > 1)
+      write_json(kIndexFile, {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
+    fsync_path(tmp, O_RDONLY | O_DIRECTORY);
+    // rename(2) replaces an empty directory and fails on one that is not empty: a folder filled
+    // meanwhile is never overwritten.
+    if (::rename(tmp.c_str(), folder.c_str()) != 0)
+      throw Error(fmt::format("write_hf_folder '{}': cannot rename '{}' to it: {}", folder.string(),
+                              tmp.string(), std::strerror(errno)));
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  fsync_path(parent, O_RDONLY | O_DIRECTORY);
+}
+
+}  // namespace shardswap

@@ -1,0 +1,93 @@
+// Hugging Face model folders of the decoder (tools/model/decoder_compute.h), in and out: config.json
+// and the weights as model.safetensors, or sharded with model.safetensors.index.json. The
+// engine's param names are the Hugging Face tensor names.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "model/decoder.h"
+#include "model/hf_config.h"
+#include "model/safetensors.h"
+
+namespace shardswap {
+
+/// A param of the decoder: its Hugging Face name, shape and group (decoder_params(shape) lists
+/// them in declaration order).
+using HfTensorSpec = DecoderParam;
+
+/// Copies `src` into `out` as `dtype` (bf16, fp16 or fp32; `out` holds exactly numel elements),
+/// element by element: bit-exact when the dtypes agree, exact when widening, round to nearest
+/// even when narrowing. Throws ConfigError naming `src`'s tensor and `file` (and writes nothing)
+/// for a stored dtype other than BF16, F16, F32, a wrong `out` size, or a finite value that
+/// fp16 cannot hold.
+void convert_tensor(const SafetensorsTensor& src, const std::filesystem::path& file, DType dtype,
+                    std::span<std::byte> out);
+
+/// A Hugging Face model folder, opened and checked as a whole before any weight is read: meant
+/// to come before the engine allocates anything.
+class HfCheckpoint {
+ public:
+  /// Reads FOLDER/config.json (read_hf_config, checked at `seq_len`) and maps the weights:
+  /// model.safetensors, or model.safetensors.index.json {"weight_map": {name: file}} and the
+  /// files it names (plain names in the folder), each file's header agreeing with the index.
+  /// Checks that every tensor of decoder_params is there with its shape and a stored dtype
+  /// of BF16, F16 or F32, and that nothing else is (rotary_emb.inv_freq buffers aside; a tied
+  /// model's lm_head.weight only as an exact copy of the embedding). Throws ConfigError naming
+  /// the folder, the file and the tensor.
+  static HfCheckpoint open(const std::filesystem::path& folder, const HfSeqLen& seq_len);
+
+  const std::filesystem::path& folder() const { return folder_; }
+  const HfModelConfig& config() const { return config_; }
+  const DecoderShape& shape() const { return config_.shape; }
+  /// The files the weights were read from, in the order opened.
+  std::vector<std::filesystem::path> files() const;
+  /// The stored tensor of param `name`; ConfigError for a name that is not a param.
+  const SafetensorsTensor& tensor(std::string_view name) const;
+  /// The file holding param `name`.
+  const std::filesystem::path& file_of(std::string_view name) const;
+  /// convert_tensor of param `name`.
+  void copy(std::string_view name, DType dtype, std::span<std::byte> out) const;
+
+ private:
+  struct Place {
+    std::size_t file;    // in files_
+    std::size_t tensor;  // in files_[file].tensors()
+  };
+  const Place& place(std::string_view name) const;
+
+  std::filesystem::path folder_;
+  HfModelConfig config_;
+  std::vector<SafetensorsFile> files_;
+  std::map<std::string, Place, std::less<>> params_;
+};
+
+/// Fills `out` (numel * dtype size bytes) with the values of param `spec`, in the dtype given
+/// to write_hf_folder.
+using HfTensorFill = std::function<void(const HfTensorSpec& spec, std::span<std::byte> out)>;
+
+/// Writes `shape`'s model as a Hugging Face folder: config.json (hf_config_to_json), the
+/// params of decoder_params in `dtype` (bf16, fp16 or fp32), asked of `fill` one at a
+/// time, as model.safetensors when their bytes are at most `max_shard_bytes`, else as
+/// model-0000i-of-0000n.safetensors (params in order, a new file where the next would pass the
+/// limit; a larger param alone) with model.safetensors.index.json. `folder` must be absent or
+/// an empty directory in an existing one. Everything is written into a new
+/// FOLDER.tmp-export-HOST-PID-* (mode 0777 less the umask, as mkdir makes one) beside it and
+/// renamed to FOLDER at the end, so that a folder of that name is complete or absent: a failure
+/// removes the temporary folder, and the temporaries of FOLDER's exports whose process died on
+/// this host (killed, crashed) are removed first. Throws ConfigError for a refused folder,
+/// shape or dtype (nothing written), Error for a failing write.
+void write_hf_folder(const std::filesystem::path& folder, const DecoderShape& shape, DType dtype,
+                     const HfTensorFill& fill, std::uint64_t max_shard_bytes);
+/// write_hf_folder's check of `folder` alone, for a command to run before any work: throws
+/// ConfigError "LABEL 'FOLDER': what is wrong" (its parent missing; a file, link or other
+/// non-directory; a directory that is not empty). Returns the folder without a trailing '/'.
+std::filesystem::path check_hf_folder(const std::filesystem::path& folder, std::string_view label);
+
+}  // namespace shardswap

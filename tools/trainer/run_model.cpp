@@ -1,0 +1,15 @@
+// The choice of the model behind RunModel: the decoder (tools/trainer/run_decoder.cpp), the one built-in
+// model family.
+#include "trainer/run_model.h"
+
+#include "trainer/train.h"
+
+namespace shardswap {
+
+std::unique_ptr<RunModel> make_decoder_run(const TrainConfig& config);  // run_decoder.cpp
+
+std::unique_ptr<RunModel> make_run_model(const TrainConfig& config) {
+  return make_decoder_run(config);
+}
+
+}  // namespace shardswap

@@ -1,0 +1,76 @@
+// What `shardswap train`, `plan` and `eval` run: the model with its data. The training loop
+// (tools/trainer/train.cpp) sees only this interface; the model says what its params are, how much working
+// memory it takes, how it draws a rank's micro-batch of a step and a validation batch.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardswap/allocator.h"
+#include "shardswap/dtype.h"
+#include "shardswap/engine.h"
+
+namespace shardswap {
+
+struct TrainConfig;  // tools/trainer/train.h
+
+struct ValLogits {
+  int sequences = 0, seq_len = 0, vocab = 0;
+  std::vector<std::int32_t> inputs;  ///< sequences * seq_len
+  std::vector<float> logits;         ///< sequences * seq_len * vocab
+};
+
+/// One rank's model with its working memory, made once per rank.
+class RankModel {
+ public:
+  virtual ~RankModel() = default;
+  /// Forward and backward of micro-batch `micro` of `step` on `rank` of `world`, adding
+  /// gradients into the engine's slots (Engine::grad_slot / grad_ready). Returns its mean loss.
+  virtual double train_micro(Engine& engine, std::int64_t step, int rank, int world,
+                             int micro) = 0;
+  /// The mean loss of validation batch `index` (a fixed slice of the validation data).
+  virtual double val_loss(const Engine& engine, int index) = 0;
+  /// The inputs of validation batch `index` and every position's logits ([inputs, vocab]),
+  /// for checks against another implementation. ConfigError for a model that has none.
+  virtual ValLogits val_logits(const Engine& engine, int index) = 0;
+  /// GPU time of the model's phases (`logging.timing` on a GPU): on, then after each step the
+  /// seconds of each phase since the last take, named ("forward", "attention forward", ...).
+  /// A model without phase timing returns none.
+  virtual void time_phases(bool on) { (void)on; }
+  virtual std::vector<std::pair<std::string, double>> take_phase_seconds() { return {}; }
+};
+
+class RunModel {
+ public:
+  virtual ~RunModel() = default;
+  /// The groups in declaration order ("embed", "layers.0", ..., "head").
+  virtual std::vector<std::string> groups() const = 0;
+  virtual std::int64_t param_count() const = 0;
+  virtual void declare(Engine& engine) const = 0;
+  /// The initial weights: from scratch (a pure function of the seed) or read from a checkpoint.
+  virtual void init(const ParamInfo& param, std::span<float> values) const = 0;
+  /// Exact bytes of Tag::activation a RankModel of a micro-batch of `micro` samples holds.
+  virtual std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const = 0;
+  virtual std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
+                                                     MemorySpace& space) const = 0;
+  /// Tokens whose loss one sample carries (the decoder: seq_len).
+  virtual std::int64_t tokens_per_sample() const = 0;
+  /// FLOPs of forward + backward over one micro-batch with every group active.
+  virtual double micro_flops(int micro) const = 0;
+  /// The GEMM (m, n, k) whose cuBLAS rate is the yardstick of the model's rate.
+  virtual std::vector<int> reference_gemm(int micro) const = 0;
+  /// "decoder llama 1234 params, ..." and "data FILE (...)": the start-up line's parts.
+  virtual std::string describe() const = 0;
+  virtual std::string describe_data() const = 0;
+  /// "decoder": the plan's first line.
+  virtual std::string type_name() const = 0;
+};
+
+/// The model of the config's model.type; reads no weights until init() is asked for them.
+std::unique_ptr<RunModel> make_run_model(const TrainConfig& config);
+
+}  // namespace shardswap
