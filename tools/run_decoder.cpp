@@ -107,7 +107,7 @@ class DecoderRun final : public RunModel {
       : config_(c.decoder),
         seed_(c.seed),
         global_batch_(c.batches.train_samples),
-        on_cuda_(c.backend.rfind("cuda", 0) == 0),
+        on_cuda_(c.backend.kind == DeviceKind::cuda),
         data_(token_spec(c)) {
     if (!config_.path.empty())
       checkpoint_.emplace(HfCheckpoint::open(config_.path, {config_.seq_len, "data.seq_len"}));
