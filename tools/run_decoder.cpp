@@ -247,4 +247,15 @@ std::unique_ptr<RunModel> make_decoder_run(const TrainConfig& config) {
   return std::make_unique<DecoderRun>(config);
 }
 
+SwitchingGroups decoder_switching_groups(const TrainConfig& config) {
+  // LISA and BAdam switch the decoder's "layers.N" groups; LISA keeps the embedding and the
+  // head always active (the LISA paper's choice).
+  SwitchingGroups g{.all = decoder_groups(config.decoder.shape),
+                    .layers = {},
+                    .lisa_always_active = {"embed", "head"}};
+  for (const auto& name : g.all)
+    if (name.starts_with("layers.")) g.layers.push_back(name);
+  return g;
+}
+
 }  // namespace shardswap

@@ -25,7 +25,6 @@
 #include "shardswap/config_json.h"
 #include "shardswap/error.h"
 #include "shardswap/nccl.h"
-#include "tools/lm/decoder.h"
 #include "tools/lm/hf_config.h"
 #include "tools/run_model.h"
 #include "tools/trainer.h"
@@ -166,20 +165,16 @@ TrainConfig train_config_from_json(ConfigReader& c) {
   t.tensorboard = tensorboard_config_from_json(c);
 
   LayerSwitchingConfig switching = layer_switching_from_json(c);
-  const auto groups = decoder_groups(t.decoder.shape);
-  // The decoder's LISA and BAdam switch its layers: absent lists mean every "layers.N" group
-  // and, for LISA, the embedding and head always active (the LISA paper's choice; BAdam's is
-  // none).
+  // LISA and BAdam switch the model's layers: absent lists are the model's (SwitchingGroups).
+  const SwitchingGroups groups = switching_groups(t);
   const bool switches_layers =
       (switching.type == SwitchingType::lisa || switching.type == SwitchingType::badam);
-  if (switches_layers && !c.has("layer_switching.layers"))
-    for (const auto& g : groups)
-      if (g.starts_with("layers.")) switching.layers.push_back(g);
+  if (switches_layers && !c.has("layer_switching.layers")) switching.layers = groups.layers;
   if (switches_layers && switching.type == SwitchingType::lisa &&
       !c.has("layer_switching.always_active"))
-    switching.always_active = {"embed", "head"};
+    switching.always_active = groups.lisa_always_active;
   try {
-    t.schedule.emplace(std::move(switching), groups);  // validates; allocates nothing
+    t.schedule.emplace(std::move(switching), groups.all);  // validates; allocates nothing
   } catch (const ConfigError& e) {
     c.rethrow_naming_file(e);  // "layer_switching.KEY = ...: what": add the file
   }
