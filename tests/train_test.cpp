@@ -374,7 +374,8 @@ TEST_CASE("the plan names every tag and the activations of every rank") {
   for (const char* word : {"param16", "grad", "master32", "optim_state", "comm", "activation",
                            "total", "rank 2", "ZeRO-2 formula"})
     REQUIRE(test::contains(out.str(), word));
-  REQUIRE(plan_memory(load(j), 0).activation > 0);
+  const TrainConfig config = load(j);
+  REQUIRE(plan_memory(config, *make_run_model(config), 0).activation > 0);
 }
 
 TEST_CASE("shardswap.comm_timeout_s is read in seconds, negative and non-numbers are refused") {

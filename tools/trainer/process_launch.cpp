@@ -76,11 +76,11 @@ void apply_launch_world_size(ConfigReader& reader, const std::optional<ProcessLa
 
 void attach_process_launch(TrainConfig& config, const std::optional<ProcessLaunch>& launch) {
   if (!launch) return;
-  if (config.backend != "cpu" && config.comm != CommKind::nccl)
+  if (config.backend.kind != DeviceKind::host && config.comm != CommKind::nccl)
     throw ConfigError(fmt::format(
         "shardswap.communicator = \"in_process\": with one process per rank ({}) the {} "
         "backend's ranks need \"nccl\" (in-process ranks share one process's memory)",
-        launch->source, config.backend));
+        launch->source, config.backend.name));
   config.process = launch;
 }
 

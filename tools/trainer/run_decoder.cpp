@@ -107,7 +107,7 @@ class DecoderRun final : public RunModel {
       : config_(c.decoder),
         seed_(c.seed),
         global_batch_(c.batches.train_samples),
-        on_cuda_(c.backend.rfind("cuda", 0) == 0),
+        on_cuda_(c.backend.kind == DeviceKind::cuda),
         data_(token_spec(c)) {
     if (!config_.path.empty())
       checkpoint_.emplace(HfCheckpoint::open(config_.path, {config_.seq_len, "data.seq_len"}));
@@ -245,6 +245,17 @@ std::vector<std::filesystem::path> decoder_input_files(const TrainConfig& t) {
 
 std::unique_ptr<RunModel> make_decoder_run(const TrainConfig& config) {
   return std::make_unique<DecoderRun>(config);
+}
+
+SwitchingGroups decoder_switching_groups(const TrainConfig& config) {
+  // LISA and BAdam switch the decoder's "layers.N" groups; LISA keeps the embedding and the
+  // head always active (the LISA paper's choice).
+  SwitchingGroups g{.all = decoder_groups(config.decoder.shape),
+                    .layers = {},
+                    .lisa_always_active = {"embed", "head"}};
+  for (const auto& name : g.all)
+    if (name.starts_with("layers.")) g.layers.push_back(name);
+  return g;
 }
 
 }  // namespace shardswap

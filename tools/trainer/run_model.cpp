@@ -6,10 +6,16 @@
 
 namespace shardswap {
 
-std::unique_ptr<RunModel> make_decoder_run(const TrainConfig& config);  // run_decoder.cpp
+// run_decoder.cpp
+std::unique_ptr<RunModel> make_decoder_run(const TrainConfig& config);
+SwitchingGroups decoder_switching_groups(const TrainConfig& config);
 
 std::unique_ptr<RunModel> make_run_model(const TrainConfig& config) {
   return make_decoder_run(config);
+}
+
+SwitchingGroups switching_groups(const TrainConfig& config) {
+  return decoder_switching_groups(config);
 }
 
 }  // namespace shardswap

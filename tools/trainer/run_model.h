@@ -73,4 +73,17 @@ class RunModel {
 /// The model of the config's model.type; reads no weights until init() is asked for them.
 std::unique_ptr<RunModel> make_run_model(const TrainConfig& config);
 
+/// The model's groups as layer switching (layer_switching) sees them, known from the config's
+/// model keys alone: the config reader checks the schedule with them before any data is opened.
+struct SwitchingGroups {
+  std::vector<std::string> all;  ///< every group, in declaration order (RunModel::groups())
+  /// What LISA and BAdam switch when layer_switching.layers is absent: the body's layers.
+  std::vector<std::string> layers;
+  /// What LISA keeps active at every step when layer_switching.always_active is absent (BAdam
+  /// keeps none).
+  std::vector<std::string> lisa_always_active;
+};
+/// The groups of the model of the config's model.type (its model keys read).
+SwitchingGroups switching_groups(const TrainConfig& config);
+
 }  // namespace shardswap

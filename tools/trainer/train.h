@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardswap/backend.h"
 #include "shardswap/batch_sizes.h"
 #include "shardswap/communicator.h"
 #include "shardswap/config_reader.h"
@@ -33,6 +34,18 @@ enum class CommKind {
   in_process,  ///< ranks as threads over in-process collectives (host memory or one GPU)
   nccl,        ///< one GPU per rank (GPUs 0..world_size-1), a thread each, over NCCL
 };
+
+/// Config key shardswap.backend, read once: where the ranks' memory and compute live. Checked by
+/// spelling only: whether the GPU exists is known when a run opens it (open_backend), and `plan`
+/// must work for a GPU config on a machine without one.
+struct BackendChoice {
+  DeviceKind kind = DeviceKind::host;
+  int device = -1;           ///< the CUDA device ("cuda" is device 0); -1 for the cpu
+  std::string name = "cpu";  ///< as the config spells it: cpu, cuda, cuda:N
+};
+/// The backend of the choice. Throws ConfigError "shardswap.backend = \"cuda:N\": ..." for a
+/// CUDA device that does not exist, BackendUnavailable in a build without CUDA.
+Backend open_backend(const BackendChoice& choice);
 
 /// Config section `checkpoint` (docs/checkpoints.md).
 struct CheckpointConfig {
@@ -79,7 +92,7 @@ struct TrainConfig {
   int log_interval = 10;
   int eval_interval = 100;  ///< validation every this many steps (and before the first, after the last)
   int eval_batches = 4;     ///< micro-batches of validation per evaluation, split over ranks
-  std::string backend = "cpu";  ///< shardswap.backend: cpu, cuda, cuda:N
+  BackendChoice backend;    ///< shardswap.backend
   CommKind comm = CommKind::in_process;
   /// shardswap.comm_timeout_s: how long a rank waits in a collective for the others before every
   /// rank fails with a CommError naming it (in-process ranks: InProcessGroup::set_timeout; NCCL:
@@ -88,7 +101,9 @@ struct TrainConfig {
   /// logging.timing: wait for the device after the model's forward/backward and after
   /// engine.step(), so the step time splits into the two honestly (costs a little overlap).
   bool timing = false;
-  LayerSwitchingConfig switching;  ///< layer_switching; validated against the model's groups
+  /// layer_switching, checked against the model's groups when the config is read: the run's one
+  /// schedule (set by train_config_from_json; plan, train and eval read it).
+  std::optional<LayerSchedule> schedule;
   nlohmann::json source;           ///< the config as read, recorded in checkpoints
   CheckpointConfig checkpoint;
   /// Set (by attach_process_launch) when this process is one rank of a job of one process per
@@ -109,9 +124,9 @@ struct PlannedMemory {
   std::int64_t activation = 0;     ///< the model's working memory (Tag::activation)
   std::int64_t total() const { return engine.total() + activation; }
 };
-/// The plan of `rank` for the config (the engine's plan with the active set of step 0, plus
-/// the model's activations). Allocates nothing.
-PlannedMemory plan_memory(const TrainConfig& config, int rank);
+/// The plan of `rank` for the config's `model` (the engine's plan with the active set of step 0,
+/// plus the model's activations). Allocates nothing.
+PlannedMemory plan_memory(const TrainConfig& config, const RunModel& model, int rank);
 /// `shardswap plan`: a table of predicted bytes by tag for every rank.
 void print_plan(const TrainConfig& config, std::ostream& out);
 /// Throws Error when the cpu backend's ranks in this process would need more host memory than
