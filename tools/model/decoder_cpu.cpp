@@ -20,7 +20,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "optimizer/optimizer.h"
+#include "shardswap/elements.h"
 #include "shardswap/error.h"
 
 namespace shardswap::lm::dec {
@@ -386,7 +386,7 @@ class CpuCompute final : public Compute {
   // Casts `count` weights to fp32 at the cursor and advances it to the next aligned slot.
   static const float* upcast(float*& cursor, const void* src, std::size_t count, DType dtype) {
     float* const out = cursor;
-    cpu_device_ops().cast(out, DType::f32, src, dtype, count);
+    convert_elements(out, DType::f32, src, dtype, count);
     cursor += padded(count);
     return out;
   }
@@ -513,10 +513,10 @@ class CpuCompute final : public Compute {
     float* const x0 = at(l_.xs);
     const std::size_t row_bytes = d * dtype_size(w.dtype);
     for (std::size_t r = 0; r < n; ++r)
-      cpu_device_ops().cast(x0 + r * d, DType::f32,
-                            static_cast<const std::byte*>(w.embed) +
-                                static_cast<std::size_t>(b.inputs[r]) * row_bytes,
-                            w.dtype, d);
+      convert_elements(x0 + r * d, DType::f32,
+                       static_cast<const std::byte*>(w.embed) +
+                           static_cast<std::size_t>(b.inputs[r]) * row_bytes,
+                       w.dtype, d);
     for (int l = 0; l < s_.layers; ++l) forward_layer(upcast_layer(w, l), b, l, true);
   }
 
@@ -608,7 +608,7 @@ class CpuCompute final : public Compute {
     if (slot.data == nullptr)
       throw ConfigError(
           fmt::format("decoder CPU train_step: the grad slot of '{}' is null", param_name(id)));
-    cpu_device_ops().accumulate(slot.data, slot.dtype, g, DType::f32, count);
+    accumulate_elements(slot.data, slot.dtype, g, DType::f32, count);
     sink.close(id);
   }
 

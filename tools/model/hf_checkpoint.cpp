@@ -19,8 +19,8 @@
 #include <string_view>
 
 #include "memory/file_kind.h"
-#include "memory/host_types.h"
 #include "memory/quoted.h"
+#include "shardswap/elements.h"
 #include "shardswap/error.h"
 #include "shardswap/json_reader.h"
 
@@ -48,24 +48,6 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 // params, computed from the config.
 bool is_known_buffer(std::string_view name) {
   return name.ends_with(".rotary_emb.inv_freq");
-}
-
-template <class T>
-T load(const std::byte* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-float element(DType t, const std::byte* p) {
-  switch (t) {
-    case DType::bf16:
-      return static_cast<float>(load<bf16_t>(p));
-    case DType::f16:
-      return static_cast<float>(load<f16_t>(p));
-    default:
-      return load<float>(p);
-  }
 }
 
 // Whether `path` exists as anything (a dangling link too).
@@ -109,33 +91,33 @@ void convert_tensor(const SafetensorsTensor& src, const fs::path& file, DType dt
     if (!out.empty()) std::memcpy(out.data(), src.data, out.size());  // an empty one may be null
     return;
   }
-  const std::size_t in_width = dtype_size(*from);
+  // A chunk at a time through an aligned buffer: a tensor's data in a safetensors file need not
+  // be aligned to its element size. Through fp32 (exact from bf16 and fp16), rounded once to
+  // nearest even.
+  constexpr std::size_t kChunk = 4096;
+  std::vector<float> staged(kChunk), wide(kChunk), half(kChunk), narrowed(kChunk);
+  const std::size_t in_width = dtype_size(*from), out_width = dtype_size(dtype);
+  const auto each_chunk = [&](const auto& body) {
+    for (std::size_t k0 = 0; k0 < n; k0 += kChunk) {
+      const std::size_t m = std::min(kChunk, n - k0);
+      std::memcpy(staged.data(), src.data + k0 * in_width, m * in_width);
+      body(k0, m);
+    }
+  };
   if (dtype == DType::f16) {
     // Checked before anything is written: a refused copy leaves `out` as it was.
-    for (std::size_t k = 0; k < n; ++k) {
-      const float x = element(*from, src.data + k * in_width);
-      if (std::isfinite(x) && std::isinf(static_cast<float>(f16_t(x))))
-        throw refuse(fmt::format("element {} = {} is beyond fp16's range", k, x));
-    }
+    each_chunk([&](std::size_t k0, std::size_t m) {
+      convert_elements(wide.data(), DType::f32, staged.data(), *from, m);
+      convert_elements(half.data(), DType::f16, wide.data(), DType::f32, m);
+      convert_elements(narrowed.data(), DType::f32, half.data(), DType::f16, m);
+      for (std::size_t k = 0; k < m; ++k)
+        if (std::isfinite(wide[k]) && std::isinf(narrowed[k]))
+          throw refuse(fmt::format("element {} = {} is beyond fp16's range", k0 + k, wide[k]));
+    });
   }
-  for (std::size_t k = 0; k < n; ++k) {
-    const float x = element(*from, src.data + k * in_width);  // exact: fp32 holds bf16 and fp16
-    std::byte* p = out.data() + k * dtype_size(dtype);
-    switch (dtype) {
-      case DType::bf16: {
-        const bf16_t y(x);  // round to nearest even
-        std::memcpy(p, &y, sizeof y);
-        break;
-      }
-      case DType::f16: {
-        const f16_t y(x);
-        std::memcpy(p, &y, sizeof y);
-        break;
-      }
-      default:
-        std::memcpy(p, &x, sizeof x);
-    }
-  }
+  each_chunk([&](std::size_t k0, std::size_t m) {
+    convert_elements(out.data() + k0 * out_width, dtype, staged.data(), *from, m);
+  });
 }
 
 HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len) {

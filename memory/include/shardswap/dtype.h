@@ -1,6 +1,6 @@
 // Element types of flat buffers. The host C++ types of bf16 and fp16 are internal
 // (memory/host_types.h, Eigen's); public code reads and writes them as raw bytes or through
-// the float conversions of the Engine (read_weight, add_grad).
+// the float conversions of the Engine (read_weight, add_grad) and of shardswap/elements.h.
 #pragma once
 
 #include <cstddef>
