@@ -10,9 +10,9 @@
 // nothing deletes a checkpoint that another run wrote. recover_checkpoints() turns what a kill
 // left into that state again.
 #include "engine/engine_internals.h"
-#include "memory/file_kind.h"
 #include "optimizer/optimizer.h"
 #include "shardswap/checkpoint.h"
+#include "support/file_kind.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>

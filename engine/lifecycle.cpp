@@ -10,7 +10,7 @@
 #include <set>
 
 #include "engine/engine_impl.h"
-#include "memory/quoted.h"
+#include "support/quoted.h"
 
 namespace shardswap {
 

@@ -1,5 +1,5 @@
 #include "tools/output_file.h"
-#include "memory/file_kind.h"
+#include "support/file_kind.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>

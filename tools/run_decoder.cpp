@@ -10,8 +10,8 @@
 #include <mutex>
 #include <thread>
 
-#include "memory/quoted.h"
 #include "shardswap/error.h"
+#include "support/quoted.h"
 #include "tools/lm/decoder.h"
 #include "tools/lm/decoder_cuda.h"
 #include "tools/lm/hf_checkpoint.h"

@@ -1,5 +1,5 @@
 #include "tools/train.h"
-#include "memory/quoted.h"
+#include "support/quoted.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

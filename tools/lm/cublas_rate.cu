@@ -8,8 +8,8 @@
 #include <cstdio>
 #include <string>
 
-#include "memory/cuda/cuda_check.h"
 #include "shardswap/error.h"
+#include "support/cuda_check.h"
 #include "tools/lm/cublas_check.cuh"
 #include "tools/lm/cublas_rate.h"
 

@@ -44,7 +44,7 @@
 #include <utility>
 #include <vector>
 
-#include "memory/cuda/cuda_check.h"
+#include "support/cuda_check.h"
 #include "shardswap/error.h"
 #include "tools/lm/cublas_check.cuh"
 #include "tools/lm/decoder_cuda.h"

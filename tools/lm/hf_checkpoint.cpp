@@ -18,11 +18,11 @@
 #include <set>
 #include <string_view>
 
-#include "memory/file_kind.h"
 #include "memory/host_types.h"
-#include "memory/quoted.h"
 #include "shardswap/error.h"
 #include "shardswap/json_reader.h"
+#include "support/file_kind.h"
+#include "support/quoted.h"
 
 namespace shardswap {
 
