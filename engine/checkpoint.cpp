@@ -12,6 +12,7 @@
 #include "engine/engine_internals.h"
 #include "optimizer/optimizer.h"
 #include "shardswap/checkpoint.h"
+#include "support/durable_file.h"
 #include "support/file_kind.h"
 
 #include <fcntl.h>
@@ -92,55 +93,18 @@ fs::path sibling(const fs::path& dir, std::string_view suffix) {
   return dir.parent_path() / (dir.filename().string() + std::string(suffix));
 }
 
-fs::path parent_or_dot(const fs::path& dir) {
-  return dir.parent_path().empty() ? fs::path(".") : dir.parent_path();
-}
-
 // ---- writing ----
 
+// The CheckpointFile of open_checkpoint_file: a DurableFile (tests hand save_checkpoint others).
 class PosixFile final : public CheckpointFile {
  public:
-  explicit PosixFile(fs::path path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail("open");
-  }
-  ~PosixFile() override {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  void write(const void* data, std::size_t bytes) override {
-    const auto* p = static_cast<const char*>(data);
-    while (bytes > 0) {
-      const ssize_t n = ::write(fd_, p, bytes);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) fail("write");
-      p += n;
-      bytes -= static_cast<std::size_t>(n);
-    }
-  }
-  void commit() override {
-    if (::fsync(fd_) != 0) fail("fsync");
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) fail("close");
-  }
+  explicit PosixFile(fs::path path) : file_(std::move(path)) {}
+  void write(const void* data, std::size_t bytes) override { file_.write(data, bytes); }
+  void commit() override { file_.commit(); }
 
  private:
-  [[noreturn]] void fail(const char* call) const {
-    throw Error(fmt::format("{} '{}': {}", call, path_.string(), std::strerror(errno)));
-  }
-  fs::path path_;
-  int fd_ = -1;
+  DurableFile file_;
 };
-
-void fsync_directory(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0 || ::fsync(fd) != 0) {
-    const int err = errno;
-    if (fd >= 0) ::close(fd);
-    throw Error(fmt::format("fsync of directory '{}': {}", dir.string(), std::strerror(err)));
-  }
-  ::close(fd);
-}
 
 // A binary checkpoint file: magic, header length (u64), header JSON, data, FNV-1a 64 of all that.
 class BinaryWriter {
@@ -785,7 +749,7 @@ void recover_name(const fs::path& dir, std::vector<std::string>& actions) {
   const auto promote = [&](const fs::path& from, const char* what) {
     if (dir_why != "absent") remove(dir, "incomplete: " + dir_why);
     fs::rename(from, dir);
-    fsync_directory(parent_or_dot(dir));
+    fsync_directory(parent_directory(dir));
     actions.push_back(fmt::format("{}: '{}' -> '{}'", what, from.string(), dir.string()));
   };
   bool tmp_left = has_tmp, old_left = has_old;
@@ -805,7 +769,7 @@ void recover_name(const fs::path& dir, std::vector<std::string>& actions) {
   };
   if (tmp_left) remove(tmp, leftover_why(tmp_why));
   if (old_left) remove(old, leftover_why(old_why));
-  fsync_directory(parent_or_dot(dir));
+  fsync_directory(parent_directory(dir));
 }
 
 bool written_by(const fs::path& dir, const std::string& run_id) {
@@ -891,7 +855,7 @@ fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptio
     writing(asked, [&] {
       if (!asked.parent_path().empty()) fs::create_directories(asked.parent_path());
       dir = save_target(asked, options.run_id);
-      sequence = next_save_sequence(parent_or_dot(dir));
+      sequence = next_save_sequence(parent_directory(dir));
       save_id = new_random_id();
       if (!fs::create_directory(sibling(dir, ".tmp-save")))
         throw Error(fmt::format("'{}' appeared during the save: refusing to write into it",
@@ -1048,7 +1012,7 @@ fs::path save_checkpoint(Engine& engine, const fs::path& dir_in, const SaveOptio
         if (replacing) fs::rename(old, dir, ec);
         throw;
       }
-      fsync_directory(parent_or_dot(dir));
+      fsync_directory(parent_directory(dir));
       if (replacing) fs::remove_all(old);
     });
   });
