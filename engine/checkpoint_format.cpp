@@ -191,6 +191,59 @@ std::unique_ptr<CheckpointFile> open_checkpoint_file(const fs::path& path) {
   return std::make_unique<PosixFile>(path);
 }
 
+namespace {
+
+// Every field a reader (load, inspect, export, a trainer) takes as given, checked once here,
+// so each failure is a ConfigError naming the field.
+void check_reader_fields(const json& meta, const fs::path& file) {
+  (void)field<std::string>(meta, "shardswap_version", file);
+  (void)field<int>(meta, "world_size", file);
+  (void)field<int>(meta, "stage", file);
+  (void)field<int>(meta, "state_slots", file);
+  (void)field<std::string>(meta, "dtype", file);
+  (void)field<std::string>(meta, "optimizer", file);
+  (void)field<double>(meta, "lr", file);
+  (void)field<std::vector<std::string>>(meta, "active", file);
+  const json& scaler = field<json>(meta, "loss_scaler", file);
+  (void)field<double>(scaler, "scale", file);
+  (void)field<std::int64_t>(scaler, "clean_steps", file);
+  (void)field<int>(scaler, "hysteresis_left", file);
+  const auto list_of_objects = [&](const char* key) -> const json& {
+    const json& list = meta.at(key);
+    if (!list.is_array() ||
+        !std::all_of(list.begin(), list.end(), [](const json& e) { return e.is_object(); }))
+      throw ConfigError(fmt::format("'{}': field '{}': expected a list of objects, got {}",
+                                    file.string(), key, list.dump().substr(0, 64)));
+    return list;
+  };
+  (void)field<json>(meta, "params", file);
+  for (const auto& p : list_of_objects("params")) {
+    (void)field<std::string>(p, "name", file);
+    (void)field<std::vector<std::int64_t>>(p, "shape", file);
+    (void)field<std::string>(p, "group", file);
+  }
+  (void)field<json>(meta, "groups", file);
+  for (const auto& g : list_of_objects("groups")) {
+    (void)field<std::string>(g, "name", file);
+    (void)field<std::string>(g, "state", file);
+    (void)field<std::int64_t>(g, "step", file);
+  }
+  (void)field<json>(meta, "files", file);
+  for (const auto& f : list_of_objects("files")) {
+    (void)field<std::string>(f, "name", file);
+    (void)field<std::uint64_t>(f, "bytes", file);
+    (void)field<std::string>(f, "fnv1a64", file);
+  }
+  // The trainer's state: an object, as save_checkpoint requires (a trainer reads its fields by
+  // name; tools/train.cpp checks those of ShardSwap's own trainer).
+  const json& extra = field<json>(meta, "extra", file);
+  if (!extra.is_object())
+    throw ConfigError(fmt::format("'{}': field 'extra': expected an object, got {}", file.string(),
+                                  extra.dump().substr(0, 64)));
+}
+
+}  // namespace
+
 json read_checkpoint_metadata(const fs::path& dir) {
   const fs::path file = dir / kMetadataName;
   if (!fs::is_directory(dir))
@@ -253,52 +306,7 @@ json read_checkpoint_metadata(const fs::path& dir) {
     (void)field<std::string>(parent, "run_id", file);
     (void)field<std::int64_t>(parent, "step", file);
   }
-  // Every field a reader (load, inspect, export, a trainer) takes as given, checked once here,
-  // so each failure is a ConfigError naming the field.
-  (void)field<std::string>(meta, "shardswap_version", file);
-  (void)field<int>(meta, "world_size", file);
-  (void)field<int>(meta, "stage", file);
-  (void)field<int>(meta, "state_slots", file);
-  (void)field<std::string>(meta, "dtype", file);
-  (void)field<std::string>(meta, "optimizer", file);
-  (void)field<double>(meta, "lr", file);
-  (void)field<std::vector<std::string>>(meta, "active", file);
-  const json& scaler = field<json>(meta, "loss_scaler", file);
-  (void)field<double>(scaler, "scale", file);
-  (void)field<std::int64_t>(scaler, "clean_steps", file);
-  (void)field<int>(scaler, "hysteresis_left", file);
-  const auto list_of_objects = [&](const char* key) -> const json& {
-    const json& list = meta.at(key);
-    if (!list.is_array() ||
-        !std::all_of(list.begin(), list.end(), [](const json& e) { return e.is_object(); }))
-      throw ConfigError(fmt::format("'{}': field '{}': expected a list of objects, got {}",
-                                    file.string(), key, list.dump().substr(0, 64)));
-    return list;
-  };
-  (void)field<json>(meta, "params", file);
-  for (const auto& p : list_of_objects("params")) {
-    (void)field<std::string>(p, "name", file);
-    (void)field<std::vector<std::int64_t>>(p, "shape", file);
-    (void)field<std::string>(p, "group", file);
-  }
-  (void)field<json>(meta, "groups", file);
-  for (const auto& g : list_of_objects("groups")) {
-    (void)field<std::string>(g, "name", file);
-    (void)field<std::string>(g, "state", file);
-    (void)field<std::int64_t>(g, "step", file);
-  }
-  (void)field<json>(meta, "files", file);
-  for (const auto& f : list_of_objects("files")) {
-    (void)field<std::string>(f, "name", file);
-    (void)field<std::uint64_t>(f, "bytes", file);
-    (void)field<std::string>(f, "fnv1a64", file);
-  }
-  // The trainer's state: an object, as save_checkpoint requires (a trainer reads its fields by
-  // name; tools/train.cpp checks those of ShardSwap's own trainer).
-  const json& extra = field<json>(meta, "extra", file);
-  if (!extra.is_object())
-    throw ConfigError(fmt::format("'{}': field 'extra': expected an object, got {}", file.string(),
-                                  extra.dump().substr(0, 64)));
+  check_reader_fields(meta, file);
   return meta;
 }
 

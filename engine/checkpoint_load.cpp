@@ -125,21 +125,27 @@ Weights read_weights(const fs::path& dir, const json& meta, const std::vector<Sa
   return w;
 }
 
-// Everything this rank's engine needs from the checkpoint, verified against its declarations.
-TrainingState read_state_for(const Engine& engine, const fs::path& dir, LoadedCheckpoint& out) {
-  const json meta = read_checkpoint_metadata(dir);
-  const fs::path meta_file = dir / kMetadataName;
+// Throws unless what the checkpoint saved is what this engine has here.
+void require_same(const fs::path& meta_file, const char* what, const std::string& saved,
+                  const std::string& here) {
+  if (saved != here)
+    throw ConfigError(fmt::format("load_checkpoint: '{}' is a checkpoint of a different model: "
+                                  "{} '{}' saved, '{}' here",
+                                  meta_file.string(), what, saved, here));
+}
+
+// The checkpoint's params, checked to be this engine's model: bit16 type, optimizer, params (name,
+// shape, group, in order) and optimizer state slots.
+std::vector<SavedParam> same_model_params(const Engine& engine, const json& meta,
+                                          const fs::path& meta_file) {
   const auto& config = engine.config();
   const auto differs = [&](const char* what, const std::string& saved, const std::string& here) {
-    if (saved != here)
-      throw ConfigError(fmt::format("load_checkpoint: '{}' is a checkpoint of a different model: "
-                                    "{} '{}' saved, '{}' here",
-                                    meta_file.string(), what, saved, here));
+    require_same(meta_file, what, saved, here);
   };
   differs("bit16 type", field<std::string>(meta, "dtype", meta_file), dtype_name(config.dtype));
   differs("optimizer", field<std::string>(meta, "optimizer", meta_file),
           optimizer_type_name(config.optimizer.type));
-  const auto params = saved_params(meta, meta_file);
+  auto params = saved_params(meta, meta_file);
   const auto& mine = engine.params();
   differs("param count", std::to_string(params.size()), std::to_string(mine.size()));
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -149,9 +155,18 @@ TrainingState read_state_for(const Engine& engine, const fs::path& dir, LoadedCh
                         params[i].group),
             fmt::format("{} {} in {}", mine[i].name, fmt::join(mine[i].shape, "x"), mine[i].group));
   }
-  const int slots = config.optimizer.state_slots();
   differs("optimizer state slots", std::to_string(field<int>(meta, "state_slots", meta_file)),
-          std::to_string(slots));
+          std::to_string(config.optimizer.state_slots()));
+  return params;
+}
+
+// Everything this rank's engine needs from the checkpoint, verified against its declarations.
+TrainingState read_state_for(const Engine& engine, const fs::path& dir, LoadedCheckpoint& out) {
+  const json meta = read_checkpoint_metadata(dir);
+  const fs::path meta_file = dir / kMetadataName;
+  const auto params = same_model_params(engine, meta, meta_file);
+  const auto& mine = engine.params();
+  const int slots = engine.config().optimizer.state_slots();
 
   // This rank's shard of each group at the current world size, and where each of its params'
   // fragments lands.
@@ -170,7 +185,7 @@ TrainingState read_state_for(const Engine& engine, const fs::path& dir, LoadedCh
   std::vector<std::int64_t> shard_numel;
   for (const auto& name : engine.groups()) {
     auto it = saved_groups.find(name);
-    if (it == saved_groups.end()) differs("group", "(none)", name);
+    if (it == saved_groups.end()) require_same(meta_file, "group", "(none)", name);
     GroupTrainingState s;
     s.group = name;
     const auto holding = field<std::string>(it->second, "state", meta_file);
@@ -196,8 +211,8 @@ TrainingState read_state_for(const Engine& engine, const fs::path& dir, LoadedCh
     state.groups.push_back(std::move(s));
   }
   if (saved_groups.size() != state.groups.size())
-    differs("group count", std::to_string(saved_groups.size()),
-            std::to_string(state.groups.size()));
+    require_same(meta_file, "group count", std::to_string(saved_groups.size()),
+                 std::to_string(state.groups.size()));
 
   read_pieces(dir, meta, params, [&](std::size_t param, std::int64_t begin, std::int64_t count,
                                      const float* values) {
