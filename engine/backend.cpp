@@ -1,5 +1,5 @@
 #include "shardswap/backend.h"
-#include "memory/quoted.h"
+#include "support/quoted.h"
 
 #include <fmt/format.h>
 

@@ -4,6 +4,7 @@
 // open file, so two trainers in one process exclude each other too. Paths are bytes throughout:
 // a name that is not UTF-8 is never decoded, quoted as JSON or re-encoded.
 #include "shardswap/checkpoint_dir.h"
+#include "support/durable_file.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -108,17 +109,6 @@ int open_lock_file(const fs::path& file) {
   return fd;
 }
 
-void fsync_directory(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0 || ::fsync(fd) != 0) {
-    const int err = errno;
-    if (fd >= 0) ::close(fd);
-    throw ConfigError(fmt::format("probe_checkpoint_dir: '{}': fsync of the directory: {}",
-                                  dir.string(), errno_text(err)));
-  }
-  ::close(fd);
-}
-
 }  // namespace
 
 void probe_checkpoint_dir(const fs::path& dir, const OpenCheckpointFile& open) {
@@ -146,7 +136,9 @@ void probe_checkpoint_dir(const fs::path& dir, const OpenCheckpointFile& open) {
     throw ConfigError(fmt::format("probe_checkpoint_dir: '{}': cannot remove the probe '{}': {}",
                                   dir.string(), probe.string(),
                                   ec ? ec.message() : std::string("it vanished")));
-  fsync_directory(dir);
+  if (const IoStatus status = fsync_directory_status(dir))
+    throw ConfigError(fmt::format("probe_checkpoint_dir: '{}': fsync of the directory: {}",
+                                  dir.string(), status.why()));
 }
 
 CheckpointDirHolder read_checkpoint_dir_holder(const fs::path& dir) {

@@ -1,5 +1,5 @@
 #include "shardswap/engine_config.h"
-#include "memory/quoted.h"
+#include "support/quoted.h"
 
 #include <fmt/format.h>
 

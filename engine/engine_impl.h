@@ -112,6 +112,27 @@ struct Engine::Impl {
   KeptState kept_on_host(MemorySpace& host, const Group& g, std::int64_t step) const;
   std::string master_label(const Group& g) const;
   std::string state_label(const Group& g) const;
+
+  // ---- restore_training_state's steps (engine/lifecycle.cpp) ----
+  /// A group's part of a restore: new buffers (invalid where one is reused or not needed), what
+  /// is reused, and the buffers given back at commit.
+  struct GroupRestore {
+    Buffer grad, master, state;
+    Buffer host_master, host_state;
+    bool reuse_grad = false, reuse_device_state = false;
+    std::vector<const Buffer*> freed;
+  };
+  struct RestorePlan {
+    std::vector<GroupRestore> groups;  // as `groups`
+    std::unique_ptr<MemorySpace> new_host;  // the keep_host space, when the restore makes it
+  };
+  /// Throws ConfigError "<fn>: ..." unless `state` fits this engine; changes nothing.
+  void check_restorable(const TrainingState& state, const char* fn) const;
+  /// Allocates what `state` needs that the groups do not hold already; changes nothing of the
+  /// engine (a failure, or dropping the plan, frees what it took).
+  RestorePlan plan_restore(const TrainingState& state);
+  /// Moves the plan's buffers in, copies `state` into them and gives back what they replace.
+  void commit_restore(const TrainingState& state, RestorePlan& plan);
 };
 
 /// Groups with their layouts and shards (no buffers) for `names`, each holding the params whose

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "memory/file_kind.h"
+#include "support/file_kind.h"
 
 namespace shardswap {
 

@@ -10,7 +10,7 @@
 #include <set>
 
 #include "engine/engine_impl.h"
-#include "memory/quoted.h"
+#include "support/quoted.h"
 
 namespace shardswap {
 
@@ -415,15 +415,10 @@ TrainingState Engine::training_state(bool with_weights) const {
   return out;
 }
 
-void Engine::restore_training_state(const TrainingState& state) {
-  impl_->require_built("restore_training_state");
-  const char* const fn = "Engine::restore_training_state";
-  impl_->require_none_pending("Engine::restore_training_state");
-  auto& groups = impl_->groups;
-  const auto& params = impl_->params;
-  const auto slots = static_cast<std::size_t>(impl_->config.optimizer.state_slots());
-  const auto psize = dtype_size(impl_->config.dtype), gsize = dtype_size(impl_->config.grad_type());
-  // Checks: nothing below them can meet bad input.
+// Checks: nothing below them can meet bad input.
+void Engine::Impl::check_restorable(const TrainingState& state, const char* fn) const {
+  const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
+  const auto psize = dtype_size(config.dtype);
   if (state.groups.size() != groups.size())
     throw ConfigError(fmt::format("{}: {} groups given, the engine has {}", fn,
                                   state.groups.size(), groups.size()));
@@ -459,45 +454,41 @@ void Engine::restore_training_state(const TrainingState& state) {
                                     params[i].info.numel * static_cast<std::int64_t>(psize)));
   if (!(state.lr >= 0.0) || !std::isfinite(state.lr))
     throw ConfigError(fmt::format("{}: learning rate {} must be finite and >= 0", fn, state.lr));
-  {
-    LossScaler check = impl_->scaler;  // validates the scaler state without changing ours
-    check.restore(state.scaler);
-  }
+  LossScaler check = scaler;  // validates the scaler state without changing ours
+  check.restore(state.scaler);
+}
 
-  // Buffers: a group's device master and state are reused when it has them now and needs them
-  // after (active or keep_device either side), its gradients when it stays active; anything
-  // else is allocated here, into locals, so that a failure changes nothing.
-  struct Plan {
-    Buffer grad, master, state;  // new device buffers (invalid: reuse or not needed)
-    Buffer host_master, host_state;
-    bool reuse_grad = false, reuse_device_state = false;
-    std::vector<const Buffer*> freed;  // buffers given back at commit
-  };
-  std::vector<Plan> plans(groups.size());
-  std::unique_ptr<MemorySpace> new_host;
-  MemorySpace* host = impl_->host.get();
+// Buffers: a group's device master and state are reused when it has them now and needs them
+// after (active or keep_device either side), its gradients when it stays active; anything
+// else is allocated here, into the plan, so that a failure changes nothing.
+Engine::Impl::RestorePlan Engine::Impl::plan_restore(const TrainingState& state) {
+  const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
+  const auto gsize = dtype_size(config.grad_type());
+  RestorePlan plan;
+  plan.groups.resize(groups.size());
+  MemorySpace* keep_host = host.get();
   for (std::size_t i = 0; i < groups.size(); ++i) {
     const auto& s = state.groups[i];
     Group& g = groups[i];
-    Plan& p = plans[i];
+    GroupRestore& p = plan.groups[i];
     const auto shard = static_cast<std::size_t>(g.shard.numel());
     const bool has_device = g.active || (g.kept && g.kept->policy == DeactivatePolicy::keep_device);
     const bool wants_device = s.active || s.kept == DeactivatePolicy::keep_device;
     p.reuse_grad = g.active && s.active;
     p.reuse_device_state = has_device && wants_device;
     if (s.active && !p.reuse_grad)
-      p.grad = impl_->take(static_cast<std::size_t>(impl_->reducer->grad_numel(g)) * gsize,
-                           Tag::grad, impl_->reducer->grad_label(g));
+      p.grad = take(static_cast<std::size_t>(reducer->grad_numel(g)) * gsize, Tag::grad,
+                    reducer->grad_label(g));
     if (wants_device && !p.reuse_device_state) {
-      p.master = impl_->take(shard * 4, Tag::master32, impl_->master_label(g));
-      p.state = impl_->take(slots * shard * 4, Tag::optim_state, impl_->state_label(g));
+      p.master = take(shard * 4, Tag::master32, master_label(g));
+      p.state = take(slots * shard * 4, Tag::optim_state, state_label(g));
     }
     if (s.kept == DeactivatePolicy::keep_host) {
-      if (host == nullptr) {
-        new_host = std::make_unique<MemorySpace>(impl_->comm.rank(), impl_->space.host_staging_allocator());
-        host = new_host.get();
+      if (keep_host == nullptr) {
+        plan.new_host = std::make_unique<MemorySpace>(comm.rank(), space.host_staging_allocator());
+        keep_host = plan.new_host.get();
       }
-      KeptState k = impl_->kept_on_host(*host, g, s.step);
+      KeptState k = kept_on_host(*keep_host, g, s.step);
       p.host_master = std::move(k.master);
       p.host_state = std::move(k.state);
     }
@@ -510,19 +501,17 @@ void Engine::restore_training_state(const TrainingState& state) {
       p.freed.push_back(now_state);
     }
   }
-  std::vector<const Buffer*> freed;
-  for (const auto& p : plans) freed.insert(freed.end(), p.freed.begin(), p.freed.end());
-  const std::string held = Impl::pins_on(freed);
-  if (!held.empty())
-    throw PinnedMemory(fmt::format("{}: held by Pins: {}; nothing was changed", fn, held));
+  return plan;
+}
 
-  // Commit: copies into buffers that exist, and moves; nothing below meets bad input.
-  if (new_host) impl_->host = std::move(new_host);
+// Commit: copies into buffers that exist, and moves; nothing here meets bad input.
+void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan) {
+  if (plan.new_host) host = std::move(plan.new_host);
   const auto event = std::string("restore_training_state");
   for (std::size_t i = 0; i < groups.size(); ++i) {
     const auto& s = state.groups[i];
     Group& g = groups[i];
-    Plan& p = plans[i];
+    GroupRestore& p = plan.groups[i];
     Buffer master, sstate, grad;
     if (p.reuse_device_state) {
       master = g.active ? std::move(g.master) : std::move(g.kept->master);
@@ -533,17 +522,17 @@ void Engine::restore_training_state(const TrainingState& state) {
     }
     if (p.reuse_grad) grad = std::move(g.grad);
     else grad = std::move(p.grad);
-    if (g.active) impl_->reducer->detach(g);
+    if (g.active) reducer->detach(g);
     // What is left in the group now is given back.
     for (Buffer* b : {&g.grad, &g.master, &g.state})
-      if (b->valid()) impl_->give_up(*b, event, ReleasePolicy::fail_if_pinned);  // checked above
+      if (b->valid()) give_up(*b, event, ReleasePolicy::fail_if_pinned);  // checked above
     g.kept.reset();
     if (s.active || s.kept == DeactivatePolicy::keep_device) {
-      impl_->space.upload(master.data(), s.master.data(), s.master.size() * 4);
-      if (!s.state.empty()) impl_->space.upload(sstate.data(), s.state.data(), s.state.size() * 4);
+      space.upload(master.data(), s.master.data(), s.master.size() * 4);
+      if (!s.state.empty()) space.upload(sstate.data(), s.state.data(), s.state.size() * 4);
     }
     if (s.active) {
-      impl_->ops.fill_zero(grad.data(), grad.bytes());
+      ops.fill_zero(grad.data(), grad.bytes());
       g.grad = std::move(grad);
       g.master = std::move(master);
       g.state = std::move(sstate);
@@ -551,21 +540,35 @@ void Engine::restore_training_state(const TrainingState& state) {
       g.kept = KeptState{DeactivatePolicy::keep_device, std::move(master), std::move(sstate),
                          s.step};
     } else if (s.kept == DeactivatePolicy::keep_host) {
-      impl_->host->upload(p.host_master.data(), s.master.data(), s.master.size() * 4);
+      host->upload(p.host_master.data(), s.master.data(), s.master.size() * 4);
       if (!s.state.empty())
-        impl_->host->upload(p.host_state.data(), s.state.data(), s.state.size() * 4);
+        host->upload(p.host_state.data(), s.state.data(), s.state.size() * 4);
       g.kept = KeptState{DeactivatePolicy::keep_host, std::move(p.host_master),
                          std::move(p.host_state), s.step};
     }
     g.active = s.active;
     g.step = s.step;  // a kept group keeps its count too, as deactivate leaves it
-    if (g.active) impl_->reducer->attach(g, impl_->params);
+    if (g.active) reducer->attach(g, params);
   }
   for (std::size_t i = 0; i < params.size(); ++i)
-    impl_->space.upload(params[i].weight.raw(), state.weights[i].data(), state.weights[i].size());
-  impl_->scaler.restore(state.scaler);
-  impl_->config.optimizer.lr = state.lr;
-  impl_->release_idle_host();
+    space.upload(params[i].weight.raw(), state.weights[i].data(), state.weights[i].size());
+  scaler.restore(state.scaler);
+  config.optimizer.lr = state.lr;
+  release_idle_host();
+}
+
+void Engine::restore_training_state(const TrainingState& state) {
+  impl_->require_built("restore_training_state");
+  const char* const fn = "Engine::restore_training_state";
+  impl_->require_none_pending("Engine::restore_training_state");
+  impl_->check_restorable(state, fn);
+  Impl::RestorePlan plan = impl_->plan_restore(state);
+  std::vector<const Buffer*> freed;
+  for (const auto& p : plan.groups) freed.insert(freed.end(), p.freed.begin(), p.freed.end());
+  const std::string held = Impl::pins_on(freed);
+  if (!held.empty())
+    throw PinnedMemory(fmt::format("{}: held by Pins: {}; nothing was changed", fn, held));
+  impl_->commit_restore(state, plan);
 }
 
 View Engine::master(const std::string& group) const {

@@ -10,7 +10,7 @@
 // - "explicit": schedule, and always_active, united with every entry. `layers` must be empty and
 //   lisa/badam refuse a non-empty `schedule`: a list that would be ignored is a mistake to name.
 #include "shardswap/schedule.h"
-#include "memory/quoted.h"
+#include "support/quoted.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

@@ -1,7 +1,7 @@
 // The schedules' formulas, written from DeepSpeed's documented definitions (deepspeed.runtime.
 // lr_schedules): `iteration` below is DeepSpeed's last_batch_iteration.
 #include "shardswap/lr_schedule.h"
-#include "memory/quoted.h"
+#include "support/quoted.h"
 
 #include <fmt/format.h>
 

@@ -1,9 +1,9 @@
 // Optimizer names, config validation and the backend-independent scalars (state slots, clipping,
 // the per-call scalars of the fused update).
 #include "optimizer/optimizer.h"
-#include "memory/quoted.h"
 #include "optimizer/config_names.h"
 #include "optimizer/kernel_checks.h"
+#include "support/quoted.h"
 
 #include <fmt/format.h>
 

@@ -9,8 +9,8 @@
 
 #include "engine/comm/collective_ops.h"
 #include "engine/comm/cuda_scale.h"
-#include "memory/cuda/cuda_check.h"
 #include "shardswap/error.h"
+#include "support/cuda_check.h"
 
 namespace shardswap {
 namespace {

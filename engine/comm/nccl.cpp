@@ -52,8 +52,8 @@
 
 #include "engine/comm/nccl_adopt.h"
 #include "engine/comm/nccl_check.h"
-#include "memory/cuda/cuda_check.h"
 #include "shardswap/error.h"
+#include "support/cuda_check.h"
 
 namespace shardswap {
 namespace {

@@ -1,4 +1,4 @@
-// Checks NCCL results like memory/cuda/cuda_check.h checks CUDA's: a failure becomes a DeviceError
+// Checks NCCL results like support/cuda_check.h checks CUDA's: a failure becomes a DeviceError
 // naming the statement, file, line and device, with NCCL's explanation. The _WARN form only logs,
 // for cleanup paths (destructors) that must not throw.
 #pragma once

@@ -13,8 +13,8 @@
 #include <mutex>
 
 #include "shardswap/allocator.h"
-#include "memory/cuda/cuda_check.h"
 #include "shardswap/error.h"
+#include "support/cuda_check.h"
 
 namespace shardswap {
 namespace {

@@ -5,12 +5,12 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
-#include "memory/cuda/cuda_check.h"
 #include "shardswap/error.h"
 #include "optimizer/cuda/kernels.h"
 #include "optimizer/kernel_checks.h"
 #include "optimizer/optimizer.h"
 #include "optimizer/update_scalars.h"
+#include "support/cuda_check.h"
 
 namespace shardswap {
 

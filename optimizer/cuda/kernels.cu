@@ -12,8 +12,8 @@
 #include <limits>
 #include <initializer_list>
 
-#include "memory/cuda/cuda_check.h"
 #include "optimizer/cuda/kernels.h"
+#include "support/cuda_check.h"
 
 namespace shardswap::detail {
 

@@ -12,8 +12,8 @@
 #include <limits>
 #include <string_view>
 
-#include "memory/quoted.h"
 #include "shardswap/error.h"
+#include "support/quoted.h"
 #include "files/output_file.h"
 
 namespace shardswap {

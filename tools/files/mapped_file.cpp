@@ -9,8 +9,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include "memory/file_kind.h"
 #include "shardswap/error.h"
+#include "support/file_kind.h"
 
 namespace shardswap {
 

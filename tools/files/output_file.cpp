@@ -1,5 +1,6 @@
 #include "files/output_file.h"
-#include "memory/file_kind.h"
+#include "support/durable_file.h"
+#include "support/file_kind.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -132,19 +133,11 @@ const fs::path& OutputFile::temporary() {
 
 void OutputFile::write(const void* data, std::size_t bytes) {
   temporary();
-  const auto* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::write(fd_, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = n < 0 ? errno : EIO;
-      const auto message = fmt::format("{} '{}': cannot write the temporary '{}': {}", flag_,
-                                       target_.string(), temporary_.string(), std::strerror(err));
-      remove_temporary();
-      throw Error(message);
-    }
-    p += n;
-    bytes -= static_cast<std::size_t>(n);
+  if (const IoStatus status = write_all(fd_, data, bytes)) {
+    const auto message = fmt::format("{} '{}': cannot write the temporary '{}': {}", flag_,
+                                     target_.string(), temporary_.string(), status.why());
+    remove_temporary();
+    throw Error(message);
   }
 }
 
@@ -158,28 +151,21 @@ void OutputFile::commit() {
   };
   // Through a new descriptor: a program given temporary() may have written it on its own.
   ::close(fd_);
-  fd_ = ::open(temporary_.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd_ < 0) fail("open", errno);
-  if (::fsync(fd_) != 0) fail("fsync", errno);
-  ::close(fd_);
   fd_ = -1;
+  if (const IoStatus status = fsync_path(temporary_, O_RDONLY | O_NOFOLLOW))
+    fail(status.call, status.error);
   try {
     check_output_path(flag_, target_, inputs_);
   } catch (...) {
     remove_temporary();
     throw;
   }
-  if (::rename(temporary_.c_str(), target_.c_str()) != 0) fail("rename", errno);
+  const IoStatus status = rename_durably(temporary_, target_);
+  if (status && std::string_view(status.call) == "rename") fail("rename", status.error);
   committed_ = true;
-  // The rename is durable once the folder is.
-  const fs::path folder = target_.has_parent_path() ? target_.parent_path() : fs::path(".");
-  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  const bool synced = dir >= 0 && ::fsync(dir) == 0;
-  const int err = errno;
-  if (dir >= 0) ::close(dir);
-  if (!synced)
+  if (status)
     throw Error(fmt::format("{} '{}': fsync of the folder '{}': {}", flag_, target_.string(),
-                            folder.string(), std::strerror(err)));
+                            parent_directory(target_).string(), status.why()));
 }
 
 DescriptorOutput::DescriptorOutput(int fd) : fd_(fd) {

@@ -8,8 +8,8 @@
 #include <cstdio>
 #include <string>
 
-#include "memory/cuda/cuda_check.h"
 #include "shardswap/error.h"
+#include "support/cuda_check.h"
 #include "model/cublas_check.cuh"
 #include "model/cublas_rate.h"
 

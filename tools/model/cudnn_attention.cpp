@@ -23,8 +23,8 @@
 #include <utility>
 #include <vector>
 
-#include "memory/cuda/cuda_check.h"
 #include "shardswap/error.h"
+#include "support/cuda_check.h"
 
 namespace shardswap::lm::dec {
 namespace {

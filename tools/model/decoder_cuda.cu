@@ -44,7 +44,7 @@
 #include <utility>
 #include <vector>
 
-#include "memory/cuda/cuda_check.h"
+#include "support/cuda_check.h"
 #include "shardswap/error.h"
 #include "model/cublas_check.cuh"
 #include "model/decoder_cuda.h"

@@ -1,6 +1,5 @@
 #include "model/hf_checkpoint.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <sys/stat.h>
@@ -18,11 +17,12 @@
 #include <set>
 #include <string_view>
 
-#include "memory/file_kind.h"
-#include "memory/quoted.h"
 #include "shardswap/elements.h"
 #include "shardswap/error.h"
 #include "shardswap/json_reader.h"
+#include "support/durable_file.h"
+#include "support/file_kind.h"
+#include "support/quoted.h"
 
 namespace shardswap {
 
@@ -56,17 +56,10 @@ bool exists_entry(const fs::path& path) {
   return ::lstat(path.c_str(), &st) == 0;
 }
 
-void fsync_path(const fs::path& path, int flags) {
-  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
-  if (fd < 0)
-    throw Error(
-        fmt::format("write_hf_folder: cannot open '{}': {}", path.string(), std::strerror(errno)));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0)
-    throw Error(
-        fmt::format("write_hf_folder: cannot fsync '{}': {}", path.string(), std::strerror(err)));
+// A failed fsync of a directory (support/durable_file.h), as write_hf_folder says it.
+Error fsync_failure(const fs::path& dir, const IoStatus& status) {
+  return Error(fmt::format("write_hf_folder: cannot {} '{}': {}", status.call, dir.string(),
+                           status.why()));
 }
 
 }  // namespace
@@ -401,6 +394,7 @@ void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DTyp
 
   remove_dead_exports(parent, folder);
   const fs::path tmp = make_export_temporary(parent, folder);
+  IoStatus renamed;  // the rename into place, then the fsync of `parent`
   try {
     const auto write_json = [&](const std::string& name, const json& j) {
       OutputFile out("write_hf_folder", tmp / name);
@@ -429,18 +423,19 @@ void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DTyp
     }
     if (count > 1)
       write_json(kIndexFile, {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
-    fsync_path(tmp, O_RDONLY | O_DIRECTORY);
+    if (const IoStatus status = fsync_directory_status(tmp)) throw fsync_failure(tmp, status);
     // rename(2) replaces an empty directory and fails on one that is not empty: a folder filled
     // meanwhile is never overwritten.
-    if (::rename(tmp.c_str(), folder.c_str()) != 0)
+    renamed = rename_durably(tmp, folder);
+    if (renamed && std::string_view(renamed.call) == "rename")
       throw Error(fmt::format("write_hf_folder '{}': cannot rename '{}' to it: {}", folder.string(),
-                              tmp.string(), std::strerror(errno)));
+                              tmp.string(), renamed.why()));
   } catch (...) {
     std::error_code ec;
     fs::remove_all(tmp, ec);
     throw;
   }
-  fsync_path(parent, O_RDONLY | O_DIRECTORY);
+  if (renamed) throw fsync_failure(parent, renamed);
 }
 
 }  // namespace shardswap

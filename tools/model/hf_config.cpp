@@ -10,8 +10,8 @@
 #include <cstring>
 #include <tuple>
 
-#include "memory/file_kind.h"
-#include "memory/quoted.h"
+#include "support/file_kind.h"
+#include "support/quoted.h"
 #include "shardswap/error.h"
 #include "model/decoder.h"
 #include "shardswap/json_reader.h"

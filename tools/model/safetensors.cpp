@@ -7,9 +7,9 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "memory/quoted.h"
 #include "shardswap/error.h"
 #include "shardswap/json_reader.h"
+#include "support/quoted.h"
 
 namespace shardswap {
 

@@ -1,4 +1,5 @@
 #include "trainer/metrics_log.h"
+#include "support/durable_file.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -119,30 +120,21 @@ void RecordAppender::attach(int fd, std::string name, std::uint64_t size) {
 
 bool RecordAppender::append(std::string_view bytes, const std::string& what) {
   std::size_t done = 0;
-  int err = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      err = n < 0 ? errno : EIO;
-      // A short write left part of a record: cut it off (shrinking needs no space), so that a
-      // record written later, once there is room again, starts whole. Best effort: the error
-      // reported is the write's.
-      if (done > 0) {
-        const int ignored = ::ftruncate(fd_, static_cast<off_t>(size_));
-        (void)ignored;
-      }
-      break;
-    }
-    done += static_cast<std::size_t>(n);
+  const IoStatus status = write_all(fd_, bytes.data(), bytes.size(), &done);
+  // A short write left part of a record: cut it off (shrinking needs no space), so that a
+  // record written later, once there is room again, starts whole. Best effort: the error
+  // reported is the write's.
+  if (status && done > 0) {
+    const int ignored = ::ftruncate(fd_, static_cast<off_t>(size_));
+    (void)ignored;
   }
-  if (err == 0) {
+  if (!status) {
     size_ += bytes.size();
     ++written_;
     return true;
   }
   const std::string message =
-      fmt::format("{}: cannot write {}: {}", name_, what, std::strerror(err));
+      fmt::format("{}: cannot write {}: {}", name_, what, status.why());
   if (errors_ == MetricsErrors::fail) throw Error(message);
   if (lost_++ == 0) {
     first_failure_ = message;

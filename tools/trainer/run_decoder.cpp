@@ -10,8 +10,8 @@
 #include <mutex>
 #include <thread>
 
-#include "memory/quoted.h"
 #include "shardswap/error.h"
+#include "support/quoted.h"
 #include "model/decoder.h"
 #include "model/decoder_cuda.h"
 #include "model/hf_checkpoint.h"

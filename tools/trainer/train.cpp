@@ -1,5 +1,5 @@
 #include "trainer/train.h"
-#include "memory/quoted.h"
+#include "support/quoted.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

@@ -1,4 +1,4 @@
-#include "memory/cuda/cuda_check.h"
+#include "support/cuda_check.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>

@@ -1,5 +1,6 @@
 // The one base of every ShardSwap error, and the typed errors shared by all modules.
-// Header-only so that partition/ (pure arithmetic) can throw them without linking memory/.
+// Header-only so that every module, partition/ (pure arithmetic) among them, can throw them
+// without linking anything.
 #pragma once
 
 #include <exception>
