@@ -86,7 +86,8 @@ inline std::size_t cuda_lse_stride(std::size_t n, int heads) {
   return (n * static_cast<std::size_t>(heads) + 3) / 4 * 4;
 }
 
-/// Throws ConfigError naming the field or argument the CUDA backend cannot run.
+/// Throws ConfigError naming the field or argument the CUDA backend cannot run: the decoder's
+/// shape rules (validate_decoder_shape), then the backend's own limits.
 inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_len) {
   const auto fail = [](const std::string& what) {
     throw ConfigError("decoder (cuda): " + what);
@@ -95,16 +96,11 @@ inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_l
   if (max_sequences > 65535)  // a grid dimension of the attention kernels
     fail("max_sequences = " + std::to_string(max_sequences) + ": above 65535");
   if (seq_len < 1) fail("seq_len = " + std::to_string(seq_len) + ": not >= 1");
-  if (s.vocab < 1 || s.hidden < 1 || s.intermediate < 1 || s.layers < 0 || s.heads < 1 ||
-      s.kv_heads < 1)
-    fail("vocab, hidden, intermediate, heads and kv_heads must be >= 1, layers >= 0");
+  validate_decoder_shape(s, "decoder (cuda)");
   if (s.heads > 65535) fail("heads = " + std::to_string(s.heads) + ": above 65535");
-  if (s.heads % s.kv_heads != 0)
-    fail("kv_heads = " + std::to_string(s.kv_heads) + " does not divide heads = " +
-         std::to_string(s.heads));
-  if (s.head_dim < 2 || s.head_dim % 2 != 0 || s.head_dim > kCudaMaxHeadDim)
-    fail("head_dim = " + std::to_string(s.head_dim) + ": not even and in [2, " +
-         std::to_string(kCudaMaxHeadDim) + "]");
+  if (s.head_dim > kCudaMaxHeadDim)
+    fail("head_dim = " + std::to_string(s.head_dim) + ": above " +
+         std::to_string(kCudaMaxHeadDim) + ", the most the attention kernels hold");
   if (seq_len > s.max_positions)
     fail("seq_len = " + std::to_string(seq_len) + " is above max_position_embeddings = " +
          std::to_string(s.max_positions));
