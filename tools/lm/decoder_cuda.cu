@@ -972,7 +972,6 @@ class CudaCompute final : public Compute {
         cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
         inv_freq_(rope_inv_freq(s)) {
     if (attention != CudaAttention::own) {
-#ifdef SHARDSWAP_WITH_CUDNN
       std::byte* scratch = memory + l_.attn_scratch;
       std::size_t bytes = cuda_cudnn_scratch_bytes(s, max_sequences, seq_len);
       deterministic_ = attention == CudaAttention::cudnn;
@@ -985,7 +984,6 @@ class CudaCompute final : public Compute {
       cudnn_ = std::make_unique<CudnnAttention>(scratch, bytes);
       // The largest batch's plans now, so that a shape cuDNN refuses fails here.
       cudnn_->prepare(attention_shape(max_sequences, seq_len));
-#endif
     }
     SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at(l_.inv_freq), inv_freq_.data(),
                                          inv_freq_.size() * sizeof(float), cudaMemcpyHostToDevice,
@@ -1263,27 +1261,19 @@ class CudaCompute final : public Compute {
     linear(n, d, in, at<T>(l_.act), in, lw.down, 1.0f, xs(l + 1), CUDA_R_32F, d);
   }
 
-#ifdef SHARDSWAP_WITH_CUDNN
   AttentionShape attention_shape(int sequences, int seq_len) const {
     return cuda_attention_shape(s_, sequences, seq_len, dtype_of<T>(), deterministic_);
   }
-#endif
   // Plans for the batch's shape before anything is queued (a refusal changes nothing).
   void prepare_attention(const Batch& b) {
-#ifdef SHARDSWAP_WITH_CUDNN
     if (cudnn_) cudnn_->prepare(attention_shape(b.sequences, b.seq_len));
-#else
-    (void)b;
-#endif
   }
 
   void attention(const Batch& b, const T* q, const T* k, const T* v, T* o, float* lse) {
-#ifdef SHARDSWAP_WITH_CUDNN
     if (cudnn_) {
       cudnn_->forward(attention_shape(b.sequences, b.seq_len), {q, k, v, o, lse});
       return;
     }
-#endif
     const dim3 grid((b.seq_len + kAttnTile - 1) / kAttnTile, s_.heads, b.sequences);
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s_.head_dim)));
     with_lanes(s_.head_dim, [&](auto lanes) {
@@ -1512,7 +1502,6 @@ class CudaCompute final : public Compute {
   bool attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* o,
                           const T* dout, const float* lse, float* g32, T* g16, long long width) {
     const int n = b.sequences * b.seq_len;
-#ifdef SHARDSWAP_WITH_CUDNN
     if (cudnn_) {
       const long long qw = s_.q_width(), kw = s_.kv_width();
       cudnn_->backward(attention_shape(b.sequences, b.seq_len),
@@ -1520,9 +1509,6 @@ class CudaCompute final : public Compute {
                         at(l_.delta)});
       return true;
     }
-#else
-    (void)g16;
-#endif
     attention_delta<T><<<warp_blocks(static_cast<long long>(n) * s_.heads), 32 * kWarpsPerBlock,
                          0, cudaStreamPerThread>>>(dout, o, n * s_.heads, s_.head_dim,
                                                    at(l_.delta));
@@ -1558,11 +1544,9 @@ class CudaCompute final : public Compute {
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
   ProfileWindow profile_;                  // SHARDSWAP_CUDA_PROFILE_STEPS
   PhaseClock clock_;                       // train_step's phases (time_phases)
-#ifdef SHARDSWAP_WITH_CUDNN
   std::unique_ptr<CudnnAttention> cudnn_;  // null: the own kernels
   bool deterministic_ = false;             // cuDNN's deterministic backward
   float* dq32_ = nullptr;                  // its atomic backward's fp32 dQ (in the scratch)
-#endif
 };
 
 }  // namespace
@@ -1572,10 +1556,11 @@ CudaAttention cuda_attention(const DecoderShape& s) {
   const std::string value = v == nullptr ? "" : v;
   // cuDNN's fused attention wants 16-byte head vectors.
   const bool fits = s.head_dim % 8 == 0 && s.head_dim <= kCudaMaxHeadDim;
-  if (value.empty()) return kCudaHasCudnn && fits ? CudaAttention::cudnn : CudaAttention::own;
+  if (value.empty())
+    return cudnn_attention_available() && fits ? CudaAttention::cudnn : CudaAttention::own;
   if (value == "own") return CudaAttention::own;
   if (value == "cudnn" || value == "cudnn-atomic") {
-    if (!kCudaHasCudnn)
+    if (!cudnn_attention_available())
       throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value +
                         ": this build has no cuDNN (SHARDSWAP_CUDNN)");
     if (!fits)
@@ -1594,11 +1579,10 @@ std::string cuda_attention_name(const DecoderShape& s) {
     const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
     return std::string("own kernels (") +
            (v != nullptr && std::string(v) == "own" ? "SHARDSWAP_DECODER_ATTENTION=own"
-            : !kCudaHasCudnn                          ? "this build has no cuDNN"
-                                                      : "head_dim is not a multiple of 8") +
+            : !cudnn_attention_available()             ? "this build has no cuDNN"
+                                                       : "head_dim is not a multiple of 8") +
            ")";
   }
-#ifdef SHARDSWAP_WITH_CUDNN
   const long v = CudnnAttention::version();  // major * 10000 + minor * 100 + patch (cuDNN 9)
   return "cuDNN " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
          std::to_string(v % 100) + " fused flash attention" +
@@ -1606,9 +1590,6 @@ std::string cuda_attention_name(const DecoderShape& s) {
               ? ", deterministic backward"
               : " (SHARDSWAP_DECODER_ATTENTION=cudnn-atomic: its backward sums dQ with atomics, "
                 "two runs may differ in the last bits)");
-#else
-  return "own kernels";  // not reached: without cuDNN the branch above returned
-#endif
 }
 
 namespace {

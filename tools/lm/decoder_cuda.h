@@ -73,14 +73,6 @@ struct CudaLayout {
   std::size_t bytes;      // total
 };
 
-/// Whether this build has attention through cuDNN (tools/lm/cudnn_attention.h).
-#ifdef SHARDSWAP_WITH_CUDNN
-inline constexpr bool kCudaHasCudnn = true;
-#else
-inline constexpr bool kCudaHasCudnn = false;
-#endif
-
-
 /// Floats between layers' lse rows: n H rounded up to 16 bytes, as cuDNN wants its tensors.
 inline std::size_t cuda_lse_stride(std::size_t n, int heads) {
   return (n * static_cast<std::size_t>(heads) + 3) / 4 * 4;
@@ -232,8 +224,10 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.partials = a.take(partials * std::max(d, qw), f32);
   l.workspace = a.take(kCudaCublasWorkspaceBytes, 1);
   // Kept whichever attention a run picks (SHARDSWAP_DECODER_ATTENTION): the plan of a build
-  // does not depend on the environment.
-  l.attn_scratch = a.take(kCudaHasCudnn ? cuda_cudnn_scratch_bytes(s, max_sequences, seq_len) : 0, 1);
+  // does not depend on the environment. Whether the build has cuDNN is a link-time choice
+  // (cudnn_attention.cpp or its stub), the same for every target of one build.
+  l.attn_scratch = a.take(
+      cudnn_attention_available() ? cuda_cudnn_scratch_bytes(s, max_sequences, seq_len) : 0, 1);
   l.bytes = a.bytes;
   return l;
 }
