@@ -1,5 +1,5 @@
-// The decoder's CUDA backend (tools/lm/decoder_cuda.cu; a stub throwing BackendUnavailable in a
-// build without CUDA): its memory layout, whose byte count the plan uses, and its factory.
+// The decoder's CUDA backend (tools/lm/cuda/; a stub throwing BackendUnavailable in a build
+// without CUDA): its memory layout, whose byte count the plan uses, and its factory.
 // C++17 and free of the engine so that nvcc compiles it.
 #pragma once
 
@@ -276,7 +276,7 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
 /// cuda_bytes(..., recompute); the block must outlive the backend). dtype is the weights' type, bf16 or
 /// fp16. Batches may have fewer sequences and a shorter seq_len than configured. Everything is
 /// queued on cudaStreamPerThread; the host waits only to read the loss (or logits) back.
-/// Defined in decoder_cuda.cu, or in the stub of a build without CUDA (BackendUnavailable).
+/// Defined in cuda/cuda_compute.cu, or in the stub of a build without CUDA (BackendUnavailable).
 /// The lowest `recompute` layers keep only their input and run their forward again at the start
 /// of their backward (model.recompute_layers): the same bits in cuda_bytes(..., recompute).
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
