@@ -1,10 +1,16 @@
-// The decoder's shape limits (DecoderShapeLimits) and its param count without the param list.
+// The decoder's shape limits (DecoderShapeLimits) and rules (validate_decoder_shape), the same
+// for every reader and backend, and its param count without the param list.
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "model/decoder.h"
+#include "model/decoder_cpu.h"
+#include "model/decoder_cuda.h"
+#include "model/hf_config.h"
 
 using namespace shardswap;
 
@@ -70,4 +76,57 @@ TEST_CASE("validate_decoder_shape refuses a size above DecoderShapeLimits naming
   s.layers = DecoderShapeLimits::layers;
   CHECK_NOTHROW(validate_decoder_shape(s));
   CHECK(decoder_param_count(s) > 0);
+}
+
+// One list of shape rules (validate_decoder_shape) for the readers and both backends: they used
+// to disagree (rope_theta above 1 in one, above 0 in another; the CUDA layout took 0 layers and
+// any rms_eps; kv_heads named in some messages, heads in others).
+TEST_CASE("every reader and backend applies the same shape rules, naming the field") {
+  const auto refusals = [](const DecoderShape& s) {
+    return std::vector<std::string>{
+        test::message_of<ConfigError>([&] { validate_decoder_shape(s); }),
+        test::message_of<ConfigError>([&] { lm::dec::cpu_bytes(s, 2, 8); }),
+        test::message_of<ConfigError>([&] { lm::dec::cuda_bytes(s, 2, 8); }),
+        test::message_of<ConfigError>([&] { hf_config_to_json(s, DType::bf16); })};
+  };
+  const auto check = [&](const DecoderShape& s, const std::string& what) {
+    for (const std::string& m : refusals(s)) {
+      CAPTURE(m);
+      CHECK(test::contains(m, what));
+    }
+  };
+  DecoderShape s;
+  for (const double theta : {0.0, -1.0, std::numeric_limits<double>::infinity()}) {
+    s.rope_theta = theta;
+    check(s, "DecoderShape.rope_theta = ");
+  }
+  // transformers accepts any theta above 0: so do the readers and both backends now.
+  s.rope_theta = 0.5;
+  CHECK_NOTHROW(validate_decoder_shape(s));
+  CHECK_NOTHROW(lm::dec::cpu_bytes(s, 2, 8));
+  CHECK_NOTHROW(lm::dec::cuda_bytes(s, 2, 8));
+  nlohmann::json inline_config = hf_config_to_json(s, DType::bf16);
+  CHECK(hf_config_from_json(inline_config, HfConfigSource{{}, "model."}, {}).shape.rope_theta ==
+        0.5);
+  CHECK(decoder_param_count(s) > 0);
+  s = DecoderShape{};
+  s.kv_heads = 3;
+  check(s, "DecoderShape.kv_heads = 3 must divide heads = 4");
+  s = DecoderShape{};
+  s.layers = 0;
+  check(s, "DecoderShape.layers = 0 must be at least 1");
+  s = DecoderShape{};
+  s.rms_eps = 0.0;
+  check(s, "DecoderShape.rms_eps = 0 must be positive");
+  s = DecoderShape{};
+  s.head_dim = 7;
+  check(s, "DecoderShape.head_dim = 7 must be even");
+  // Each names who refused.
+  s = DecoderShape{};
+  s.vocab = 0;
+  const auto m = refusals(s);
+  CHECK(m[0].rfind("validate_decoder_shape: DecoderShape.vocab = 0", 0) == 0);
+  CHECK(m[1].rfind("cpu_bytes: DecoderShape.vocab = 0", 0) == 0);
+  CHECK(m[2].rfind("decoder (cuda): DecoderShape.vocab = 0", 0) == 0);
+  CHECK(m[3].rfind("hf_config_to_json: DecoderShape.vocab = 0", 0) == 0);
 }

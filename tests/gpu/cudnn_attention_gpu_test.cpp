@@ -28,8 +28,15 @@
 using namespace shardswap;
 using namespace shardswap::lm::dec;
 
-#ifdef SHARDSWAP_WITH_CUDNN
 namespace {
+
+// Whether the build has cuDNN is a link-time choice (cudnn_attention_available): without it the
+// cuDNN checks have nothing to run, and say so.
+bool skipped_without_cudnn() {
+  if (cudnn_attention_available()) return false;
+  WARN("this build has no cuDNN (SHARDSWAP_CUDNN): the cuDNN attention checks did not run");
+  return true;
+}
 
 using Vec = std::vector<double>;
 
@@ -298,6 +305,7 @@ TEST_CASE(
     "cuDNN attention and the own kernels both match the float64 reference, forward and "
     "backward",
     "[cudnn][gpu]") {
+  if (skipped_without_cudnn()) return;
   std::printf("cuDNN %ld: attention, errors normalized by the reference's largest value\n",
               CudnnAttention::version());
   for (const Case& c : kCases) {
@@ -327,6 +335,7 @@ TEST_CASE(
 
 TEST_CASE("cuDNN attention refuses a shape it cannot run, naming it, before queueing anything",
           "[cudnn][gpu]") {
+  if (skipped_without_cudnn()) return;
   DeviceBuffer workspace(1 << 20);
   CudnnAttention attn(workspace.p, 1 << 20);
   AttentionShape s;
@@ -355,6 +364,19 @@ TEST_CASE("SHARDSWAP_DECODER_ATTENTION picks the attention and refuses other val
   s.head_dim = 64;
   DecoderShape odd = s;
   odd.head_dim = 12;
+  if (!cudnn_attention_available()) {  // the own kernels, and a cuDNN value refused
+    ::unsetenv("SHARDSWAP_DECODER_ATTENTION");
+    CHECK(cuda_attention(s) == CudaAttention::own);
+    CHECK(test::contains(cuda_attention_name(s), "this build has no cuDNN"));
+    ::setenv("SHARDSWAP_DECODER_ATTENTION", "cudnn", 1);
+    CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention(s); }),
+                         "SHARDSWAP_DECODER_ATTENTION=cudnn: this build has no cuDNN"));
+    if (before)
+      ::setenv("SHARDSWAP_DECODER_ATTENTION", saved.c_str(), 1);
+    else
+      ::unsetenv("SHARDSWAP_DECODER_ATTENTION");
+    return;
+  }
   ::setenv("SHARDSWAP_DECODER_ATTENTION", "own", 1);
   CHECK(cuda_attention(s) == CudaAttention::own);
   ::setenv("SHARDSWAP_DECODER_ATTENTION", "cudnn", 1);
@@ -454,6 +476,7 @@ float time_ms(Step&& step) {
 // after checks that they agree. Hidden: run it by its tag.
 TEST_CASE("cuDNN attention, atomic and deterministic backward and the own kernels: time",
           "[.][cudnn-bench]") {
+  if (skipped_without_cudnn()) return;
   struct Case {
     const char* name;
     int B, H, K, d;
@@ -534,6 +557,7 @@ TEST_CASE("cuDNN attention, atomic and deterministic backward and the own kernel
 // the second round must give the same bits and leave no device memory behind (the first may
 // leave what cuDNN keeps for the process, the kernels it loaded).
 TEST_CASE("cuDNN's deterministic backward gives identical bits run to run", "[cudnn]") {
+  if (skipped_without_cudnn()) return;
   const int B = 2, T = 1024, H = 14, K = 2, d = 64;
   AttentionOperands x(B, T, H, K, d, 11);
   AttentionShape det = x.s;
@@ -598,4 +622,3 @@ TEST_CASE("cuDNN's deterministic backward gives identical bits run to run", "[cu
   CHECK(vs_atomic < 1e-2);
   CHECK(normalized_error(as_values(first.whole), as_values(first.one)) < 1e-2);
 }
-#endif  // SHARDSWAP_WITH_CUDNN

@@ -457,6 +457,10 @@ Plan build_plan(cudnnHandle_t handle, const Desc& graph, const std::string& what
 
 }  // namespace
 
+bool cudnn_attention_available() {
+  return true;
+}
+
 struct CudnnAttention::Impl {
   cudnnHandle_t handle = nullptr;
   void* workspace = nullptr;

@@ -1,7 +1,8 @@
 // The decoder's causal GQA attention through cuDNN's fused flash attention (cuDNN 9's C graph
-// API, tools/model/cudnn_attention.cpp), forward with the row log-sum-exp and backward. Only in a
-// build with cuDNN (SHARDSWAP_WITH_CUDNN); C++17 and free of cuDNN's headers so that nvcc
-// compiles the decoder that includes it.
+// API, tools/model/cudnn_attention.cpp), forward with the row log-sum-exp and backward. A build
+// without cuDNN links tools/model/cudnn_attention_stub.cpp instead (SHARDSWAP_CUDNN,
+// tools/model/CMakeLists.txt): cudnn_attention_available() says which. C++17 and free of cuDNN's
+// headers so that nvcc compiles the decoder that includes it.
 #pragma once
 
 #include <cstddef>
@@ -10,6 +11,11 @@
 #include "model/decoder_compute.h"
 
 namespace shardswap::lm::dec {
+
+/// Whether this build has attention through cuDNN: true in cudnn_attention.cpp, false in its
+/// stub, whose CudnnAttention throws BackendUnavailable. A link-time choice, so every target of
+/// one build plans the decoder's memory (cuda_layout) the same.
+bool cudnn_attention_available();
 
 /// The workspace handed to cuDNN for `tokens` tokens of `heads` query heads: a plan that asks
 /// for more is refused (ConfigError) rather than given memory from outside. cuDNN 9.14 on an

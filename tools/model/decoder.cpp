@@ -235,10 +235,9 @@ std::int64_t count_params(const DecoderShape& s) {
 
 }  // namespace
 
-void validate_decoder_shape(const DecoderShape& s) {
-  const auto fail = [](const char* field, const std::string& value, const std::string& why) {
-    throw ConfigError(
-        fmt::format("validate_decoder_shape: DecoderShape.{} = {} {}", field, value, why));
+void validate_decoder_shape(const DecoderShape& s, std::string_view where) {
+  const auto fail = [where](const char* field, const std::string& value, const std::string& why) {
+    throw ConfigError(fmt::format("{}: DecoderShape.{} = {} {}", where, field, value, why));
   };
   using Limits = DecoderShapeLimits;
   const std::tuple<const char*, int, int> sizes[] = {
@@ -266,13 +265,12 @@ void validate_decoder_shape(const DecoderShape& s) {
                      "DecoderShapeLimits allows",
                      params, s.hidden, s.intermediate, s.vocab, Limits::params));
   if (s.heads % s.kv_heads != 0)
-    fail("heads", fmt::format("{}", s.heads),
-         fmt::format("must be a multiple of kv_heads = {}", s.kv_heads).c_str());
+    fail("kv_heads", fmt::format("{}", s.kv_heads), fmt::format("must divide heads = {}", s.heads));
   if (s.head_dim % 2 != 0) fail("head_dim", fmt::format("{}", s.head_dim), "must be even (RoPE)");
   if (!(s.rms_eps > 0.0) || !std::isfinite(s.rms_eps))
     fail("rms_eps", fmt::format("{}", s.rms_eps), "must be positive");
-  if (!(s.rope_theta > 1.0) || !std::isfinite(s.rope_theta))
-    fail("rope_theta", fmt::format("{}", s.rope_theta), "must be above 1");
+  if (!(s.rope_theta > 0.0) || !std::isfinite(s.rope_theta))
+    fail("rope_theta", fmt::format("{}", s.rope_theta), "must be positive");
   if (s.rope_scaling != RopeScaling::none && (!(s.rope_factor > 0.0) || !std::isfinite(s.rope_factor)))
     fail("rope_factor", fmt::format("{}", s.rope_factor), "must be positive");
   if (s.rope_scaling == RopeScaling::llama3) {

@@ -36,11 +36,8 @@ struct DecoderShapeLimits {
   static constexpr std::int64_t params = std::int64_t{1} << 48;
 };
 
-/// Throws ConfigError naming the first DecoderShape field that is out of range (a size not
-/// positive or above DecoderShapeLimits, heads not a multiple of kv_heads, an odd head_dim, a
-/// RoPE factor not positive...) or, for a shape whose fields are each in range, the param count
-/// above DecoderShapeLimits::params.
-void validate_decoder_shape(const DecoderShape& shape);
+// validate_decoder_shape(shape, where), the decoder's shape rules: in decoder_compute.h, beside
+// DecoderShape, so that the CUDA backend's layout (decoder_cuda.h, compiled by nvcc) uses it too.
 
 /// One param: its Hugging Face name, shape [out, in] and group.
 struct DecoderParam {

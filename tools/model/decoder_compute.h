@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shardswap/dtype.h"
@@ -59,6 +60,16 @@ struct DecoderShape {
   std::int64_t q_width() const { return std::int64_t{heads} * head_dim; }
   std::int64_t kv_width() const { return std::int64_t{kv_heads} * head_dim; }
 };
+
+/// The decoder's shape rules, one list for every reader and backend (defined in
+/// tools/model/decoder.cpp): throws ConfigError "WHERE: DecoderShape.FIELD = VALUE why" naming the
+/// first field out of range: a size not positive or above DecoderShapeLimits (decoder.h), kv_heads
+/// not dividing heads, an odd head_dim, rms_eps or rope_theta not positive and finite (as
+/// transformers accepts any theta above 0), a RoPE factor not positive...; or, for a shape whose
+/// fields are each in range, the param count above DecoderShapeLimits::params. The backends add
+/// only their own limits (the CUDA kernels' head_dim, a grid's dimensions).
+void validate_decoder_shape(const DecoderShape& shape,
+                            std::string_view where = "validate_decoder_shape");
 
 /// RoPE's inverse frequencies inv_freq[i], i < head_dim / 2, as transformers computes them
 /// (float32: 1 / theta^(2i / hd), then the scaling of its rope_type); the angle of position p

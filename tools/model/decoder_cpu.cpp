@@ -163,29 +163,7 @@ void validate(const DecoderShape& s, int max_sequences, int seq_len, int recompu
   if (recompute < 0 || recompute > s.layers)
     throw ConfigError(fmt::format("{}: recompute_layers = {} is outside [0, layers = {}]", fn,
                                   recompute, s.layers));
-  const std::pair<const char*, int> positive[] = {{"vocab", s.vocab},
-                                                  {"hidden", s.hidden},
-                                                  {"intermediate", s.intermediate},
-                                                  {"layers", s.layers},
-                                                  {"heads", s.heads},
-                                                  {"kv_heads", s.kv_heads},
-                                                  {"head_dim", s.head_dim},
-                                                  {"max_positions", s.max_positions}};
-  for (const auto& [name, value] : positive)
-    if (value < 1)
-      throw ConfigError(
-          fmt::format("{}: DecoderShape.{} = {} must be at least 1", fn, name, value));
-  if (s.heads % s.kv_heads != 0)
-    throw ConfigError(fmt::format("{}: DecoderShape.kv_heads = {} must divide heads = {}", fn,
-                                  s.kv_heads, s.heads));
-  if (s.head_dim % 2 != 0)
-    throw ConfigError(
-        fmt::format("{}: DecoderShape.head_dim = {} must be even (RoPE)", fn, s.head_dim));
-  if (!(s.rms_eps > 0.0) || !std::isfinite(s.rms_eps))
-    throw ConfigError(fmt::format("{}: DecoderShape.rms_eps = {} must be positive", fn, s.rms_eps));
-  if (!(s.rope_theta > 0.0) || !std::isfinite(s.rope_theta))
-    throw ConfigError(
-        fmt::format("{}: DecoderShape.rope_theta = {} must be positive", fn, s.rope_theta));
+  validate_decoder_shape(s, fn);
   if (max_sequences < 1)
     throw ConfigError(fmt::format("{}: max_sequences = {} must be at least 1", fn, max_sequences));
   if (seq_len < 1 || seq_len > s.max_positions)

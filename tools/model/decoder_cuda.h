@@ -1,5 +1,5 @@
-// The decoder's CUDA backend (tools/model/decoder_cuda.cu; a stub throwing BackendUnavailable in a
-// build without CUDA): its memory layout, whose byte count the plan uses, and its factory.
+// The decoder's CUDA backend (tools/model/cuda/; a stub throwing BackendUnavailable in a build
+// without CUDA): its memory layout, whose byte count the plan uses, and its factory.
 // C++17 and free of the engine so that nvcc compiles it.
 #pragma once
 
@@ -73,20 +73,13 @@ struct CudaLayout {
   std::size_t bytes;      // total
 };
 
-/// Whether this build has attention through cuDNN (tools/model/cudnn_attention.h).
-#ifdef SHARDSWAP_WITH_CUDNN
-inline constexpr bool kCudaHasCudnn = true;
-#else
-inline constexpr bool kCudaHasCudnn = false;
-#endif
-
-
 /// Floats between layers' lse rows: n H rounded up to 16 bytes, as cuDNN wants its tensors.
 inline std::size_t cuda_lse_stride(std::size_t n, int heads) {
   return (n * static_cast<std::size_t>(heads) + 3) / 4 * 4;
 }
 
-/// Throws ConfigError naming the field or argument the CUDA backend cannot run.
+/// Throws ConfigError naming the field or argument the CUDA backend cannot run: the decoder's
+/// shape rules (validate_decoder_shape), then the backend's own limits.
 inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_len) {
   const auto fail = [](const std::string& what) {
     throw ConfigError("decoder (cuda): " + what);
@@ -95,16 +88,11 @@ inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_l
   if (max_sequences > 65535)  // a grid dimension of the attention kernels
     fail("max_sequences = " + std::to_string(max_sequences) + ": above 65535");
   if (seq_len < 1) fail("seq_len = " + std::to_string(seq_len) + ": not >= 1");
-  if (s.vocab < 1 || s.hidden < 1 || s.intermediate < 1 || s.layers < 0 || s.heads < 1 ||
-      s.kv_heads < 1)
-    fail("vocab, hidden, intermediate, heads and kv_heads must be >= 1, layers >= 0");
+  validate_decoder_shape(s, "decoder (cuda)");
   if (s.heads > 65535) fail("heads = " + std::to_string(s.heads) + ": above 65535");
-  if (s.heads % s.kv_heads != 0)
-    fail("kv_heads = " + std::to_string(s.kv_heads) + " does not divide heads = " +
-         std::to_string(s.heads));
-  if (s.head_dim < 2 || s.head_dim % 2 != 0 || s.head_dim > kCudaMaxHeadDim)
-    fail("head_dim = " + std::to_string(s.head_dim) + ": not even and in [2, " +
-         std::to_string(kCudaMaxHeadDim) + "]");
+  if (s.head_dim > kCudaMaxHeadDim)
+    fail("head_dim = " + std::to_string(s.head_dim) + ": above " +
+         std::to_string(kCudaMaxHeadDim) + ", the most the attention kernels hold");
   if (seq_len > s.max_positions)
     fail("seq_len = " + std::to_string(seq_len) + " is above max_position_embeddings = " +
          std::to_string(s.max_positions));
@@ -236,8 +224,10 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.partials = a.take(partials * std::max(d, qw), f32);
   l.workspace = a.take(kCudaCublasWorkspaceBytes, 1);
   // Kept whichever attention a run picks (SHARDSWAP_DECODER_ATTENTION): the plan of a build
-  // does not depend on the environment.
-  l.attn_scratch = a.take(kCudaHasCudnn ? cuda_cudnn_scratch_bytes(s, max_sequences, seq_len) : 0, 1);
+  // does not depend on the environment. Whether the build has cuDNN is a link-time choice
+  // (cudnn_attention.cpp or its stub), the same for every target of one build.
+  l.attn_scratch = a.take(
+      cudnn_attention_available() ? cuda_cudnn_scratch_bytes(s, max_sequences, seq_len) : 0, 1);
   l.bytes = a.bytes;
   return l;
 }
@@ -286,7 +276,7 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
 /// cuda_bytes(..., recompute); the block must outlive the backend). dtype is the weights' type, bf16 or
 /// fp16. Batches may have fewer sequences and a shorter seq_len than configured. Everything is
 /// queued on cudaStreamPerThread; the host waits only to read the loss (or logits) back.
-/// Defined in decoder_cuda.cu, or in the stub of a build without CUDA (BackendUnavailable).
+/// Defined in cuda/cuda_compute.cu, or in the stub of a build without CUDA (BackendUnavailable).
 /// The lowest `recompute` layers keep only their input and run their forward again at the start
 /// of their backward (model.recompute_layers): the same bits in cuda_bytes(..., recompute).
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,

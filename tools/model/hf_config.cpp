@@ -261,6 +261,13 @@ const char* torch_dtype_name(DType t) {
                   dtype_name(t)));
 }
 
+// What messages about the whole of a config name: the file, or the prefix of the inline keys.
+std::string where(const HfConfigSource& source) {
+  std::string name = source.file.empty() ? source.prefix : source.file.string();
+  if (name.ends_with('.')) name.pop_back();
+  return name;
+}
+
 // The sizes against DecoderShapeLimits, naming the key, before anything is made from them (a
 // param list of num_hidden_layers = 1000000000 would take gigabytes before any other check).
 void check_limits(const Fields& f, const DecoderShape& s) {
@@ -301,11 +308,7 @@ void check_limits(const Fields& f, const DecoderShape& s) {
 
 HfModelConfig hf_config_from_json(const json& config, const HfConfigSource& source,
                                   const HfSeqLen& seq_len) {
-  if (!config.is_object()) {
-    std::string where = source.file.empty() ? source.prefix : source.file.string();
-    if (where.ends_with('.')) where.pop_back();
-    throw ConfigError(fmt::format("{}: not a JSON object", where));
-  }
+  if (!config.is_object()) throw ConfigError(fmt::format("{}: not a JSON object", where(source)));
   const Fields f(config, source);
   const FamilyDefaults& family = family_of(f);
   HfModelConfig out;
@@ -360,6 +363,9 @@ HfModelConfig hf_config_from_json(const json& config, const HfConfigSource& sour
   check_sliding_window(f, s, s.layers, seq_len);
   if (seq_len.value > s.max_positions)
     f.refuse("max_position_embeddings", fmt::format("below {} = {}", seq_len.key, seq_len.value));
+  // The decoder's own rules, which the checks above apply key by key to name the key: whatever
+  // they let through, the decoder would refuse later, so it is refused here, naming the file.
+  validate_decoder_shape(s, where(source));
   out.dtype = dtype_field(f);
   return out;
 }
@@ -387,14 +393,7 @@ json hf_config_to_json(const DecoderShape& s, DType dtype) {
     return ConfigError(fmt::format("hf_config_to_json: {}", why));
   };
   const char* torch_dtype = torch_dtype_name(dtype);
-  for (const int v : {s.vocab, s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.head_dim,
-                      s.max_positions})
-    if (v < 1) throw refuse(fmt::format("a size of {}: every size must be at least 1", v));
-  if (s.heads % s.kv_heads != 0 || s.head_dim % 2 != 0)
-    throw refuse(
-        fmt::format("{} heads, {} kv heads, head_dim {}: the kv heads must divide the "
-                    "heads, head_dim be even",
-                    s.heads, s.kv_heads, s.head_dim));
+  validate_decoder_shape(s, "hf_config_to_json");
   if (s.family == DecoderFamily::llama && s.hidden % s.heads != 0)
     throw refuse(
         fmt::format("a llama of hidden size {} and {} heads: transformers refuses a "

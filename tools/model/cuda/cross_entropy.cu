@@ -1,0 +1,123 @@
+// The cross-entropy of a chunk of logits rows, with the gradient at the logits in place, and the
+// mean of the rows' losses (tools/model/cuda/kernels.h).
+//
+// Precision and reproducibility: logsumexp and softmax in fp32 by fixed trees over the block;
+// the mean in fp64 by a fixed tree. The same bits run to run.
+#include <cstdint>
+
+#include "model/cuda/common.cuh"
+#include "model/cuda/kernels.h"
+
+namespace shardswap::lm::dec {
+namespace {
+
+constexpr int kCeThreads = 256;
+
+// A fixed tree over the block (blockDim.x == kCeThreads); every thread gets the result.
+template <bool kMax>
+__device__ float block_reduce(float v, float* shared) {
+  __syncthreads();  // shared is free (an earlier reduction has been read)
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int stride = kCeThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      const float other = shared[threadIdx.x + stride];
+      shared[threadIdx.x] = kMax ? fmaxf(shared[threadIdx.x], other) : shared[threadIdx.x] + other;
+    }
+    __syncthreads();
+  }
+  return shared[0];
+}
+
+// One block per token row of the chunk: loss = logsumexp(z) - z[target]; with `grad`, the row
+// is replaced in place by dz = softmax(z) - onehot(target) (the gradient of the summed loss) in
+// T, at the row's start (so rows of T are 2 V apart). N columns a thread at a time: 16-byte loads
+// (N = 4) where the launcher finds vocab a multiple of 4, since one 4-byte load a thread keeps
+// too few bytes in flight to reach the memory bandwidth (8.6 ms for the 16 chunks of a 0.5B
+// step on an H200, ~3 TB/s). In place is safe: each round of kCeThreads N columns is read before
+// the barrier and written after it, and writes of round t reach only fp32 columns below
+// kCeThreads N (t + 1) / 2, all read by then.
+template <class T, int N>
+__global__ void __launch_bounds__(kCeThreads)
+    cross_entropy_rows(float* logits, int vocab, const int* __restrict__ targets,
+                       float* __restrict__ row_loss, bool grad) {
+  __shared__ float shared[kCeThreads];
+  float* z = logits + static_cast<long long>(blockIdx.x) * vocab;
+  const FloatPack<N>* zp = reinterpret_cast<const FloatPack<N>*>(z);
+  const int packs = vocab / N;
+  // One pass for the row's max and sum of exp (each thread's running sum rescaled when its
+  // max grows), then the gradient pass: the row is read twice, not three times.
+  float m = -INFINITY, sum = 0.0f;
+#pragma unroll 4
+  for (int p = threadIdx.x; p < packs; p += kCeThreads) {
+    const FloatPack<N> x = zp[p];
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (x.v[e] > m) {
+        sum = sum * expf(m - x.v[e]) + 1.0f;
+        m = x.v[e];
+      } else {
+        sum += expf(x.v[e] - m);
+      }
+    }
+  }
+  const float row_max = block_reduce<true>(m, shared);
+  sum = m == -INFINITY ? 0.0f : sum * expf(m - row_max);
+  const float lse = row_max + logf(block_reduce<false>(sum, shared));
+  const int target = targets[blockIdx.x];
+  if (threadIdx.x == 0) row_loss[blockIdx.x] = lse - z[target];  // before any write below
+  if (!grad) return;
+  Pack<T, N>* dz = reinterpret_cast<Pack<T, N>*>(z);
+  for (int base = 0; base < packs; base += kCeThreads) {
+    const int p = base + threadIdx.x;
+    Pack<T, N> out;
+    if (p < packs) {
+      const FloatPack<N> x = zp[p];
+#pragma unroll
+      for (int e = 0; e < N; ++e)
+        out.v[e] = from_float<T>(expf(x.v[e] - lse) - (p * N + e == target ? 1.0f : 0.0f));
+    }
+    __syncthreads();
+    if (p < packs) dz[p] = out;
+  }
+}
+
+// One block: out = mean of loss[0..n) in double, by a fixed tree.
+__global__ void mean_of(const float* __restrict__ loss, int n, double* __restrict__ out) {
+  __shared__ double partial[256];
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) acc += loss[i];
+  partial[threadIdx.x] = acc;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = partial[0] / n;
+}
+
+}  // namespace
+
+template <class T>
+void launch_cross_entropy_rows(float* logits, int rows, int vocab, const int* targets,
+                               float* row_loss, bool grad) {
+  // Every row starts 16-byte aligned when the chunk does and vocab is a multiple of 4.
+  if (vocab % 4 == 0 && reinterpret_cast<std::uintptr_t>(logits) % 16 == 0)
+    cross_entropy_rows<T, 4><<<rows, kCeThreads, 0, cudaStreamPerThread>>>(logits, vocab, targets,
+                                                                           row_loss, grad);
+  else
+    cross_entropy_rows<T, 1><<<rows, kCeThreads, 0, cudaStreamPerThread>>>(logits, vocab, targets,
+                                                                           row_loss, grad);
+  check_launch();
+}
+
+void launch_mean_of(const float* loss, int n, double* out) {
+  mean_of<<<1, 256, 0, cudaStreamPerThread>>>(loss, n, out);
+  check_launch();
+}
+
+template void launch_cross_entropy_rows<__nv_bfloat16>(float*, int, int, const int*, float*,
+                                                       bool);
+template void launch_cross_entropy_rows<__half>(float*, int, int, const int*, float*, bool);
+
+}  // namespace shardswap::lm::dec

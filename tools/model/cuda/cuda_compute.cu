@@ -1,0 +1,679 @@
+// The decoder's CUDA backend (the math is decoder_compute.h's): CudaCompute, which runs the
+// model on its one device block (the layout of decoder_cuda.h), and the choice of attention.
+// Every projection is a cuBLAS GEMM (cublasGemmEx, bit16 inputs, fp32 accumulation,
+// CUBLAS_COMPUTE_32F); weight gradients are written by the GEMM straight into the engine's grad
+// slot (beta = 1, alpha = grad scale / tokens). Small kernels do the rest, one file per op in
+// tools/model/cuda/ (launched through kernels.h): embedding gather, RMSNorm, bias + RoPE, causal GQA
+// attention (flash style), SwiGLU, the chunked cross-entropy, bias and norm gradients and the
+// embedding gradient.
+//
+// Precision: the residual stream, GEMM outputs that feed a reduction, norm statistics and the
+// softmaxes are fp32; GEMM inputs and attention's operands are rounded to the weights' type, as a
+// bf16 model in transformers rounds them. Activation gradients are those of the summed loss,
+// O(1) per token whatever the batch or the loss scale, so fp16 neither underflows nor overflows
+// there; grad_scale / tokens enters only where a param gradient is written.
+//
+// Reproducibility: no atomics. Sums over tokens (bias and norm gradients) are fixed two-pass
+// trees; attention's dK and dV are summed by the block that owns the key tile, over queries in
+// order; the embedding gradient sums each column of a token over its positions in order;
+// cuBLAS is deterministic for a given handle, stream and workspace. Two runs give the same bits.
+//
+// Ordering: everything is queued on cudaStreamPerThread (the engine's contract); the host waits
+// only to read the loss (or the logits) back.
+//
+// Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
+// head_dim is a multiple of 8, else (or with SHARDSWAP_DECODER_ATTENTION=own) the own kernels
+// (attention_forward.cu, attention_backward.cu). cuDNN keeps lse as [sequence, head, position]
+// and writes dQ, dK, dV in the operands' type (rounded from its fp32 sums, where the own kernels
+// keep fp32), which the RoPE backward reads as they are. Its backward is the deterministic one
+// (dP in its workspace, in calls of a few sequences) unless SHARDSWAP_DECODER_ATTENTION=
+// cudnn-atomic asks for the one that sums dQ over key tiles with atomics, whose runs differ in
+// the last bits.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "support/cuda_check.h"
+#include "shardswap/error.h"
+#include "model/cublas_check.cuh"
+#include "model/cuda/kernels.h"
+#include "model/cuda/phase_clock.h"
+#include "model/cuda/profile_window.h"
+#include "model/decoder_cuda.h"
+
+namespace shardswap::lm::dec {
+namespace {
+
+template <class T>
+constexpr cudaDataType_t cuda_type();
+template <>
+constexpr cudaDataType_t cuda_type<__nv_bfloat16>() {
+  return CUDA_R_16BF;
+}
+template <>
+constexpr cudaDataType_t cuda_type<__half>() {
+  return CUDA_R_16F;
+}
+template <class T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<__nv_bfloat16>() {
+  return DType::bf16;
+}
+template <>
+constexpr DType dtype_of<__half>() {
+  return DType::f16;
+}
+
+// Calls f(G{}) with G the device type of a gradient slot: fp32 or the weights' type T.
+template <class T, class F>
+void with_slot_type(const GradSlot& slot, ParamId id, F&& f) {
+  if (slot.data == nullptr)
+    throw ConfigError("decoder (cuda): the grad slot of " + param_name(id) + " is null");
+  if (slot.dtype == DType::f32) return f(float{});
+  if (slot.dtype == dtype_of<T>()) return f(T{});
+  throw ConfigError("decoder (cuda): the grad slot of " + param_name(id) + " is " +
+                    dtype_name(slot.dtype) + ", neither fp32 nor the weights' " +
+                    dtype_name(dtype_of<T>()));
+}
+
+cudaDataType_t slot_type(DType t) {
+  return t == DType::f32 ? CUDA_R_32F : t == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+// Row-major C[M, N] = alpha op(A) op(B) + beta C, with A stored [M, K] (or [K, M] when
+// transposed) with row length lda, and B likewise: cuBLAS is column-major, so it computes
+// C^T = op(B)^T op(A)^T on the same memory, the operands swapped.
+void gemm(cublasHandle_t handle, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+          const void* a, cudaDataType_t at, long long lda, const void* b, cudaDataType_t bt,
+          long long ldb, float beta, void* c, cudaDataType_t ct, long long ldc) {
+  SHARDSWAP_CUBLAS_CHECK(cublasGemmEx(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                      trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b, bt,
+                                      static_cast<int>(ldb), a, at, static_cast<int>(lda), &beta,
+                                      c, ct, static_cast<int>(ldc), CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
+}
+
+// The device `p` lives on, made current on the calling thread.
+int use_device_of(const void* p) {
+  cudaPointerAttributes attr{};
+  SHARDSWAP_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
+  if (attr.type != cudaMemoryTypeDevice)
+    throw ConfigError("make_cuda_compute: the block is not device memory");
+  SHARDSWAP_CUDA_CHECK(cudaSetDevice(attr.device));
+  return attr.device;
+}
+
+template <class T>
+class CudaCompute final : public Compute {
+ public:
+  CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
+              std::byte* memory, CudaAttention attention)
+      : s_(s),
+        max_sequences_(max_sequences),
+        seq_len_(seq_len),
+        recompute_(recompute),
+        n_max_(static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len)),
+        mem_(memory),
+        l_(cuda_layout(s, max_sequences, seq_len, recompute)),
+        device_(use_device_of(memory)),  // current before the handle is made on it
+        cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
+        inv_freq_(rope_inv_freq(s)) {
+    if (attention != CudaAttention::own) {
+      std::byte* scratch = memory + l_.attn_scratch;
+      std::size_t bytes = cuda_cudnn_scratch_bytes(s, max_sequences, seq_len);
+      deterministic_ = attention == CudaAttention::cudnn;
+      if (!deterministic_) {  // the fp32 dQ accumulator first, the workspace after it
+        const std::size_t dq32 = cuda_cudnn_dq32_bytes(s, max_sequences, seq_len);
+        dq32_ = reinterpret_cast<float*>(scratch);
+        scratch += dq32;
+        bytes -= dq32;
+      }
+      cudnn_ = std::make_unique<CudnnAttention>(scratch, bytes);
+      // The largest batch's plans now, so that a shape cuDNN refuses fails here.
+      cudnn_->prepare(attention_shape(max_sequences, seq_len));
+    }
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at(l_.inv_freq), inv_freq_.data(),
+                                         inv_freq_.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                         cudaStreamPerThread));
+  }
+
+  double train_step(const Weights& w, const Batch& b, double grad_scale, GradSink& sink) override {
+    check(w, b, "train_step");
+    SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    prepare_attention(b);
+    profile_.before_step();
+    upload(b, true);
+    clock_.begin();
+    forward(w, b);
+    const int lowest = lowest_active_group(sink);
+    clock_.mark(PhaseClock::head);
+    head_and_loss(w, b, lowest <= s_.layers + 1 ? &sink : nullptr, grad_scale, nullptr);
+    clock_.mark(PhaseClock::backward);
+    if (lowest <= s_.layers + 1) backward(w, b, grad_scale, sink, lowest);
+    clock_.mark(PhaseClock::done);
+    const double loss = read_loss();
+    clock_.add_step();
+    profile_.after_step();
+    return loss;
+  }
+
+  void time_phases(bool on) override { clock_.enable(on); }
+  PhaseTimes take_phase_times() override { return clock_.take(); }
+
+  double loss(const Weights& w, const Batch& b) override {
+    check(w, b, "loss");
+    SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    prepare_attention(b);
+    upload(b, false);
+    forward(w, b);
+    head_and_loss(w, b, nullptr, 0.0, nullptr);
+    return read_loss();
+  }
+
+  void logits(const Weights& w, const Batch& b, float* out) override {
+    check(w, b, "logits");
+    if (out == nullptr) throw ConfigError("decoder (cuda): logits: the output is null");
+    SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
+    prepare_attention(b);
+    upload(b, false);
+    forward(w, b);
+    head_and_loss(w, b, nullptr, 0.0, out);
+    SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+  }
+
+ private:
+  using K = ParamKind;
+  static constexpr cudaDataType_t t16 = cuda_type<T>();
+
+  template <class U = float>
+  U* at(std::size_t offset) const {
+    return reinterpret_cast<U*>(mem_ + offset);
+  }
+  static const T* cw(const void* p) { return static_cast<const T*>(p); }
+  // A kept region holds n_max_ rows of `width` per slot: slot i's start at i n_max_ width.
+  template <class U>
+  U* rows_at(std::size_t offset, std::size_t i, std::int64_t width) const {
+    return at<U>(offset) + i * n_max_ * static_cast<std::size_t>(width);
+  }
+  // Layer l's rows of a per-layer region: in its slot (cuda_slot_of: the recomputed layers share
+  // slot 0). Only xs holds every layer.
+  template <class U>
+  U* layer(std::size_t offset, int l, std::int64_t width) const {
+    return rows_at<U>(offset, cuda_slot_of(l, recompute_), width);
+  }
+  float* xs(int l) const { return rows_at<float>(l_.xs, static_cast<std::size_t>(l), s_.hidden); }
+  float* ys(int l) const { return layer<float>(l_.ys, l, s_.hidden); }
+  float* rstd_attn(int l) const { return layer<float>(l_.rstd_attn, l, 1); }
+  float* rstd_mlp(int l) const { return layer<float>(l_.rstd_mlp, l, 1); }
+  float* rstd_final() const { return at(l_.rstd_final); }
+  float* lse(int l) const {
+    return at(l_.lse) + cuda_slot_of(l, recompute_) * cuda_lse_stride(n_max_, s_.heads);
+  }
+  std::int64_t qkv_width() const { return s_.q_width() + 2 * s_.kv_width(); }
+
+  // Refuses, before anything is queued, a batch or weights this backend cannot run.
+  void check(const Weights& w, const Batch& b, const char* call) const {
+    const std::string where = std::string("decoder (cuda): ") + call + ": ";
+    if (b.sequences < 1 || b.sequences > max_sequences_)
+      throw ConfigError(where + "batch of " + std::to_string(b.sequences) +
+                        " sequences: not in [1, max_sequences = " +
+                        std::to_string(max_sequences_) + "]");
+    if (b.seq_len < 1 || b.seq_len > seq_len_)
+      throw ConfigError(where + "seq_len = " + std::to_string(b.seq_len) + ": not in [1, " +
+                        std::to_string(seq_len_) + "]");
+    if (b.inputs == nullptr || b.targets == nullptr)
+      throw ConfigError(where + "the batch's inputs or targets are null");
+    const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
+    for (std::size_t i = 0; i < n; ++i)
+      for (const auto* ids : {b.inputs, b.targets})
+        if (ids[i] < 0 || ids[i] >= s_.vocab)
+          throw ConfigError(where + (ids == b.inputs ? "inputs[" : "targets[") +
+                            std::to_string(i) + "] = " + std::to_string(ids[i]) +
+                            ": not a token id below vocab = " + std::to_string(s_.vocab));
+    if (w.dtype != dtype_of<T>())
+      throw ConfigError(where + "weights of dtype " + dtype_name(w.dtype) + ", the backend's is " +
+                        dtype_name(dtype_of<T>()));
+    if (w.layers.size() != static_cast<std::size_t>(s_.layers))
+      throw ConfigError(where + std::to_string(w.layers.size()) + " layers of weights, the shape has " +
+                        std::to_string(s_.layers));
+    if (w.embed == nullptr || w.final_norm == nullptr || w.head == nullptr)
+      throw ConfigError(where + "embed, final_norm or head weight is null");
+    if (s_.tied && w.head != w.embed)
+      throw ConfigError(where + "the head is tied, but its weight is not the embedding");
+    for (std::size_t l = 0; l < w.layers.size(); ++l) {
+      const LayerWeights& lw = w.layers[l];
+      const bool any_null = !lw.attn_norm || !lw.q || !lw.k || !lw.v || !lw.o || !lw.mlp_norm ||
+                            !lw.gate || !lw.up || !lw.down;
+      const bool biases = lw.q_bias && lw.k_bias && lw.v_bias;
+      const bool no_biases = !lw.q_bias && !lw.k_bias && !lw.v_bias;
+      if (any_null || (s_.qkv_bias ? !biases : !no_biases))
+        throw ConfigError(where + "layers." + std::to_string(l) +
+                          ": a weight is null, or q/k/v biases do not match qkv_bias");
+    }
+  }
+
+  // Tokens and targets to the device; for train_step also the embedding gradient's grouping of
+  // positions by token (made here, on the host, from the host batch).
+  void upload(const Batch& b, bool embed_groups) {
+    const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
+    const cudaStream_t stream = cudaStreamPerThread;
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.tokens), b.inputs, n * sizeof(int),
+                                         cudaMemcpyHostToDevice, stream));
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.targets), b.targets, n * sizeof(int),
+                                         cudaMemcpyHostToDevice, stream));
+    if (!embed_groups) return;
+    positions_.resize(n);
+    for (std::size_t i = 0; i < n; ++i) positions_[i] = static_cast<int>(i);
+    std::stable_sort(positions_.begin(), positions_.end(),
+                     [&](int x, int y) { return b.inputs[x] < b.inputs[y]; });
+    rows_.clear();
+    starts_.clear();
+    for (std::size_t e = 0; e < n; ++e)
+      if (e == 0 || b.inputs[positions_[e]] != b.inputs[positions_[e - 1]]) {
+        rows_.push_back(b.inputs[positions_[e]]);
+        starts_.push_back(static_cast<int>(e));
+      }
+    starts_.push_back(static_cast<int>(n));
+    // Pageable host memory: each copy has read its source when the call returns.
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.embed_rows), rows_.data(),
+                                         rows_.size() * sizeof(int), cudaMemcpyHostToDevice,
+                                         stream));
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.embed_starts), starts_.data(),
+                                         starts_.size() * sizeof(int), cudaMemcpyHostToDevice,
+                                         stream));
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.embed_positions), positions_.data(),
+                                         n * sizeof(int), cudaMemcpyHostToDevice, stream));
+  }
+
+  // out[n, o] (= or +=, of type ct) = in16[n, i] W^T for W [o, i].
+  void linear(int n, int o, int i, const T* in, long long ld_in, const void* w, float beta,
+              void* out, cudaDataType_t ct, long long ld_out) {
+    gemm(cublas_.get(), false, true, n, o, i, 1.0f, in, t16, ld_in, w, t16, i, beta, out, ct,
+         ld_out);
+  }
+  // din[n, i] (= or +=, fp32) = dout16[n, o] W for W [o, i].
+  void linear_input_grad(int n, int o, int i, const T* dout, long long ld_dout, const void* w,
+                         float beta, float* din) {
+    gemm(cublas_.get(), false, false, n, i, o, 1.0f, dout, t16, ld_dout, w, t16, i, beta, din,
+         CUDA_R_32F, i);
+  }
+
+  void rms_norm(const float* x, const void* w, int n, T* y, float* rstd_out) {
+    launch_rms_norm_forward<T>(x, cw(w), n, s_.hidden, static_cast<float>(s_.rms_eps), y,
+                               rstd_out);
+  }
+
+  void forward(const Weights& w, const Batch& b) {
+    const int n = b.sequences * b.seq_len, d = s_.hidden, half = s_.head_dim / 2;
+    launch_rope_table(at(l_.inv_freq), b.seq_len, half, at(l_.rope_cos), at(l_.rope_sin));
+    launch_embed_forward<T>(cw(w.embed), at<int>(l_.tokens), n, d, xs(0));
+    for (int l = 0; l < s_.layers; ++l) forward_layer(w, b, l, false);
+    rms_norm(xs(s_.layers), w.final_norm, n, at<T>(l_.normed), rstd_final());
+  }
+
+  // Layer l's forward from x_l into its slot, and x_{l+1}. A recompute (at the start of the
+  // layer's backward) stops at what backward reads, gate and up: act and x_{l+1} are not
+  // rewritten, and no phase is marked (its time counts in backward MLP). It writes only the slot
+  // and the scratch normed and qkv32, both rewritten by backward before it reads them.
+  void forward_layer(const Weights& w, const Batch& b, int l, bool recompute) {
+    const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
+    const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
+    const long long width = qkv_width();
+    const cudaStream_t stream = cudaStreamPerThread;
+    const auto mark = [&](PhaseClock::Phase p) {
+      if (!recompute) clock_.mark(p);
+    };
+    const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+    T* normed = at<T>(l_.normed);
+    float* qkv = at(l_.qkv32);
+    T* q = layer<T>(l_.q, l, qw);
+    T* k = layer<T>(l_.k, l, kw);
+    T* v = layer<T>(l_.v, l, kw);
+    T* o = layer<T>(l_.o, l, qw);
+    mark(PhaseClock::forward);
+    rms_norm(xs(l), lw.attn_norm, n, normed, rstd_attn(l));
+    linear(n, qw, d, normed, d, lw.q, 0.0f, qkv, CUDA_R_32F, width);
+    linear(n, kw, d, normed, d, lw.k, 0.0f, qkv + qw, CUDA_R_32F, width);
+    linear(n, kw, d, normed, d, lw.v, 0.0f, qkv + qw + kw, CUDA_R_32F, width);
+    launch_qkv_forward<T>(n, qkv, cw(lw.q_bias), cw(lw.k_bias), cw(lw.v_bias), at(l_.rope_cos),
+                          at(l_.rope_sin), b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, q, k,
+                          v);
+    mark(PhaseClock::attention_forward);
+    attention(b, q, k, v, o, lse(l));
+    mark(PhaseClock::forward);
+    // y = x + o Wo^T: the GEMM adds onto a copy of x (fp32 sum of the fp32 product).
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(ys(l), xs(l), sizeof(float) * n * d,
+                                         cudaMemcpyDeviceToDevice, stream));
+    linear(n, d, qw, o, qw, lw.o, 1.0f, ys(l), CUDA_R_32F, d);
+    mark(PhaseClock::forward_mlp);
+    rms_norm(ys(l), lw.mlp_norm, n, normed, rstd_mlp(l));
+    T* gate = layer<T>(l_.gate, l, in);
+    T* up = layer<T>(l_.up, l, in);
+    linear(n, in, d, normed, d, lw.gate, 0.0f, gate, t16, in);
+    linear(n, in, d, normed, d, lw.up, 0.0f, up, t16, in);
+    if (recompute) return;
+    launch_swiglu_forward<T>(gate, up, static_cast<long long>(n) * in, at<T>(l_.act));
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(xs(l + 1), ys(l), sizeof(float) * n * d,
+                                         cudaMemcpyDeviceToDevice, stream));
+    linear(n, d, in, at<T>(l_.act), in, lw.down, 1.0f, xs(l + 1), CUDA_R_32F, d);
+  }
+
+  AttentionShape attention_shape(int sequences, int seq_len) const {
+    return cuda_attention_shape(s_, sequences, seq_len, dtype_of<T>(), deterministic_);
+  }
+  // Plans for the batch's shape before anything is queued (a refusal changes nothing).
+  void prepare_attention(const Batch& b) {
+    if (cudnn_) cudnn_->prepare(attention_shape(b.sequences, b.seq_len));
+  }
+
+  void attention(const Batch& b, const T* q, const T* k, const T* v, T* o, float* lse) {
+    if (cudnn_) {
+      cudnn_->forward(attention_shape(b.sequences, b.seq_len), {q, k, v, o, lse});
+      return;
+    }
+    launch_attention_forward<T>(b.sequences, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, q, k,
+                                v, o, lse);
+  }
+
+  // The head over chunks of token rows: logits, per-row loss and the mean loss; with a sink,
+  // also the head's weight gradient (when its group is active) and the gradient at the final
+  // norm's output into dz; with `out`, the logits rows copied to the host.
+  void head_and_loss(const Weights& w, const Batch& b, GradSink* sink, double grad_scale,
+                     float* out) {
+    const int n = b.sequences * b.seq_len, d = s_.hidden, vocab = s_.vocab;
+    const cudaStream_t stream = cudaStreamPerThread;
+    const cublasHandle_t cb = cublas_.get();
+    const T* f = at<T>(l_.normed);
+    float* logits = at(l_.logits);
+    const T* dlogits = at<T>(l_.logits);  // in place, rows 2 V apart
+    const float alpha = static_cast<float>(grad_scale / n);
+    const bool head_matrix =
+        sink != nullptr && sink->active(s_.tied ? 0 : s_.layers + 1);
+    const ParamId head_id{s_.tied ? K::embed : K::head};
+    GradSlot slot{};
+    if (head_matrix) {
+      slot = sink->open(head_id);
+      with_slot_type<T>(slot, head_id, [](auto) {});
+    }
+    for (int r0 = 0; r0 < n; r0 += kCudaLossChunkRows) {
+      const int rows = std::min(kCudaLossChunkRows, n - r0);
+      gemm(cb, false, true, rows, vocab, d, 1.0f, f + static_cast<long long>(r0) * d, t16, d,
+           w.head, t16, d, 0.0f, logits, CUDA_R_32F, vocab);
+      if (out != nullptr)
+        SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(out + static_cast<long long>(r0) * vocab, logits,
+                                             sizeof(float) * rows * vocab, cudaMemcpyDeviceToHost,
+                                             stream));
+      launch_cross_entropy_rows<T>(logits, rows, vocab, at<int>(l_.targets) + r0,
+                                   at(l_.row_loss) + r0, sink != nullptr);
+      if (sink == nullptr) continue;
+      if (head_matrix)  // slot [V, D] += alpha dlogits^T f
+        gemm(cb, true, false, vocab, d, rows, alpha, dlogits, t16, 2LL * vocab,
+             f + static_cast<long long>(r0) * d, t16, d, 1.0f, slot.data, slot_type(slot.dtype),
+             d);
+      gemm(cb, false, false, rows, d, vocab, 1.0f, dlogits, t16, 2LL * vocab, w.head, t16, d,
+           0.0f, at(l_.dz) + static_cast<long long>(r0) * d, CUDA_R_32F, d);
+    }
+    // Closed here even when tied: one slot is open at a time (a stage-2 bucket is reduced once
+    // backward moves on to another group); the lookup's gradient opens the embedding again.
+    if (head_matrix) sink->close(head_id);
+    launch_mean_of(at(l_.row_loss), n, at<double>(l_.mean_loss));
+  }
+
+  double read_loss() const {
+    double loss = 0.0;
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(&loss, at<double>(l_.mean_loss), sizeof(double),
+                                         cudaMemcpyDeviceToHost, cudaStreamPerThread));
+    SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+    return loss;
+  }
+
+  int lowest_active_group(const GradSink& sink) const {
+    int group = 0;
+    while (group <= s_.layers + 1 && !sink.active(group)) ++group;
+    return group;
+  }
+
+  // slot [rows, cols] += alpha dy^T x for dy [n, rows] (row length ld_dy), x [n, cols]: the
+  // weight gradient, written by the GEMM into the slot in its own dtype.
+  void weight_grad(GradSink& sink, ParamId id, int n, int rows, int cols, float alpha,
+                   const T* dy, long long ld_dy, const T* x, long long ld_x) {
+    const GradSlot slot = sink.open(id);
+    with_slot_type<T>(slot, id, [](auto) {});
+    gemm(cublas_.get(), true, false, rows, cols, n, alpha, dy, t16, ld_dy, x, t16, ld_x, 1.0f,
+         slot.data, slot_type(slot.dtype), cols);
+    sink.close(id);
+  }
+
+  // slot [w] += alpha * the column sums of x [n, w] (rows ld apart, fp32).
+  void column_grad(GradSink& sink, ParamId id, int n, int w, float alpha, const float* x,
+                   long long ld) {
+    const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+    launch_column_partials(x, n, w, ld, at(l_.partials));
+    finish(sink, id, chunks, w, alpha);
+  }
+
+  // An RMSNorm's weight gradient, slot [D] += alpha sum_t dz x rstd.
+  void norm_grad(GradSink& sink, ParamId id, int n, float alpha, const float* dz, const float* x,
+                 const float* r) {
+    const int d = s_.hidden;
+    const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+    launch_norm_partials(dz, x, r, n, d, at(l_.partials));
+    finish(sink, id, chunks, d, alpha);
+  }
+
+  void finish(GradSink& sink, ParamId id, int chunks, int w, float alpha) {
+    const GradSlot slot = sink.open(id);
+    with_slot_type<T>(slot, id, [&](auto g) {
+      using G = decltype(g);
+      launch_finish_columns<G>(at(l_.partials), chunks, w, alpha, static_cast<G*>(slot.data));
+    });
+    sink.close(id);
+  }
+
+  // dx (= or +=) the gradient at the norm's input, and rounded into d16 (every later use of dx
+  // but the embedding's gradient starts from d16).
+  void norm_backward(const float* dz, const float* x, const float* r, const void* w, int n,
+                     bool accumulate) {
+    launch_rms_norm_backward<T>(dz, x, r, cw(w), n, s_.hidden, at(l_.dx), accumulate,
+                                at<T>(l_.d16));
+  }
+
+  // Entered with dz = the gradient at the final norm's output (head_and_loss).
+  void backward(const Weights& w, const Batch& b, double grad_scale, GradSink& sink, int lowest) {
+    const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
+    const int L = s_.layers, head_group = L + 1;
+    const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
+    const long long width = qkv_width();
+    const float alpha = static_cast<float>(grad_scale / n);
+    float *dx = at(l_.dx), *dz = at(l_.dz), *g32 = at(l_.qkv32);
+    T *d16 = at<T>(l_.d16), *normed = at<T>(l_.normed), *g16 = at<T>(l_.qkv16);
+    T *act = at<T>(l_.act), *dout = at<T>(l_.dout);
+
+    if (sink.active(head_group))
+      norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd_final());
+    if (lowest <= L) norm_backward(dz, xs(L), rstd_final(), w.final_norm, n, false);
+    for (int l = L - 1; l >= 0 && l + 1 >= lowest; --l) {
+      const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+      const bool active = sink.active(l + 1);
+      clock_.mark(PhaseClock::backward_mlp);
+      // A recomputed layer's activations, from x_l, into the slot the recomputed layers share;
+      // the highest of them still has its own there from forward.
+      if (l < recompute_ - 1) forward_layer(w, b, l, true);
+      T* gate = layer<T>(l_.gate, l, in);
+      T* up = layer<T>(l_.up, l, in);
+      // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
+      // d16 = dx rounded, by the norm backward that made dx.
+      linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
+      // act (recomputed) for the down projection's weight gradient in the same pass.
+      launch_swiglu_backward<T>(at(l_.dact), gate, up, active ? act : nullptr,
+                                static_cast<long long>(n) * in);
+      if (active) {
+        weight_grad(sink, {K::down, l}, n, d, in, alpha, d16, d, act, in);
+        rms_norm(ys(l), lw.mlp_norm, n, normed, nullptr);
+        weight_grad(sink, {K::gate, l}, n, in, d, alpha, gate, in, normed, d);
+        weight_grad(sink, {K::up, l}, n, in, d, alpha, up, in, normed, d);
+      }
+      linear_input_grad(n, in, d, gate, in, lw.gate, 0.0f, dz);
+      linear_input_grad(n, in, d, up, in, lw.up, 1.0f, dz);
+      if (active) norm_grad(sink, {K::mlp_norm, l}, n, alpha, dz, ys(l), rstd_mlp(l));
+      norm_backward(dz, ys(l), rstd_mlp(l), lw.mlp_norm, n, true);  // dx: now at y
+      // Attention: y = x + o Wo^T.
+      clock_.mark(PhaseClock::backward);
+      const T* q = layer<T>(l_.q, l, qw);
+      const T* k = layer<T>(l_.k, l, kw);
+      const T* v = layer<T>(l_.v, l, kw);
+      const T* o = layer<T>(l_.o, l, qw);
+      const float* lse = this->lse(l);
+      // d16 = dx rounded, by the norm backward that made dx.
+      if (active) weight_grad(sink, {K::o, l}, n, d, qw, alpha, d16, d, o, qw);
+      gemm(cublas_.get(), false, false, n, qw, d, 1.0f, d16, t16, d, lw.o, t16, qw, 0.0f, dout,
+           t16, qw);
+      clock_.mark(PhaseClock::attention_backward);
+      const bool in_g16 = attention_backward(b, q, k, v, o, dout, lse, g32, g16, width);
+      clock_.mark(PhaseClock::backward);
+      if (in_g16)
+        launch_qkv_backward<T, T>(n, g16, g32, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
+                                  s_.heads, s_.kv_heads, s_.head_dim, g16);
+      else
+        launch_qkv_backward<T, float>(n, g32, g32, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
+                                      s_.heads, s_.kv_heads, s_.head_dim, g16);
+      if (active) {
+        rms_norm(xs(l), lw.attn_norm, n, normed, nullptr);
+        weight_grad(sink, {K::q, l}, n, qw, d, alpha, g16, width, normed, d);
+        if (s_.qkv_bias) column_grad(sink, {K::q_bias, l}, n, qw, alpha, g32, width);
+        weight_grad(sink, {K::k, l}, n, kw, d, alpha, g16 + qw, width, normed, d);
+        if (s_.qkv_bias) column_grad(sink, {K::k_bias, l}, n, kw, alpha, g32 + qw, width);
+        weight_grad(sink, {K::v, l}, n, kw, d, alpha, g16 + qw + kw, width, normed, d);
+        if (s_.qkv_bias) column_grad(sink, {K::v_bias, l}, n, kw, alpha, g32 + qw + kw, width);
+      }
+      linear_input_grad(n, qw, d, g16, width, lw.q, 0.0f, dz);
+      linear_input_grad(n, kw, d, g16 + qw, width, lw.k, 1.0f, dz);
+      linear_input_grad(n, kw, d, g16 + qw + kw, width, lw.v, 1.0f, dz);
+      if (active) norm_grad(sink, {K::attn_norm, l}, n, alpha, dz, xs(l), rstd_attn(l));
+      if (l + 1 > lowest) norm_backward(dz, xs(l), rstd_attn(l), lw.attn_norm, n, true);  // at x_l
+    }
+    if (lowest > 0) return;
+    const ParamId id{K::embed};
+    const GradSlot slot = sink.open(id);  // tied: a second time, after the head's gradient
+    with_slot_type<T>(slot, id, [&](auto g) {
+      using G = decltype(g);
+      launch_embed_backward<G>(dx, at<int>(l_.embed_rows), static_cast<int>(rows_.size()),
+                               at<int>(l_.embed_starts), at<int>(l_.embed_positions), d, alpha,
+                               static_cast<G*>(slot.data));
+    });
+    sink.close(id);
+  }
+
+  // dq|dk|dv (rows `width` apart): in T into g16 with cuDNN (returns true), else in fp32 into
+  // g32 (false).
+  bool attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* o,
+                          const T* dout, const float* lse, float* g32, T* g16, long long width) {
+    if (cudnn_) {
+      const long long qw = s_.q_width(), kw = s_.kv_width();
+      cudnn_->backward(attention_shape(b.sequences, b.seq_len),
+                       {q, k, v, o, dout, lse, g16, g16 + qw, g16 + qw + kw, dq32_,
+                        at(l_.delta)});
+      return true;
+    }
+    launch_attention_backward<T>(b.sequences, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, q,
+                                 k, v, o, dout, lse, at(l_.delta), g32, width);
+    return false;
+  }
+
+  DecoderShape s_;
+  int max_sequences_, seq_len_;
+  int recompute_;  // the lowest layers that run their forward again in backward
+  std::size_t n_max_;
+  std::byte* mem_;
+  CudaLayout l_;
+  int device_;
+  detail::CublasHandle cublas_;
+  std::vector<float> inv_freq_;
+  std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
+  ProfileWindow profile_;                  // SHARDSWAP_CUDA_PROFILE_STEPS
+  PhaseClock clock_;                       // train_step's phases (time_phases)
+  std::unique_ptr<CudnnAttention> cudnn_;  // null: the own kernels
+  bool deterministic_ = false;             // cuDNN's deterministic backward
+  float* dq32_ = nullptr;                  // its atomic backward's fp32 dQ (in the scratch)
+};
+
+}  // namespace
+
+CudaAttention cuda_attention(const DecoderShape& s) {
+  const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
+  const std::string value = v == nullptr ? "" : v;
+  // cuDNN's fused attention wants 16-byte head vectors.
+  const bool fits = s.head_dim % 8 == 0 && s.head_dim <= kCudaMaxHeadDim;
+  if (value.empty())
+    return cudnn_attention_available() && fits ? CudaAttention::cudnn : CudaAttention::own;
+  if (value == "own") return CudaAttention::own;
+  if (value == "cudnn" || value == "cudnn-atomic") {
+    if (!cudnn_attention_available())
+      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value +
+                        ": this build has no cuDNN (SHARDSWAP_CUDNN)");
+    if (!fits)
+      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value + ": head_dim = " +
+                        std::to_string(s.head_dim) +
+                        " is not a multiple of 8, as cuDNN's fused attention needs");
+    return value == "cudnn" ? CudaAttention::cudnn : CudaAttention::cudnn_atomic;
+  }
+  throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value +
+                    ": not \"cudnn\", \"cudnn-atomic\" or \"own\"");
+}
+
+std::string cuda_attention_name(const DecoderShape& s) {
+  const CudaAttention a = cuda_attention(s);
+  if (a == CudaAttention::own) {
+    const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
+    return std::string("own kernels (") +
+           (v != nullptr && std::string(v) == "own" ? "SHARDSWAP_DECODER_ATTENTION=own"
+            : !cudnn_attention_available()             ? "this build has no cuDNN"
+                                                       : "head_dim is not a multiple of 8") +
+           ")";
+  }
+  const long v = CudnnAttention::version();  // major * 10000 + minor * 100 + patch (cuDNN 9)
+  return "cuDNN " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
+         std::to_string(v % 100) + " fused flash attention" +
+         (a == CudaAttention::cudnn
+              ? ", deterministic backward"
+              : " (SHARDSWAP_DECODER_ATTENTION=cudnn-atomic: its backward sums dQ with atomics, "
+                "two runs may differ in the last bits)");
+}
+
+std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
+                                           DType dtype, void* memory, std::size_t bytes,
+                                           int recompute) {
+  const std::size_t expected = cuda_bytes(s, max_sequences, seq_len, recompute);
+  if (bytes != expected)
+    throw ConfigError("make_cuda_compute: the block has " + std::to_string(bytes) +
+                      " bytes, the layout " + std::to_string(expected));
+  if (memory == nullptr) throw ConfigError("make_cuda_compute: the block is null");
+  if (reinterpret_cast<std::uintptr_t>(memory) % 256 != 0)
+    throw ConfigError("make_cuda_compute: the block is not 256-byte aligned");
+  auto* base = static_cast<std::byte*>(memory);
+  const CudaAttention attention = cuda_attention(s);
+  switch (dtype) {
+    case DType::bf16:
+      return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
+                                                          base, attention);
+    case DType::f16:
+      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute, base,
+                                                   attention);
+    default:
+      break;
+  }
+  throw ConfigError(std::string("make_cuda_compute: dtype ") + dtype_name(dtype) +
+                    " is not bf16 or fp16");
+}
+
+}  // namespace shardswap::lm::dec

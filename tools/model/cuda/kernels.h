@@ -1,0 +1,90 @@
+// The host launchers of the decoder's CUDA kernels, one .cu file per op (tools/model/cuda/):
+// CudaCompute (cuda_compute.cu) calls these, never a kernel. Each launcher picks its kernel's
+// variant (the elements a thread or lane moves, from the operands' alignment) and launch
+// configuration, queues it on cudaStreamPerThread and checks the launch (DeviceError). T is the
+// weights' type (__nv_bfloat16 or __half), G a grad slot's (float or T); each file instantiates
+// its launchers for those types. Activations are row-major [token, feature], token = sequence *
+// seq_len + position. Plain C++17 declarations: nvcc and the host compiler both read it.
+#pragma once
+
+namespace shardswap::lm::dec {
+
+// embedding.cu
+/// x0[t, :] = table[tokens[t], :] in fp32, for n tokens of width d.
+template <class T>
+void launch_embed_forward(const T* table, const int* tokens, int n, int d, float* x0);
+/// slot[rows[u], :] += alpha * the sum of dx over positions[starts[u] .. starts[u + 1]), for
+/// each of the `distinct` input tokens u.
+template <class G>
+void launch_embed_backward(const float* dx, const int* rows, int distinct, const int* starts,
+                           const int* positions, int d, float alpha, G* slot);
+
+// rms_norm.cu
+/// y = x / rms(x) * w per row in T; rstd (when not null) = 1 / rms.
+template <class T>
+void launch_rms_norm_forward(const float* x, const T* w, int n, int d, float eps, T* y,
+                             float* rstd);
+/// From dz at the norm's output: dx (= or += with accumulate) the gradient at its input, and
+/// the new dx rounded to T into d16 when d16 is not null.
+template <class T>
+void launch_rms_norm_backward(const float* dz, const float* x, const float* rstd, const T* w,
+                              int n, int d, float* dx, bool accumulate, T* d16);
+
+// rope_qkv.cu
+/// cos and sin of RoPE's angles pos * inv_freq[f], [seq_len, half] each.
+void launch_rope_table(const float* inv_freq, int seq_len, int half, float* cos_out,
+                       float* sin_out);
+/// q, k (biased and rotated) and v (biased) in T from the fp32 projections qkv [n, (H + 2K) hd];
+/// a bias may be null.
+template <class T>
+void launch_qkv_forward(int n, const float* qkv, const T* bq, const T* bk, const T* bv,
+                        const float* rope_cos, const float* rope_sin, int seq_len, int heads,
+                        int kv_heads, int hd, T* q, T* k, T* v);
+/// RoPE's backward from dq|dk|dv in `in` (In: fp32 or T; may be g or g16): the gradient at the
+/// projections into g (fp32) and rounded into g16.
+template <class T, class In>
+void launch_qkv_backward(int n, const In* in, float* g, const float* rope_cos,
+                         const float* rope_sin, int seq_len, int heads, int kv_heads, int hd,
+                         T* g16);
+
+// attention_forward.cu, attention_backward.cu: the own causal GQA attention.
+/// o [n, H hd] in T and lse fp32 [n, H] from q [n, H hd], k, v [n, K hd].
+template <class T>
+void launch_attention_forward(int sequences, int seq_len, int heads, int kv_heads, int hd,
+                              const T* q, const T* k, const T* v, T* o, float* lse);
+/// dq, dk, dv in fp32 at columns 0, H hd and (H + K) hd of `grads` (rows ld long); delta fp32
+/// [n, H] is scratch.
+template <class T>
+void launch_attention_backward(int sequences, int seq_len, int heads, int kv_heads, int hd,
+                               const T* q, const T* k, const T* v, const T* o, const T* dout,
+                               const float* lse, float* delta, float* grads, long long ld);
+
+// swiglu.cu
+/// act = silu(gate) * up, count elements.
+template <class T>
+void launch_swiglu_forward(const T* gate, const T* up, long long count, T* act);
+/// gate and up replaced by their gradients from dact; act recomputed when not null.
+template <class T>
+void launch_swiglu_backward(const float* dact, T* gate, T* up, T* act, long long count);
+
+// cross_entropy.cu
+/// row_loss[r] = logsumexp(z_r) - z_r[targets[r]] for `rows` rows of fp32 logits [rows, vocab];
+/// with grad, each row replaced in place by softmax(z_r) - onehot in T at the row's start.
+template <class T>
+void launch_cross_entropy_rows(float* logits, int rows, int vocab, const int* targets,
+                               float* row_loss, bool grad);
+/// *out = the mean of loss[0 .. n) in fp64.
+void launch_mean_of(const float* loss, int n, double* out);
+
+// column_sums.cu
+/// partials [chunks, w] of the column sums of x [n, w] (rows ld apart), chunks of
+/// kCudaRowsPerPartial rows.
+void launch_column_partials(const float* x, int n, int w, long long ld, float* partials);
+/// partials [chunks, d] of the column sums of dz * x * rstd (an RMSNorm's weight gradient).
+void launch_norm_partials(const float* dz, const float* x, const float* rstd, int n, int d,
+                          float* partials);
+/// slot[k] += alpha * the sum of partials[0 .. chunks)[k], in order.
+template <class G>
+void launch_finish_columns(const float* partials, int chunks, int w, float alpha, G* slot);
+
+}  // namespace shardswap::lm::dec

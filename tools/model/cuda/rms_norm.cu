@@ -1,0 +1,134 @@
+// RMSNorm forward and backward at its input (tools/model/cuda/kernels.h); its weight gradient is a
+// column sum (column_sums.cu).
+//
+// Precision: the statistics and the gradient are fp32 from the fp32 residual stream; only the
+// output, and the gradient's copy for the next GEMMs, are rounded to the weights' type.
+#include <cstdint>
+#include <initializer_list>
+
+#include "model/cuda/common.cuh"
+#include "model/cuda/kernels.h"
+
+namespace shardswap::lm::dec {
+namespace {
+
+// One warp per row: y = x / rms(x) * w in T; keeps 1 / rms when rstd is not null. N columns a
+// lane at a time (N = 4: 16-byte loads of x, where the launcher finds d a multiple of 4 and the
+// operands aligned; else 1).
+template <class T, int N>
+__global__ void rms_norm_forward(const float* __restrict__ x, const T* __restrict__ w, int n,
+                                 int d, float eps, T* __restrict__ y, float* __restrict__ rstd) {
+  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const auto* xr = reinterpret_cast<const FloatPack<N>*>(x + static_cast<long long>(row) * d);
+  const auto* wr = reinterpret_cast<const Pack<T, N>*>(w);
+  const int packs = d / N;
+  float sq = 0.0f;
+  for (int k = lane; k < packs; k += 32) {
+    const FloatPack<N> v = xr[k];
+#pragma unroll
+    for (int e = 0; e < N; ++e) sq += v.v[e] * v.v[e];
+  }
+  const float r = rsqrtf(warp_sum(sq) / d + eps);
+  auto* yr = reinterpret_cast<Pack<T, N>*>(y + static_cast<long long>(row) * d);
+  for (int k = lane; k < packs; k += 32) {
+    const FloatPack<N> v = xr[k];
+    const Pack<T, N> wv = wr[k];
+    Pack<T, N> out;
+#pragma unroll
+    for (int e = 0; e < N; ++e) out.v[e] = from_float<T>(v.v[e] * r * to_float(wv.v[e]));
+    yr[k] = out;
+  }
+  if (rstd != nullptr && lane == 0) rstd[row] = r;
+}
+
+// One warp per row, given dz at the norm's output: dx (= or +=) the gradient at its input,
+// r (g - xhat mean(g xhat)) with g = dz w, xhat = x r; and the new dx rounded to T into d16 (the
+// next GEMMs' input) when d16 is not null. N columns a lane at a time, as the forward.
+template <class T, int N>
+__global__ void rms_norm_backward(const float* __restrict__ dz, const float* __restrict__ x,
+                                  const float* __restrict__ rstd, const T* __restrict__ w, int n,
+                                  int d, float* __restrict__ dx, bool accumulate,
+                                  T* __restrict__ d16) {
+  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const long long base = static_cast<long long>(row) * d;
+  const auto* dzr = reinterpret_cast<const FloatPack<N>*>(dz + base);
+  const auto* xr = reinterpret_cast<const FloatPack<N>*>(x + base);
+  const auto* wr = reinterpret_cast<const Pack<T, N>*>(w);
+  auto* dxr = reinterpret_cast<FloatPack<N>*>(dx + base);
+  auto* d16r = d16 != nullptr ? reinterpret_cast<Pack<T, N>*>(d16 + base) : nullptr;
+  const int packs = d / N;
+  const float r = rstd[row];
+  float s = 0.0f;
+  for (int k = lane; k < packs; k += 32) {
+    const FloatPack<N> g = dzr[k], xv = xr[k];
+    const Pack<T, N> wv = wr[k];
+#pragma unroll
+    for (int e = 0; e < N; ++e) s += g.v[e] * to_float(wv.v[e]) * xv.v[e] * r;
+  }
+  const float mean = warp_sum(s) / d;
+  for (int k = lane; k < packs; k += 32) {
+    const FloatPack<N> g = dzr[k], xv = xr[k];
+    const Pack<T, N> wv = wr[k];
+    FloatPack<N> out;
+    if (accumulate) out = dxr[k];
+    Pack<T, N> out16;
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const float v = r * (g.v[e] * to_float(wv.v[e]) - xv.v[e] * r * mean);
+      out.v[e] = accumulate ? out.v[e] + v : v;
+      out16.v[e] = from_float<T>(out.v[e]);
+    }
+    dxr[k] = out;
+    if (d16r != nullptr) d16r[k] = out16;
+  }
+}
+
+// 4 columns a lane where d is a multiple of 4 and every fp32 operand starts 16-byte aligned,
+// every T one 8-byte aligned (then so does every row), else 1.
+bool four_a_lane(int d, std::initializer_list<const void*> floats,
+                 std::initializer_list<const void*> bit16) {
+  bool four = d % 4 == 0;
+  for (const void* p : floats) four = four && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+  for (const void* p : bit16) four = four && reinterpret_cast<std::uintptr_t>(p) % 8 == 0;
+  return four;
+}
+
+}  // namespace
+
+template <class T>
+void launch_rms_norm_forward(const float* x, const T* w, int n, int d, float eps, T* y,
+                             float* rstd) {
+  if (four_a_lane(d, {x}, {w, y}))
+    rms_norm_forward<T, 4><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
+        x, w, n, d, eps, y, rstd);
+  else
+    rms_norm_forward<T, 1><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
+        x, w, n, d, eps, y, rstd);
+  check_launch();
+}
+
+template <class T>
+void launch_rms_norm_backward(const float* dz, const float* x, const float* rstd, const T* w,
+                              int n, int d, float* dx, bool accumulate, T* d16) {
+  if (four_a_lane(d, {dz, x, dx}, {w, d16}))
+    rms_norm_backward<T, 4><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
+        dz, x, rstd, w, n, d, dx, accumulate, d16);
+  else
+    rms_norm_backward<T, 1><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
+        dz, x, rstd, w, n, d, dx, accumulate, d16);
+  check_launch();
+}
+
+template void launch_rms_norm_forward(const float*, const __nv_bfloat16*, int, int, float,
+                                      __nv_bfloat16*, float*);
+template void launch_rms_norm_forward(const float*, const __half*, int, int, float, __half*,
+                                      float*);
+template void launch_rms_norm_backward(const float*, const float*, const float*,
+                                       const __nv_bfloat16*, int, int, float*, bool,
+                                       __nv_bfloat16*);
+template void launch_rms_norm_backward(const float*, const float*, const float*, const __half*,
+                                       int, int, float*, bool, __half*);
+
+}  // namespace shardswap::lm::dec
