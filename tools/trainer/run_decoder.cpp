@@ -156,6 +156,7 @@ class DecoderRun final : public RunModel {
         on_cuda_ ? ", attention: " + lm::dec::cuda_attention_name(s) : "");
   }
   std::string type_name() const override { return "decoder"; }
+  nlohmann::json checkpoint_extra() const override { return {{"hf_config", config_.hf_config}}; }
 
  private:
   DecoderRunConfig config_;

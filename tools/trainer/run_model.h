@@ -5,6 +5,8 @@
 // trainer draws for it.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -72,6 +74,9 @@ class RunModel {
   virtual std::string describe() const = 0;
   /// "decoder": the plan's first line.
   virtual std::string type_name() const = 0;
+  /// The model's fields of a checkpoint's `extra`, beside the trainer's (step, updates, seed):
+  /// the decoder's hf_config, the config.json `ckpt export --format hf` writes.
+  virtual nlohmann::json checkpoint_extra() const = 0;
 };
 
 /// The model of the config's model.type; reads no weights until init() is asked for them, and

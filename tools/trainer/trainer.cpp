@@ -425,9 +425,8 @@ bool Trainer::saves_after(std::int64_t step, bool stopping) const {
 
 void Trainer::save(std::int64_t step, bool stopping) {
   SaveOptions options;
-  options.extra = {{"step", step + 1}, {"updates", updates_}, {"seed", config_.seed}};
-  // What `ckpt export --format hf` writes as the folder's config.json.
-  options.extra["hf_config"] = config_.decoder.hf_config;
+  options.extra = run_.model.checkpoint_extra();
+  options.extra.update({{"step", step + 1}, {"updates", updates_}, {"seed", config_.seed}});
   options.config = config_.source;
   options.run_id = checkpoints_.run_id;
   options.parent = parent_;
