@@ -48,6 +48,8 @@ class RankModel {
   virtual std::vector<std::pair<std::string, double>> take_phase_seconds() { return {}; }
 };
 
+/// A run's model, described from its config alone and shared by its ranks: what a plan asks
+/// (groups, declarations, bytes, flops) costs no data and no Engine.
 class RunModel {
  public:
   virtual ~RunModel() = default;
@@ -84,7 +86,8 @@ class RunModel {
 std::unique_ptr<RunModel> make_run_model(const TrainConfig& config);
 
 /// The model's groups as layer switching (layer_switching) sees them, known from the config's
-/// model keys alone: the config reader checks the schedule with them before any data is opened.
+/// model keys alone: the config reader checks the schedule with them, for a plan too, which opens
+/// no data.
 struct SwitchingGroups {
   std::vector<std::string> all;  ///< every group, in declaration order (RunModel::groups())
   /// What LISA and BAdam switch when layer_switching.layers is absent: the body's layers.
