@@ -249,8 +249,8 @@ MemoryPlan plan_of(const PlanSource& in,
       if (!in.declared_groups.count(name))
         throw ConfigError(fmt::format("Engine::plan: no group named '{}'", name));
   auto params = in.params;
-  const auto planned = plan_groups(in.config, in.group_names, params, in.weight_decay,
-                                   in.world_size, in.rank);
+  const auto planned =
+      plan_groups(in.config, in.group_names, params, in.weight_decay, in.world_size, in.rank);
   const auto psize = static_cast<std::int64_t>(dtype_size(in.config.dtype));
   const auto gsize = static_cast<std::int64_t>(dtype_size(in.config.grad_type()));
   const auto slots = in.config.optimizer.state_slots();
@@ -262,8 +262,8 @@ MemoryPlan plan_of(const PlanSource& in,
     add(Tag::param16, g.layout.total_numel() * psize);
     // Before build() every group counts as active (build's default), unless told otherwise.
     const Group* now = in.built ? &(*in.built)[i] : nullptr;
-    const bool active = now != nullptr ? now->active
-                                       : !active_at_build || assumed.count(in.group_names[i]);
+    const bool active =
+        now != nullptr ? now->active : !active_at_build || assumed.count(in.group_names[i]);
     const bool kept_on_device =
         now != nullptr && now->kept && now->kept->policy == DeactivatePolicy::keep_device;
     if (active) add(Tag::grad, (in_place ? g.layout.total_numel() : g.shard.numel()) * gsize);
@@ -301,9 +301,10 @@ MemoryPlan plan_memory(const EngineConfig& config, int world_size, int rank,
                        const std::vector<ParamDeclaration>& params,
                        const std::optional<std::vector<std::string>>& active_at_build) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
-    throw ConfigError(fmt::format("plan_memory: rank {} of world size {}: needs world size >= 1 "
-                                  "and 0 <= rank < world size",
-                                  rank, world_size));
+    throw ConfigError(
+        fmt::format("plan_memory: rank {} of world size {}: needs world size >= 1 "
+                    "and 0 <= rank < world size",
+                    rank, world_size));
   const EngineConfig checked = validated(config);  // as the Engine's constructor checks it
   std::vector<Param> declared;
   std::unordered_map<std::string, std::size_t> by_name;

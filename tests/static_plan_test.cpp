@@ -74,8 +74,10 @@ std::vector<Case> cases() {
   // A bucket smaller than the largest param (grown to it at stage 2) and one larger than any
   // group (capped at the largest group).
   out.push_back({.stage = 2, .bucket_bytes = 1024, .active = std::nullopt});
-  out.push_back(
-      {.stage = 2, .compressed = true, .bucket_bytes = std::size_t{1} << 30, .active = std::nullopt});
+  out.push_back({.stage = 2,
+                 .compressed = true,
+                 .bucket_bytes = std::size_t{1} << 30,
+                 .active = std::nullopt});
   return out;
 }
 
@@ -101,13 +103,9 @@ TEST_CASE("plan_memory equals Engine::plan tag for tag without an Engine") {
 
 TEST_CASE("plan_memory refuses what the Engine and Engine::plan refuse, naming it") {
   const EngineConfig config = Case{}.config();
-  CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         plan_memory(config, 2, 2, kParams);
-                       }),
+  CHECK(test::contains(test::message_of<ConfigError>([&] { plan_memory(config, 2, 2, kParams); }),
                        "plan_memory: rank 2 of world size 2"));
-  CHECK(test::contains(test::message_of<ConfigError>([&] {
-                         plan_memory(config, 0, 0, kParams);
-                       }),
+  CHECK(test::contains(test::message_of<ConfigError>([&] { plan_memory(config, 0, 0, kParams); }),
                        "rank 0 of world size 0"));
   CHECK(test::message_of<ConfigError>([&] { plan_memory(config, 1, 0, {}); }) ==
         "Engine::plan: no params declared");

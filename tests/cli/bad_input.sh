@@ -120,7 +120,9 @@ esac
 # plans from the model's shapes and data.seq_len alone.
 cases=$((cases + 1))
 out=$("$bin" plan --config "$config" --set data.train=/nonexistent/corpus.txt 2>&1)
-if [ $? -ne 0 ]; then echo "FAIL plan without its data file: exit not 0: $out"; failures=$((failures + 1)); fi
+if [ $? -ne 0 ]; then
+  echo "FAIL plan without its data file: exit not 0: $out"; failures=$((failures + 1))
+fi
 case "$out" in
   *"total"*) ;;
   *) echo "FAIL plan without its data file: no plan printed: $out"; failures=$((failures + 1)) ;;

@@ -65,7 +65,8 @@ DecoderBatch to_batch(TokenSequences s) {
 
 class DecoderRank final : public RankModel {
  public:
-  DecoderRank(std::unique_ptr<Decoder> model, int vocab) : model_(std::move(model)), vocab_(vocab) {}
+  DecoderRank(std::unique_ptr<Decoder> model, int vocab)
+      : model_(std::move(model)), vocab_(vocab) {}
   double train_micro(Engine& engine, TokenSequences batch) override {
     return model_->train_step(engine, to_batch(std::move(batch)));
   }
@@ -98,9 +99,7 @@ class DecoderRank final : public RankModel {
 class DecoderRun final : public RunModel {
  public:
   explicit DecoderRun(const TrainConfig& c)
-      : config_(c.decoder),
-        seed_(c.seed),
-        on_cuda_(c.backend.kind == DeviceKind::cuda) {
+      : config_(c.decoder), seed_(c.seed), on_cuda_(c.backend.kind == DeviceKind::cuda) {
     if (!config_.path.empty())
       checkpoint_.emplace(HfCheckpoint::open(config_.path, {config_.seq_len, "data.seq_len"}));
   }
@@ -132,8 +131,7 @@ class DecoderRun final : public RunModel {
   std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
                                              MemorySpace& space) const override {
     return std::make_unique<DecoderRank>(
-        make_decoder(config_.shape, micro, config_.seq_len, dtype, space,
-                     config_.recompute_layers),
+        make_decoder(config_.shape, micro, config_.seq_len, dtype, space, config_.recompute_layers),
         config_.shape.vocab);
   }
   std::int64_t tokens_per_sample() const override { return config_.seq_len; }

@@ -286,7 +286,8 @@ const char* stop_signal_name(int signal) {
 }
 
 const RunData& data_of(const TrainConfig& config) {
-  if (!config.data) throw Error("the config was read for a plan (ConfigFor::plan): no data is open");
+  if (!config.data)
+    throw Error("the config was read for a plan (ConfigFor::plan): no data is open");
   return *config.data;
 }
 
