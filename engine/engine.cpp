@@ -87,35 +87,53 @@ Engine::Engine(EngineConfig config, Communicator& comm, MemorySpace& space,
 
 Engine::~Engine() = default;
 
+namespace {
+
+// Where add_param records the declarations: the Engine's Impl, or plan_memory's own lists (a plan
+// without an Engine checks and orders them by the same code).
+struct Declarations {
+  std::vector<Param>& params;
+  std::unordered_map<std::string, std::size_t>& by_name;
+  std::vector<std::string>& group_names;  // in order of first declaration
+  std::unordered_set<std::string>& declared_groups;
+
+  void add(std::string name, std::vector<std::int64_t> shape, std::string group) {
+    if (name.empty()) throw ConfigError("Engine::add_param: a param needs a name");
+    if (group.empty())
+      throw ConfigError(fmt::format("Engine::add_param: '{}' needs a group name", name));
+    if (by_name.count(name))
+      throw ConfigError(fmt::format("Engine::add_param: duplicate param name '{}'", name));
+    bool positive = !shape.empty();
+    for (auto extent : shape) positive = positive && extent > 0;
+    if (!positive)
+      throw ConfigError(fmt::format("Engine::add_param: '{}' has zero elements (shape {})", name,
+                                    shape_text(shape)));
+    // Checked as it is multiplied: {2^32, 2^32} would wrap to 0 elements, {INT64_MAX, 4} to -4.
+    // The bound leaves room for the bytes of every kind of state an element has (bit16 weight
+    // and gradient, fp32 master, two fp32 moments) in an int64.
+    std::int64_t numel = 1;
+    for (auto extent : shape)
+      if (__builtin_mul_overflow(numel, extent, &numel) || numel > Engine::kMaxParamElements)
+        throw ConfigError(fmt::format(
+            "Engine::add_param: '{}' (shape {}) has more than {} elements, the most a param may "
+            "have",
+            name, shape_text(shape), Engine::kMaxParamElements));
+    if (declared_groups.insert(group).second) group_names.push_back(group);
+    Param p;
+    p.info = {std::move(name), std::move(shape), numel, std::move(group)};
+    by_name.emplace(p.info.name, params.size());
+    params.push_back(std::move(p));
+  }
+};
+
+}  // namespace
+
 void Engine::add_param(std::string name, std::vector<std::int64_t> shape, std::string group) {
   if (impl_->built)
     throw ConfigError(fmt::format("Engine::add_param: '{}' declared after build()", name));
-  if (name.empty()) throw ConfigError("Engine::add_param: a param needs a name");
-  if (group.empty())
-    throw ConfigError(fmt::format("Engine::add_param: '{}' needs a group name", name));
-  if (impl_->by_name.count(name))
-    throw ConfigError(fmt::format("Engine::add_param: duplicate param name '{}'", name));
-  bool positive = !shape.empty();
-  for (auto extent : shape) positive = positive && extent > 0;
-  if (!positive)
-    throw ConfigError(fmt::format("Engine::add_param: '{}' has zero elements (shape {})", name,
-                                  shape_text(shape)));
-  // Checked as it is multiplied: {2^32, 2^32} would wrap to 0 elements, {INT64_MAX, 4} to -4.
-  // The bound leaves room for the bytes of every kind of state an element has (bit16 weight and
-  // gradient, fp32 master, two fp32 moments) in an int64.
-  std::int64_t numel = 1;
-  for (auto extent : shape)
-    if (__builtin_mul_overflow(numel, extent, &numel) || numel > kMaxParamElements)
-      throw ConfigError(fmt::format(
-          "Engine::add_param: '{}' (shape {}) has more than {} elements, the most a param may "
-          "have",
-          name, shape_text(shape), kMaxParamElements));
-  if (impl_->declared_groups.insert(group).second) impl_->group_names.push_back(group);
-  Param p;
-  p.info = {std::move(name), std::move(shape), numel, std::move(group)};
-  impl_->by_name.emplace(p.info.name, impl_->params.size());
-  impl_->infos.push_back(p.info);
-  impl_->params.push_back(std::move(p));
+  Declarations{impl_->params, impl_->by_name, impl_->group_names, impl_->declared_groups}.add(
+      std::move(name), std::move(shape), std::move(group));
+  impl_->infos.push_back(impl_->params.back().info);
 }
 
 void Engine::set_group_weight_decay(const std::string& group, double weight_decay) {
@@ -201,9 +219,26 @@ static std::int64_t bucket_capacity(const EngineConfig& config, const std::vecto
   return std::max<std::int64_t>(capacity, world_size);
 }
 
-MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at_build) const {
-  if (impl_->params.empty()) throw ConfigError("Engine::plan: no params declared");
-  if (active_at_build && impl_->built)
+namespace {
+
+// What a plan is made of: the declarations and, after build(), the groups' states and the bucket
+// capacity build chose. Engine::plan gives its own; plan_memory, before any build, its lists.
+struct PlanSource {
+  const EngineConfig& config;
+  const std::vector<Param>& params;
+  const std::vector<std::string>& group_names;
+  const std::unordered_set<std::string>& declared_groups;
+  const std::map<std::string, double>& weight_decay;
+  int world_size = 1;
+  int rank = 0;
+  const std::vector<Group>* built = nullptr;  // the built groups; null before build()
+  std::int64_t capacity = 0;                  // build's bucket capacity, after build()
+};
+
+MemoryPlan plan_of(const PlanSource& in,
+                   const std::optional<std::vector<std::string>>& active_at_build) {
+  if (in.params.empty()) throw ConfigError("Engine::plan: no params declared");
+  if (active_at_build && in.built)
     throw StateError("Engine::plan: an active set can only be assumed before build()");
   const std::unordered_set<std::string_view> assumed =
       active_at_build ? std::unordered_set<std::string_view>(active_at_build->begin(),
@@ -211,27 +246,26 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
                       : std::unordered_set<std::string_view>();
   if (active_at_build)
     for (const auto& name : *active_at_build)
-      if (!impl_->declared_groups.count(name))
+      if (!in.declared_groups.count(name))
         throw ConfigError(fmt::format("Engine::plan: no group named '{}'", name));
-  auto params = impl_->params;
-  const bool built = impl_->built;
-  const auto planned = plan_groups(impl_->config, impl_->group_names, params, impl_->weight_decay,
-                                   impl_->comm.world_size(), impl_->comm.rank());
-  const auto psize = static_cast<std::int64_t>(dtype_size(impl_->config.dtype));
-  const auto gsize = static_cast<std::int64_t>(dtype_size(impl_->config.grad_type()));
-  const auto slots = impl_->config.optimizer.state_slots();
+  auto params = in.params;
+  const auto planned =
+      plan_groups(in.config, in.group_names, params, in.weight_decay, in.world_size, in.rank);
+  const auto psize = static_cast<std::int64_t>(dtype_size(in.config.dtype));
+  const auto gsize = static_cast<std::int64_t>(dtype_size(in.config.grad_type()));
+  const auto slots = in.config.optimizer.state_slots();
+  const bool in_place = accumulates_in_place(in.config, in.world_size);
   MemoryPlan plan;
   auto add = [&](Tag t, std::int64_t bytes) { plan.bytes[static_cast<std::size_t>(t)] += bytes; };
   for (std::size_t i = 0; i < planned.size(); ++i) {
     const Group& g = planned[i];
     add(Tag::param16, g.layout.total_numel() * psize);
     // Before build() every group counts as active (build's default), unless told otherwise.
-    const Group* now = built ? &impl_->groups[i] : nullptr;
-    const bool active = now != nullptr ? now->active
-                                       : !active_at_build || assumed.count(impl_->group_names[i]);
+    const Group* now = in.built ? &(*in.built)[i] : nullptr;
+    const bool active =
+        now != nullptr ? now->active : !active_at_build || assumed.count(in.group_names[i]);
     const bool kept_on_device =
         now != nullptr && now->kept && now->kept->policy == DeactivatePolicy::keep_device;
-    const bool in_place = accumulates_in_place(impl_->config, impl_->comm.world_size());
     if (active) add(Tag::grad, (in_place ? g.layout.total_numel() : g.shard.numel()) * gsize);
     if (active || kept_on_device) {
       add(Tag::master32, g.shard.numel() * 4);
@@ -239,14 +273,54 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
     }
   }
   // After build the buckets exist: their size stays what build chose, whatever reform does.
-  const auto capacity = built ? impl_->capacity
-                              : bucket_capacity(impl_->config, planned, params, impl_->comm.world_size(), false);
-  if (!accumulates_in_place(impl_->config, impl_->comm.world_size()))
-    add(Tag::grad, 2 * capacity * gsize);
+  const auto capacity =
+      in.built ? in.capacity : bucket_capacity(in.config, planned, params, in.world_size, false);
+  if (!in_place) add(Tag::grad, 2 * capacity * gsize);
   add(Tag::comm, kScalarBytes);
-  if (impl_->config.compressed())
-    add(Tag::comm, capacity * static_cast<std::int64_t>(dtype_size(impl_->config.comm_type())));
+  if (in.config.compressed())
+    add(Tag::comm, capacity * static_cast<std::int64_t>(dtype_size(in.config.comm_type())));
   return plan;
+}
+
+}  // namespace
+
+MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at_build) const {
+  return plan_of({.config = impl_->config,
+                  .params = impl_->params,
+                  .group_names = impl_->group_names,
+                  .declared_groups = impl_->declared_groups,
+                  .weight_decay = impl_->weight_decay,
+                  .world_size = impl_->comm.world_size(),
+                  .rank = impl_->comm.rank(),
+                  .built = impl_->built ? &impl_->groups : nullptr,
+                  .capacity = impl_->capacity},
+                 active_at_build);
+}
+
+MemoryPlan plan_memory(const EngineConfig& config, int world_size, int rank,
+                       const std::vector<ParamDeclaration>& params,
+                       const std::optional<std::vector<std::string>>& active_at_build) {
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw ConfigError(
+        fmt::format("plan_memory: rank {} of world size {}: needs world size >= 1 "
+                    "and 0 <= rank < world size",
+                    rank, world_size));
+  const EngineConfig checked = validated(config);  // as the Engine's constructor checks it
+  std::vector<Param> declared;
+  std::unordered_map<std::string, std::size_t> by_name;
+  std::vector<std::string> group_names;
+  std::unordered_set<std::string> declared_groups;
+  Declarations into{declared, by_name, group_names, declared_groups};
+  for (const auto& p : params) into.add(p.name, p.shape, p.group);
+  const std::map<std::string, double> no_weight_decay;  // changes no byte
+  return plan_of({.config = checked,
+                  .params = declared,
+                  .group_names = group_names,
+                  .declared_groups = declared_groups,
+                  .weight_decay = no_weight_decay,
+                  .world_size = world_size,
+                  .rank = rank},
+                 active_at_build);
 }
 
 void Engine::build(const WeightInit& init, const std::optional<std::vector<std::string>>& active) {

@@ -378,6 +378,24 @@ TEST_CASE("the plan names every tag and the activations of every rank") {
   REQUIRE(plan_memory(config, *make_run_model(config), 0).activation > 0);
 }
 
+TEST_CASE("a config read for a plan opens no data and plans what a run's reading plans") {
+  auto j = small_run();
+  j["world_size"] = 3;
+  std::ostringstream of_run;
+  print_plan(load(j), of_run);
+  j["data"]["train"] = "/nonexistent/tokens_*.bin";  // a plan needs no data file
+  ConfigReader reader(j, "test.json");
+  const TrainConfig config = train_config_from_json(reader, ConfigFor::plan);
+  REQUIRE(config.data == nullptr);
+  std::ostringstream of_plan;
+  print_plan(config, of_plan);
+  REQUIRE(of_plan.str() == of_run.str());
+  REQUIRE(test::contains(test::message_of<Error>([&] { data_of(config); }), "read for a plan"));
+  // A run's reading opens the data, and refuses what is not there, naming the key.
+  REQUIRE(load(small_run()).data != nullptr);
+  REQUIRE(test::contains(config_error(j), "test.json: data.train = \"/nonexistent/tokens_*.bin\""));
+}
+
 TEST_CASE("shardswap.comm_timeout_s is read in seconds, negative and non-numbers are refused") {
   REQUIRE(load(small_run()).comm_timeout == std::chrono::milliseconds(0));  // absent: forever
   auto j = small_run();

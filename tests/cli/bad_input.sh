@@ -116,5 +116,17 @@ case "$out" in
   *) echo "FAIL plan: the message does not name model.num_hidden_layers: $out"; failures=$((failures + 1)) ;;
 esac
 
+# The missing data file train refuses above is no mistake for `plan`, which opens no data: it
+# plans from the model's shapes and data.seq_len alone.
+cases=$((cases + 1))
+out=$("$bin" plan --config "$config" --set data.train=/nonexistent/corpus.txt 2>&1)
+if [ $? -ne 0 ]; then
+  echo "FAIL plan without its data file: exit not 0: $out"; failures=$((failures + 1))
+fi
+case "$out" in
+  *"total"*) ;;
+  *) echo "FAIL plan without its data file: no plan printed: $out"; failures=$((failures + 1)) ;;
+esac
+
 echo "$cases cases, $failures failed"
 [ "$failures" -eq 0 ]

@@ -164,7 +164,8 @@ ConfigArgs ConfigArgs::parse(const std::vector<std::string>& args, const OtherFl
   return parsed;
 }
 
-shardswap::TrainConfig load_config(const ConfigArgs& args) {
+shardswap::TrainConfig load_config(const ConfigArgs& args,
+                                   shardswap::ConfigFor purpose = shardswap::ConfigFor::run) {
   if (args.path.empty()) throw BadUsage("needs --config FILE");
   auto reader = shardswap::ConfigReader::from_file(args.path);
   for (const auto& o : args.overrides) reader.set(o);
@@ -172,7 +173,7 @@ shardswap::TrainConfig load_config(const ConfigArgs& args) {
   // Started as one process per rank (mpirun, srun)? Then world_size is the job's.
   const auto launch = shardswap::process_launch_from_env();
   shardswap::apply_launch_world_size(reader, launch);
-  auto config = shardswap::train_config_from_json(reader);
+  auto config = shardswap::train_config_from_json(reader, purpose);
   shardswap::attach_process_launch(config, launch);
   // Every rank reads the same config: rank 0 alone says what is wrong with it (errors are
   // thrown on every rank, which each ends with its own message).
@@ -358,7 +359,8 @@ int eval_command(const std::vector<std::string>& args) {
 }
 
 int plan_command(const std::vector<std::string>& args) {
-  const auto config = load_config(ConfigArgs::parse(args));
+  // A plan needs the model's shapes alone: the data is never opened (nor needs to exist).
+  const auto config = load_config(ConfigArgs::parse(args), shardswap::ConfigFor::plan);
   if (runs_whole_command(config)) shardswap::print_plan(config, std::cout);
   return 0;
 }

@@ -181,7 +181,7 @@ class EngineDecoder final : public Decoder {
     const auto numel = static_cast<std::size_t>(numel_of(param_shape(shape_, id.kind)));
     if (v.dtype() != dtype_ || v.count() != numel)
       throw ConfigError(fmt::format(
-          "{}: weight '{}' is {} x {}; the model was made for {} x {} (Decoder::declare and "
+          "{}: weight '{}' is {} x {}; the model was made for {} x {} (decoder_params and "
           "the engine's dtype)",
           fn, name, dtype_name(v.dtype()), v.count(), dtype_name(dtype_), numel));
     return v.raw();
@@ -334,10 +334,6 @@ double decoder_step_flops(const DecoderShape& s, std::int64_t tokens, int seq_le
   const double n = static_cast<double>(decoder_param_count(s));
   const double attention = 12.0 * s.layers * static_cast<double>(s.q_width()) * seq_len;
   return (6.0 * n + attention) * static_cast<double>(tokens);
-}
-
-void Decoder::declare(const DecoderShape& shape, Engine& engine) {
-  for (auto& p : decoder_params(shape)) engine.add_param(p.name, p.shape, p.group);
 }
 
 void Decoder::init(const DecoderShape& shape, const ParamInfo& param, std::span<float> values,

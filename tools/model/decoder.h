@@ -76,8 +76,6 @@ class Decoder {
  public:
   virtual ~Decoder() = default;
 
-  /// Declares every param with its group, in forward order.
-  static void declare(const DecoderShape& shape, Engine& engine);
   /// Initial values of a model from scratch, a pure function of (seed, param name) as
   /// transformers initialises these models: matrices and the embedding N(0, 0.02), norm weights
   /// 1, biases 0.

@@ -1,6 +1,6 @@
 // The decoder behind RunModel: its config (model.* and data.* keys), its weights (from scratch or
-// a Hugging Face folder), and its data (token files or bytes, the global batch of a step drawn
-// the same at any world size).
+// a Hugging Face folder); and the run's data it reads (token files or bytes, the global batch of
+// a step drawn the same at any world size), opened apart from the model (RunData).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -65,16 +65,13 @@ DecoderBatch to_batch(TokenSequences s) {
 
 class DecoderRank final : public RankModel {
  public:
-  DecoderRank(std::unique_ptr<Decoder> model, const TokenDataset& data, int micro,
-              int global_batch)
-      : model_(std::move(model)), data_(data), micro_(micro), global_batch_(global_batch) {}
-  double train_micro(Engine& engine, std::int64_t step, int rank, int world,
-                     int micro) override {
-    return model_->train_step(
-        engine, to_batch(data_.train_batch(step, global_batch_, rank, world, micro, micro_)));
+  DecoderRank(std::unique_ptr<Decoder> model, int vocab)
+      : model_(std::move(model)), vocab_(vocab) {}
+  double train_micro(Engine& engine, TokenSequences batch) override {
+    return model_->train_step(engine, to_batch(std::move(batch)));
   }
-  double val_loss(const Engine& engine, int index) override {
-    return model_->loss(engine, to_batch(data_.val_batch(index, micro_)));
+  double val_loss(const Engine& engine, TokenSequences batch) override {
+    return model_->loss(engine, to_batch(std::move(batch)));
   }
   void time_phases(bool on) override { model_->time_phases(on); }
   std::vector<std::pair<std::string, double>> take_phase_seconds() override {
@@ -88,33 +85,32 @@ class DecoderRank final : public RankModel {
             {"backward", t.backward / 1e3},
             {"attention backward", t.attention_backward / 1e3}};
   }
-  ValLogits val_logits(const Engine& engine, int index) override {
-    DecoderBatch b = to_batch(data_.val_batch(index, micro_));
-    ValLogits out{b.sequences, b.seq_len, data_.vocab(), b.inputs, model_->logits(engine, b)};
+  ValLogits val_logits(const Engine& engine, TokenSequences batch) override {
+    DecoderBatch b = to_batch(std::move(batch));
+    ValLogits out{b.sequences, b.seq_len, vocab_, b.inputs, model_->logits(engine, b)};
     return out;
   }
 
  private:
   std::unique_ptr<Decoder> model_;
-  const TokenDataset& data_;
-  int micro_;
-  int global_batch_;
+  int vocab_;
 };
 
 class DecoderRun final : public RunModel {
  public:
   explicit DecoderRun(const TrainConfig& c)
-      : config_(c.decoder),
-        seed_(c.seed),
-        global_batch_(c.batches.train_samples),
-        on_cuda_(c.backend.kind == DeviceKind::cuda),
-        data_(token_spec(c)) {
+      : config_(c.decoder), seed_(c.seed), on_cuda_(c.backend.kind == DeviceKind::cuda) {
     if (!config_.path.empty())
       checkpoint_.emplace(HfCheckpoint::open(config_.path, {config_.seq_len, "data.seq_len"}));
   }
   std::vector<std::string> groups() const override { return decoder_groups(config_.shape); }
   std::int64_t param_count() const override { return decoder_param_count(config_.shape); }
-  void declare(Engine& engine) const override { Decoder::declare(config_.shape, engine); }
+  std::vector<ParamDeclaration> declarations() const override {
+    std::vector<ParamDeclaration> out;
+    for (auto& p : decoder_params(config_.shape))
+      out.push_back({std::move(p.name), std::move(p.shape), std::move(p.group)});
+    return out;
+  }
   void init(const ParamInfo& param, std::span<float> values) const override {
     if (checkpoint_) {
       checkpoint_->copy(param.name, DType::f32, std::as_writable_bytes(values));
@@ -135,10 +131,8 @@ class DecoderRun final : public RunModel {
   std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
                                              MemorySpace& space) const override {
     return std::make_unique<DecoderRank>(
-        make_decoder(config_.shape, micro, config_.seq_len, dtype, space,
-                     config_.recompute_layers),
-        data_, micro,
-        global_batch_);
+        make_decoder(config_.shape, micro, config_.seq_len, dtype, space, config_.recompute_layers),
+        config_.shape.vocab);
   }
   std::int64_t tokens_per_sample() const override { return config_.seq_len; }
   double micro_flops(int micro) const override {
@@ -159,12 +153,8 @@ class DecoderRun final : public RunModel {
         // Which attention a GPU run has is said, never left to guess (docs/models.md).
         on_cuda_ ? ", attention: " + lm::dec::cuda_attention_name(s) : "");
   }
-  std::string describe_data() const override {
-    return fmt::format("data {} ({} sequences, {} tokens; {} validation sequences)",
-                       config_.data_train, data_.train_samples(), data_.train_tokens(),
-                       data_.val_samples());
-  }
   std::string type_name() const override { return "decoder"; }
+  nlohmann::json checkpoint_extra() const override { return {{"hf_config", config_.hf_config}}; }
 
  private:
   DecoderRunConfig config_;
@@ -172,9 +162,7 @@ class DecoderRun final : public RunModel {
   // From scratch: Decoder::init's values, drawn ahead (init is const: made on first use).
   mutable std::once_flag init_ahead_made_;
   mutable std::unique_ptr<InitAhead> init_ahead_;
-  int global_batch_;
   bool on_cuda_;
-  TokenDataset data_;
   std::optional<HfCheckpoint> checkpoint_;
 };
 
@@ -222,17 +210,22 @@ void decoder_config_from_json(ConfigReader& c, TrainConfig& t) {
   if (d.data_train.empty()) c.fail("data.train", "is required for model.type \"decoder\"");
   d.data_val = c.string("data.val", "");
   t.val_fraction = c.number("data.val_fraction", t.val_fraction);
+}
+
+std::shared_ptr<const RunData> open_run_data(ConfigReader& c, const TrainConfig& t) {
   try {
-    const TokenDataset check(token_spec(t));  // every file opened and checked now
-    if (!check.has_val())
+    auto data = std::make_shared<const RunData>(token_spec(t), t.batches.train_samples,
+                                                t.batches.micro_samples);
+    if (!data->has_val())
       c.fail("data.val", "no validation set: give data.val (or data.tokenizer \"bytes\")");
+    return data;
   } catch (const ConfigError& e) {
     c.rethrow_naming_file(e);
   }
 }
 
 std::vector<std::filesystem::path> decoder_input_files(const TrainConfig& t) {
-  // The token files by name alone: the config check has opened and scanned them already.
+  // The token files by name alone: the run's data (open_run_data) has opened and scanned them.
   std::vector<std::filesystem::path> files;
   for (const auto& f : token_data_files(token_spec(t))) files.emplace_back(f);
   if (!t.decoder.path.empty()) {

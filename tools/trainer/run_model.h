@@ -1,7 +1,11 @@
-// What `shardswap train`, `plan` and `eval` run: the model with its data. The training loop
-// (tools/trainer/train.cpp) sees only this interface; the model says what its params are, how much working
-// memory it takes, how it draws a rank's micro-batch of a step and a validation batch.
+// What `shardswap train`, `plan` and `eval` run: the model, apart from its data (RunData,
+// tools/trainer/run_data.h). The training loop (tools/trainer/train.cpp) sees only this interface;
+// the model says what its params are and how much working memory and work it takes, all from its
+// config alone (a plan opens no file of data), and a rank's model trains on the batches the
+// trainer draws for it.
 #pragma once
+
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -13,6 +17,7 @@
 #include "shardswap/allocator.h"
 #include "shardswap/dtype.h"
 #include "shardswap/engine.h"
+#include "data/token_data.h"
 
 namespace shardswap {
 
@@ -24,19 +29,18 @@ struct ValLogits {
   std::vector<float> logits;         ///< sequences * seq_len * vocab
 };
 
-/// One rank's model with its working memory, made once per rank.
+/// One rank's model with its working memory, made once per rank; it holds no data.
 class RankModel {
  public:
   virtual ~RankModel() = default;
-  /// Forward and backward of micro-batch `micro` of `step` on `rank` of `world`, adding
-  /// gradients into the engine's slots (Engine::grad_slot / grad_ready). Returns its mean loss.
-  virtual double train_micro(Engine& engine, std::int64_t step, int rank, int world,
-                             int micro) = 0;
-  /// The mean loss of validation batch `index` (a fixed slice of the validation data).
-  virtual double val_loss(const Engine& engine, int index) = 0;
-  /// The inputs of validation batch `index` and every position's logits ([inputs, vocab]),
-  /// for checks against another implementation. ConfigError for a model that has none.
-  virtual ValLogits val_logits(const Engine& engine, int index) = 0;
+  /// Forward and backward of one micro-batch, adding gradients into the engine's slots
+  /// (Engine::grad_slot / grad_ready). Returns its mean loss.
+  virtual double train_micro(Engine& engine, TokenSequences batch) = 0;
+  /// The mean loss of a validation batch.
+  virtual double val_loss(const Engine& engine, TokenSequences batch) = 0;
+  /// The inputs of a validation batch and every position's logits ([inputs, vocab]), for checks
+  /// against another implementation. ConfigError for a model that has none.
+  virtual ValLogits val_logits(const Engine& engine, TokenSequences batch) = 0;
   /// GPU time of the model's phases (`logging.timing` on a GPU): on, then after each step the
   /// seconds of each phase since the last take, named ("forward", "attention forward", ...).
   /// A model without phase timing returns none.
@@ -44,13 +48,18 @@ class RankModel {
   virtual std::vector<std::pair<std::string, double>> take_phase_seconds() { return {}; }
 };
 
+/// A run's model, described from its config alone and shared by its ranks: what a plan asks
+/// (groups, declarations, bytes, flops) costs no data and no Engine.
 class RunModel {
  public:
   virtual ~RunModel() = default;
   /// The groups in declaration order ("embed", "layers.0", ..., "head").
   virtual std::vector<std::string> groups() const = 0;
   virtual std::int64_t param_count() const = 0;
-  virtual void declare(Engine& engine) const = 0;
+  /// Every param in declaration order: what declare() adds, and what a plan is made of without
+  /// an Engine (plan_memory).
+  virtual std::vector<ParamDeclaration> declarations() const = 0;
+  void declare(Engine& engine) const;
   /// The initial weights: from scratch (a pure function of the seed) or read from a checkpoint.
   virtual void init(const ParamInfo& param, std::span<float> values) const = 0;
   /// Exact bytes of Tag::activation a RankModel of a micro-batch of `micro` samples holds.
@@ -63,18 +72,22 @@ class RunModel {
   virtual double micro_flops(int micro) const = 0;
   /// The GEMM (m, n, k) whose cuBLAS rate is the yardstick of the model's rate.
   virtual std::vector<int> reference_gemm(int micro) const = 0;
-  /// "decoder llama 1234 params, ..." and "data FILE (...)": the start-up line's parts.
+  /// "decoder llama 1234 params, ...": the start-up line's part.
   virtual std::string describe() const = 0;
-  virtual std::string describe_data() const = 0;
   /// "decoder": the plan's first line.
   virtual std::string type_name() const = 0;
+  /// The model's fields of a checkpoint's `extra`, beside the trainer's (step, updates, seed):
+  /// the decoder's hf_config, the config.json `ckpt export --format hf` writes.
+  virtual nlohmann::json checkpoint_extra() const = 0;
 };
 
-/// The model of the config's model.type; reads no weights until init() is asked for them.
+/// The model of the config's model.type; reads no weights until init() is asked for them, and
+/// no data.
 std::unique_ptr<RunModel> make_run_model(const TrainConfig& config);
 
 /// The model's groups as layer switching (layer_switching) sees them, known from the config's
-/// model keys alone: the config reader checks the schedule with them before any data is opened.
+/// model keys alone: the config reader checks the schedule with them, for a plan too, which opens
+/// no data.
 struct SwitchingGroups {
   std::vector<std::string> all;  ///< every group, in declaration order (RunModel::groups())
   /// What LISA and BAdam switch when layer_switching.layers is absent: the body's layers.

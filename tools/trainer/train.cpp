@@ -97,7 +97,7 @@ void check_plan_fits(const TrainConfig& config, const PlannedMemory& rank0) {
       static_cast<double>(memory) / 1073741824.0));
 }
 
-TrainConfig train_config_from_json(ConfigReader& c) {
+TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   TrainConfig t;
   const auto positive = [&](std::string_view key, std::int64_t fallback, std::int64_t max) {
     const auto v = c.integer(key, fallback);
@@ -130,6 +130,8 @@ TrainConfig train_config_from_json(ConfigReader& c) {
                                        key));
   // The model before the engine: Hugging Face's "auto" reduce bucket is the hidden size squared.
   decoder_config_from_json(c, t);
+  // The data's one opening in a run, checked before any later key as it always was.
+  if (purpose == ConfigFor::run) t.data = open_run_data(c, t);
   t.engine = engine_config_from_json(c, t.batches, t.decoder.shape.hidden);
   try {
     t.decoder.hf_config = hf_config_to_json(t.decoder.shape, t.engine.dtype);
@@ -186,13 +188,9 @@ TrainConfig train_config_from_json(ConfigReader& c) {
 }
 
 PlannedMemory plan_memory(const TrainConfig& config, const RunModel& model, int rank) {
-  // Declarations only: the group's ranks never exchange anything and the space never allocates.
-  InProcessGroup group(config.world_size);
-  MemorySpace space(rank, make_host_allocator());
-  Engine engine(config.engine, group.rank(rank), space);
-  model.declare(engine);
   PlannedMemory p;
-  p.engine = engine.plan(config.schedule->active_at(0));
+  p.engine = plan_memory(config.engine, config.world_size, rank, model.declarations(),
+                         config.schedule->active_at(0));
   p.activation = model.activation_bytes(config.batches.micro_samples, config.engine.dtype,
                                         config.backend.kind);
   return p;
@@ -239,6 +237,7 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
 
 EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint,
                      bool logits) {
+  const RunData& data = data_of(config);
   const auto run = make_run_model(config);
   const Backend backend = open_backend(config.backend);
   check_plan_fits(config, plan_memory(config, *run, 0));
@@ -262,11 +261,12 @@ EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& che
     }
     auto model = run->make_rank_model(config.batches.micro_samples, config.engine.dtype, space);
     double sum = 0.0;
-    for (int b = rank; b < config.eval_batches; b += world) sum += model->val_loss(engine, b);
+    for (int b = rank; b < config.eval_batches; b += world)
+      sum += model->val_loss(engine, data.val_batch(b));
     const double mean = engine.sum_across_ranks(sum) / config.eval_batches;
     if (rank == 0) {
       summary.val_loss = mean;
-      if (logits) summary.logits = model->val_logits(engine, 0);
+      if (logits) summary.logits = model->val_logits(engine, data.val_batch(0));
     }
   });
   return summary;
@@ -283,6 +283,12 @@ const char* stop_signal_name(int signal) {
     default:
       return "a signal";
   }
+}
+
+const RunData& data_of(const TrainConfig& config) {
+  if (!config.data)
+    throw Error("the config was read for a plan (ConfigFor::plan): no data is open");
+  return *config.data;
 }
 
 void run_in_process_ranks(const TrainConfig& config, const Backend& backend,
@@ -426,11 +432,12 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   const std::optional<CheckpointDirLock> dir_lock =
       leads && !config.checkpoint.dir.empty() ? hold_checkpoint_dir(config.checkpoint.dir)
                                               : std::nullopt;
-  const auto model = make_run_model(config);  // the model and its data
+  const RunData& data = data_of(config);
+  const auto model = make_run_model(config);
   const Backend backend = open_backend(config.backend);
   const PlannedMemory predicted = plan_memory(config, *model, 0);
   check_plan_fits(config, predicted);
-  TrainRun run(config, out, *model, backend);
+  TrainRun run(config, out, *model, data, backend);
   run.predicted_bytes = predicted.total();
   run.tokens_per_step = static_cast<double>(config.batches.micro_samples) *
                         config.batches.gradient_accumulation_steps * config.world_size *

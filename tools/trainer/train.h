@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -25,6 +26,7 @@
 #include "shardswap/lr_schedule.h"
 #include "model/decoder_compute.h"
 #include "trainer/process_launch.h"
+#include "trainer/run_data.h"
 #include "trainer/run_model.h"
 #include "trainer/tensorboard.h"
 
@@ -77,8 +79,11 @@ struct TrainConfig;
 std::vector<std::filesystem::path> decoder_input_files(const TrainConfig& t);
 /// Reads the decoder's keys into t.decoder (model.path or the inline config.json fields under
 /// model.*, data.seq_len, data.train, data.val, data.tokenizer, data.val_fraction) and checks the
-/// model folder's tensors and every data file now. Throws ConfigError naming the key and file.
+/// model folder's tensors now. Throws ConfigError naming the key and file.
 void decoder_config_from_json(ConfigReader& c, TrainConfig& t);
+/// The run's data of the decoder keys read into t, every file opened and checked once (a run
+/// without validation data is refused). Throws ConfigError naming the key and file.
+std::shared_ptr<const RunData> open_run_data(ConfigReader& c, const TrainConfig& t);
 
 struct TrainConfig {
   EngineConfig engine;
@@ -104,6 +109,9 @@ struct TrainConfig {
   /// layer_switching, checked against the model's groups when the config is read: the run's one
   /// schedule (set by train_config_from_json; plan, train and eval read it).
   std::optional<LayerSchedule> schedule;
+  /// The data train and eval draw from, opened once when the config is read for a run and
+  /// shared by its ranks; none for a plan (ConfigFor::plan), which needs the shapes alone.
+  std::shared_ptr<const RunData> data;
   nlohmann::json source;           ///< the config as read, recorded in checkpoints
   CheckpointConfig checkpoint;
   /// Set (by attach_process_launch) when this process is one rank of a job of one process per
@@ -112,11 +120,13 @@ struct TrainConfig {
   TensorBoardConfig tensorboard;  ///< DeepSpeed's tensorboard section (tools/trainer/tensorboard.h)
 };
 
-/// Reads every key of the run and checks it (batch sizes, schedule against the model's groups,
-/// the data file exists) before anything is allocated; unknown keys in ShardSwap's own sections
-/// are errors. Throws ConfigError naming the key and the file. DeepSpeed keys that are not
-/// implemented are left for config_warnings(reader).
-TrainConfig train_config_from_json(ConfigReader& reader);
+/// What a config is read for: a run (train, eval) opens its data; a plan opens none.
+enum class ConfigFor { run, plan };
+/// Reads every key of the run and checks it (batch sizes, schedule against the model's groups;
+/// for a run, every data file, opened into TrainConfig::data) before anything is allocated;
+/// unknown keys in ShardSwap's own sections are errors. Throws ConfigError naming the key and the
+/// file. DeepSpeed keys that are not implemented are left for config_warnings(reader).
+TrainConfig train_config_from_json(ConfigReader& reader, ConfigFor purpose = ConfigFor::run);
 
 /// Bytes of one rank (rank 0, or the largest over ranks) before anything is allocated.
 struct PlannedMemory {
@@ -125,7 +135,7 @@ struct PlannedMemory {
   std::int64_t total() const { return engine.total() + activation; }
 };
 /// The plan of `rank` for the config's `model` (the engine's plan with the active set of step 0,
-/// plus the model's activations). Allocates nothing.
+/// plus the model's activations), from the model's declarations: no Engine, nothing allocated.
 PlannedMemory plan_memory(const TrainConfig& config, const RunModel& model, int rank);
 /// `shardswap plan`: a table of predicted bytes by tag for every rank.
 void print_plan(const TrainConfig& config, std::ostream& out);
@@ -203,6 +213,9 @@ struct EvalSummary {
 /// With `logits`, also validation batch 0's inputs and logits (RankModel::val_logits).
 EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint,
                      bool logits = false);
+
+/// The data of a config read for a run (TrainConfig::data); Error for one read for a plan.
+const RunData& data_of(const TrainConfig& config);
 
 /// "SIGINT", "SIGTERM", "SIGHUP" (the signals the CLI stops on), else "a signal".
 const char* stop_signal_name(int signal);

@@ -155,7 +155,7 @@ void Trainer::open_log() {
       run_.model.describe(), engine_.groups().size(), world_, run_.backend.name(),
       comm_description(config_), config_.engine.stage, dtype_name(config_.engine.dtype),
       optimizer_type_name(config_.engine.optimizer.type), config_.batches.train_samples, micro,
-      config_.batches.gradient_accumulation_steps, world_, run_.model.describe_data());
+      config_.batches.gradient_accumulation_steps, world_, run_.data.describe());
   const LayerSchedule& schedule = *config_.schedule;
   if (schedule.enabled())
     out.log << fmt::format("layer switching: {} every {} steps, policy {}; active now: {}\n",
@@ -226,7 +226,8 @@ void Trainer::begin_training() {
 // Validation: batches rank, rank + world, ... of eval_batches, summed over ranks.
 double Trainer::validate() {
   double sum = 0.0;
-  for (int b = rank_; b < config_.eval_batches; b += world_) sum += model_->val_loss(engine_, b);
+  for (int b = rank_; b < config_.eval_batches; b += world_)
+    sum += model_->val_loss(engine_, run_.data.val_batch(b));
   return engine_.sum_across_ranks(sum) / config_.eval_batches;
 }
 
@@ -257,7 +258,7 @@ Trainer::Step Trainer::train_step(std::int64_t step) {
   const int accumulation = config_.batches.gradient_accumulation_steps;
   double loss = 0.0;
   for (int m = 0; m < accumulation; ++m)
-    loss += model_->train_micro(engine_, step, rank_, world_, m);
+    loss += model_->train_micro(engine_, run_.data.train_micro(step, rank_, world_, m));
   loss /= accumulation;
   if (config_.timing) run_.backend.synchronize();
   s.model_s = seconds_since(started);
@@ -424,9 +425,8 @@ bool Trainer::saves_after(std::int64_t step, bool stopping) const {
 
 void Trainer::save(std::int64_t step, bool stopping) {
   SaveOptions options;
-  options.extra = {{"step", step + 1}, {"updates", updates_}, {"seed", config_.seed}};
-  // What `ckpt export --format hf` writes as the folder's config.json.
-  options.extra["hf_config"] = config_.decoder.hf_config;
+  options.extra = run_.model.checkpoint_extra();
+  options.extra.update({{"step", step + 1}, {"updates", updates_}, {"seed", config_.seed}});
   options.config = config_.source;
   options.run_id = checkpoints_.run_id;
   options.parent = parent_;

@@ -47,12 +47,13 @@ struct CheckpointChoice {
 /// summary and the outputs, under `mu` (the launcher's error lines take it too).
 struct TrainRun {
   TrainRun(const TrainConfig& config, const TrainOutput& out, const RunModel& model,
-           const Backend& backend)
-      : config(config), out(out), model(model), backend(backend) {}
+           const RunData& data, const Backend& backend)
+      : config(config), out(out), model(model), data(data), backend(backend) {}
 
   const TrainConfig& config;
   const TrainOutput& out;
   const RunModel& model;
+  const RunData& data;  ///< opened once; every rank draws its micro-batches from it
   const Backend& backend;
   std::int64_t predicted_bytes = 0;  ///< rank 0's plan, step 0's active set
   double tokens_per_step = 0.0;      ///< over all ranks

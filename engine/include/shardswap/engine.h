@@ -248,4 +248,21 @@ class Engine {
   std::unique_ptr<Impl> impl_;
 };
 
+/// One param as Engine::add_param takes it: a model's declarations listed without an Engine.
+struct ParamDeclaration {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::string group;
+};
+
+/// What Engine::plan(active_at_build) returns before build() for an Engine of `config` on `rank`
+/// of `world_size` whose params are `params`, added in that order: computed by the same code,
+/// without an Engine, a Communicator or a MemorySpace, and allocating nothing (a tool plans every
+/// rank of a run this way). Group weight decays change no byte and are not asked for. Throws
+/// ConfigError as the Engine's constructor, add_param and plan would, and for a world_size below
+/// 1 or a rank outside [0, world_size).
+MemoryPlan plan_memory(const EngineConfig& config, int world_size, int rank,
+                       const std::vector<ParamDeclaration>& params,
+                       const std::optional<std::vector<std::string>>& active_at_build = {});
+
 }  // namespace shardswap

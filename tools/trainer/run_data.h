@@ -1,0 +1,36 @@
+// The training data of a run, apart from its model: opened and checked once per run, when the
+// config is read for train or eval (`plan` opens none), then shared read-only by every rank of
+// the process, each drawing its own micro-batches from it. The model owns no data: the trainer
+// hands each RankModel the batch it trains on.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "data/token_data.h"
+
+namespace shardswap {
+
+class RunData {
+ public:
+  /// Opens and checks every file of `spec` (TokenDataset's ConfigErrors); `global_batch` and
+  /// `micro` are the run's batch sizes in sequences.
+  RunData(const TokenDataSpec& spec, int global_batch, int micro);
+
+  /// Micro-batch `micro_index` of `rank` of `world` at `step`: a pure function of its arguments,
+  /// so any number of threads may draw at once.
+  TokenSequences train_micro(std::int64_t step, int rank, int world, int micro_index) const;
+  /// Validation batch `index` (a fixed slice of the validation data) of the micro-batch's size.
+  TokenSequences val_batch(int index) const;
+  bool has_val() const { return tokens_.has_val(); }
+  /// "data FILES (...)": the start-up line's part.
+  std::string describe() const;
+
+ private:
+  std::string train_;  // data.train as the config gives it
+  TokenDataset tokens_;
+  int global_batch_;
+  int micro_;
+};
+
+}  // namespace shardswap
