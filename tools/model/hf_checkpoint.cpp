@@ -113,143 +113,151 @@ void convert_tensor(const SafetensorsTensor& src, const fs::path& file, DType dt
   });
 }
 
-HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len) {
-  const auto refuse = [&](std::string_view why) {
-    return ConfigError(fmt::format("Hugging Face model folder '{}': {}", folder.string(), why));
-  };
-  struct stat st {};
-  if (::stat(folder.c_str(), &st) != 0)
-    throw refuse(errno == ENOENT ? std::string("no such folder")
-                                 : fmt::format("cannot be read: {}", std::strerror(errno)));
-  if (!S_ISDIR(st.st_mode)) throw refuse(fmt::format("not a folder ({})", file_kind(st.st_mode)));
+ConfigError HfCheckpoint::refusal(std::string_view why) const {
+  return ConfigError(fmt::format("Hugging Face model folder '{}': {}", folder_.string(), why));
+}
 
+HfCheckpoint HfCheckpoint::open(const fs::path& folder, const HfSeqLen& seq_len) {
   HfCheckpoint ck;
   ck.folder_ = folder;
+  struct stat st {};
+  if (::stat(folder.c_str(), &st) != 0)
+    throw ck.refusal(errno == ENOENT ? std::string("no such folder")
+                                     : fmt::format("cannot be read: {}", std::strerror(errno)));
+  if (!S_ISDIR(st.st_mode))
+    throw ck.refusal(fmt::format("not a folder ({})", file_kind(st.st_mode)));
   ck.config_ = read_hf_config(folder / "config.json", seq_len);
+  const Places stored = ck.map_weights();
+  ck.take_params(stored);
+  ck.refuse_leftovers(stored);
+  return ck;
+}
 
-  const bool single = exists_entry(folder / kSingleFile);
-  const bool index = exists_entry(folder / kIndexFile);
+HfCheckpoint::Places HfCheckpoint::map_weights() {
+  const bool single = exists_entry(folder_ / kSingleFile);
+  const bool index = exists_entry(folder_ / kIndexFile);
   if (single && index)
-    throw refuse(fmt::format("holds both {} and {}: which one is the model is ambiguous",
-                             kSingleFile, kIndexFile));
+    throw refusal(fmt::format("holds both {} and {}: which one is the model is ambiguous",
+                              kSingleFile, kIndexFile));
   if (!single && !index)
-    throw refuse(fmt::format("holds neither {} nor {} (only safetensors weights are read)",
-                             kSingleFile, kIndexFile));
+    throw refusal(fmt::format("holds neither {} nor {} (only safetensors weights are read)",
+                              kSingleFile, kIndexFile));
+  if (!single) return map_index(folder_ / kIndexFile);
+  Places stored;  // every tensor of the file
+  files_.push_back(SafetensorsFile::open(folder_ / kSingleFile));
+  const auto& tensors = files_[0].tensors();
+  for (std::size_t t = 0; t < tensors.size(); ++t) stored.emplace(tensors[t].name, Place{0, t});
+  return stored;
+}
 
-  std::map<std::string, Place, std::less<>> stored;  // every tensor of every file
-  if (single) {
-    ck.files_.push_back(SafetensorsFile::open(folder / kSingleFile));
-    const auto& tensors = ck.files_[0].tensors();
-    for (std::size_t t = 0; t < tensors.size(); ++t) stored.emplace(tensors[t].name, Place{0, t});
-  } else {
-    const fs::path index_path = folder / kIndexFile;
-    const auto refuse_index = [&](std::string_view why) {
-      return ConfigError(fmt::format("{}: {}", index_path.string(), why));
-    };
-    if (::stat(index_path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
-      throw refuse_index("not a regular file");
-    // An index lists every tensor once: tens of thousands of names in the largest models, a
-    // few MiB; a bigger one is refused before it is read.
-    json index_json = read_json_file(
-        index_path, JsonLimits{64, kMaxIndexBytes, "a safetensors index"}, "safetensors index");
-    if (!index_json.is_object() || !index_json.contains("weight_map") ||
-        !index_json["weight_map"].is_object())
-      throw refuse_index("not an object with a \"weight_map\" object");
-    // total_size is not checked: writers disagree on what it counts (some count padding or
-    // parameters); the files' own headers are what the weights are read from.
-    std::map<std::string, std::size_t> file_ids;
-    std::vector<std::pair<std::string, std::string>> mapped;  // tensor, file
-    for (const auto& [name, file] : index_json["weight_map"].items()) {
-      if (!file.is_string())
-        throw refuse_index(
-            fmt::format("weight_map {} = {}: not a file name", quote_value(name), file.dump()));
-      const auto f = file.get<std::string>();
-      if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos)
-        throw refuse_index(fmt::format("weight_map {} = {}: not a file name in the folder",
-                                       quote_value(name), quote_value(f)));
-      mapped.emplace_back(name, f);
-      file_ids.emplace(f, 0);
-    }
-    for (auto& [f, id] : file_ids) {
-      id = ck.files_.size();
-      ck.files_.push_back(SafetensorsFile::open(folder / f));
-    }
-    for (const auto& [name, f] : mapped) {
-      const std::size_t id = file_ids.at(f);
-      const auto& tensors = ck.files_[id].tensors();
-      const auto* t = ck.files_[id].find(name);
-      if (t == nullptr)
-        throw refuse_index(fmt::format("tensor {} is mapped to '{}', whose header does not hold it",
-                                       quote_value(name), f));
-      stored.emplace(name, Place{id, static_cast<std::size_t>(t - tensors.data())});
-    }
-    for (const auto& [f, id] : file_ids)
-      for (const auto& t : ck.files_[id].tensors()) {
-        const auto it = index_json["weight_map"].find(t.name);
-        if (it == index_json["weight_map"].end())
-          throw refuse_index(
-              fmt::format("'{}' holds tensor {}, which the weight_map does not "
-                          "list",
-                          f, quote_value(t.name)));
-        if (it->get<std::string>() != f)
-          throw refuse_index(
-              fmt::format("'{}' holds tensor {}, which the weight_map puts in "
-                          "'{}'",
-                          f, quote_value(t.name), it->get<std::string>()));
-      }
+HfCheckpoint::Places HfCheckpoint::map_index(const fs::path& index_path) {
+  const auto refuse_index = [&](std::string_view why) {
+    return ConfigError(fmt::format("{}: {}", index_path.string(), why));
+  };
+  struct stat st {};
+  if (::stat(index_path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
+    throw refuse_index("not a regular file");
+  // An index lists every tensor once: tens of thousands of names in the largest models, a
+  // few MiB; a bigger one is refused before it is read.
+  json index_json = read_json_file(index_path, JsonLimits{64, kMaxIndexBytes, "a safetensors index"},
+                                   "safetensors index");
+  if (!index_json.is_object() || !index_json.contains("weight_map") ||
+      !index_json["weight_map"].is_object())
+    throw refuse_index("not an object with a \"weight_map\" object");
+  // total_size is not checked: writers disagree on what it counts (some count padding or
+  // parameters); the files' own headers are what the weights are read from.
+  const json& weight_map = index_json["weight_map"];
+  std::map<std::string, std::size_t> file_ids;
+  std::vector<std::pair<std::string, std::string>> mapped;  // tensor, file
+  for (const auto& [name, file] : weight_map.items()) {
+    if (!file.is_string())
+      throw refuse_index(
+          fmt::format("weight_map {} = {}: not a file name", quote_value(name), file.dump()));
+    const auto f = file.get<std::string>();
+    if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos)
+      throw refuse_index(fmt::format("weight_map {} = {}: not a file name in the folder",
+                                     quote_value(name), quote_value(f)));
+    mapped.emplace_back(name, f);
+    file_ids.emplace(f, 0);
   }
+  for (auto& [f, id] : file_ids) {
+    id = files_.size();
+    files_.push_back(SafetensorsFile::open(folder_ / f));
+  }
+  Places stored;  // every tensor of every file
+  for (const auto& [name, f] : mapped) {
+    const std::size_t id = file_ids.at(f);
+    const auto* t = files_[id].find(name);
+    if (t == nullptr)
+      throw refuse_index(fmt::format("tensor {} is mapped to '{}', whose header does not hold it",
+                                     quote_value(name), f));
+    stored.emplace(name, Place{id, static_cast<std::size_t>(t - files_[id].tensors().data())});
+  }
+  for (const auto& [f, id] : file_ids)
+    for (const auto& t : files_[id].tensors()) {
+      const auto it = weight_map.find(t.name);
+      if (it == weight_map.end())
+        throw refuse_index(fmt::format("'{}' holds tensor {}, which the weight_map does not list",
+                                       f, quote_value(t.name)));
+      if (it->get<std::string>() != f)
+        throw refuse_index(fmt::format("'{}' holds tensor {}, which the weight_map puts in '{}'",
+                                       f, quote_value(t.name), it->get<std::string>()));
+    }
+  return stored;
+}
 
-  const auto file_name = [&](const Place& p) { return ck.files_[p.file].path().string(); };
-  const auto specs = decoder_params(ck.shape());
+void HfCheckpoint::take_params(const Places& stored) {
   std::vector<std::string> missing;
-  for (const auto& spec : specs) {
+  for (const auto& spec : decoder_params(shape())) {
     const auto it = stored.find(spec.name);
     if (it == stored.end()) {
       missing.push_back(quote_value(spec.name));
       continue;
     }
-    const auto& t = ck.files_[it->second.file].tensors()[it->second.tensor];
+    const auto& file = files_[it->second.file];
+    const auto& t = file.tensors()[it->second.tensor];
     if (t.shape != spec.shape)
-      throw refuse(fmt::format("tensor {} in '{}': shape {}, config.json makes it {}",
-                               quote_value(spec.name), file_name(it->second), shape_text(t.shape),
-                               shape_text(spec.shape)));
+      throw refusal(fmt::format("tensor {} in '{}': shape {}, config.json makes it {}",
+                                quote_value(spec.name), file.path().string(), shape_text(t.shape),
+                                shape_text(spec.shape)));
     const auto dtype = dtype_of_safetensors(t.dtype);
     if (!dtype || *dtype == DType::f64)
-      throw refuse(fmt::format("tensor {} in '{}': stored as {}; supported: BF16, F16, F32",
-                               quote_value(spec.name), file_name(it->second), t.dtype));
-    ck.params_.emplace(spec.name, it->second);
+      throw refusal(fmt::format("tensor {} in '{}': stored as {}; supported: BF16, F16, F32",
+                                quote_value(spec.name), file.path().string(), t.dtype));
+    params_.emplace(spec.name, it->second);
   }
   if (!missing.empty()) {
     const std::size_t shown = std::min<std::size_t>(missing.size(), 4);
-    throw refuse(fmt::format(
+    throw refusal(fmt::format(
         "{} tensor{} of the model missing: {}{}", missing.size(), missing.size() == 1 ? "" : "s",
         fmt::join(missing.begin(), missing.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
         missing.size() > shown ? ", ..." : ""));
   }
+}
+
+void HfCheckpoint::refuse_leftovers(const Places& stored) const {
   for (const auto& [name, p] : stored) {
-    if (ck.params_.contains(name) || is_known_buffer(name)) continue;
-    if (ck.shape().tied && name == decoder_param_name({ParamKind::head})) {
+    if (params_.contains(name) || is_known_buffer(name)) continue;
+    const std::string file = files_[p.file].path().string();
+    if (shape().tied && name == decoder_param_name({ParamKind::head})) {
       // Some converters store a tied head as well. Loaded tied, the embedding is the head, so
       // a stored head is accepted only when it is the embedding to the byte: anything else
       // would be a different model silently reduced to a tied one.
-      const auto& head = ck.files_[p.file].tensors()[p.tensor];
-      const auto& embed = ck.tensor(decoder_param_name({ParamKind::embed}));
+      const auto& head = files_[p.file].tensors()[p.tensor];
+      const auto& embed = tensor(decoder_param_name({ParamKind::embed}));
       if (head.dtype != embed.dtype || head.shape != embed.shape ||
           (head.bytes > 0 && std::memcmp(head.data, embed.data, head.bytes) != 0))
-        throw refuse(
-            fmt::format("tensor {} in '{}': config.json ties the head to the "
-                        "embedding, but this head is not a copy of it",
-                        quote_value(name), file_name(p)));
+        throw refusal(fmt::format("tensor {} in '{}': config.json ties the head to the "
+                                  "embedding, but this head is not a copy of it",
+                                  quote_value(name), file));
       continue;
     }
-    throw refuse(
-        fmt::format("tensor {} in '{}' is no param of the model config.json describes "
-                    "({} layers, {}, {} head)",
-                    quote_value(name), file_name(p), ck.shape().layers,
-                    ck.shape().qkv_bias ? "q/k/v biases" : "no biases",
-                    ck.shape().tied ? "a tied" : "an untied"));
+    throw refusal(fmt::format("tensor {} in '{}' is no param of the model config.json describes "
+                              "({} layers, {}, {} head)",
+                              quote_value(name), file, shape().layers,
+                              shape().qkv_bias ? "q/k/v biases" : "no biases",
+                              shape().tied ? "a tied" : "an untied"));
   }
-  return ck;
 }
 
 std::vector<fs::path> HfCheckpoint::files() const {

@@ -15,6 +15,7 @@
 #include "model/decoder.h"
 #include "model/hf_config.h"
 #include "model/safetensors.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 
@@ -60,12 +61,20 @@ class HfCheckpoint {
     std::size_t file;    // in files_
     std::size_t tensor;  // in files_[file].tensors()
   };
+  using Places = std::map<std::string, Place, std::less<>>;
   const Place& place(std::string_view name) const;
+  // open()'s steps: map the weights' files (one, or those an index names) and find every stored
+  // tensor; take the params of the model among them; refuse whatever is left over.
+  Places map_weights();
+  Places map_index(const std::filesystem::path& index_path);
+  void take_params(const Places& stored);
+  void refuse_leftovers(const Places& stored) const;
+  ConfigError refusal(std::string_view why) const;
 
   std::filesystem::path folder_;
   HfModelConfig config_;
   std::vector<SafetensorsFile> files_;
-  std::map<std::string, Place, std::less<>> params_;
+  Places params_;
 };
 
 /// Fills `out` (numel * dtype size bytes) with the values of param `spec`, in the dtype given

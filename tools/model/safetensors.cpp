@@ -68,6 +68,107 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
 
+// A tensor's entry with where its data lies in the data section.
+struct Placed {
+  std::uint64_t begin, end;
+  SafetensorsTensor tensor;
+};
+
+// The header's `n` bytes of JSON at `text`.
+nlohmann::json parse_header(const fs::path& path, const char* text, std::uint64_t n) {
+  // The bounded reader: linear in the header's size (nlohmann's callback parser is quadratic in
+  // a list of many objects), at most kMaxHeaderDepth deep, and a repeated name refused (which
+  // entry counts would otherwise be the parser's choice). Order is not needed: the tensors are
+  // sorted by their offsets below.
+  nlohmann::json header;
+  try {
+    header = parse_json(
+        std::string_view(text, n), "",
+        JsonLimits{kMaxHeaderDepth, kMaxHeaderBytes, "a safetensors header", kMaxHeaderListItems});
+  } catch (const JsonError& e) {
+    if (e.kind() == JsonError::Kind::repeated_key && e.path().size() == 1)
+      refuse_tensor(path, e.path().front().key, "named twice in the header");
+    // Its line and column count in the header's text, which starts at byte 8 of the file.
+    refuse(path, fmt::format("the header, at {}", e.located()));
+  }
+  return header;
+}
+
+// Tensor `name`'s entry, checked against the `data_size` bytes of data at `data`.
+Placed tensor_entry(const fs::path& path, const std::string& name, const nlohmann::json& entry,
+                    const std::byte* data, std::uint64_t data_size) {
+  if (!entry.is_object()) refuse_tensor(path, name, "its entry is not an object");
+  for (const auto& [key, value] : entry.items())
+    if (key != "dtype" && key != "shape" && key != "data_offsets")
+      refuse_tensor(path, name, fmt::format("unknown field {}", quote_value(key)));
+  SafetensorsTensor t;
+  t.name = name;
+  if (!entry.contains("dtype") || !entry["dtype"].is_string())
+    refuse_tensor(path, name, "dtype missing or not a string");
+  t.dtype = entry["dtype"].get<std::string>();
+  const std::size_t width = safetensors_dtype_size(t.dtype);
+  if (width == 0)
+    refuse_tensor(path, name,
+                  fmt::format("dtype {} is not one this reader knows", quote_value(t.dtype)));
+  if (!entry.contains("shape") || !entry["shape"].is_array())
+    refuse_tensor(path, name, "shape missing or not an array");
+  for (const auto& d : entry["shape"]) {
+    if (!d.is_number_integer() ||
+        (d.is_number_unsigned() && d.get<std::uint64_t>() > INT64_MAX) ||
+        (!d.is_number_unsigned() && d.get<std::int64_t>() < 0))
+      refuse_tensor(path, name,
+                    fmt::format("shape {}: not all integers >= 0", entry["shape"].dump()));
+    t.shape.push_back(d.get<std::int64_t>());
+  }
+  const auto& offsets = entry.contains("data_offsets") ? entry["data_offsets"] : nlohmann::json();
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned())
+    refuse_tensor(
+        path, name,
+        fmt::format("data_offsets {}: not [begin, end] of integers >= 0", offsets.dump()));
+  const auto begin = offsets[0].get<std::uint64_t>();
+  const auto end = offsets[1].get<std::uint64_t>();
+  if (end < begin)
+    refuse_tensor(path, name, fmt::format("data_offsets [{}, {}]: end before begin", begin, end));
+  if (end > data_size)
+    refuse_tensor(path, name,
+                  fmt::format("data_offsets [{}, {}]: beyond the {} bytes of data in the file",
+                              begin, end, data_size));
+  const auto count = count_of(t.shape);
+  if (!count || *count > (end - begin) / width || *count * width != end - begin)
+    refuse_tensor(path, name,
+                  fmt::format("shape {} of {} ({} bytes an element) does not fill "
+                              "data_offsets [{}, {}] ({} bytes)",
+                              shape_text(t.shape), t.dtype, width, begin, end, end - begin));
+  t.data = data + begin;
+  t.bytes = static_cast<std::size_t>(end - begin);
+  return {begin, end, std::move(t)};
+}
+
+// The entries sorted by offset must tile the data section exactly: no overlap, no gap.
+void check_tiling(const fs::path& path, std::vector<Placed>& placed, std::uint64_t data_size) {
+  std::stable_sort(placed.begin(), placed.end(), [](const Placed& a, const Placed& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  std::uint64_t at = 0;
+  const std::string* previous = nullptr;
+  for (const auto& p : placed) {
+    if (p.begin < at)
+      refuse_tensor(path, p.tensor.name,
+                    fmt::format("data_offsets [{}, {}] overlap those of {} (ending at {})", p.begin,
+                                p.end, quote_value(*previous), at));
+    if (p.begin > at)
+      refuse_tensor(path, p.tensor.name,
+                    fmt::format("data_offsets [{}, {}] leave bytes [{}, {}) of the data unused",
+                                p.begin, p.end, at, p.begin));
+    at = p.end;
+    previous = &p.tensor.name;
+  }
+  if (at != data_size)
+    refuse(path, fmt::format("the tensors' data ends at byte {} of the {} bytes after the header",
+                             at, data_size));
+}
+
 }  // namespace
 
 std::size_t safetensors_dtype_size(std::string_view dtype) {
@@ -117,108 +218,24 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
   if (n > size - 8)
     refuse(path,
            fmt::format("header size {} is beyond the file ({} bytes after the size)", n, size - 8));
-  const char* text = reinterpret_cast<const char*>(base + 8);
-
-  // The bounded reader: linear in the header's size (nlohmann's callback parser is quadratic in
-  // a list of many objects), at most kMaxHeaderDepth deep, and a repeated name refused (which
-  // entry counts would otherwise be the parser's choice). Order is not needed: the tensors are
-  // sorted by their offsets below.
-  nlohmann::json header;
-  try {
-    header = parse_json(
-        std::string_view(text, n), "",
-        JsonLimits{kMaxHeaderDepth, kMaxHeaderBytes, "a safetensors header", kMaxHeaderListItems});
-  } catch (const JsonError& e) {
-    if (e.kind() == JsonError::Kind::repeated_key && e.path().size() == 1)
-      refuse_tensor(path, e.path().front().key, "named twice in the header");
-    // Its line and column count in the header's text, which starts at byte 8 of the file.
-    refuse(path, fmt::format("the header, at {}", e.located()));
-  }
+  const nlohmann::json header = parse_header(path, reinterpret_cast<const char*>(base + 8), n);
   if (!header.is_object()) refuse(path, "the header is not a JSON object");
 
   const std::uint64_t data_size = size - 8 - n;
-  struct Placed {
-    std::uint64_t begin, end;
-    SafetensorsTensor tensor;
-  };
   std::vector<Placed> placed;
   for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object()) refuse(path, "__metadata__ is not an object of strings");
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string())
-          refuse(path, fmt::format("__metadata__ {} is not a string", quote_value(key)));
-        file.metadata_[key] = value.get<std::string>();
-      }
+    if (name != "__metadata__") {
+      placed.push_back(tensor_entry(path, name, entry, base + 8 + n, data_size));
       continue;
     }
-    if (!entry.is_object()) refuse_tensor(path, name, "its entry is not an object");
-    for (const auto& [key, value] : entry.items())
-      if (key != "dtype" && key != "shape" && key != "data_offsets")
-        refuse_tensor(path, name, fmt::format("unknown field {}", quote_value(key)));
-    SafetensorsTensor t;
-    t.name = name;
-    if (!entry.contains("dtype") || !entry["dtype"].is_string())
-      refuse_tensor(path, name, "dtype missing or not a string");
-    t.dtype = entry["dtype"].get<std::string>();
-    const std::size_t width = safetensors_dtype_size(t.dtype);
-    if (width == 0)
-      refuse_tensor(path, name,
-                    fmt::format("dtype {} is not one this reader knows", quote_value(t.dtype)));
-    if (!entry.contains("shape") || !entry["shape"].is_array())
-      refuse_tensor(path, name, "shape missing or not an array");
-    for (const auto& d : entry["shape"]) {
-      if (!d.is_number_integer() ||
-          (d.is_number_unsigned() && d.get<std::uint64_t>() > INT64_MAX) ||
-          (!d.is_number_unsigned() && d.get<std::int64_t>() < 0))
-        refuse_tensor(path, name,
-                      fmt::format("shape {}: not all integers >= 0", entry["shape"].dump()));
-      t.shape.push_back(d.get<std::int64_t>());
+    if (!entry.is_object()) refuse(path, "__metadata__ is not an object of strings");
+    for (const auto& [key, value] : entry.items()) {
+      if (!value.is_string())
+        refuse(path, fmt::format("__metadata__ {} is not a string", quote_value(key)));
+      file.metadata_[key] = value.get<std::string>();
     }
-    const auto& offsets = entry.contains("data_offsets") ? entry["data_offsets"] : nlohmann::json();
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned())
-      refuse_tensor(
-          path, name,
-          fmt::format("data_offsets {}: not [begin, end] of integers >= 0", offsets.dump()));
-    const auto begin = offsets[0].get<std::uint64_t>();
-    const auto end = offsets[1].get<std::uint64_t>();
-    if (end < begin)
-      refuse_tensor(path, name, fmt::format("data_offsets [{}, {}]: end before begin", begin, end));
-    if (end > data_size)
-      refuse_tensor(path, name,
-                    fmt::format("data_offsets [{}, {}]: beyond the {} bytes of data in the file",
-                                begin, end, data_size));
-    const auto count = count_of(t.shape);
-    if (!count || *count > (end - begin) / width || *count * width != end - begin)
-      refuse_tensor(path, name,
-                    fmt::format("shape {} of {} ({} bytes an element) does not fill "
-                                "data_offsets [{}, {}] ({} bytes)",
-                                shape_text(t.shape), t.dtype, width, begin, end, end - begin));
-    t.data = base + 8 + n + begin;
-    t.bytes = static_cast<std::size_t>(end - begin);
-    placed.push_back({begin, end, std::move(t)});
   }
-  std::stable_sort(placed.begin(), placed.end(), [](const Placed& a, const Placed& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  std::uint64_t at = 0;
-  const std::string* previous = nullptr;
-  for (const auto& p : placed) {
-    if (p.begin < at)
-      refuse_tensor(path, p.tensor.name,
-                    fmt::format("data_offsets [{}, {}] overlap those of {} (ending at {})", p.begin,
-                                p.end, quote_value(*previous), at));
-    if (p.begin > at)
-      refuse_tensor(path, p.tensor.name,
-                    fmt::format("data_offsets [{}, {}] leave bytes [{}, {}) of the data unused",
-                                p.begin, p.end, at, p.begin));
-    at = p.end;
-    previous = &p.tensor.name;
-  }
-  if (at != data_size)
-    refuse(path, fmt::format("the tensors' data ends at byte {} of the {} bytes after the header",
-                             at, data_size));
+  check_tiling(path, placed, data_size);
   for (auto& p : placed) {
     file.index_.emplace(p.tensor.name, file.tensors_.size());
     file.tensors_.push_back(std::move(p.tensor));
