@@ -4,7 +4,7 @@
 # (timings aside), as without (two steps: the second's loss has seen the first's gradients);
 # `shardswap plan` counts fewer activation bytes for both backends (the cuda backend's plan needs
 # no GPU); a value outside [0, num_hidden_layers] is refused with exit 2, naming the key, before
-# anything is written. (tests/decoder_cpu_test.cpp covers every R at several ranks; the GPU
+# anything is written. (tests/model/decoder_cpu_test.cpp covers every R at several ranks; the GPU
 # tests the cuda backend's bits.)
 # Usage: decoder_recompute.sh SHARDSWAP REPO_ROOT
 set -u

@@ -2,7 +2,7 @@
 // (tiny random Llama with llama3 RoPE scaling, Qwen2 tied and untied, Mistral; logits, loss and
 // every gradient transformers computed in float32 for one batch) run on the stored bf16 weights
 // with bf16 GEMM inputs and fp32 accumulation, compared by normalized error. The CPU backend's
-// float32 run of the same fixtures (tests/decoder_fixture_test.cpp) agrees to ~1e-6; here the
+// float32 run of the same fixtures (tests/model/decoder_fixture_test.cpp) agrees to ~1e-6; here the
 // bound is bf16's (activations rounded to 8 bits of mantissa before every GEMM).
 #include <cuda_runtime.h>
 

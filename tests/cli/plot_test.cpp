@@ -149,7 +149,7 @@ std::string config_error(const std::string& text) {
 }
 
 MetricsSeries sample_series() {
-  return read_metrics_file(SHARDSWAP_TEST_DIR "/data/metrics-sample.jsonl");
+  return read_metrics_file(SHARDSWAP_TEST_DIR "/fixtures/metrics/metrics-sample.jsonl");
 }
 
 // Sets TMPDIR for the scope: plot_metrics' temporary folder is then easy to find, or to miss.
