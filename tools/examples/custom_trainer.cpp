@@ -275,6 +275,144 @@ struct TemporaryFolder {
   }
 };
 
+// One rank's run after build(): the training loop with its switches and its save, then the
+// checks at the end and the resume from the checkpoint.
+struct RankRun {
+  RankRun(Engine& engine, const EngineConfig& config, const Task& task, const Batch& eval,
+          int rank, const std::filesystem::path& checkpoint_dir)
+      : engine(engine), config(config), task(task), eval(eval), rank(rank),
+        checkpoint_dir(checkpoint_dir) {}
+
+  Engine& engine;
+  const EngineConfig& config;
+  const Task& task;
+  const Batch& eval;
+  const int rank;
+  const std::filesystem::path& checkpoint_dir;
+  const bool log = rank == 0;
+  double first_eval = 0.0;
+  std::vector<float> frozen_w1;
+
+  // One step: its micro-batches (a pure function of the step and rank), then step().
+  std::pair<double, StepResult> train_step(int step) {
+    // doc-snippet: step
+    double loss = 0.0;
+    for (int micro = 0; micro < kMicroBatches; ++micro) {
+      const auto stream =
+          1 + (static_cast<std::uint64_t>(step) * kMicroBatches + micro) * kRanks +
+          static_cast<std::uint64_t>(rank);
+      loss += train_micro_batch(engine, task.sample(stream, kBatch));
+    }
+    const StepResult result = engine.step();
+    require(result.applied, fmt::format("step {} was applied (no Inf/NaN)", step));
+    require_stats_equal_plan(engine, fmt::format("step {}", step));
+    // A collective: every rank calls it.
+    loss = engine.sum_across_ranks(loss / kMicroBatches) / kRanks;
+    // doc-snippet-end
+    return std::pair{loss, result};
+  }
+
+  // Before step kFreezeAt the hidden group is frozen (drop), before kThawAt active again.
+  void switch_groups(int step) {
+    // doc-snippet: deactivate
+    if (step == kFreezeAt) {
+      // Keep a View of the fp32 master to show what happens to aliases of freed memory.
+      const View master = engine.master("hidden");
+      const std::int64_t before = engine.memory_stats().requested.current;
+      frozen_w1 = engine.read_weight("fc1.weight");
+      const std::size_t pinned = engine.deactivate("hidden", DeactivatePolicy::drop);
+      require_stats_equal_plan(engine, "deactivate(hidden, drop)");
+      require(pinned == 0, "no Pin holds the hidden group's memory");
+      require(master.stale(), "a View of a freed buffer is stale, not dangling");
+      require(!engine.is_active("hidden") && engine.group_step("hidden") == 0,
+              "drop leaves the group frozen with its step count reset");
+      if (log) {
+        fmt::print("before step {}: deactivate(hidden, drop) freed {} B\n", step,
+                   before - engine.memory_stats().requested.current);
+        print_plan(engine.plan(), engine.memory_stats());
+      }
+      try {
+        (void)master.data<float>();
+        require(false, "reading through a stale View throws StaleView");
+      } catch (const StaleView& e) {
+        if (log) fmt::print("  reading the old master View: {}\n", e.what());
+      }
+    }
+    // doc-snippet-end
+    if (step == kThawAt) {
+      require(engine.read_weight("fc1.weight") == frozen_w1,
+              "a frozen group's weights do not change");
+      const std::int64_t before = engine.memory_stats().requested.current;
+      engine.activate("hidden");
+      require_stats_equal_plan(engine, "activate(hidden)");
+      require(engine.group_step("hidden") == 0, "after drop a group restarts at step 0");
+      if (log) {
+        fmt::print("before step {}: activate(hidden) took {} B\n", step,
+                   engine.memory_stats().requested.current - before);
+        print_plan(engine.plan(), engine.memory_stats());
+      }
+    }
+  }
+
+  void train() {
+    if (log) {
+      fmt::print("custom_trainer: {} ranks, ZeRO-{}, {}, {}, {} micro-batches of {}\n", kRanks,
+                 config.stage, dtype_name(config.dtype),
+                 optimizer_type_name(config.optimizer.type), kMicroBatches, kBatch);
+      fmt::print("after build (rank 0):\n");
+      print_plan(engine.plan(), engine.memory_stats());
+    }
+    first_eval = evaluate(engine, eval);
+    if (log) fmt::print("before step 0: eval loss {:.4f}\n", first_eval);
+    for (int step = 0; step < kSteps; ++step) {
+      switch_groups(step);
+      // doc-snippet: checkpoint
+      if (step == kSaveAt) {
+        // Collective: every rank writes its shard of the fp32 state; `extra` holds the
+        // trainer's own state (here, where to go on from), given back by load_checkpoint.
+        SaveOptions options;
+        options.extra = {{"next_step", step}};
+        save_checkpoint(engine, checkpoint_dir, options);
+      }
+      // doc-snippet-end
+      const auto [loss, result] = train_step(step);
+      if (log && (step % 10 == 0 || step == kFreezeAt - 1 || step == kThawAt - 1 ||
+                  step == kSteps - 1))
+        fmt::print("after step {:>2}: train loss {:.4f}  eval loss {:.4f}  grad norm {:.4f}  {}\n",
+                   step, loss, evaluate(engine, eval), result.grad_norm,
+                   engine.is_active("hidden") ? "both groups" : "hidden frozen");
+    }
+  }
+
+  void resume_and_check() {
+    const double last_eval = evaluate(engine, eval);  // the same weights on every rank
+    require(engine.group_step("output") == kSteps, "the output group stepped every step");
+    require(engine.group_step("hidden") == kSteps - kThawAt,
+            "the hidden group counts its steps since reactivation");
+    require(last_eval < kRequiredRatio * first_eval,
+            fmt::format("the eval loss fell from {:.4f} to {:.4f}, not below {} of it", first_eval,
+                        last_eval, kRequiredRatio));
+    const MemoryStats stats = engine.memory_stats();
+    // doc-snippet: resume
+    // Back to the checkpoint and on to the end again: the same bits as the first time.
+    const std::vector<float> w1 = engine.read_weight("fc1.weight");
+    const LoadedCheckpoint loaded = load_checkpoint(engine, checkpoint_dir);
+    require_stats_equal_plan(engine, "load_checkpoint");
+    for (int step = loaded.extra.at("next_step").get<int>(); step < kSteps; ++step)
+      train_step(step);
+    require(engine.read_weight("fc1.weight") == w1, "a resumed run repeats the same bits");
+    // doc-snippet-end
+    if (log) {
+      fmt::print("resumed from {} (saved at step {} by {} ranks): the same weights at step {}\n",
+                 checkpoint_dir.filename().string(), kSaveAt, loaded.world_size, kSteps);
+      fmt::print("peak requested {} B (activation peak {} B); {} Views, {} Pins live\n",
+                 stats.requested.peak, stats.tag(Tag::activation).requested.peak, stats.views,
+                 stats.pins);
+      fmt::print("custom_trainer: PASS: eval loss {:.4f} -> {:.4f}\n", first_eval, last_eval);
+    }
+  }
+};
+
 void run() {
   const TemporaryFolder scratch;
   const std::filesystem::path checkpoint_dir = scratch.path / "step-60";
@@ -296,120 +434,9 @@ void run() {
         // doc-snippet-end
         require(engine.memory_stats().requested.current == planned.total(),
                 "build() allocates what plan() said before it");
-        const bool log = rank == 0;
-        if (log) {
-          fmt::print("custom_trainer: {} ranks, ZeRO-{}, {}, {}, {} micro-batches of {}\n", kRanks,
-                     config.stage, dtype_name(config.dtype),
-                     optimizer_type_name(config.optimizer.type), kMicroBatches, kBatch);
-          fmt::print("after build (rank 0):\n");
-          print_plan(engine.plan(), engine.memory_stats());
-        }
-        const double first_eval = evaluate(engine, eval);
-        if (log) fmt::print("before step 0: eval loss {:.4f}\n", first_eval);
-        double last_eval = first_eval;
-        std::vector<float> frozen_w1;
-        // One step: its micro-batches (a pure function of the step and rank), then step().
-        const auto train_step = [&](int step) {
-          // doc-snippet: step
-          double loss = 0.0;
-          for (int micro = 0; micro < kMicroBatches; ++micro) {
-            const auto stream =
-                1 + (static_cast<std::uint64_t>(step) * kMicroBatches + micro) * kRanks +
-                static_cast<std::uint64_t>(rank);
-            loss += train_micro_batch(engine, task.sample(stream, kBatch));
-          }
-          const StepResult result = engine.step();
-          require(result.applied, fmt::format("step {} was applied (no Inf/NaN)", step));
-          require_stats_equal_plan(engine, fmt::format("step {}", step));
-          // A collective: every rank calls it.
-          loss = engine.sum_across_ranks(loss / kMicroBatches) / kRanks;
-          // doc-snippet-end
-          return std::pair{loss, result};
-        };
-        for (int step = 0; step < kSteps; ++step) {
-          // doc-snippet: deactivate
-          if (step == kFreezeAt) {
-            // Keep a View of the fp32 master to show what happens to aliases of freed memory.
-            const View master = engine.master("hidden");
-            const std::int64_t before = engine.memory_stats().requested.current;
-            frozen_w1 = engine.read_weight("fc1.weight");
-            const std::size_t pinned = engine.deactivate("hidden", DeactivatePolicy::drop);
-            require_stats_equal_plan(engine, "deactivate(hidden, drop)");
-            require(pinned == 0, "no Pin holds the hidden group's memory");
-            require(master.stale(), "a View of a freed buffer is stale, not dangling");
-            require(!engine.is_active("hidden") && engine.group_step("hidden") == 0,
-                    "drop leaves the group frozen with its step count reset");
-            if (log) {
-              fmt::print("before step {}: deactivate(hidden, drop) freed {} B\n", step,
-                         before - engine.memory_stats().requested.current);
-              print_plan(engine.plan(), engine.memory_stats());
-            }
-            try {
-              (void)master.data<float>();
-              require(false, "reading through a stale View throws StaleView");
-            } catch (const StaleView& e) {
-              if (log) fmt::print("  reading the old master View: {}\n", e.what());
-            }
-          }
-          // doc-snippet-end
-          if (step == kThawAt) {
-            require(engine.read_weight("fc1.weight") == frozen_w1,
-                    "a frozen group's weights do not change");
-            const std::int64_t before = engine.memory_stats().requested.current;
-            engine.activate("hidden");
-            require_stats_equal_plan(engine, "activate(hidden)");
-            require(engine.group_step("hidden") == 0, "after drop a group restarts at step 0");
-            if (log) {
-              fmt::print("before step {}: activate(hidden) took {} B\n", step,
-                         engine.memory_stats().requested.current - before);
-              print_plan(engine.plan(), engine.memory_stats());
-            }
-          }
-
-          // doc-snippet: checkpoint
-          if (step == kSaveAt) {
-            // Collective: every rank writes its shard of the fp32 state; `extra` holds the
-            // trainer's own state (here, where to go on from), given back by load_checkpoint.
-            SaveOptions options;
-            options.extra = {{"next_step", step}};
-            save_checkpoint(engine, checkpoint_dir, options);
-          }
-          // doc-snippet-end
-          const auto [loss, result] = train_step(step);
-          if (log && (step % 10 == 0 || step == kFreezeAt - 1 || step == kThawAt - 1 ||
-                      step == kSteps - 1)) {
-            last_eval = evaluate(engine, eval);
-            fmt::print(
-                "after step {:>2}: train loss {:.4f}  eval loss {:.4f}  grad norm {:.4f}  {}\n",
-                step, loss, last_eval, result.grad_norm,
-                engine.is_active("hidden") ? "both groups" : "hidden frozen");
-          }
-        }
-        last_eval = evaluate(engine, eval);  // the same weights on every rank
-        require(engine.group_step("output") == kSteps, "the output group stepped every step");
-        require(engine.group_step("hidden") == kSteps - kThawAt,
-                "the hidden group counts its steps since reactivation");
-        require(last_eval < kRequiredRatio * first_eval,
-                fmt::format("the eval loss fell from {:.4f} to {:.4f}, not below {} of it",
-                            first_eval, last_eval, kRequiredRatio));
-        const MemoryStats stats = engine.memory_stats();
-        // doc-snippet: resume
-        // Back to the checkpoint and on to the end again: the same bits as the first time.
-        const std::vector<float> w1 = engine.read_weight("fc1.weight");
-        const LoadedCheckpoint loaded = load_checkpoint(engine, checkpoint_dir);
-        require_stats_equal_plan(engine, "load_checkpoint");
-        for (int step = loaded.extra.at("next_step").get<int>(); step < kSteps; ++step)
-          train_step(step);
-        require(engine.read_weight("fc1.weight") == w1, "a resumed run repeats the same bits");
-        // doc-snippet-end
-        if (log) {
-          fmt::print("resumed from {} (saved at step {} by {} ranks): the same weights at step {}\n",
-                     checkpoint_dir.filename().string(), kSaveAt, loaded.world_size, kSteps);
-          fmt::print("peak requested {} B (activation peak {} B); {} Views, {} Pins live\n",
-                     stats.requested.peak, stats.tag(Tag::activation).requested.peak, stats.views,
-                     stats.pins);
-          fmt::print("custom_trainer: PASS: eval loss {:.4f} -> {:.4f}\n", first_eval, last_eval);
-        }
+        RankRun run(engine, config, task, eval, rank, checkpoint_dir);
+        run.train();
+        run.resume_and_check();
       },
       backend);
 }
