@@ -201,6 +201,126 @@ double copy_bandwidth(MemorySpace& space, const DeviceOps& k) {
   return 2.0 * static_cast<double>(bytes) / times[times.size() / 2];  // read + written
 }
 
+// One row of the table: a deactivation policy, and for keep_host whether the pinned staging
+// cache is on.
+struct Row {
+  DeactivatePolicy policy;
+  bool host_cache;
+};
+
+// What the timed switches of one row took: each switch's time and the host allocator's share.
+struct SwitchTimes {
+  std::vector<double> ms, alloc_ms, free_ms, copy_ms;
+  std::int64_t after_first = 0;  // requested bytes after the first timed switch
+};
+
+// `warmup` switches, then `switches` timed ones, two layers at a time in order around the model.
+SwitchTimes time_switches(Engine& engine, HostTraffic& traffic,
+                          const std::vector<std::string>& groups, DeactivatePolicy policy,
+                          int switches, int warmup) {
+  const int layers = static_cast<int>(groups.size());
+  SwitchTimes t;
+  int next = 2;
+  for (int s = 0; s < switches + warmup; ++s) {
+    const std::vector<std::string> wanted{groups[next % layers], groups[(next + 1) % layers]};
+    next += 2;
+    double a0 = 0, f0 = 0, c0 = 0;
+    {
+      std::lock_guard lock(traffic.mu);
+      a0 = traffic.alloc_ms;
+      f0 = traffic.free_ms;
+      c0 = traffic.copy_ms;
+    }
+    const SwitchReport r = engine.set_active(wanted, policy);
+    if (s < warmup) continue;
+    t.ms.push_back(r.seconds * 1e3);
+    std::lock_guard lock(traffic.mu);
+    t.alloc_ms.push_back(traffic.alloc_ms - a0);
+    t.free_ms.push_back(traffic.free_ms - f0);
+    t.copy_ms.push_back(traffic.copy_ms - c0);
+    if (s == warmup) t.after_first = engine.memory_stats().requested.current;
+  }
+  return t;
+}
+
+// Where one row runs: the rank's communicator and memory, the table's shape and yardstick.
+struct Bench {
+  const Options& o;
+  Communicator& comm;
+  MemorySpace& space;
+  const Backend& backend;
+  HostTraffic& traffic;
+  std::vector<std::string> groups;
+  double bandwidth;
+  int warmup;
+  std::ostream& out;
+};
+
+// Times one row on a new engine, so that no row starts with what the previous one kept
+// (keep_device leaves every visited layer's state on the device); prints its line and returns
+// its JSON.
+nlohmann::json bench_row(const Bench& b, const Row& kind) {
+  const Options& o = b.o;
+  const DeactivatePolicy policy = kind.policy;
+  const bool keep_host = policy == DeactivatePolicy::keep_host;
+  const std::string label = std::string(deactivate_policy_name(policy)) +
+                            (keep_host && !kind.host_cache ? " (no cache)" : "");
+  b.traffic.start_row(kind.host_cache);
+  EngineConfig cfg;
+  cfg.stage = 2;
+  cfg.optimizer.type = OptimizerType::adamw;
+  Engine engine(cfg, b.comm, b.space, b.backend);
+  for (int l = 0; l < o.layers; ++l)
+    for (const char* m : {"q", "k", "v", "o"})
+      engine.add_param(fmt::format("layers.{}.{}", l, m), {o.dim, o.dim},
+                       b.groups[static_cast<std::size_t>(l)]);
+  engine.build([](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.01f); },
+               std::vector<std::string>{b.groups[0], b.groups[1]});
+  const SwitchTimes t = time_switches(engine, b.traffic, b.groups, policy, o.switches, b.warmup);
+  const double per_param = policy == DeactivatePolicy::drop          ? 16.0
+                           : policy == DeactivatePolicy::keep_device ? 2.0
+                                                                     : 24.0;
+  const double bytes = 2 * 4.0 * o.dim * o.dim * per_param;
+  const bool bounded = !keep_host;
+  const double bound = 1.5 * bytes / b.bandwidth * 1e3 + 1.0;
+  const auto stats = engine.memory_stats();
+  const auto plan = engine.plan();
+  bool pass = true;
+  for (Tag t : kAllTags) pass = pass && stats.tag(t).requested.current == plan.of(t);
+  std::int64_t host_live_peak = 0, host_reserved_peak = 0;
+  {
+    std::lock_guard lock(b.traffic.mu);
+    host_live_peak = b.traffic.live_peak;
+    host_reserved_peak = b.traffic.reserved_peak;
+  }
+  // The cache may hold freed blocks, never more than the engine once had live at a time.
+  pass = pass && host_reserved_peak <= host_live_peak;
+  const double med = median(t.ms);
+  const double med_alloc = median(t.alloc_ms), med_free = median(t.free_ms),
+               med_copy = median(t.copy_ms);
+  b.out << fmt::format(
+      "{:>18} {:>10.3f} {:>12.4g} {:>12} {:>10} {:>9.3f} {:>9.3f} {:>9.3f} {:>9.2f} {:>6}\n",
+      label, med, bytes, bounded ? fmt::format("{:.3f}", bound) : "-",
+      bounded ? fmt::format("{:.3f}", med / bound) : "-", med_alloc, med_free, med_copy,
+      static_cast<double>(host_reserved_peak) / 1e9, pass ? "PASS" : "FAIL");
+  return {{"policy", deactivate_policy_name(policy)},
+          {"host_cache", kind.host_cache},
+          {"ms_per_switch", med},
+          {"host_alloc_ms", med_alloc},
+          {"host_free_ms", med_free},
+          {"host_copy_ms", med_copy},
+          {"host_live_peak_bytes", host_live_peak},
+          {"host_reserved_peak_bytes", host_reserved_peak},
+          {"bytes", bytes},
+          {"bound_ms", bounded ? nlohmann::json(bound) : nlohmann::json(nullptr)},
+          {"copy_tbps", b.bandwidth / 1e12},
+          {"allocated_after_1_bytes", t.after_first},
+          {"allocated_after_n_bytes", stats.requested.current},
+          {"switches", o.switches},
+          {"warmup_switches", b.warmup},
+          {"check", pass ? "PASS" : "FAIL"}};
+}
+
 }  // namespace
 
 int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
@@ -216,112 +336,24 @@ int bench_switch(const std::vector<std::string>& args, std::ostream& out) {
         auto traffic = std::make_shared<HostTraffic>();
         MemorySpace space(
             rank, std::make_unique<TimedAllocator>(backend.make_allocator(rank), traffic, false));
-        const double bandwidth = copy_bandwidth(space, device_ops(backend));
-        std::vector<std::string> groups;
-        for (int l = 0; l < o.layers; ++l) groups.push_back(fmt::format("layers.{}", l));
-        const double params_per_layer = 4.0 * o.dim * o.dim;
-        const int warmup = (o.layers + 1) / 2 + 1;  // a full round: every layer visited once
+        Bench b{o, comm, space, backend, *traffic, {}, copy_bandwidth(space, device_ops(backend)),
+                (o.layers + 1) / 2 + 1,  // a full round: every layer visited once
+                out};
+        for (int l = 0; l < o.layers; ++l) b.groups.push_back(fmt::format("layers.{}", l));
         out << fmt::format(
             "bench switch: backend {}, {} layers of 4 x {}x{} bf16, 2 active, copy {:.3f} TB/s; "
             "median of {} switches after {} warm-up\n",
-            backend.name(), o.layers, o.dim, o.dim, bandwidth / 1e12, o.switches, warmup);
+            backend.name(), o.layers, o.dim, o.dim, b.bandwidth / 1e12, o.switches, b.warmup);
         out << fmt::format("{:>18} {:>10} {:>12} {:>12} {:>10} {:>9} {:>9} {:>9} {:>9} {:>6}\n",
                            "policy", "ms/switch", "bytes", "bound ms", "ms/bound", "halloc ms",
                            "hfree ms", "copy ms", "host GB", "check");
-        struct Row {
-          DeactivatePolicy policy;
-          bool host_cache;
-        };
         std::vector<Row> row_kinds{{DeactivatePolicy::drop, true},
                                    {DeactivatePolicy::keep_device, true},
                                    {DeactivatePolicy::keep_host, true}};
         if (host_staging_caches(space)) row_kinds.push_back({DeactivatePolicy::keep_host, false});
         for (const Row& kind : row_kinds) {
-          const DeactivatePolicy policy = kind.policy;
-          const bool keep_host = policy == DeactivatePolicy::keep_host;
-          const std::string label = std::string(deactivate_policy_name(policy)) +
-                                    (keep_host && !kind.host_cache ? " (no cache)" : "");
-          traffic->start_row(kind.host_cache);
-          // A new engine per row, so that no row starts with what the previous one kept
-          // (keep_device leaves every visited layer's state on the device).
-          EngineConfig cfg;
-          cfg.stage = 2;
-          cfg.optimizer.type = OptimizerType::adamw;
-          Engine engine(cfg, comm, space, backend);
-          for (int l = 0; l < o.layers; ++l)
-            for (const char* m : {"q", "k", "v", "o"})
-              engine.add_param(fmt::format("layers.{}.{}", l, m), {o.dim, o.dim},
-                               groups[static_cast<std::size_t>(l)]);
-          engine.build(
-              [](const ParamInfo&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.01f); },
-              std::vector<std::string>{groups[0], groups[1]});
-          int next = 2;
-          std::vector<double> ms, alloc_ms, free_ms, copy_ms;
-          std::int64_t after_first = 0;  // requested bytes after the first timed switch
-          for (int s = 0; s < o.switches + warmup; ++s) {
-            const std::vector<std::string> wanted{groups[next % o.layers],
-                                                  groups[(next + 1) % o.layers]};
-            next += 2;
-            double a0 = 0, f0 = 0, c0 = 0;
-            {
-              std::lock_guard lock(traffic->mu);
-              a0 = traffic->alloc_ms;
-              f0 = traffic->free_ms;
-              c0 = traffic->copy_ms;
-            }
-            const SwitchReport r = engine.set_active(wanted, policy);
-            if (s < warmup) continue;
-            ms.push_back(r.seconds * 1e3);
-            std::lock_guard lock(traffic->mu);
-            alloc_ms.push_back(traffic->alloc_ms - a0);
-            free_ms.push_back(traffic->free_ms - f0);
-            copy_ms.push_back(traffic->copy_ms - c0);
-            if (s == warmup) after_first = engine.memory_stats().requested.current;
-          }
-          const double per_param = policy == DeactivatePolicy::drop          ? 16.0
-                                   : policy == DeactivatePolicy::keep_device ? 2.0
-                                                                             : 24.0;
-          const double bytes = 2 * params_per_layer * per_param;
-          const bool bounded = !keep_host;
-          const double bound = 1.5 * bytes / bandwidth * 1e3 + 1.0;
-          const auto stats = engine.memory_stats();
-          const auto plan = engine.plan();
-          bool pass = true;
-          for (Tag t : kAllTags) pass = pass && stats.tag(t).requested.current == plan.of(t);
-          std::int64_t host_live_peak = 0, host_reserved_peak = 0;
-          {
-            std::lock_guard lock(traffic->mu);
-            host_live_peak = traffic->live_peak;
-            host_reserved_peak = traffic->reserved_peak;
-          }
-          // The cache may hold freed blocks, never more than the engine once had live at a time.
-          pass = pass && host_reserved_peak <= host_live_peak;
-          all_pass = all_pass && pass;
-          const double med = median(ms);
-          const double med_alloc = median(alloc_ms), med_free = median(free_ms),
-                       med_copy = median(copy_ms);
-          out << fmt::format(
-              "{:>18} {:>10.3f} {:>12.4g} {:>12} {:>10} {:>9.3f} {:>9.3f} {:>9.3f} {:>9.2f} "
-              "{:>6}\n",
-              label, med, bytes, bounded ? fmt::format("{:.3f}", bound) : "-",
-              bounded ? fmt::format("{:.3f}", med / bound) : "-", med_alloc, med_free, med_copy,
-              static_cast<double>(host_reserved_peak) / 1e9, pass ? "PASS" : "FAIL");
-          rows.push_back({{"policy", deactivate_policy_name(policy)},
-                          {"host_cache", kind.host_cache},
-                          {"ms_per_switch", med},
-                          {"host_alloc_ms", med_alloc},
-                          {"host_free_ms", med_free},
-                          {"host_copy_ms", med_copy},
-                          {"host_live_peak_bytes", host_live_peak},
-                          {"host_reserved_peak_bytes", host_reserved_peak},
-                          {"bytes", bytes},
-                          {"bound_ms", bounded ? nlohmann::json(bound) : nlohmann::json(nullptr)},
-                          {"copy_tbps", bandwidth / 1e12},
-                          {"allocated_after_1_bytes", after_first},
-                          {"allocated_after_n_bytes", stats.requested.current},
-                          {"switches", o.switches},
-                          {"warmup_switches", warmup},
-                          {"check", pass ? "PASS" : "FAIL"}});
+          rows.push_back(bench_row(b, kind));
+          all_pass = all_pass && rows.back()["check"] == "PASS";
         }
       },
       backend);
