@@ -101,13 +101,12 @@ TEST_CASE("a decoder loaded from a Hugging Face folder gives transformers' logit
     auto j = decoder_run(dir, fixture);
     j["world_size"] = 1;
     const TrainConfig config = load(j);
-    const auto model = make_run_model(config);
+    const RunModel& model = *config.model;
     InProcessGroup group(1);
     MemorySpace space(0, make_host_allocator());
     Engine engine(config.engine, group.rank(0), space);
-    model->declare(engine);
-    engine.build([&](const ParamInfo& p, std::span<float> v) { model->init(p, v); },
-                 model->groups());
+    model.declare(engine);
+    engine.build(model.initial_values(), model.groups());
     const SafetensorsFile batch = SafetensorsFile::open(kFixtures / fixture / "batch.safetensors");
     const auto* inputs = batch.find("inputs");
     const auto* targets = batch.find("targets");
@@ -120,7 +119,9 @@ TEST_CASE("a decoder loaded from a Hugging Face folder gives transformers' logit
     b.targets.resize(targets->bytes / 4);
     std::memcpy(b.inputs.data(), inputs->data, inputs->bytes);
     std::memcpy(b.targets.data(), targets->data, targets->bytes);
-    auto decoder = make_decoder(config.decoder.shape, b.sequences, b.seq_len, config.engine.dtype,
+    // The shape as the model room reads the folder itself, apart from the trainer's config.
+    const DecoderShape shape = HfCheckpoint::open(kFixtures / fixture, {b.seq_len, "seq"}).shape();
+    auto decoder = make_decoder(shape, b.sequences, b.seq_len, config.engine.dtype,
                                 space);
     const std::vector<float> ours = decoder->logits(engine, b);
     std::vector<float> theirs(logits->bytes / 4);

@@ -259,8 +259,9 @@ TEST_CASE("model.type defaults to the decoder") {
   auto j = small_run();
   j["model"].erase("type");
   const auto config = load(j);
-  REQUIRE(config.decoder.shape.layers == 3);
-  REQUIRE(config.decoder.shape.hidden == 32);
+  REQUIRE(config.model->type_name() == "decoder");
+  REQUIRE(config.model->switching_groups().layers.size() == 3);
+  REQUIRE(config.model->hidden_size() == 32);
 }
 
 TEST_CASE("a missing or malformed config file is refused naming the file") {
@@ -375,7 +376,7 @@ TEST_CASE("the plan names every tag and the activations of every rank") {
                            "total", "rank 2", "ZeRO-2 formula"})
     REQUIRE(test::contains(out.str(), word));
   const TrainConfig config = load(j);
-  REQUIRE(plan_memory(config, *make_run_model(config), 0).activation > 0);
+  REQUIRE(plan_memory(config, *config.model, 0).activation > 0);
 }
 
 TEST_CASE("a config read for a plan opens no data and plans what a run's reading plans") {

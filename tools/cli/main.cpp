@@ -192,7 +192,7 @@ shardswap::MetricsErrors metrics_errors_from(const std::string& value) {
 std::vector<shardswap::InputFile> train_inputs(const ConfigArgs& args,
                                                const shardswap::TrainConfig& config) {
   std::vector<shardswap::InputFile> inputs = {{"the config file", args.path}};
-  for (const auto& file : shardswap::decoder_input_files(config))
+  for (const auto& file : shardswap::run_input_files(config))
     inputs.push_back({"an input of the run", file});
   std::filesystem::path checkpoint = config.checkpoint.load;
   if (config.checkpoint.load == "latest") {

@@ -254,6 +254,24 @@ void TokenDataset::add(Split& split, TokenFile file, std::int64_t begin,
   split.streams.push_back(Stream{std::move(file), begin, length});
 }
 
+TokenDataSpec token_data_spec_from_json(ConfigReader& c) {
+  TokenDataSpec spec;
+  const auto seq_len = c.integer("data.seq_len", 128);
+  if (seq_len < 1 || seq_len > (1 << 20))
+    c.fail("data.seq_len", fmt::format("{}", seq_len), "must lie in [1, 1048576]");
+  spec.seq_len = static_cast<int>(seq_len);
+  const auto tokenizer = c.string("data.tokenizer", "llmc");
+  if (tokenizer != "llmc" && tokenizer != "bytes")
+    c.fail("data.tokenizer", quote_value(tokenizer),
+           "expected \"llmc\" (token files in llm.c's format) or \"bytes\"");
+  spec.bytes = tokenizer == "bytes";
+  spec.train = c.string("data.train", "");
+  if (spec.train.empty()) c.fail("data.train", "is required for model.type \"decoder\"");
+  spec.val = c.string("data.val", "");
+  spec.val_fraction = c.number("data.val_fraction", spec.val_fraction);
+  return spec;
+}
+
 std::vector<std::string> token_data_files(const TokenDataSpec& spec) {
   std::vector<std::string> files = expand("data.train", spec.train);
   if (!spec.val.empty())

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "shardswap/config_reader.h"
 #include "model/decoder_compute.h"
 #include "files/mapped_file.h"
 
@@ -66,6 +67,12 @@ struct TokenDataSpec {
   int vocab = 0;              ///< the model's vocabulary size: every token must be below it
   std::uint64_t seed = 1;     ///< the shuffle's seed
 };
+
+/// Reads data.seq_len, data.tokenizer ("llmc" or "bytes"), data.train (required), data.val and
+/// data.val_fraction; vocab and seed are the model's and the run's, left for the caller to set.
+/// Throws ConfigError naming the key. Opens nothing: the files are checked when a TokenDataset
+/// opens them.
+TokenDataSpec token_data_spec_from_json(ConfigReader& c);
 
 /// The files data.train and data.val name, globs expanded (sorted by name), without opening them:
 /// what a run reads, for the CLI's check that no output of the run is one of its inputs.

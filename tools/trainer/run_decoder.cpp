@@ -1,25 +1,18 @@
-// The decoder behind RunModel: its config (model.* and data.* keys), its weights (from scratch or
-// a Hugging Face folder); and the run's data it reads (token files or bytes, the global batch of
-// a step drawn the same at any world size), opened apart from the model (RunData).
+// The decoder behind RunModel: its config as the model reads it (tools/model/decoder_config.h) and
+// its weights, from scratch or from a Hugging Face folder. The data is the trainer's (RunData).
 #include <fmt/format.h>
 
-#include <algorithm>
-#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <mutex>
 #include <thread>
 
-#include "shardswap/error.h"
-#include "support/quoted.h"
 #include "model/decoder.h"
+#include "model/decoder_config.h"
 #include "model/decoder_cuda.h"
-#include "model/hf_checkpoint.h"
 #include "model/hf_config.h"
 #include "model/init_ahead.h"
-#include "data/token_data.h"
 #include "trainer/run_model.h"
-#include "trainer/train.h"
 
 namespace shardswap {
 
@@ -35,28 +28,6 @@ const char* family_name(DecoderFamily f) {
       return "mistral";
   }
   return "?";
-}
-
-// The config.json fields that may be given inline under model.* for a model from scratch.
-const std::vector<std::string> kInlineFields = {
-    "model_type",          "vocab_size",          "hidden_size",
-    "intermediate_size",   "num_hidden_layers",   "num_attention_heads",
-    "num_key_value_heads", "head_dim",            "max_position_embeddings",
-    "rms_norm_eps",        "rope_theta",          "rope_scaling",
-    "rope_parameters",     "tie_word_embeddings", "hidden_act",
-    "attention_bias",      "mlp_bias",            "sliding_window",
-    "use_sliding_window",  "max_window_layers",   "layer_types"};
-
-TokenDataSpec token_spec(const TrainConfig& c) {
-  TokenDataSpec spec;
-  spec.train = c.decoder.data_train;
-  spec.val = c.decoder.data_val;
-  spec.bytes = c.decoder.bytes;
-  spec.val_fraction = c.val_fraction;
-  spec.seq_len = c.decoder.seq_len;
-  spec.vocab = c.decoder.shape.vocab;
-  spec.seed = c.seed;
-  return spec;
 }
 
 DecoderBatch to_batch(TokenSequences s) {
@@ -98,32 +69,46 @@ class DecoderRank final : public RankModel {
 
 class DecoderRun final : public RunModel {
  public:
-  explicit DecoderRun(const TrainConfig& c)
-      : config_(c.decoder), seed_(c.seed), on_cuda_(c.backend.kind == DeviceKind::cuda) {
-    if (!config_.path.empty())
-      checkpoint_.emplace(HfCheckpoint::open(config_.path, {config_.seq_len, "data.seq_len"}));
-  }
+  DecoderRun(DecoderConfig config, std::uint64_t seed) : config_(std::move(config)), seed_(seed) {}
   std::vector<std::string> groups() const override { return decoder_groups(config_.shape); }
+  SwitchingGroups switching_groups() const override {
+    // LISA and BAdam switch the decoder's "layers.N" groups; LISA keeps the embedding and the
+    // head always active (the LISA paper's choice).
+    SwitchingGroups g{.all = groups(), .layers = {}, .lisa_always_active = {"embed", "head"}};
+    for (const auto& name : g.all)
+      if (name.starts_with("layers.")) g.layers.push_back(name);
+    return g;
+  }
   std::int64_t param_count() const override { return decoder_param_count(config_.shape); }
+  int vocab_size() const override { return config_.shape.vocab; }
+  std::int64_t hidden_size() const override { return config_.shape.hidden; }
   std::vector<ParamDeclaration> declarations() const override {
     std::vector<ParamDeclaration> out;
     for (auto& p : decoder_params(config_.shape))
       out.push_back({std::move(p.name), std::move(p.shape), std::move(p.group)});
     return out;
   }
-  void init(const ParamInfo& param, std::span<float> values) const override {
-    if (checkpoint_) {
-      checkpoint_->copy(param.name, DType::f32, std::as_writable_bytes(values));
-      return;
-    }
-    // Made at the first value asked for: `plan` draws none, and its index of every param (as
-    // large as the engine's declarations) is not made for it.
-    std::call_once(init_ahead_made_, [&] {
-      init_ahead_ = std::make_unique<InitAhead>(
-          config_.shape, seed_, static_cast<int>(std::thread::hardware_concurrency()));
-    });
-    init_ahead_->fill(param, values);
+  WeightInit initial_values() const override {
+    if (config_.weights)
+      return [weights = config_.weights](const ParamInfo& param, std::span<float> values) {
+        weights->copy(param.name, DType::f32, std::as_writable_bytes(values));
+      };
+    // Drawn ahead on every core, made at the first value asked for: a build whose rank draws
+    // none never makes its index of every param (as large as the engine's declarations).
+    struct Drawn {
+      std::once_flag made;
+      std::unique_ptr<InitAhead> ahead;
+    };
+    return [drawn = std::make_shared<Drawn>(), shape = config_.shape, seed = seed_](
+               const ParamInfo& param, std::span<float> values) {
+      std::call_once(drawn->made, [&] {
+        drawn->ahead = std::make_unique<InitAhead>(
+            shape, seed, static_cast<int>(std::thread::hardware_concurrency()));
+      });
+      drawn->ahead->fill(param, values);
+    };
   }
+  std::vector<std::filesystem::path> input_files() const override { return config_.input_files(); }
   std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const override {
     return Decoder::activation_bytes(config_.shape, micro, config_.seq_len, dtype, device,
                                      config_.recompute_layers);
@@ -142,7 +127,7 @@ class DecoderRun final : public RunModel {
   std::vector<int> reference_gemm(int micro) const override {
     return {micro * config_.seq_len, config_.shape.intermediate, config_.shape.hidden};
   }
-  std::string describe() const override {
+  std::string describe(DeviceKind device) const override {
     const auto& s = config_.shape;
     return fmt::format(
         "decoder {} params ({}), {} layers, hidden {}, intermediate {}, heads {} / kv {} x {}, "
@@ -151,104 +136,23 @@ class DecoderRun final : public RunModel {
         s.kv_heads, s.head_dim, s.vocab, s.tied ? " (tied head)" : "", config_.seq_len,
         config_.path.empty() ? "from scratch" : "from " + config_.path,
         // Which attention a GPU run has is said, never left to guess (docs/models.md).
-        on_cuda_ ? ", attention: " + lm::dec::cuda_attention_name(s) : "");
+        device == DeviceKind::cuda ? ", attention: " + lm::dec::cuda_attention_name(s) : "");
   }
   std::string type_name() const override { return "decoder"; }
-  nlohmann::json checkpoint_extra() const override { return {{"hf_config", config_.hf_config}}; }
+  nlohmann::json checkpoint_extra(DType dtype) const override {
+    return {{"hf_config", hf_config_to_json(config_.shape, dtype)}};
+  }
 
  private:
-  DecoderRunConfig config_;
+  DecoderConfig config_;
   std::uint64_t seed_;
-  // From scratch: Decoder::init's values, drawn ahead (init is const: made on first use).
-  mutable std::once_flag init_ahead_made_;
-  mutable std::unique_ptr<InitAhead> init_ahead_;
-  bool on_cuda_;
-  std::optional<HfCheckpoint> checkpoint_;
 };
 
 }  // namespace
 
-void decoder_config_from_json(ConfigReader& c, TrainConfig& t) {
-  DecoderRunConfig& d = t.decoder;
-  d.seq_len = static_cast<int>(c.integer("data.seq_len", d.seq_len));
-  if (d.seq_len < 1 || d.seq_len > (1 << 20))
-    c.fail("data.seq_len", fmt::format("{}", d.seq_len), "must lie in [1, 1048576]");
-  const HfSeqLen seq_len{d.seq_len, "data.seq_len"};
-  d.path = c.string("model.path", "");
-  try {
-    if (!d.path.empty()) {
-      for (const auto& field : kInlineFields)
-        if (c.has("model." + field))
-          c.fail("model." + field,
-                 "comes from model.path's config.json; set either model.path or the fields");
-      // config.json and every tensor checked now, before anything is built.
-      d.shape = HfCheckpoint::open(d.path, seq_len).shape();
-    } else {
-      nlohmann::json fields = nlohmann::json::object();
-      for (const auto& field : kInlineFields)
-        if (c.has("model." + field)) {
-          fields[field] = c.json().at("model").at(field);
-          c.mark_read("model." + field);
-        }
-      if (!fields.contains("model_type")) fields["model_type"] = "llama";
-      d.shape = hf_config_from_json(fields, HfConfigSource{{}, "model."}, seq_len).shape;
-    }
-  } catch (const ConfigError& e) {
-    c.rethrow_naming_file(e);
-  }
-  const auto recompute = c.integer("model.recompute_layers", 0);
-  if (recompute < 0 || recompute > d.shape.layers)
-    c.fail("model.recompute_layers", fmt::format("{}", recompute),
-           fmt::format("must lie in [0, num_hidden_layers = {}]", d.shape.layers));
-  d.recompute_layers = static_cast<int>(recompute);
-  const auto tokenizer = c.string("data.tokenizer", "llmc");
-  if (tokenizer != "llmc" && tokenizer != "bytes")
-    c.fail("data.tokenizer", quote_value(tokenizer),
-           "expected \"llmc\" (token files in llm.c's format) or \"bytes\"");
-  d.bytes = tokenizer == "bytes";
-  d.data_train = c.string("data.train", "");
-  if (d.data_train.empty()) c.fail("data.train", "is required for model.type \"decoder\"");
-  d.data_val = c.string("data.val", "");
-  t.val_fraction = c.number("data.val_fraction", t.val_fraction);
-}
-
-std::shared_ptr<const RunData> open_run_data(ConfigReader& c, const TrainConfig& t) {
-  try {
-    auto data = std::make_shared<const RunData>(token_spec(t), t.batches.train_samples,
-                                                t.batches.micro_samples);
-    if (!data->has_val())
-      c.fail("data.val", "no validation set: give data.val (or data.tokenizer \"bytes\")");
-    return data;
-  } catch (const ConfigError& e) {
-    c.rethrow_naming_file(e);
-  }
-}
-
-std::vector<std::filesystem::path> decoder_input_files(const TrainConfig& t) {
-  // The token files by name alone: the run's data (open_run_data) has opened and scanned them.
-  std::vector<std::filesystem::path> files;
-  for (const auto& f : token_data_files(token_spec(t))) files.emplace_back(f);
-  if (!t.decoder.path.empty()) {
-    const HfCheckpoint model = HfCheckpoint::open(t.decoder.path, {t.decoder.seq_len, "data.seq_len"});
-    files.push_back(std::filesystem::path(t.decoder.path) / "config.json");
-    for (const auto& f : model.files()) files.push_back(f);
-  }
-  return files;
-}
-
-std::unique_ptr<RunModel> make_decoder_run(const TrainConfig& config) {
-  return std::make_unique<DecoderRun>(config);
-}
-
-SwitchingGroups decoder_switching_groups(const TrainConfig& config) {
-  // LISA and BAdam switch the decoder's "layers.N" groups; LISA keeps the embedding and the
-  // head always active (the LISA paper's choice).
-  SwitchingGroups g{.all = decoder_groups(config.decoder.shape),
-                    .layers = {},
-                    .lisa_always_active = {"embed", "head"}};
-  for (const auto& name : g.all)
-    if (name.starts_with("layers.")) g.layers.push_back(name);
-  return g;
+std::shared_ptr<const RunModel> read_decoder_run(ConfigReader& c, int seq_len,
+                                                 std::uint64_t seed) {
+  return std::make_shared<const DecoderRun>(decoder_config_from_json(c, seq_len), seed);
 }
 
 }  // namespace shardswap

@@ -1,28 +1,47 @@
-// The choice of the model behind RunModel: the decoder (tools/trainer/run_decoder.cpp), the one built-in
-// model family.
+// The choice of the model behind RunModel: the decoder (tools/trainer/run_decoder.cpp), the one
+// built-in model family.
 #include "trainer/run_model.h"
+
+#include <fmt/format.h>
 
 #include <utility>
 
-#include "trainer/train.h"
+#include "support/quoted.h"
 
 namespace shardswap {
 
 // run_decoder.cpp
-std::unique_ptr<RunModel> make_decoder_run(const TrainConfig& config);
-SwitchingGroups decoder_switching_groups(const TrainConfig& config);
+std::shared_ptr<const RunModel> read_decoder_run(ConfigReader& c, int seq_len, std::uint64_t seed);
 
 void RunModel::declare(Engine& engine) const {
   for (auto& p : declarations())
     engine.add_param(std::move(p.name), std::move(p.shape), std::move(p.group));
 }
 
-std::unique_ptr<RunModel> make_run_model(const TrainConfig& config) {
-  return make_decoder_run(config);
+std::string read_model_type(ConfigReader& c) {
+  // One built-in model family: model.type may be left out. The byte-level MLP LM it once chose
+  // between was removed; its configs are refused rather than read as a decoder's with the
+  // LM's keys ignored.
+  const auto type = c.string("model.type", "decoder");
+  if (type == "byte_lm")
+    c.fail("model.type", "\"byte_lm\"",
+           "the byte-level MLP LM was removed: use model.type \"decoder\" with data.tokenizer "
+           "\"bytes\" (configs/quickstart.json)");
+  if (type != "decoder")
+    c.fail("model.type", quote_value(type), "expected \"decoder\" (Llama / Qwen2 / Mistral)");
+  for (const char* key :
+       {"model.context", "model.width", "model.hidden", "model.depth", "data.path"})
+    if (c.has(key))
+      c.fail("model.type", fmt::format("{} is a key of the byte-level MLP LM, which was removed: "
+                                       "use the decoder's (docs/config.md) with data.tokenizer "
+                                       "\"bytes\" (configs/quickstart.json)",
+                                       key));
+  return type;
 }
 
-SwitchingGroups switching_groups(const TrainConfig& config) {
-  return decoder_switching_groups(config);
+std::shared_ptr<const RunModel> read_run_model(ConfigReader& c, int seq_len, std::uint64_t seed) {
+  read_model_type(c);  // the decoder, the one there is
+  return read_decoder_run(c, seq_len, seed);
 }
 
 }  // namespace shardswap

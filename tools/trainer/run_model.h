@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <span>
 #include <string>
@@ -15,13 +16,12 @@
 #include <vector>
 
 #include "shardswap/allocator.h"
+#include "shardswap/config_reader.h"
 #include "shardswap/dtype.h"
 #include "shardswap/engine.h"
 #include "data/token_data.h"
 
 namespace shardswap {
-
-struct TrainConfig;  // tools/trainer/train.h
 
 struct ValLogits {
   int sequences = 0, seq_len = 0, vocab = 0;
@@ -48,43 +48,6 @@ class RankModel {
   virtual std::vector<std::pair<std::string, double>> take_phase_seconds() { return {}; }
 };
 
-/// A run's model, described from its config alone and shared by its ranks: what a plan asks
-/// (groups, declarations, bytes, flops) costs no data and no Engine.
-class RunModel {
- public:
-  virtual ~RunModel() = default;
-  /// The groups in declaration order ("embed", "layers.0", ..., "head").
-  virtual std::vector<std::string> groups() const = 0;
-  virtual std::int64_t param_count() const = 0;
-  /// Every param in declaration order: what declare() adds, and what a plan is made of without
-  /// an Engine (plan_memory).
-  virtual std::vector<ParamDeclaration> declarations() const = 0;
-  void declare(Engine& engine) const;
-  /// The initial weights: from scratch (a pure function of the seed) or read from a checkpoint.
-  virtual void init(const ParamInfo& param, std::span<float> values) const = 0;
-  /// Exact bytes of Tag::activation a RankModel of a micro-batch of `micro` samples holds.
-  virtual std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const = 0;
-  virtual std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
-                                                     MemorySpace& space) const = 0;
-  /// Tokens whose loss one sample carries (the decoder: seq_len).
-  virtual std::int64_t tokens_per_sample() const = 0;
-  /// FLOPs of forward + backward over one micro-batch with every group active.
-  virtual double micro_flops(int micro) const = 0;
-  /// The GEMM (m, n, k) whose cuBLAS rate is the yardstick of the model's rate.
-  virtual std::vector<int> reference_gemm(int micro) const = 0;
-  /// "decoder llama 1234 params, ...": the start-up line's part.
-  virtual std::string describe() const = 0;
-  /// "decoder": the plan's first line.
-  virtual std::string type_name() const = 0;
-  /// The model's fields of a checkpoint's `extra`, beside the trainer's (step, updates, seed):
-  /// the decoder's hf_config, the config.json `ckpt export --format hf` writes.
-  virtual nlohmann::json checkpoint_extra() const = 0;
-};
-
-/// The model of the config's model.type; reads no weights until init() is asked for them, and
-/// no data.
-std::unique_ptr<RunModel> make_run_model(const TrainConfig& config);
-
 /// The model's groups as layer switching (layer_switching) sees them, known from the config's
 /// model keys alone: the config reader checks the schedule with them, for a plan too, which opens
 /// no data.
@@ -96,7 +59,62 @@ struct SwitchingGroups {
   /// keeps none).
   std::vector<std::string> lisa_always_active;
 };
-/// The groups of the model of the config's model.type (its model keys read).
-SwitchingGroups switching_groups(const TrainConfig& config);
+
+/// A run's model, described from its config alone when the config is read (read_run_model) and
+/// shared read-only by every run and rank made from that config: what a plan asks (groups,
+/// declarations, bytes, flops) costs no data and no Engine.
+class RunModel {
+ public:
+  virtual ~RunModel() = default;
+  /// The groups in declaration order ("embed", "layers.0", ..., "head").
+  virtual std::vector<std::string> groups() const = 0;
+  virtual SwitchingGroups switching_groups() const = 0;
+  virtual std::int64_t param_count() const = 0;
+  /// Token ids the model reads lie below it: the data checks every token against it.
+  virtual int vocab_size() const = 0;
+  /// The width DeepSpeed's "auto" reduce bucket is sized by (transformers' Trainer: its square).
+  virtual std::int64_t hidden_size() const = 0;
+  /// Every param in declaration order: what declare() adds, and what a plan is made of without
+  /// an Engine (plan_memory).
+  virtual std::vector<ParamDeclaration> declarations() const = 0;
+  void declare(Engine& engine) const;
+  /// The initial weights of one build (Engine::build's init): from scratch (a pure function of
+  /// the seed) or read from the model's folder. Made per build, so that what it draws ahead
+  /// lives no longer than the build; thread-safe.
+  virtual WeightInit initial_values() const = 0;
+  /// The files the model reads (its folder's config and weights): what a run's outputs must
+  /// never replace.
+  virtual std::vector<std::filesystem::path> input_files() const = 0;
+  /// Exact bytes of Tag::activation a RankModel of a micro-batch of `micro` samples holds.
+  virtual std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const = 0;
+  virtual std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
+                                                     MemorySpace& space) const = 0;
+  /// Tokens whose loss one sample carries (the decoder: seq_len).
+  virtual std::int64_t tokens_per_sample() const = 0;
+  /// FLOPs of forward + backward over one micro-batch with every group active.
+  virtual double micro_flops(int micro) const = 0;
+  /// The GEMM (m, n, k) whose cuBLAS rate is the yardstick of the model's rate.
+  virtual std::vector<int> reference_gemm(int micro) const = 0;
+  /// "decoder llama 1234 params, ...": the start-up line's part, for a run on `device`.
+  virtual std::string describe(DeviceKind device) const = 0;
+  /// "decoder": the plan's first line.
+  virtual std::string type_name() const = 0;
+  /// The model's fields of a checkpoint's `extra` with weights of `dtype`, beside the trainer's
+  /// (step, updates, seed): the decoder's hf_config, the config.json `ckpt export --format hf`
+  /// writes. ConfigError for a dtype or shape no such export can hold: the config reader asks
+  /// once, so that a run is refused before it starts rather than at its first save.
+  virtual nlohmann::json checkpoint_extra(DType dtype) const = 0;
+};
+
+/// model.type, checked: "decoder", the one there is, which may be left out; the keys of the
+/// byte-level MLP LM that was removed are refused naming model.type. Read first, so that an old
+/// config is told what it is before any other key is missing.
+std::string read_model_type(ConfigReader& c);
+
+/// The model of the config's model.type (read_model_type), its keys read and checked: the
+/// decoder reads model.path (its folder opened and its tensors checked now, the weights read
+/// only when a build asks) or the inline config.json fields (tools/model/decoder_config.h). `seq_len` is the data's (data.seq_len), `seed` the
+/// run's. Throws ConfigError naming the key and the file.
+std::shared_ptr<const RunModel> read_run_model(ConfigReader& c, int seq_len, std::uint64_t seed);
 
 }  // namespace shardswap

@@ -97,6 +97,31 @@ void check_plan_fits(const TrainConfig& config, const PlannedMemory& rank0) {
       static_cast<double>(memory) / 1073741824.0));
 }
 
+namespace {
+
+// The run's data, every file opened and checked once (a run without validation data is refused).
+std::shared_ptr<const RunData> open_run_data(ConfigReader& c, const TrainConfig& t) {
+  try {
+    auto data = std::make_shared<const RunData>(t.data_spec, t.batches.train_samples,
+                                                t.batches.micro_samples);
+    if (!data->has_val())
+      c.fail("data.val", "no validation set: give data.val (or data.tokenizer \"bytes\")");
+    return data;
+  } catch (const ConfigError& e) {
+    c.rethrow_naming_file(e);
+  }
+}
+
+}  // namespace
+
+std::vector<std::filesystem::path> run_input_files(const TrainConfig& t) {
+  // The token files by name alone: the run's data (open_run_data) has opened and scanned them.
+  std::vector<std::filesystem::path> files;
+  for (const auto& f : token_data_files(t.data_spec)) files.emplace_back(f);
+  for (auto& f : t.model->input_files()) files.push_back(std::move(f));
+  return files;
+}
+
 TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   TrainConfig t;
   const auto positive = [&](std::string_view key, std::int64_t fallback, std::int64_t max) {
@@ -112,29 +137,18 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   t.steps = positive("steps", 100, std::int64_t{1} << 40);
   t.seed = static_cast<std::uint64_t>(c.integer("seed", 1));
 
-  // One built-in model family: model.type may be left out. The byte-level MLP LM it once chose
-  // between was removed; its configs are refused rather than read as a decoder's with the
-  // LM's keys ignored.
-  const auto type = c.string("model.type", "decoder");
-  if (type == "byte_lm")
-    c.fail("model.type", "\"byte_lm\"",
-           "the byte-level MLP LM was removed: use model.type \"decoder\" with data.tokenizer "
-           "\"bytes\" (configs/quickstart.json)");
-  if (type != "decoder")
-    c.fail("model.type", quote_value(type), "expected \"decoder\" (Llama / Qwen2 / Mistral)");
-  for (const char* key : {"model.context", "model.width", "model.hidden", "model.depth", "data.path"})
-    if (c.has(key))
-      c.fail("model.type", fmt::format("{} is a key of the byte-level MLP LM, which was removed: "
-                                       "use the decoder's (docs/config.md) with data.tokenizer "
-                                       "\"bytes\" (configs/quickstart.json)",
-                                       key));
-  // The model before the engine: Hugging Face's "auto" reduce bucket is the hidden size squared.
-  decoder_config_from_json(c, t);
+  // The data's keys, then the model's, which need its sequence length, then the engine's:
+  // Hugging Face's "auto" reduce bucket is the model's hidden size squared.
+  read_model_type(c);
+  t.data_spec = token_data_spec_from_json(c);
+  t.model = read_run_model(c, t.data_spec.seq_len, t.seed);
+  t.data_spec.vocab = t.model->vocab_size();
+  t.data_spec.seed = t.seed;
   // The data's one opening in a run, checked before any later key as it always was.
   if (purpose == ConfigFor::run) t.data = open_run_data(c, t);
-  t.engine = engine_config_from_json(c, t.batches, t.decoder.shape.hidden);
+  t.engine = engine_config_from_json(c, t.batches, t.model->hidden_size());
   try {
-    t.decoder.hf_config = hf_config_to_json(t.decoder.shape, t.engine.dtype);
+    (void)t.model->checkpoint_extra(t.engine.dtype);  // a run its checkpoints cannot hold: now
   } catch (const ConfigError& e) {
     c.rethrow_naming_file(e);
   }
@@ -168,7 +182,7 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
 
   LayerSwitchingConfig switching = layer_switching_from_json(c);
   // LISA and BAdam switch the model's layers: absent lists are the model's (SwitchingGroups).
-  const SwitchingGroups groups = switching_groups(t);
+  const SwitchingGroups groups = t.model->switching_groups();
   const bool switches_layers =
       (switching.type == SwitchingType::lisa || switching.type == SwitchingType::badam);
   if (switches_layers && !c.has("layer_switching.layers")) switching.layers = groups.layers;
@@ -197,18 +211,18 @@ PlannedMemory plan_memory(const TrainConfig& config, const RunModel& model, int 
 }
 
 void print_plan(const TrainConfig& config, std::ostream& out) {
-  const auto model = make_run_model(config);
-  const auto params = model->param_count();
+  const RunModel& model = *config.model;
+  const auto params = model.param_count();
   const int n = config.world_size;
   out << fmt::format(
       "plan: {}, {} params, world size {}, ZeRO stage {}, {}, {}, micro-batch {}, "
       "backend {}\n",
-      model->type_name(), params, n, config.engine.stage, dtype_name(config.engine.dtype),
+      model.type_name(), params, n, config.engine.stage, dtype_name(config.engine.dtype),
       optimizer_type_name(config.engine.optimizer.type), config.batches.micro_samples,
       config.backend.name);
   const int shown = std::min(n, 8);
   std::vector<PlannedMemory> plans;
-  for (int r = 0; r < n; ++r) plans.push_back(plan_memory(config, *model, r));
+  for (int r = 0; r < n; ++r) plans.push_back(plan_memory(config, model, r));
   out << fmt::format("{:<12}", "bytes");
   for (int r = 0; r < shown; ++r) out << fmt::format("{:>16}", fmt::format("rank {}", r));
   out << fmt::format("{:>16}\n", "max over ranks");
@@ -238,9 +252,9 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
 EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint,
                      bool logits) {
   const RunData& data = data_of(config);
-  const auto run = make_run_model(config);
+  const RunModel& run = *config.model;
   const Backend backend = open_backend(config.backend);
-  check_plan_fits(config, plan_memory(config, *run, 0));
+  check_plan_fits(config, plan_memory(config, run, 0));
   const int world = config.world_size;
   EvalSummary summary;
   summary.batches = config.eval_batches;
@@ -250,16 +264,16 @@ EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& che
   run_in_process_ranks(config, backend, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, backend.make_allocator(rank));
     Engine engine(config.engine, comm, space, backend);
-    run->declare(engine);
+    run.declare(engine);
     // Rank 0's values are broadcast to every rank by build: the others need not draw them.
-    engine.build([&](const ParamInfo& p, std::span<float> v) { if (rank == 0) run->init(p, v); },
-                 config.schedule->active_at(0));
+    const WeightInit none = [](const ParamInfo&, std::span<float>) {};
+    engine.build(rank == 0 ? run.initial_values() : none, config.schedule->active_at(0));
     if (!checkpoint.empty()) {
       const LoadedCheckpoint loaded = load_checkpoint(engine, checkpoint);
       const std::int64_t step = trainer_field(loaded, checkpoint, "step");
       if (rank == 0) summary.step = step;
     }
-    auto model = run->make_rank_model(config.batches.micro_samples, config.engine.dtype, space);
+    auto model = run.make_rank_model(config.batches.micro_samples, config.engine.dtype, space);
     double sum = 0.0;
     for (int b = rank; b < config.eval_batches; b += world)
       sum += model->val_loss(engine, data.val_batch(b));
@@ -433,15 +447,15 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
       leads && !config.checkpoint.dir.empty() ? hold_checkpoint_dir(config.checkpoint.dir)
                                               : std::nullopt;
   const RunData& data = data_of(config);
-  const auto model = make_run_model(config);
+  const RunModel& model = *config.model;
   const Backend backend = open_backend(config.backend);
-  const PlannedMemory predicted = plan_memory(config, *model, 0);
+  const PlannedMemory predicted = plan_memory(config, model, 0);
   check_plan_fits(config, predicted);
-  TrainRun run(config, out, *model, data, backend);
+  TrainRun run(config, out, model, data, backend);
   run.predicted_bytes = predicted.total();
   run.tokens_per_step = static_cast<double>(config.batches.micro_samples) *
                         config.batches.gradient_accumulation_steps * config.world_size *
-                        static_cast<double>(model->tokens_per_sample());
+                        static_cast<double>(model.tokens_per_sample());
   run.summary.predicted_bytes = predicted.total();
   run.checkpoints = choose_checkpoints(config, leads);
   // Rank 0's GPU as the driver sees it before this run puts anything there (its CUDA context

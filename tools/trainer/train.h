@@ -24,7 +24,6 @@
 #include "shardswap/engine_config.h"
 #include "shardswap/schedule.h"
 #include "shardswap/lr_schedule.h"
-#include "model/decoder_compute.h"
 #include "trainer/process_launch.h"
 #include "trainer/run_data.h"
 #include "trainer/run_model.h"
@@ -59,41 +58,23 @@ struct CheckpointConfig {
   std::string load;
 };
 
-/// The decoder's part of the config (model.type = "decoder", the one model.type there is).
-struct DecoderRunConfig {
-  DecoderShape shape;     ///< from model.path's config.json, or the model.* fields
-  std::string path;       ///< model.path: a Hugging Face model folder to start from ("": scratch)
-  /// The config.json a Hugging Face export of it carries (set by train_config_from_json once the
-  /// engine's dtype is read, after the decoder's keys).
-  nlohmann::json hf_config;
-  int seq_len = 128;      ///< data.seq_len: tokens per sample
-  std::string data_train;  ///< data.train: a path or glob of token files (docs/data.md)
-  std::string data_val;    ///< data.val: the validation set's ("": the tail of a bytes file)
-  bool bytes = false;      ///< data.tokenizer = "bytes": a file's bytes are its tokens
-  int recompute_layers = 0;  ///< model.recompute_layers: the lowest layers run forward again in backward
-};
-
 struct TrainConfig;
-/// Every file a decoder run reads: its token files (data.train and data.val) and its model
-/// folder's config.json and weights (what its outputs must never replace).
-std::vector<std::filesystem::path> decoder_input_files(const TrainConfig& t);
-/// Reads the decoder's keys into t.decoder (model.path or the inline config.json fields under
-/// model.*, data.seq_len, data.train, data.val, data.tokenizer, data.val_fraction) and checks the
-/// model folder's tensors now. Throws ConfigError naming the key and file.
-void decoder_config_from_json(ConfigReader& c, TrainConfig& t);
-/// The run's data of the decoder keys read into t, every file opened and checked once (a run
-/// without validation data is refused). Throws ConfigError naming the key and file.
-std::shared_ptr<const RunData> open_run_data(ConfigReader& c, const TrainConfig& t);
+/// Every file a run reads: its token files (data.train and data.val, globs expanded) and the
+/// model's (RunModel::input_files): what its outputs must never replace.
+std::vector<std::filesystem::path> run_input_files(const TrainConfig& t);
 
 struct TrainConfig {
   EngineConfig engine;
   BatchSizes batches;
   LrSchedule lr;
-  DecoderRunConfig decoder;  ///< model.*, data.*
+  /// model.*: the model, read and checked with the config (read_run_model) and shared by every
+  /// run made from it.
+  std::shared_ptr<const RunModel> model;
+  /// data.*: where the tokens come from, the model's vocabulary and the run's seed set.
+  TokenDataSpec data_spec;
   int world_size = 1;
   std::int64_t steps = 100;
   std::uint64_t seed = 1;
-  double val_fraction = 0.1;
   int log_interval = 10;
   int eval_interval = 100;  ///< validation every this many steps (and before the first, after the last)
   int eval_batches = 4;     ///< micro-batches of validation per evaluation, split over ranks

@@ -96,11 +96,9 @@ Trainer::Trainer(TrainRun& run, int rank, Communicator& comm, std::unique_ptr<Al
       planned_(run.predicted_bytes) {
   run_.model.declare(engine_);
   // Rank 0's values are broadcast to every rank by build: the others need not draw them.
-  engine_.build(
-      [&](const ParamInfo& p, std::span<float> v) {
-        if (rank_ == 0) run_.model.init(p, v);
-      },
-      config_.schedule->active_at(0));
+  engine_.build(rank_ == 0 ? run_.model.initial_values()
+                           : WeightInit([](const ParamInfo&, std::span<float>) {}),
+                config_.schedule->active_at(0));
   model_ = run_.model.make_rank_model(config_.batches.micro_samples, config_.engine.dtype, space_);
   // With timing on a GPU, rank 0's model times its phases (CUDA events; the split printed at
   // the end and in each metrics line).
@@ -152,7 +150,8 @@ void Trainer::open_log() {
   out.log << fmt::format(
       "shardswap train: {} ({} groups); world size {} ({}, {}), ZeRO stage {}, {}, {}; "
       "batch {} = {} x {} x {}; {}\n",
-      run_.model.describe(), engine_.groups().size(), world_, run_.backend.name(),
+      run_.model.describe(run_.backend.kind()), engine_.groups().size(), world_,
+      run_.backend.name(),
       comm_description(config_), config_.engine.stage, dtype_name(config_.engine.dtype),
       optimizer_type_name(config_.engine.optimizer.type), config_.batches.train_samples, micro,
       config_.batches.gradient_accumulation_steps, world_, run_.data.describe());
@@ -425,7 +424,7 @@ bool Trainer::saves_after(std::int64_t step, bool stopping) const {
 
 void Trainer::save(std::int64_t step, bool stopping) {
   SaveOptions options;
-  options.extra = run_.model.checkpoint_extra();
+  options.extra = run_.model.checkpoint_extra(config_.engine.dtype);
   options.extra.update({{"step", step + 1}, {"updates", updates_}, {"seed", config_.seed}});
   options.config = config_.source;
   options.run_id = checkpoints_.run_id;

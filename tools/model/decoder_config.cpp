@@ -1,0 +1,67 @@
+#include "model/decoder_config.h"
+
+#include <fmt/format.h>
+
+#include "shardswap/error.h"
+#include "model/hf_config.h"
+
+namespace shardswap {
+
+namespace {
+
+// The config.json fields that may be given inline under model.* for a model from scratch.
+const std::vector<std::string> kInlineFields = {
+    "model_type",          "vocab_size",          "hidden_size",
+    "intermediate_size",   "num_hidden_layers",   "num_attention_heads",
+    "num_key_value_heads", "head_dim",            "max_position_embeddings",
+    "rms_norm_eps",        "rope_theta",          "rope_scaling",
+    "rope_parameters",     "tie_word_embeddings", "hidden_act",
+    "attention_bias",      "mlp_bias",            "sliding_window",
+    "use_sliding_window",  "max_window_layers",   "layer_types"};
+
+}  // namespace
+
+std::vector<std::filesystem::path> DecoderConfig::input_files() const {
+  std::vector<std::filesystem::path> files;
+  if (!weights) return files;
+  files.push_back(weights->folder() / "config.json");
+  for (const auto& f : weights->files()) files.push_back(f);
+  return files;
+}
+
+DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
+  DecoderConfig d;
+  d.seq_len = seq_len;
+  const HfSeqLen checked_at{seq_len, "data.seq_len"};
+  d.path = c.string("model.path", "");
+  try {
+    if (!d.path.empty()) {
+      for (const auto& field : kInlineFields)
+        if (c.has("model." + field))
+          c.fail("model." + field,
+                 "comes from model.path's config.json; set either model.path or the fields");
+      // config.json and every tensor checked now, before anything is built.
+      d.weights = std::make_shared<const HfCheckpoint>(HfCheckpoint::open(d.path, checked_at));
+      d.shape = d.weights->shape();
+    } else {
+      nlohmann::json fields = nlohmann::json::object();
+      for (const auto& field : kInlineFields)
+        if (c.has("model." + field)) {
+          fields[field] = c.json().at("model").at(field);
+          c.mark_read("model." + field);
+        }
+      if (!fields.contains("model_type")) fields["model_type"] = "llama";
+      d.shape = hf_config_from_json(fields, HfConfigSource{{}, "model."}, checked_at).shape;
+    }
+  } catch (const ConfigError& e) {
+    c.rethrow_naming_file(e);
+  }
+  const auto recompute = c.integer("model.recompute_layers", 0);
+  if (recompute < 0 || recompute > d.shape.layers)
+    c.fail("model.recompute_layers", fmt::format("{}", recompute),
+           fmt::format("must lie in [0, num_hidden_layers = {}]", d.shape.layers));
+  d.recompute_layers = static_cast<int>(recompute);
+  return d;
+}
+
+}  // namespace shardswap
