@@ -341,21 +341,27 @@ TEST_CASE("packing cuts each file into seq_len + 1 windows at multiples of seq_l
   CHECK_THROWS_AS(d.train_sample(d.train_samples()), ConfigError);
 }
 
-TEST_CASE("validation batches walk the validation windows in order and wrap around", "[data]") {
+TEST_CASE("validation sequences are the validation windows in order and never wrap", "[data]") {
   const Corpus c;
   const TokenDataset d(c.spec());
   const auto want = reference_windows({c.val}, Corpus::kSeqLen);
   REQUIRE(d.val_samples() == 4);
-  for (const std::int64_t index : {0, 1, 2, 5, 1000001}) {
-    const auto got = windows_of(d.val_batch(index, 3));
-    REQUIRE(got.size() == 3);
-    for (int i = 0; i < 3; ++i) REQUIRE(got[i] == want[(index * 3 + i) % 4]);
-  }
+  for (int first = 0; first < 4; ++first)
+    for (int count = 1; first + count <= 4; ++count) {
+      const auto got = windows_of(d.val_sequences(first, count));
+      REQUIRE(got.size() == static_cast<std::size_t>(count));
+      for (int i = 0; i < count; ++i) REQUIRE(got[i] == want[first + i]);
+    }
+  // Past the set, before it, or empty: refused, naming the set's size.
+  for (const auto& [first, count] : {std::pair{3, 2}, {4, 1}, {-1, 1}, {0, 0}, {0, 5}})
+    CHECK(test::contains(
+        test::message_of<ConfigError>([&, f = first, n = count] { d.val_sequences(f, n); }),
+        "validation set's 4 samples"));
   auto spec = c.spec();
   spec.val.clear();
   const TokenDataset no_val(spec);
   REQUIRE_FALSE(no_val.has_val());
-  CHECK(test::contains(test::message_of<ConfigError>([&] { no_val.val_batch(0, 1); }), "data.val"));
+  CHECK(test::contains(test::message_of<ConfigError>([&] { no_val.val_sequences(0, 1); }), "data.val"));
 }
 
 TEST_CASE("the shuffle is a bijection of 0 .. n-1 for every n tried", "[data]") {
@@ -534,7 +540,7 @@ TEST_CASE("the byte tokenizer packs a file's bytes and keeps a val_fraction tail
   REQUIRE(d.val_samples() == static_cast<std::int64_t>(want_val.size()));
   for (std::size_t i = 0; i < want_train.size(); ++i)
     REQUIRE(windows_of(d.train_sample(static_cast<std::int64_t>(i)))[0] == want_train[i]);
-  const auto v = windows_of(d.val_batch(0, static_cast<int>(want_val.size())));
+  const auto v = windows_of(d.val_sequences(0, static_cast<int>(want_val.size())));
   REQUIRE(v == want_val);
   // Refusals: a vocab below 256, a val_fraction outside (0, 1), several files without data.val.
   spec.vocab = 255;

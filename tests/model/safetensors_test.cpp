@@ -894,6 +894,46 @@ TEST_CASE("an export of another dtype converts each param, and a mixed-dtype fol
   }
 }
 
+TEST_CASE("a NaN or Inf stored in a weight is refused when read, naming tensor, file and element",
+          "[hf]") {
+  std::mt19937_64 rng(19);
+  const ScratchFolder root("hf-folder");
+  struct Case {
+    const char* dtype;
+    std::vector<std::byte> bits;  // one element's stored bytes, little-endian
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {"BF16", {std::byte{0xC0}, std::byte{0x7F}}, "NaN"},
+      {"BF16", {std::byte{0x80}, std::byte{0xFF}}, "Inf"},  // -Inf
+      {"F16", {std::byte{0x01}, std::byte{0x7C}}, "NaN"},
+      {"F16", {std::byte{0x00}, std::byte{0x7C}}, "Inf"},
+      {"F32", {std::byte{0x00}, std::byte{0x00}, std::byte{0x80}, std::byte{0x7F}}, "Inf"},
+      {"F32", {std::byte{0x01}, std::byte{0x00}, std::byte{0xC0}, std::byte{0xFF}}, "NaN"}};
+  int k = 0;
+  for (const auto& c : cases) {
+    INFO(c.dtype << " " << c.what);
+    auto tensors = random_params(rng, false, true, c.dtype);
+    auto& poisoned = tensors[3];
+    const std::size_t element = static_cast<std::size_t>(numel(poisoned.shape)) / 2 + 1;
+    std::memcpy(poisoned.data.data() + element * c.bits.size(), c.bits.data(), c.bits.size());
+    const fs::path folder = root / fmt::format("in{}", k++);
+    write_folder(folder, tiny_config("mistral", true), tensors);
+    const auto ck = HfCheckpoint::open(folder, kSeq);  // opening maps; reading finds it
+    std::vector<float> out(static_cast<std::size_t>(numel(poisoned.shape)), 7.0f);
+    const std::string msg = message_of<ConfigError>(
+        [&] { ck.copy(poisoned.name, DType::f32, std::as_writable_bytes(std::span(out))); });
+    CHECK(contains(msg, '"' + poisoned.name + '"'));
+    CHECK(contains(msg, (folder / "model.safetensors").string()));
+    CHECK(contains(msg, fmt::format("element {} is {}", element, c.what)));
+    CHECK(std::all_of(out.begin(), out.end(), [](float v) { return v == 7.0f; }));  // untouched
+    // Every other tensor reads.
+    const auto& fine = tensors[2];
+    std::vector<float> ok(static_cast<std::size_t>(numel(fine.shape)));
+    ck.copy(fine.name, DType::f32, std::as_writable_bytes(std::span(ok)));
+  }
+}
+
 TEST_CASE("write_hf_folder refuses a used folder and leaves nothing after a failure", "[hf]") {
   std::mt19937_64 rng(18);
   const ScratchFolder root("hf-folder");

@@ -3,7 +3,10 @@
 // and the file.
 #include <nlohmann/json.hpp>
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdint>
 #include <mutex>
@@ -507,4 +510,55 @@ TEST_CASE("a training run with shardswap.comm_timeout_s gives the metrics of one
   run(load(j), log2, &with);
   REQUIRE(!without.str().empty());
   REQUIRE(without_timings(with.str()) == without_timings(without.str()));
+}
+
+TEST_CASE("a run that only skips fails after shardswap.max_consecutive_skips, naming the cause") {
+  // lr 1e30: the first update blows the weights up; every later step's gradients are not finite.
+  auto j = small_run();
+  j["steps"] = 30;
+  j["optimizer"]["params"]["lr"] = 1e30;
+  j["logging"]["interval"] = 1;
+  j["shardswap"]["max_consecutive_skips"] = 5;
+  std::ostringstream log;
+  const std::string msg = test::message_of<Error>([&] { run(load(j), log, nullptr); });
+  CHECK(test::contains(msg, "step 6: 5 steps in a row skipped"));
+  CHECK(test::contains(msg, "shardswap.max_consecutive_skips = 5"));
+  CHECK(test::contains(msg, "not finite"));
+  // 0: never fails; the run reaches its end with every step after the first skipped.
+  j["shardswap"]["max_consecutive_skips"] = 0;
+  const TrainSummary s = run(load(j), log, nullptr);
+  CHECK(s.steps == 30);
+  CHECK(s.skipped == 29);
+  j["shardswap"]["max_consecutive_skips"] = -1;
+  CHECK(test::config_shaped(config_error(j), "test.json", "shardswap.max_consecutive_skips"));
+}
+
+TEST_CASE("validation covers the set once: \"all\", a partial last batch, never a wrap") {
+  auto j = small_run();
+  j["logging"]["eval_batches"] = "all";
+  const TrainConfig all = load(j);
+  const RunData& data = data_of(all);
+  REQUIRE(data.val_samples() % 4 != 0);  // the last batch is partial
+  CHECK(all.eval_batches == (data.val_samples() + 3) / 4);
+  CHECK(data.val_batch(all.eval_batches - 1).sequences == data.val_samples() % 4);
+  CHECK_THROWS_AS(data.val_batch(all.eval_batches), Error);
+
+  // Past the set: refused, saying how many batches there are.
+  j["logging"]["eval_batches"] = all.eval_batches + 1;
+  const std::string msg = config_error(j);
+  CHECK(test::config_shaped(msg, "test.json", "logging.eval_batches"));
+  CHECK(test::contains(msg, fmt::format("give at most {}", all.eval_batches)));
+  j["logging"]["eval_batches"] = "most";
+  CHECK(test::config_shaped(config_error(j), "test.json", "logging.eval_batches"));
+
+  // Every sequence weighs the same: the loss over batches of 4 (the last partial) on 2 ranks is
+  // the mean of each sequence's own loss (batches of 1 on one rank).
+  j["logging"]["eval_batches"] = "all";
+  const double batched = evaluate(all, {}).val_loss;
+  j["world_size"] = 1;
+  j["train_micro_batch_size_per_gpu"] = 1;
+  const TrainConfig single = load(j);
+  REQUIRE(single.eval_batches == data.val_samples());
+  const double per_sequence = evaluate(single, {}).val_loss;
+  CHECK(std::abs(batched - per_sequence) < 1e-5 * std::abs(per_sequence));
 }

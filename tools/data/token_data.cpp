@@ -401,22 +401,18 @@ TokenSequences TokenDataset::train_batch(std::int64_t step, int global_batch, in
   return out;
 }
 
-TokenSequences TokenDataset::val_batch(std::int64_t index, int size) const {
-  if (size < 1 || index < 0)
-    throw ConfigError(fmt::format(
-        "TokenDataset::val_batch: index {}, size {}: size must be at least 1, index not "
-        "negative",
-        index, size));
+TokenSequences TokenDataset::val_sequences(std::int64_t first, int count) const {
   if (!has_val()) throw ConfigError("data.val: not set: this dataset has no validation set");
+  if (count < 1 || first < 0 || first > val_.samples - count)
+    throw ConfigError(fmt::format(
+        "TokenDataset::val_sequences: samples [{}, {} + {}) do not lie in the validation set's "
+        "{} samples",
+        first, first, count, val_.samples));
   TokenSequences out;
   out.seq_len = seq_len_;
-  out.inputs.reserve(static_cast<std::size_t>(size) * static_cast<std::size_t>(seq_len_));
+  out.inputs.reserve(static_cast<std::size_t>(count) * static_cast<std::size_t>(seq_len_));
   out.targets.reserve(out.inputs.capacity());
-  // index * size may pass int64 for absurd indices; (index mod n) * size mod n does not.
-  const std::int64_t n = val_.samples;
-  const std::int64_t start = static_cast<std::int64_t>(
-      (static_cast<unsigned __int128>(index % n) * static_cast<unsigned>(size)) % n);
-  for (int i = 0; i < size; ++i) append(val_, (start + i) % n, out);
+  for (int i = 0; i < count; ++i) append(val_, first + i, out);
   return out;
 }
 

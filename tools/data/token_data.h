@@ -123,10 +123,10 @@ class TokenDataset {
   /// >= 0 and (micro_index + 1) * micro_size <= G / world.
   TokenSequences train_batch(std::int64_t step, int global_batch, int rank, int world,
                              int micro_index, int micro_size) const;
-  /// Validation windows in order: sequence i of batch `index` is validation sample
-  /// (index * size + i) mod val_samples(), so batches 0, 1, ... walk the set and wrap around.
-  /// Throws ConfigError for size < 1, index < 0, or a dataset without validation.
-  TokenSequences val_batch(std::int64_t index, int size) const;
+  /// Validation samples [first, first + count) in order, as `count` sequences. Never wraps:
+  /// throws ConfigError for count < 1, first < 0, a range past val_samples(), or a dataset
+  /// without validation.
+  TokenSequences val_sequences(std::int64_t first, int count) const;
 
   /// The training sample of global draw g (>= 0): the shuffle.
   std::int64_t sample_of_draw(std::int64_t g) const;

@@ -65,6 +65,24 @@ Error fsync_failure(const fs::path& dir, const IoStatus& status) {
 }  // namespace
 
 
+std::optional<NonFinite> first_nonfinite(const SafetensorsTensor& t) {
+  // The stored bits, not decoded: an all-ones exponent is Inf (zero mantissa) or NaN.
+  const auto scan = [&]<class Bits>(Bits exponent, Bits mantissa) -> std::optional<NonFinite> {
+    const auto n = static_cast<std::size_t>(t.numel());
+    for (std::size_t i = 0; i < n; ++i) {
+      Bits v;
+      std::memcpy(&v, t.data + i * sizeof v, sizeof v);  // the data need not be aligned
+      if ((v & exponent) == exponent)
+        return NonFinite{static_cast<std::int64_t>(i), (v & mantissa) != 0 ? "NaN" : "Inf"};
+    }
+    return std::nullopt;
+  };
+  if (t.dtype == "BF16") return scan(std::uint16_t{0x7F80}, std::uint16_t{0x007F});
+  if (t.dtype == "F16") return scan(std::uint16_t{0x7C00}, std::uint16_t{0x03FF});
+  if (t.dtype == "F32") return scan(std::uint32_t{0x7F800000}, std::uint32_t{0x007FFFFF});
+  return std::nullopt;  // convert_tensor refuses the others
+}
+
 void convert_tensor(const SafetensorsTensor& src, const fs::path& file, DType dtype,
                     std::span<std::byte> out) {
   const auto refuse = [&](std::string_view why) {
@@ -285,7 +303,13 @@ const fs::path& HfCheckpoint::file_of(std::string_view name) const {
 
 void HfCheckpoint::copy(std::string_view name, DType dtype, std::span<std::byte> out) const {
   const auto& p = place(name);
-  convert_tensor(files_[p.file].tensors()[p.tensor], files_[p.file].path(), dtype, out);
+  const SafetensorsTensor& tensor = files_[p.file].tensors()[p.tensor];
+  if (const auto at = first_nonfinite(tensor))
+    throw ConfigError(fmt::format(
+        "model.path: tensor {} in '{}': element {} is {}: a weight that is not finite makes every "
+        "step's loss NaN; the folder's weights are damaged",
+        quote_value(tensor.name), files_[p.file].path().string(), at->index, at->what));
+  convert_tensor(tensor, files_[p.file].path(), dtype, out);
 }
 
 namespace {

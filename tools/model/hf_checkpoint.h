@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <functional>
 #include <map>
 #include <span>
@@ -31,6 +32,15 @@ using HfTensorSpec = DecoderParam;
 void convert_tensor(const SafetensorsTensor& src, const std::filesystem::path& file, DType dtype,
                     std::span<std::byte> out);
 
+/// Where a stored tensor first holds a value that is not finite.
+struct NonFinite {
+  std::int64_t index = 0;  ///< the element, in storage order
+  const char* what = "";   ///< "NaN" or "Inf"
+};
+/// The first NaN or Inf of a BF16, F16 or F32 tensor, read from its stored bits (none for
+/// another dtype).
+std::optional<NonFinite> first_nonfinite(const SafetensorsTensor& t);
+
 /// A Hugging Face model folder, opened and checked as a whole before any weight is read: meant
 /// to come before the engine allocates anything.
 class HfCheckpoint {
@@ -53,7 +63,8 @@ class HfCheckpoint {
   const SafetensorsTensor& tensor(std::string_view name) const;
   /// The file holding param `name`.
   const std::filesystem::path& file_of(std::string_view name) const;
-  /// convert_tensor of param `name`.
+  /// convert_tensor of param `name`; ConfigError naming the tensor, its file and the element for
+  /// a stored NaN or Inf (nothing is written).
   void copy(std::string_view name, DType dtype, std::span<std::byte> out) const;
 
  private:

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "shardswap/error.h"
+
 namespace shardswap {
 
 RunData::RunData(const TokenDataSpec& spec, int global_batch, int micro)
@@ -12,7 +14,12 @@ TokenSequences RunData::train_micro(std::int64_t step, int rank, int world, int 
 }
 
 TokenSequences RunData::val_batch(int index) const {
-  return tokens_.val_batch(index, micro_);
+  if (index < 0 || index >= val_batches())
+    throw Error(fmt::format("RunData::val_batch({}): the validation set holds {} batches of {}",
+                            index, val_batches(), micro_));
+  const std::int64_t first = std::int64_t{index} * micro_;
+  return tokens_.val_sequences(
+      first, static_cast<int>(std::min<std::int64_t>(micro_, tokens_.val_samples() - first)));
 }
 
 std::string RunData::describe() const {

@@ -20,9 +20,15 @@ class RunData {
   /// Micro-batch `micro_index` of `rank` of `world` at `step`: a pure function of its arguments,
   /// so any number of threads may draw at once.
   TokenSequences train_micro(std::int64_t step, int rank, int world, int micro_index) const;
-  /// Validation batch `index` (a fixed slice of the validation data) of the micro-batch's size.
+  /// Validation batch `index`: the validation samples [index * micro, (index + 1) * micro), the
+  /// last batch holding what is left (fewer sequences). Error for an index at or past
+  /// val_batches(): no batch wraps around the set.
   TokenSequences val_batch(int index) const;
+  /// The batches of micro-batch size that cover the validation set, the last one maybe partial.
+  std::int64_t val_batches() const { return (tokens_.val_samples() + micro_ - 1) / micro_; }
   bool has_val() const { return tokens_.has_val(); }
+  int micro() const { return micro_; }
+  std::int64_t val_samples() const { return tokens_.val_samples(); }
   /// "data FILES (...)": the start-up line's part.
   std::string describe() const;
 

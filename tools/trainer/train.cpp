@@ -112,6 +112,31 @@ std::shared_ptr<const RunData> open_run_data(ConfigReader& c, const TrainConfig&
   }
 }
 
+// logging.eval_batches: a count of batches, or "all": the batches of micro-batch size that cover
+// the validation set, the last one maybe partial. Never past the set: batches that wrapped
+// around it would count its samples twice. A plan (no data open) takes a count as given and
+// "all" as 0.
+template <class Positive>
+int read_eval_batches(ConfigReader& c, const TrainConfig& t, const Positive& positive) {
+  const char* key = "logging.eval_batches";
+  const std::int64_t held = t.data ? t.data->val_batches() : 0;
+  const nlohmann::json::json_pointer at("/logging/eval_batches");
+  if (c.json().contains(at) && c.json().at(at).is_string()) {
+    const std::string all = c.string(key, "");
+    if (all != "all") c.fail(key, quote_value(all), "expected a count of batches or \"all\"");
+    return static_cast<int>(std::min<std::int64_t>(held, 1 << 30));
+  }
+  const auto n = positive(key, 4, 1 << 20);
+  if (t.data && n > held)
+    c.fail(key, fmt::format("{}", n),
+           fmt::format("the validation set's {} sequences make {} batch{} of up to {} (the "
+                       "micro-batch); give at most {}, or \"all\": a batch past the set would "
+                       "count its sequences twice",
+                       t.data->val_samples(), held, held == 1 ? "" : "es",
+                       t.batches.micro_samples, held));
+  return static_cast<int>(n);
+}
+
 }  // namespace
 
 std::vector<std::filesystem::path> run_input_files(const TrainConfig& t) {
@@ -156,8 +181,13 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
 
   t.log_interval = static_cast<int>(positive("logging.interval", 10, 1 << 30));
   t.eval_interval = static_cast<int>(positive("logging.eval_interval", 100, 1 << 30));
-  t.eval_batches = static_cast<int>(positive("logging.eval_batches", 4, 1 << 20));
+  t.eval_batches = read_eval_batches(c, t, positive);
   t.timing = c.boolean("logging.timing", false);
+  const auto max_skips = c.integer("shardswap.max_consecutive_skips", t.max_consecutive_skips);
+  if (max_skips < 0 || max_skips > (1 << 30))
+    c.fail("shardswap.max_consecutive_skips", fmt::format("{}", max_skips),
+           "must lie in [0, 1073741824] (0: never fail)");
+  t.max_consecutive_skips = static_cast<int>(max_skips);
 
   read_devices(c, t);
 
@@ -274,10 +304,7 @@ EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& che
       if (rank == 0) summary.step = step;
     }
     auto model = run.make_rank_model(config.batches.micro_samples, config.engine.dtype, space);
-    double sum = 0.0;
-    for (int b = rank; b < config.eval_batches; b += world)
-      sum += model->val_loss(engine, data.val_batch(b));
-    const double mean = engine.sum_across_ranks(sum) / config.eval_batches;
+    const double mean = validation_loss(*model, engine, data, config.eval_batches, rank, world);
     if (rank == 0) {
       summary.val_loss = mean;
       if (logits) summary.logits = model->val_logits(engine, data.val_batch(0));
@@ -297,6 +324,22 @@ const char* stop_signal_name(int signal) {
     default:
       return "a signal";
   }
+}
+
+double validation_loss(RankModel& model, Engine& engine, const RunData& data, int batches,
+                       int rank, int world) {
+  // Each batch's mean weighted by its share of a full micro-batch: exactly 1 but for a partial
+  // last batch, so a set of full batches gives the plain mean of the batch means.
+  const double micro = static_cast<double>(data.micro());
+  double sum = 0.0;
+  for (int b = rank; b < batches; b += world) {
+    TokenSequences batch = data.val_batch(b);
+    const double share = batch.sequences / micro;
+    sum += model.val_loss(engine, std::move(batch)) * share;
+  }
+  const double sequences = static_cast<double>(
+      std::min<std::int64_t>(std::int64_t{batches} * data.micro(), data.val_samples()));
+  return engine.sum_across_ranks(sum) / (sequences / micro);
 }
 
 const RunData& data_of(const TrainConfig& config) {

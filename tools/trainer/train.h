@@ -77,7 +77,9 @@ struct TrainConfig {
   std::uint64_t seed = 1;
   int log_interval = 10;
   int eval_interval = 100;  ///< validation every this many steps (and before the first, after the last)
-  int eval_batches = 4;     ///< micro-batches of validation per evaluation, split over ranks
+  /// logging.eval_batches: validation batches per evaluation (of the micro-batch size, the last
+  /// one maybe partial), split over ranks; "all" resolved to the count that covers the set.
+  int eval_batches = 4;
   BackendChoice backend;    ///< shardswap.backend
   CommKind comm = CommKind::in_process;
   /// shardswap.comm_timeout_s: how long a rank waits in a collective for the others before every
@@ -87,6 +89,9 @@ struct TrainConfig {
   /// logging.timing: wait for the device after the model's forward/backward and after
   /// engine.step(), so the step time splits into the two honestly (costs a little overlap).
   bool timing = false;
+  /// shardswap.max_consecutive_skips: the run fails (exit 1, no checkpoint of the step) after this
+  /// many skipped steps in a row, naming the cause; 0 never fails.
+  int max_consecutive_skips = 20;
   /// layer_switching, checked against the model's groups when the config is read: the run's one
   /// schedule (set by train_config_from_json; plan, train and eval read it).
   std::optional<LayerSchedule> schedule;
@@ -194,6 +199,12 @@ struct EvalSummary {
 /// With `logits`, also validation batch 0's inputs and logits (RankModel::val_logits).
 EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& checkpoint,
                      bool logits = false);
+
+/// The mean validation loss over validation batches [0, batches) of `data`, rank `rank` of
+/// `world` evaluating batches rank, rank + world, ...: every sequence weighs the same (a partial
+/// last batch by its sequences). A collective: every rank calls it.
+double validation_loss(RankModel& model, Engine& engine, const RunData& data, int batches,
+                       int rank, int world);
 
 /// The data of a config read for a run (TrainConfig::data); Error for one read for a plan.
 const RunData& data_of(const TrainConfig& config);

@@ -126,6 +126,7 @@ void Trainer::run() {
     // only after its line is in the file, so a kill between the two never leaves a resume
     // point the metrics have not reached.
     if (rank_ == 0) report(step, s);
+    refuse_skips(step, s);
     if (saves_after(step, s.stopping)) save(step, s.stopping);
     if (s.stopping) {
       stop(step);
@@ -222,12 +223,8 @@ void Trainer::begin_training() {
   space_.reset_peaks();
 }
 
-// Validation: batches rank, rank + world, ... of eval_batches, summed over ranks.
 double Trainer::validate() {
-  double sum = 0.0;
-  for (int b = rank_; b < config_.eval_batches; b += world_)
-    sum += model_->val_loss(engine_, run_.data.val_batch(b));
-  return engine_.sum_across_ranks(sum) / config_.eval_batches;
+  return validation_loss(*model_, engine_, run_.data, config_.eval_batches, rank_, world_);
 }
 
 std::optional<SwitchReport> Trainer::switch_layers(std::int64_t step) {
@@ -290,6 +287,29 @@ Trainer::Step Trainer::train_step(std::int64_t step) {
             ? planned_
             : static_cast<std::int64_t>(engine_.sum_across_ranks(static_cast<double>(planned_)));
   return s;
+}
+
+// Skipped steps in a row past shardswap.max_consecutive_skips end the run before the step is
+// saved: a run that updates nothing (a NaN weight, inputs the model cannot take) fails instead of
+// running to its end and saving checkpoints of it. Every rank sees the same result and the same
+// loss (both global), so all throw at the same step.
+void Trainer::refuse_skips(std::int64_t step, const Step& s) {
+  skips_in_row_ = s.result.applied ? 0 : skips_in_row_ + 1;
+  if (config_.max_consecutive_skips == 0 || skips_in_row_ < config_.max_consecutive_skips) return;
+  std::string cause;
+  if (!std::isfinite(s.loss))
+    cause = fmt::format("the loss itself is {} (the forward pass: a weight or an input that is "
+                        "not finite, or an overflow)", s.loss);
+  else if (config_.engine.dtype == DType::f16)
+    cause = fmt::format("the gradients overflow at every loss scale down to {} (fp16)",
+                        s.result.loss_scale);
+  else
+    cause = fmt::format("the gradients are not finite (norm {}) though the loss is {:.6g}",
+                        std::isnan(s.result.grad_norm) ? "NaN" : "Inf", s.loss);
+  throw Error(fmt::format(
+      "step {}: {} steps in a row skipped (shardswap.max_consecutive_skips = {}): {}; stopping "
+      "without saving the step",
+      step + 1, skips_in_row_, config_.max_consecutive_skips, cause));
 }
 
 // Stop after this step? Every rank adds what it saw, so all decide alike even when the signal

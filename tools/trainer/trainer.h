@@ -89,6 +89,7 @@ class Trainer {
   Step train_step(std::int64_t step);
   bool stop_asked();
   void account(std::int64_t step, const Step& s);
+  void refuse_skips(std::int64_t step, const Step& s);
   void report(std::int64_t step, const Step& s);
   nlohmann::json metrics_line(std::int64_t step, const Step& s) const;
   bool saves_after(std::int64_t step, bool stopping) const;
@@ -107,7 +108,8 @@ class Trainer {
   std::unique_ptr<RankModel> model_;
   std::optional<ProgressReporter> progress_;  // rank 0's
   std::int64_t planned_ = 0;  // the plan of the active set: changes when a switch changes it
-  std::int64_t updates_ = 0;  // applied optimizer steps: the lr schedule's clock
+  std::int64_t updates_ = 0;
+  int skips_in_row_ = 0;      // steps skipped since the last applied one  // applied optimizer steps: the lr schedule's clock
   // Resuming: the engine's state from the checkpoint; the schedule's position and the data's are
   // pure functions of the step, so the step and the update count are all the loop needs.
   std::int64_t start_ = 0;
