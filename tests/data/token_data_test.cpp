@@ -552,8 +552,9 @@ TEST_CASE("the byte tokenizer packs a file's bytes and keeps a val_fraction tail
   std::filesystem::copy_file(dir / "text.txt", dir / "text2.txt");
   spec.train = (dir / "*.txt").string();
   CHECK(test::contains(refusal(spec), "2 files match"));
-  // With data.val, every training file is used whole.
-  spec.val = (dir / "text2.txt").string();
+  // With data.val (not one of the training files), every training file is used whole.
+  std::filesystem::copy_file(dir / "text.txt", dir / "held-out.dat");
+  spec.val = (dir / "held-out.dat").string();
   const TokenDataset two(spec);
   REQUIRE(two.train_samples() == 2 * ((1003 - 1) / 8));
   REQUIRE(two.val_samples() == (1003 - 1) / 8);
@@ -561,4 +562,58 @@ TEST_CASE("the byte tokenizer packs a file's bytes and keeps a val_fraction tail
   spec = spec_of(dir / "text.txt", 256, 200);
   spec.bytes = true;
   CHECK(test::contains(refusal(spec), "too small"));
+}
+
+TEST_CASE("a validation file that data.train also matches is refused, under any spelling",
+          "[data]") {
+  const Corpus c;
+  auto spec = c.spec();
+  spec.val = (c.dir / "train-2.bin").string();
+  std::string msg = refusal(spec);
+  CHECK(test::contains(msg, "data.val = "));
+  CHECK(test::contains(msg, "is also a training file"));
+  CHECK(test::contains(msg, "train-2.bin"));
+  // Another spelling of the path, and a hard link: the same file.
+  spec.val = (c.dir / "." / "train-0.bin").string();
+  CHECK(test::contains(refusal(spec), "is also a training file"));
+  std::filesystem::create_hard_link(c.dir / "train-3.bin", c.dir / "held-out.bin");
+  spec.val = (c.dir / "held-out.bin").string();
+  msg = refusal(spec);
+  CHECK(test::contains(msg, "held-out.bin"));
+  CHECK(test::contains(msg, "train-3.bin"));
+  // A copy is another file: accepted (its content is the user's business).
+  std::filesystem::copy_file(c.dir / "train-3.bin", c.dir / "copy.bin");
+  spec.val = (c.dir / "copy.bin").string();
+  CHECK(TokenDataset(spec).val_samples() == 3);
+}
+
+TEST_CASE("an llm.c token file read with the byte tokenizer is refused, naming the tokenizer",
+          "[data]") {
+  const Corpus c;
+  for (const char* name : {"train-0.bin", "train-1.bin"}) {  // versions 1 and 2
+    INFO(name);
+    TokenDataSpec spec;
+    spec.train = (c.dir / name).string();
+    spec.bytes = true;
+    spec.seq_len = 4;
+    spec.vocab = 256;
+    const std::string msg = refusal(spec);
+    CHECK(test::contains(msg, name));
+    CHECK(test::contains(msg, "an llm.c token file"));
+    CHECK(test::contains(msg, "data.tokenizer \"llmc\""));
+  }
+  // A file that starts with the magic but whose header does not explain its size is bytes.
+  const auto path = c.dir / "looks-like.bin";
+  {
+    std::ofstream out(path, std::ios::binary);
+    const std::int32_t header[3] = {kTokenFileMagic, 1, 1000};
+    out.write(reinterpret_cast<const char*>(header), sizeof header);
+    out << std::string(3000, 'x');
+  }
+  TokenDataSpec spec;
+  spec.train = path.string();
+  spec.bytes = true;
+  spec.seq_len = 4;
+  spec.vocab = 256;
+  CHECK(TokenDataset(spec).train_samples() > 0);
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <glob.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <bit>
@@ -10,7 +11,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <string_view>
+#include <utility>
 
 #include "shardswap/error.h"
 #include "support/quoted.h"
@@ -106,6 +109,26 @@ std::vector<std::string> expand(const std::string& key, const std::string& patte
 }
 
 // What errors about `path` start with: the key, its value and, for a glob, the file.
+// A file matched by both data.train and data.val (by identity: another spelling of the path,
+// or a hard link, is the same file) would be trained on and then validated on.
+void refuse_overlap(const TokenDataSpec& spec, const std::vector<std::string>& train,
+                    const std::vector<std::string>& val) {
+  struct stat st {};
+  std::map<std::pair<dev_t, ino_t>, std::string> trained;
+  for (const auto& path : train)
+    if (::stat(path.c_str(), &st) == 0) trained.emplace(std::pair{st.st_dev, st.st_ino}, path);
+  for (const auto& path : val) {
+    if (::stat(path.c_str(), &st) != 0) continue;  // the opening names what is wrong with it
+    const auto it = trained.find({st.st_dev, st.st_ino});
+    if (it != trained.end())
+      throw ConfigError(fmt::format(
+          "data.val = {}: {} is also a training file (data.train = {} matches {}): the "
+          "validation loss would be measured on data the model trains on",
+          quote_value(spec.val), quote_value(path), quote_value(spec.train),
+          quote_value(it->second)));
+  }
+}
+
 std::string where_of(const std::string& key, const std::string& pattern, const std::string& path) {
   if (pattern == path) return fmt::format("{} = {}", key, quote_value(pattern));
   return fmt::format("{} = {}: {}", key, quote_value(pattern), quote_value(path));
@@ -160,10 +183,25 @@ TokenFile TokenFile::open_llmc(const std::string& path, int vocab, const std::st
 TokenFile TokenFile::open_bytes(const std::string& path, const std::string& where_arg) {
   const std::string where = where_arg.empty() ? quote_value(path) : where_arg;
   auto mapping = MappedFile::open(path, where);
+  // An llm.c token file read as bytes would train on its header and its tokens' bytes: refused
+  // when the whole header agrees (magic, version, and a size that its count explains).
+  const auto size = static_cast<std::int64_t>(mapping->size());
+  const auto* bytes = reinterpret_cast<const std::uint8_t*>(mapping->data());
+  if (size >= kTokenFileHeaderBytes &&
+      static_cast<std::int32_t>(read_le32(bytes)) == kTokenFileMagic) {
+    const auto version = static_cast<std::int32_t>(read_le32(bytes + 4));
+    const auto count = static_cast<std::int32_t>(read_le32(bytes + 8));
+    if ((version == 1 || version == 2) && count >= 0 &&
+        size == kTokenFileHeaderBytes + std::int64_t{count} * (version == 1 ? 2 : 4))
+      refuse(where, fmt::format("an llm.c token file (version {}, {} tokens), but "
+                                "data.tokenizer = \"bytes\" would train on its bytes, header "
+                                "included: set data.tokenizer \"llmc\"",
+                                version, count));
+  }
   mapping->advise(MADV_RANDOM);
   TokenFile f;
   f.path_ = path;
-  f.tokens_ = reinterpret_cast<const std::uint8_t*>(mapping->data());
+  f.tokens_ = bytes;
   f.count_ = static_cast<std::int64_t>(mapping->size());
   f.width_ = 1;
   f.file_ = std::move(mapping);
@@ -330,6 +368,9 @@ TokenDataset::TokenDataset(const TokenDataSpec& spec)
         "one file",
         key, quote_value(pattern), tokens, split.streams.size(), seq_len_ + 1));
   };
+  const std::vector<std::string> val_paths =
+      spec.val.empty() ? std::vector<std::string>{} : expand("data.val", spec.val);
+  refuse_overlap(spec, train_paths, val_paths);
   for (const auto& path : train_paths) {
     TokenFile file = open("data.train", spec.train, path);
     const std::int64_t length = file.size();
@@ -337,7 +378,7 @@ TokenDataset::TokenDataset(const TokenDataSpec& spec)
   }
   if (train_.samples == 0) throw too_short("data.train", spec.train, train_);
   if (spec.val.empty()) return;
-  for (const auto& path : expand("data.val", spec.val)) {
+  for (const auto& path : val_paths) {
     TokenFile file = open("data.val", spec.val, path);
     const std::int64_t length = file.size();
     add(val_, std::move(file), 0, length);
