@@ -1,5 +1,7 @@
 // The decoder reads its own keys (tools/model/decoder_config.h), with no trainer around it: the
 // inline config.json fields, a Hugging Face folder opened once, and the refusals naming the key.
+#include <fmt/format.h>
+
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -68,12 +70,6 @@ TEST_CASE("the decoder's keys are refused naming the key and the config file", "
   CHECK(test::config_shaped(msg, "run.json", "model.recompute_layers"));
   CHECK(contains(msg, "num_hidden_layers = 3"));
 
-  // A folder and inline fields at once: which would win is not guessed.
-  msg = message_of<ConfigError>([&] {
-    read({{"path", (kFixtures / "llama3").string()}, {"hidden_size", 32}});
-  });
-  CHECK(test::config_shaped(msg, "run.json", "model.hidden_size"));
-  CHECK(contains(msg, "model.path"));
 
   // The sequence length is checked against the model: past max_position_embeddings.
   auto short_positions = tiny;
@@ -84,4 +80,29 @@ TEST_CASE("the decoder's keys are refused naming the key and the config file", "
 
   msg = message_of<ConfigError>([&] { read({{"path", "/nonexistent/model"}}); });
   CHECK(contains(msg, "/nonexistent/model"));
+}
+
+TEST_CASE("model.path wins over inline fields: the same value is silent, another one a warning",
+          "[decoder]") {
+  const fs::path folder = kFixtures / "llama3";
+  const HfCheckpoint alone = HfCheckpoint::open(folder, {24, "data.seq_len"});
+  const nlohmann::json& theirs = alone.config().fields;
+  ConfigReader reader(
+      nlohmann::json{{"model",
+                      {{"path", folder.string()},
+                       {"model_type", "llama"},                                    // the same
+                       {"hidden_size", theirs.at("hidden_size").get<double>()},  // 1.0 * same
+                       {"num_hidden_layers", theirs.at("num_hidden_layers").get<int>() + 1},
+                       {"sliding_window", 16}}}},  // not in a llama's config.json
+      "run.json");
+  const DecoderConfig d = decoder_config_from_json(reader, 24);
+  CHECK(d.shape.layers == alone.shape().layers);  // the folder's
+  const auto& warnings = reader.warnings();
+  REQUIRE(warnings.size() == 2);
+  CHECK(test::config_shaped(warnings[0], "run.json", "model.num_hidden_layers"));
+  CHECK(contains(warnings[0], fmt::format("config.json says {}", alone.shape().layers)));
+  CHECK(contains(warnings[0], "model.path wins"));
+  CHECK(test::config_shaped(warnings[1], "run.json", "model.sliding_window"));
+  CHECK(contains(warnings[1], "does not set it"));
+  CHECK(reader.unread_keys().empty());
 }

@@ -19,6 +19,27 @@ const std::vector<std::string> kInlineFields = {
     "attention_bias",      "mlp_bias",            "sliding_window",
     "use_sliding_window",  "max_window_layers",   "layer_types"};
 
+// model.path wins over the inline fields: a config written for one model (configs/qwen2.5-*.json)
+// then trains any folder given on the command line. A field that restates the folder's value is
+// silent; one that differs is a warning naming both (an error under --strict), never applied.
+void warn_replaced_fields(ConfigReader& c, const nlohmann::json& folder) {
+  for (const auto& field : kInlineFields) {
+    const std::string key = "model." + field;
+    if (!c.has(key)) continue;
+    const nlohmann::json& mine = c.json().at("model").at(field);
+    c.mark_read(key);
+    const auto theirs = folder.find(field);
+    if (theirs != folder.end() && *theirs == mine) continue;
+    c.warn(key, mine.dump(),
+           theirs == folder.end()
+               ? "model.path's config.json does not set it (transformers' default applies): "
+                 "model.path wins, this value is not used"
+               : fmt::format("model.path's config.json says {}: model.path wins, this value is "
+                             "not used",
+                             theirs->dump()));
+  }
+}
+
 }  // namespace
 
 std::vector<std::filesystem::path> DecoderConfig::input_files() const {
@@ -36,13 +57,10 @@ DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
   d.path = c.string("model.path", "");
   try {
     if (!d.path.empty()) {
-      for (const auto& field : kInlineFields)
-        if (c.has("model." + field))
-          c.fail("model." + field,
-                 "comes from model.path's config.json; set either model.path or the fields");
       // config.json and every tensor checked now, before anything is built.
       d.weights = std::make_shared<const HfCheckpoint>(HfCheckpoint::open(d.path, checked_at));
       d.shape = d.weights->shape();
+      warn_replaced_fields(c, d.weights->config().fields);
     } else {
       nlohmann::json fields = nlohmann::json::object();
       for (const auto& field : kInlineFields)

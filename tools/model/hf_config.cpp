@@ -385,7 +385,9 @@ HfModelConfig read_hf_config(const fs::path& file, const HfSeqLen& seq_len) {
   const json config = read_json_file(file, JsonLimits{64, kMaxHfConfigBytes, "a config.json"},
                                      "Hugging Face config.json");
   if (!config.is_object()) throw refuse("not a JSON object");
-  return hf_config_from_json(config, HfConfigSource{file, {}}, seq_len);
+  HfModelConfig read = hf_config_from_json(config, HfConfigSource{file, {}}, seq_len);
+  read.fields = config;
+  return read;
 }
 
 json hf_config_to_json(const DecoderShape& s, DType dtype) {

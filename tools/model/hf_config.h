@@ -35,6 +35,9 @@ struct HfSeqLen {
 struct HfModelConfig {
   DecoderShape shape;
   std::optional<DType> dtype;  ///< [dtype] or [torch_dtype]: bfloat16, float16, float32
+  /// The config.json as read (read_hf_config; empty from hf_config_from_json): its other
+  /// fields, such as the token ids, for whoever passes them on.
+  nlohmann::json fields;
 };
 
 /// The shape from `config`: model_type llama, qwen2 or mistral; hidden_act "silu";

@@ -168,6 +168,13 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   t.data_spec = token_data_spec_from_json(c);
   t.model = read_run_model(c, t.data_spec.seq_len, t.seed);
   t.data_spec.vocab = t.model->vocab_size();
+  // A model with weights of its own (model.path) reads token ids of its tokenizer: bytes as ids
+  // are another language to it. Legitimate for a benchmark, hence a warning, not an error.
+  if (t.data_spec.bytes && !t.model->input_files().empty())
+    c.warn("data.tokenizer", "\"bytes\"",
+           "byte values 0-255 are fed as token ids to the pretrained model of model.path, whose "
+           "tokenizer means other things by them: use token files of its tokenizer "
+           "(tools/data/tokenize_data.py) and data.tokenizer \"llmc\"");
   t.data_spec.seed = t.seed;
   // The data's one opening in a run, checked before any later key as it always was.
   if (purpose == ConfigFor::run) t.data = open_run_data(c, t);
