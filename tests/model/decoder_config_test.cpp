@@ -55,9 +55,14 @@ TEST_CASE("the decoder opens model.path once and lists the files a run must not 
   CHECK(d.shape.layers == alone.shape().layers);
   CHECK(d.shape.tied);
   const auto files = d.input_files();
-  REQUIRE(files.size() == 1 + alone.files().size());
+  // The fixture's side file: generation_config.json (transformers wrote it).
+  REQUIRE(d.side_files.size() == 1);
+  CHECK(d.side_files[0].name == "generation_config.json");
+  CHECK(d.side_files[0].bytes == fs::file_size(folder / "generation_config.json"));
+  REQUIRE(files.size() == 1 + alone.files().size() + 1);
   CHECK(files.front() == folder / "config.json");
-  CHECK(files.back() == alone.files().back());
+  CHECK(files[alone.files().size()] == alone.files().back());
+  CHECK(files.back() == folder / "generation_config.json");
 }
 
 TEST_CASE("the decoder's keys are refused naming the key and the config file", "[decoder]") {

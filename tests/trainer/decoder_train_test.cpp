@@ -4,10 +4,13 @@
 // continuing on the same tokens.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -199,6 +202,92 @@ TEST_CASE("a decoder loaded and exported unchanged is the Hugging Face folder it
       CHECK(bytes_of(*before) == bytes_of(exported.tensor(p.name)));
     }
   }
+}
+
+TEST_CASE("an export carries the source folder's tokenizer, chat template, generation config and "
+          "token ids",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-hf-roundtrip");
+  // A copy of the llama3 fixture (bos 1, eos 2, generation_config.json from transformers) with
+  // tokenizer files beside it, their bytes random: an export must copy them unread.
+  const fs::path model = dir / "model";
+  fs::copy(kFixtures / "llama3", model);
+  std::mt19937 rng(11);
+  const auto random_text = [&](std::size_t n) {
+    std::string s(n, ' ');
+    for (auto& c : s) c = static_cast<char>('a' + rng() % 26);
+    return s;
+  };
+  const std::map<std::string, std::string> tokenizer = {
+      {"tokenizer.json", "{\"model\": \"" + random_text(5000) + "\"}"},
+      {"tokenizer_config.json",
+       "{\"chat_template\": \"{% for m in messages %}{{ m['content'] }}{% endfor %}\"}"},
+      {"special_tokens_map.json", "{\"eos_token\": \"</s>\"}"}};
+  for (const auto& [name, bytes] : tokenizer) std::ofstream(model / name) << bytes;
+  auto j = decoder_run(dir, "llama3");
+  j["model"]["path"] = model.string();
+  j["steps"] = 2;
+  j["checkpoint"] = {{"dir", (dir / "ckpt").string()}, {"every", 2}};
+  run(load(j));
+  const fs::path ck = dir / "ckpt" / checkpoint_name(2);
+  REQUIRE(export_hf(ck, dir / "hf") == 0);
+  for (const auto& [name, bytes] : tokenizer) {
+    INFO(name);
+    CHECK(read_whole_file(dir / "hf" / name) == bytes);
+  }
+  CHECK(read_whole_file(dir / "hf" / "generation_config.json") ==
+        read_whole_file(model / "generation_config.json"));
+  const auto source = nlohmann::json::parse(read_whole_file(model / "config.json"));
+  const auto exported = nlohmann::json::parse(read_whole_file(dir / "hf" / "config.json"));
+  for (const char* key : {"bos_token_id", "eos_token_id", "initializer_range"}) {
+    INFO(key);
+    REQUIRE(source.contains(key));
+    CHECK(exported.at(key) == source.at(key));
+  }
+  CHECK(exported.at("hidden_size") == source.at("hidden_size"));
+
+  // The source changed since the run: refused naming the file and the way out.
+  std::ofstream(model / "tokenizer.json") << "{}";
+  const std::string msg = test::message_of<ConfigError>([&] {
+    std::ostringstream out;
+    ckpt_command({"export", ck.string(), "--format", "hf", "--out", (dir / "hf2").string()}, out);
+  });
+  CHECK(test::contains(msg, (model / "tokenizer.json").string()));
+  CHECK(test::contains(msg, "has changed since the run read it"));
+  CHECK(test::contains(msg, "--tokenizer-from"));
+  CHECK_FALSE(fs::exists(dir / "hf2"));
+  // --tokenizer-from takes another folder's files as they are.
+  std::ostringstream out;
+  REQUIRE(ckpt_command({"export", ck.string(), "--format", "hf", "--out", (dir / "hf3").string(),
+                        "--tokenizer-from", model.string()},
+                       out) == 0);
+  CHECK(read_whole_file(dir / "hf3" / "tokenizer.json") == "{}");
+  CHECK(test::contains(out.str(), "beside them: tokenizer.json, tokenizer_config.json"));
+  // A folder without generation_config.json: one is made from config.json's token ids.
+  fs::create_directory(dir / "tok");
+  std::ofstream(dir / "tok" / "tokenizer.json") << "{}";
+  REQUIRE(ckpt_command({"export", ck.string(), "--format", "hf", "--out", (dir / "hf4").string(),
+                        "--tokenizer-from", (dir / "tok").string()},
+                       out) == 0);
+  const auto generation =
+      nlohmann::json::parse(read_whole_file(dir / "hf4" / "generation_config.json"));
+  CHECK(generation.at("bos_token_id") == source.at("bos_token_id"));
+  CHECK(generation.at("eos_token_id") == source.at("eos_token_id"));
+  CHECK(generation.at("_from_model_config") == true);
+
+  // From scratch there is no folder: no side files, and no token ids to write a generation
+  // config from.
+  auto scratch = j;
+  scratch["model"] = {{"vocab_size", 96}, {"hidden_size", 32}, {"intermediate_size", 48},
+                      {"num_hidden_layers", 2}, {"num_attention_heads", 4}};
+  scratch["checkpoint"] = {{"dir", (dir / "ckpt-scratch").string()}, {"every", 2}};
+  run(load(scratch));
+  REQUIRE(export_hf(dir / "ckpt-scratch" / checkpoint_name(2), dir / "hf-scratch") == 0);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir / "hf-scratch"))
+    names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"config.json", "model.safetensors"});
 }
 
 TEST_CASE("a decoder's BAdam section without layers walks every layer, with nothing always on",

@@ -5,11 +5,13 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <sstream>
 
+#include "shardswap/checkpoint.h"
 #include "shardswap/error.h"
 #include "model/hf_checkpoint.h"
 #include "model/hf_config.h"
@@ -86,10 +88,63 @@ std::string describe_checkpoint(const fs::path& dir) {
 
 namespace {
 
+// The side files of an export (tokenizer, chat template, generation_config.json): those of
+// --tokenizer-from DIR when given, else those the run recorded of its model.path
+// (extra.hf_source), read from that folder and checked against the record, so that an export
+// never pairs the weights with another tokenizer unasked. Without generation_config.json, one
+// is written from config.json's token ids, as transformers derives it from a model's config.
+std::vector<std::pair<std::string, std::string>> export_side_files(
+    const fs::path& dir, const json& extra, const std::string& tokenizer_from) {
+  std::vector<std::pair<std::string, std::string>> files;
+  if (!tokenizer_from.empty()) {
+    if (!fs::is_directory(tokenizer_from))
+      throw ConfigError(fmt::format("--tokenizer-from '{}': not a directory", tokenizer_from));
+    for (const auto& f : hf_side_files(tokenizer_from))
+      files.emplace_back(f.name, read_whole_file(fs::path(tokenizer_from) / f.name));
+  } else if (extra.contains("hf_source")) {
+    const json& source = extra.at("hf_source");
+    const fs::path from = source.at("path").get<std::string>();
+    for (const auto& f : source.at("files")) {
+      const std::string name = f.at("name").get<std::string>();
+      const fs::path path = from / name;
+      const auto refuse = [&](const std::string& why) {
+        return ConfigError(fmt::format(
+            "ckpt export --format hf: '{}', a file of the model folder the run of '{}' started "
+            "from, {}: give --tokenizer-from DIR to take the tokenizer files from another folder",
+            path.string(), dir.string(), why));
+      };
+      std::string bytes;
+      try {
+        bytes = read_whole_file(path);
+      } catch (const Error& e) {
+        throw refuse(fmt::format("cannot be read ({})", e.what()));
+      }
+      if (bytes.size() != f.at("bytes").get<std::uint64_t>() ||
+          fmt::format("{:016x}", fnv1a64(bytes.data(), bytes.size())) !=
+              f.at("fnv1a64").get<std::string>())
+        throw refuse("has changed since the run read it");
+      files.emplace_back(name, std::move(bytes));
+    }
+  }
+  const bool has_generation = std::any_of(files.begin(), files.end(), [](const auto& f) {
+    return f.first == "generation_config.json";
+  });
+  const json& config = extra.at("hf_config");
+  if (!has_generation && (config.contains("bos_token_id") || config.contains("eos_token_id"))) {
+    json generation = {{"_from_model_config", true}};
+    for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
+      if (config.contains(key) && !config.at(key).is_null()) generation[key] = config.at(key);
+    files.emplace_back("generation_config.json", generation.dump(2) + "\n");
+  }
+  return files;
+}
+
 // `ckpt export DIR --format hf --out FOLDER`: the weights under their Hugging Face names with
-// the config.json the trainer recorded in the checkpoint (extra.hf_config).
+// the config.json the trainer recorded in the checkpoint (extra.hf_config) and the side files
+// of the model it started from (export_side_files).
 int export_hf_folder(const fs::path& dir, const fs::path& folder, bool master,
-                     std::uint64_t max_shard_bytes, std::ostream& out) {
+                     std::uint64_t max_shard_bytes, const std::string& tokenizer_from,
+                     std::ostream& out) {
   check_hf_folder(folder, "--out");  // before any work, named as the user gave it
   const json meta = read_checkpoint_metadata(dir);
   const json& extra = meta.at("extra");
@@ -103,6 +158,7 @@ int export_hf_folder(const fs::path& dir, const fs::path& folder, bool master,
                           HfConfigSource{{}, fmt::format("{}: extra.hf_config.", dir.string())},
                           HfSeqLen{})
           .shape;
+  HfFolderExtras extras{extra.at("hf_config"), export_side_files(dir, extra, tokenizer_from)};
   const auto tensors = read_checkpoint_tensors(dir, master);
   std::map<std::string, const CheckpointTensor*> by_name;
   for (const auto& t : tensors) by_name[t.name] = &t;
@@ -121,9 +177,14 @@ int export_hf_folder(const fs::path& dir, const fs::path& folder, bool master,
         std::memcpy(dst.data(), it->second->data.data(), dst.size());
         bytes += dst.size();
       },
-      max_shard_bytes);
+      max_shard_bytes, extras);
   out << fmt::format("wrote {}: config.json and {} tensors, {} bytes of {} data\n",
                      folder.string(), tensors.size(), bytes, safetensors_dtype_name(dtype));
+  if (!extras.files.empty()) {
+    std::vector<std::string> names;
+    for (const auto& f : extras.files) names.push_back(f.first);
+    out << fmt::format("  beside them: {}\n", fmt::join(names, ", "));
+  }
   return 0;
 }
 
@@ -133,7 +194,8 @@ int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
   const auto usage = [](const std::string& why) {
     return ConfigError(fmt::format(
         "ckpt: {}; usage: shardswap ckpt export DIR --out FILE.safetensors [--master] | "
-        "shardswap ckpt export DIR --format hf --out FOLDER [--master] [--max-shard-bytes N] | "
+        "shardswap ckpt export DIR --format hf --out FOLDER [--master] [--max-shard-bytes N] "
+        "[--tokenizer-from DIR] | "
         "shardswap ckpt inspect DIR",
         why));
   };
@@ -144,7 +206,7 @@ int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
     return 0;
   }
   if (args[0] != "export") throw usage(fmt::format("unknown subcommand '{}'", args[0]));
-  std::string dir, file, format = "safetensors";
+  std::string dir, file, format = "safetensors", tokenizer_from;
   bool master = false;
   std::uint64_t max_shard_bytes = kHfShardBytes;
   for (std::size_t i = 1; i < args.size(); ++i) {
@@ -154,6 +216,8 @@ int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
     };
     if (args[i] == "--out") {
       file = value("--out");
+    } else if (args[i] == "--tokenizer-from") {
+      tokenizer_from = value("--tokenizer-from");
     } else if (args[i] == "--master") {
       master = true;
     } else if (args[i] == "--format") {
@@ -180,7 +244,10 @@ int ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
   }
   if (dir.empty()) throw usage("export needs a checkpoint directory");
   if (file.empty()) throw usage("export needs --out FILE");
-  if (format == "hf") return export_hf_folder(dir, file, master, max_shard_bytes, out);
+  if (!tokenizer_from.empty() && format != "hf")
+    throw usage("--tokenizer-from needs --format hf");
+  if (format == "hf")
+    return export_hf_folder(dir, file, master, max_shard_bytes, tokenizer_from, out);
   // Checked before the checkpoint is read: a refused --out costs nothing and changes nothing.
   OutputFile target("--out", file, checkpoint_inputs(dir));
   const json meta = read_checkpoint_metadata(dir);

@@ -47,7 +47,24 @@ std::vector<std::filesystem::path> DecoderConfig::input_files() const {
   if (!weights) return files;
   files.push_back(weights->folder() / "config.json");
   for (const auto& f : weights->files()) files.push_back(f);
+  for (const auto& f : side_files) files.push_back(weights->folder() / f.name);
   return files;
+}
+
+nlohmann::json DecoderConfig::checkpoint_extra(DType dtype) const {
+  nlohmann::json config = weights ? weights->config().fields : nlohmann::json::object();
+  config.update(hf_config_to_json(shape, dtype));
+  nlohmann::json extra = {{"hf_config", std::move(config)}};
+  if (weights) {
+    nlohmann::json files = nlohmann::json::array();
+    for (const auto& f : side_files)
+      files.push_back({{"name", f.name},
+                       {"bytes", f.bytes},
+                       {"fnv1a64", fmt::format("{:016x}", f.fnv1a64)}});
+    extra["hf_source"] = {{"path", std::filesystem::absolute(weights->folder()).string()},
+                          {"files", std::move(files)}};
+  }
+  return extra;
 }
 
 DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
@@ -60,6 +77,7 @@ DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
       // config.json and every tensor checked now, before anything is built.
       d.weights = std::make_shared<const HfCheckpoint>(HfCheckpoint::open(d.path, checked_at));
       d.shape = d.weights->shape();
+      d.side_files = hf_side_files(d.path);
       warn_replaced_fields(c, d.weights->config().fields);
     } else {
       nlohmann::json fields = nlohmann::json::object();

@@ -21,12 +21,20 @@ struct DecoderConfig {
   /// model.path's folder, opened once when the config is read: config.json and every tensor
   /// checked, the weights mapped (read when init asks for them). Null from scratch.
   std::shared_ptr<const HfCheckpoint> weights;
+  /// model.path's tokenizer files, chat template and generation_config.json (hf_side_files),
+  /// recorded when the config is read: a checkpoint names them so that an export can copy them.
+  std::vector<HfSideFile> side_files;
   int seq_len = 0;  ///< data.seq_len, as the trainer read it
   /// model.recompute_layers: the lowest layers run forward again in backward.
   int recompute_layers = 0;
-  /// model.path's config.json and weight files: what a run's outputs must never replace (empty
-  /// from scratch).
+  /// model.path's config.json, weight files and side files: what a run's outputs must never
+  /// replace (empty from scratch).
   std::vector<std::filesystem::path> input_files() const;
+  /// What a checkpoint records for a Hugging Face export with weights of `dtype`: "hf_config",
+  /// the config.json (model.path's fields, its token ids among them, under the shape's), and
+  /// from a folder "hf_source": {"path", "files": [{"name", "bytes", "fnv1a64"}]}, the side
+  /// files `ckpt export --format hf` copies. ConfigError for a dtype or shape no export holds.
+  nlohmann::json checkpoint_extra(DType dtype) const;
 };
 
 /// Reads model.path or the inline config.json fields (model.model_type, model.hidden_size, ...;

@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cmath>
 #include <csignal>
+#include <fstream>
+#include <iterator>
 #include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -17,6 +19,7 @@
 #include <set>
 #include <string_view>
 
+#include "shardswap/checkpoint.h"
 #include "shardswap/elements.h"
 #include "shardswap/error.h"
 #include "shardswap/json_reader.h"
@@ -389,9 +392,41 @@ fs::path check_hf_folder(const fs::path& folder_arg, std::string_view label) {
   return folder;
 }
 
+std::string read_whole_file(const fs::path& file) {
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0)
+    throw Error(fmt::format("'{}': {}", file.string(), std::strerror(errno)));
+  if (!S_ISREG(st.st_mode))
+    throw Error(fmt::format("'{}': not a regular file ({})", file.string(), file_kind(st.st_mode)));
+  std::ifstream in(file, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof())
+    throw Error(fmt::format("'{}': cannot be read", file.string()));
+  return bytes;
+}
+
+std::vector<HfSideFile> hf_side_files(const fs::path& folder) {
+  std::vector<HfSideFile> out;
+  for (const char* name : kHfSideFiles) {
+    struct stat st {};
+    if (::stat((folder / name).c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    const std::string bytes = read_whole_file(folder / name);
+    out.push_back({name, bytes.size(), fnv1a64(bytes.data(), bytes.size())});
+  }
+  return out;
+}
+
 void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DType dtype,
-                     const HfTensorFill& fill, std::uint64_t max_shard_bytes) {
-  const json config = hf_config_to_json(shape, dtype);  // refuses the shape and dtype first
+                     const HfTensorFill& fill, std::uint64_t max_shard_bytes,
+                     const HfFolderExtras& extras) {
+  json config = extras.config_fields.is_object() ? extras.config_fields : json::object();
+  config.update(hf_config_to_json(shape, dtype));  // refuses the shape and dtype first
+  for (const auto& [name, bytes] : extras.files)
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." ||
+        name == "config.json" || name.ends_with(".safetensors") ||
+        name == kIndexFile)
+      throw ConfigError(fmt::format("write_hf_folder '{}': '{}' is no side file of a model folder",
+                                    folder_arg.string(), name));
   if (max_shard_bytes < 1)
     throw ConfigError(
         fmt::format("write_hf_folder '{}': the shard size limit must be at least 1 "
@@ -435,6 +470,11 @@ void write_hf_folder(const fs::path& folder_arg, const DecoderShape& shape, DTyp
       out.commit();
     };
     write_json("config.json", config);
+    for (const auto& [name, bytes] : extras.files) {
+      OutputFile out("write_hf_folder", tmp / name);
+      out.write(bytes);
+      out.commit();
+    }
     std::vector<std::byte> buffer;
     json weight_map = json::object();
     for (std::size_t k = 0; k < count; ++k) {

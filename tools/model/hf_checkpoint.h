@@ -11,6 +11,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "model/decoder.h"
@@ -92,7 +93,17 @@ class HfCheckpoint {
 /// to write_hf_folder.
 using HfTensorFill = std::function<void(const HfTensorSpec& spec, std::span<std::byte> out)>;
 
-/// Writes `shape`'s model as a Hugging Face folder: config.json (hf_config_to_json), the
+/// What an export keeps of the model it came from, beside the weights.
+struct HfFolderExtras {
+  /// config.json's other fields (bos_token_id, eos_token_id, pad_token_id, ...): written with
+  /// the shape's fields (hf_config_to_json's), which win where both name a field.
+  nlohmann::json config_fields = nlohmann::json::object();
+  /// Files written beside (name in the folder, bytes): the tokenizer, generation_config.json.
+  std::vector<std::pair<std::string, std::string>> files;
+};
+
+/// Writes `shape`'s model as a Hugging Face folder: config.json (hf_config_to_json over
+/// extras.config_fields), extras.files, the
 /// params of decoder_params in `dtype` (bf16, fp16 or fp32), asked of `fill` one at a
 /// time, as model.safetensors when their bytes are at most `max_shard_bytes`, else as
 /// model-0000i-of-0000n.safetensors (params in order, a new file where the next would pass the
@@ -104,7 +115,29 @@ using HfTensorFill = std::function<void(const HfTensorSpec& spec, std::span<std:
 /// this host (killed, crashed) are removed first. Throws ConfigError for a refused folder,
 /// shape or dtype (nothing written), Error for a failing write.
 void write_hf_folder(const std::filesystem::path& folder, const DecoderShape& shape, DType dtype,
-                     const HfTensorFill& fill, std::uint64_t max_shard_bytes);
+                     const HfTensorFill& fill, std::uint64_t max_shard_bytes,
+                     const HfFolderExtras& extras = {});
+
+/// The files of a model folder, beside config.json and the weights, that a round trip keeps so
+/// that transformers' AutoTokenizer, chat templates and generate() work on an export: the
+/// tokenizer's (tokenizer.json, tokenizer_config.json with its chat_template, ...), a separate
+/// chat template, and generation_config.json.
+inline constexpr const char* kHfSideFiles[] = {
+    "tokenizer.json",    "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model",   "vocab.json",            "merges.txt",
+    "added_tokens.json", "chat_template.jinja",   "chat_template.json",
+    "generation_config.json"};
+/// A side file as a run records it: its name in the folder, size and FNV-1a 64 of its bytes.
+struct HfSideFile {
+  std::string name;
+  std::uint64_t bytes = 0;
+  std::uint64_t fnv1a64 = 0;
+};
+/// The side files `folder` holds (regular files of kHfSideFiles' names), read once to record
+/// them. Error naming the file for one that cannot be read.
+std::vector<HfSideFile> hf_side_files(const std::filesystem::path& folder);
+/// A file's bytes, whole; Error naming it for one that cannot be read or is not a regular file.
+std::string read_whole_file(const std::filesystem::path& file);
 /// write_hf_folder's check of `folder` alone, for a command to run before any work: throws
 /// ConfigError "LABEL 'FOLDER': what is wrong" (its parent missing; a file, link or other
 /// non-directory; a directory that is not empty). Returns the folder without a trailing '/'.

@@ -140,7 +140,7 @@ class DecoderRun final : public RunModel {
   }
   std::string type_name() const override { return "decoder"; }
   nlohmann::json checkpoint_extra(DType dtype) const override {
-    return {{"hf_config", hf_config_to_json(config_.shape, dtype)}};
+    return config_.checkpoint_extra(dtype);
   }
 
  private:
