@@ -7,7 +7,11 @@
 #  2. a Qwen2.5-0.5B-shaped checkpoint saved by transformers (random init), LISA-fine-tuned from
 #     model.path at world size 1 over NCCL and with 2 in-process ranks on the GPU: the plan
 #     against the measured peak after step 1 and after each switch; exported and loaded by
-#     transformers, logits against ShardSwap's CUDA forward (bf16 tolerance).
+#     transformers, logits against ShardSwap's CUDA forward (bf16 tolerance);
+#  3. the Hugging Face round trip: a tiny Llama with a real tokenizer and chat template
+#     (tools/checks/hf_roundtrip_check.py), its text tokenized by tools/data/tokenize_data.py,
+#     fine-tuned from model.path, exported; AutoTokenizer, the chat template and generate() on
+#     the export against the source.
 # Logs, metrics and a summary go under $OUT (default build/gpu-out).
 #   usage: OUT=DIR bash tools/checks/gpu-decoder-check.sh
 set -uo pipefail
@@ -112,6 +116,21 @@ done
     --logits "$work/q-logits.safetensors" &&
   compare_logits "$work/q-hf" "$work/q-logits.safetensors" 2e-2; } > "$OUT/qwen05b-export.log" 2>&1 || status=1
 grep -E "wrote|validation loss|transformers|error" "$OUT/qwen05b-export.log"
+
+step "3. Hugging Face round trip: tokenizer, chat template, token ids, generate()"
+{ python3 tools/checks/hf_roundtrip_check.py make "$work/rt-model" /usr/share/common-licenses/GPL-3 &&
+  python3 tools/data/tokenize_data.py --tokenizer "$work/rt-model/tokenizer.json" --eos \
+    --out "$work/rt-train.bin" /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 &&
+  python3 tools/data/tokenize_data.py --tokenizer "$work/rt-model/tokenizer.json" --eos \
+    --out "$work/rt-val.bin" /usr/share/common-licenses/GPL-2 &&
+  $bin train --config configs/finetune-lisa.json --set model.path="$work/rt-model" \
+    --set data.train="$work/rt-train.bin" --set data.val="$work/rt-val.bin" --set data.seq_len=128 \
+    --set steps=20 --set scheduler.params.warmup_num_steps=2 --set layer_switching.gamma=1 \
+    --set layer_switching.interval=5 --set checkpoint.dir="$work/rt-ckpt" --set checkpoint.every=20 &&
+  $bin ckpt export "$work/rt-ckpt/step-00000020" --format hf --out "$work/rt-hf" &&
+  python3 tools/checks/hf_roundtrip_check.py check "$work/rt-model" "$work/rt-hf"; } \
+  > "$OUT/hf-roundtrip.log" 2>&1 || status=1
+grep -E "made|done:|wrote|beside|ok |FAIL|Error|error" "$OUT/hf-roundtrip.log"
 
 echo
 [ $status -eq 0 ] && echo "gpu-decoder-check: all passed" || echo "gpu-decoder-check: FAILED (logs in $OUT)"
