@@ -147,6 +147,48 @@ void Engine::set_group_weight_decay(const std::string& group, double weight_deca
     if (g.name == group) g.weight_decay = weight_decay;
 }
 
+void Engine::set_param_weight_decay(const std::string& param, double weight_decay) {
+  if (!(weight_decay >= 0.0) || !std::isfinite(weight_decay))
+    throw ConfigError(
+        fmt::format("Engine::set_param_weight_decay: param '{}': weight decay {} "
+                    "must be finite and >= 0",
+                    param, weight_decay));
+  impl_->param(param, "set_param_weight_decay");  // refuses an unknown name
+  impl_->param_weight_decay[param] = weight_decay;
+}
+
+namespace {
+
+// A stretch of a group's shard whose elements share one weight decay.
+struct DecaySpan {
+  std::int64_t begin = 0;  // in the shard
+  std::int64_t count = 0;
+  double weight_decay = 0.0;
+};
+
+// The group's shard as stretches of equal weight decay: one span without per-param overrides;
+// else a span per run of fragments, each reaching to the next fragment (the alignment padding
+// between params, whose values stay zero, rides with the param before it).
+std::vector<DecaySpan> decay_spans(const Group& g, const std::vector<Param>& params,
+                                   const std::map<std::string, double>& overrides) {
+  const std::int64_t n = g.shard.numel();
+  if (overrides.empty() || g.shard.fragments.empty()) return {{0, n, g.weight_decay}};
+  std::vector<DecaySpan> spans;
+  for (std::size_t i = 0; i < g.shard.fragments.size(); ++i) {
+    const Fragment& f = g.shard.fragments[i];
+    const auto it = overrides.find(params[g.params[f.param]].info.name);
+    const double wd = it != overrides.end() ? it->second : g.weight_decay;
+    const std::int64_t begin = i == 0 ? 0 : f.shard_offset;
+    if (!spans.empty() && spans.back().weight_decay == wd) continue;  // extends to the next
+    if (!spans.empty()) spans.back().count = begin - spans.back().begin;
+    spans.push_back({begin, 0, wd});
+  }
+  spans.back().count = n - spans.back().begin;
+  return spans;
+}
+
+}  // namespace
+
 // Groups with their layouts and shards, no buffers yet.
 std::vector<Group> plan_groups(const EngineConfig& config,
                                       const std::vector<std::string>& names,
@@ -637,17 +679,21 @@ StepResult Engine::step() {
       if (!g.active) continue;
       const auto shard = static_cast<std::size_t>(g.shard.numel());
       args.step = ++g.step;
-      args.weight_decay = g.weight_decay;
-      ShardTensors t;
-      t.master = g.master.as<float>();
-      t.state0 = slots >= 1 ? g.state.as<float>() : nullptr;
-      t.state1 = slots >= 2 ? g.state.as<float>() + shard : nullptr;
-      t.grad = reducer.partition(g);
-      t.param = g.param16_at(g.shard.begin, psize);
-      t.dtype = dtype;
-      t.grad_dtype = grad_dtype;
-      t.count = shard;
-      impl_->ops.update(impl_->config.optimizer, args, t);
+      const std::size_t gsize = dtype_size(grad_dtype);
+      for (const DecaySpan& span : decay_spans(g, impl_->params, impl_->param_weight_decay)) {
+        const auto at = static_cast<std::size_t>(span.begin);
+        args.weight_decay = span.weight_decay;
+        ShardTensors t;
+        t.master = g.master.as<float>() + at;
+        t.state0 = slots >= 1 ? g.state.as<float>() + at : nullptr;
+        t.state1 = slots >= 2 ? g.state.as<float>() + shard + at : nullptr;
+        t.grad = reducer.partition(g) + at * gsize;
+        t.param = g.param16_at(g.shard.begin + span.begin, psize);
+        t.dtype = dtype;
+        t.grad_dtype = grad_dtype;
+        t.count = static_cast<std::size_t>(span.count);
+        impl_->ops.update(impl_->config.optimizer, args, t);
+      }
     }
     for (auto& g : groups) {
       if (!g.active) continue;

@@ -37,6 +37,8 @@ struct Engine::Impl {
   // declarations only: reform, after build, keeps group_names alone).
   std::unordered_set<std::string> declared_groups;
   std::map<std::string, double> weight_decay;
+  /// set_param_weight_decay's overrides, by param name: they win over their group's.
+  std::map<std::string, double> param_weight_decay;
   std::vector<Group> groups;  // after build
   std::unique_ptr<GradientReducer> reducer;  // after build
   Buffer scalars;             // the step's global scalars, in backend memory for the collectives

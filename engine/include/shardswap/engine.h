@@ -130,6 +130,11 @@ class Engine {
   void add_param(std::string name, std::vector<std::int64_t> shape, std::string group);
   /// Overrides the optimizer's weight decay for one group (e.g. norms and biases: 0).
   void set_group_weight_decay(const std::string& group, double weight_decay);
+  /// Overrides the weight decay of one param, over its group's (the Hugging Face Trainer's
+  /// default leaves biases and norm weights out of decay: 0 for those). Any time; takes effect
+  /// at the next step(). The update runs once per stretch of the shard whose params share a
+  /// weight decay, with the same arithmetic per element.
+  void set_param_weight_decay(const std::string& param, double weight_decay);
   /// Device bytes this rank holds, per tag: before build(), what build() will allocate; after,
   /// what the current active set and kept-on-device states take. The stats equal it exactly
   /// after every build and lifecycle call. Before build, `active_at_build` plans
