@@ -290,6 +290,39 @@ TEST_CASE("an export carries the source folder's tokenizer, chat template, gener
   CHECK(names == std::vector<std::string>{"config.json", "model.safetensors"});
 }
 
+TEST_CASE("biases and norm weights are not decayed unless shardswap.weight_decay_on is \"all\"",
+          "[decoder]") {
+  // One step from the same weights (so every gradient is the same), a large decoupled decay:
+  // the two runs differ exactly in the params the Hugging Face Trainer leaves out of decay.
+  const ScratchFolder dir("decoder-no-decay");
+  std::map<std::string, HfCheckpoint> exported;
+  for (const char* on : {"weights", "all"}) {
+    auto j = decoder_run(dir, "qwen2_untied");  // q/k/v biases, norms
+    j["steps"] = 1;
+    j["optimizer"]["params"]["weight_decay"] = 5.0;
+    j["shardswap"]["weight_decay_on"] = on;
+    const fs::path ck = dir / (std::string("ckpt-") + on);
+    j["checkpoint"] = {{"dir", ck.string()}, {"every", 1}};
+    run(load(j));
+    REQUIRE(export_hf(ck / checkpoint_name(1), dir / (std::string("hf-") + on)) == 0);
+    exported.emplace(on, HfCheckpoint::open(dir / (std::string("hf-") + on), {24, "seq_len"}));
+  }
+  int excluded = 0;
+  for (const auto& p : decoder_params(exported.at("all").shape())) {
+    INFO(p.name);
+    const bool kept = p.name.ends_with(".bias") || p.name.ends_with("norm.weight");
+    const bool same = bytes_of(exported.at("weights").tensor(p.name)) ==
+                      bytes_of(exported.at("all").tensor(p.name));
+    CHECK(same == !kept);
+    excluded += kept ? 1 : 0;
+  }
+  CHECK(excluded == 2 * 5 + 1);  // per layer: 2 norms and 3 biases; the final norm
+  auto j = decoder_run(dir, "qwen2_untied");
+  j["shardswap"]["weight_decay_on"] = "biases";
+  CHECK(test::config_shaped(test::message_of<ConfigError>([&] { load(j); }), "test.json",
+                            "shardswap.weight_decay_on"));
+}
+
 TEST_CASE("a decoder's BAdam section without layers walks every layer, with nothing always on",
           "[decoder]") {
   const ScratchFolder dir("decoder-badam");

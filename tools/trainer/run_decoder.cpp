@@ -88,6 +88,14 @@ class DecoderRun final : public RunModel {
       out.push_back({std::move(p.name), std::move(p.shape), std::move(p.group)});
     return out;
   }
+  std::vector<std::string> no_decay_params() const override {
+    // transformers' Trainer (get_decay_parameter_names): the params of its norm layers and
+    // every param named like a bias.
+    std::vector<std::string> out;
+    for (const auto& p : decoder_params(config_.shape))
+      if (p.name.ends_with(".bias") || p.name.ends_with("norm.weight")) out.push_back(p.name);
+    return out;
+  }
   WeightInit initial_values() const override {
     if (config_.weights)
       return [weights = config_.weights](const ParamInfo& param, std::span<float> values) {

@@ -78,6 +78,9 @@ class RunModel {
   /// an Engine (plan_memory).
   virtual std::vector<ParamDeclaration> declarations() const = 0;
   void declare(Engine& engine) const;
+  /// The params the Hugging Face Trainer leaves out of weight decay by default: biases and the
+  /// weights of norm layers (shardswap.weight_decay_on "weights" sets their decay to 0).
+  virtual std::vector<std::string> no_decay_params() const = 0;
   /// The initial weights of one build (Engine::build's init): from scratch (a pure function of
   /// the seed) or read from the model's folder. Made per build, so that what it draws ahead
   /// lives no longer than the build; thread-safe.

@@ -195,6 +195,12 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
     c.fail("shardswap.max_consecutive_skips", fmt::format("{}", max_skips),
            "must lie in [0, 1073741824] (0: never fail)");
   t.max_consecutive_skips = static_cast<int>(max_skips);
+  const auto decay_on = c.string("shardswap.weight_decay_on", "weights");
+  if (decay_on != "weights" && decay_on != "all")
+    c.fail("shardswap.weight_decay_on", quote_value(decay_on),
+           "expected \"weights\" (biases and norm weights not decayed, as the Hugging Face "
+           "Trainer) or \"all\"");
+  t.decay_all_params = decay_on == "all";
 
   read_devices(c, t);
 

@@ -92,6 +92,10 @@ struct TrainConfig {
   /// shardswap.max_consecutive_skips: the run fails (exit 1, no checkpoint of the step) after this
   /// many skipped steps in a row, naming the cause; 0 never fails.
   int max_consecutive_skips = 20;
+  /// shardswap.weight_decay_on: "weights" (false), as the Hugging Face Trainer: biases and norm
+  /// weights (RunModel::no_decay_params) are not decayed; "all" (true): every param, as a plain
+  /// torch AdamW over model.parameters().
+  bool decay_all_params = false;
   /// layer_switching, checked against the model's groups when the config is read: the run's one
   /// schedule (set by train_config_from_json; plan, train and eval read it).
   std::optional<LayerSchedule> schedule;

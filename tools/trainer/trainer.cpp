@@ -95,6 +95,8 @@ Trainer::Trainer(TrainRun& run, int rank, Communicator& comm, std::unique_ptr<Al
       engine_(config_.engine, comm, space_, run.backend),
       planned_(run.predicted_bytes) {
   run_.model.declare(engine_);
+  if (!config_.decay_all_params)
+    for (const auto& name : run_.model.no_decay_params()) engine_.set_param_weight_decay(name, 0.0);
   // Rank 0's values are broadcast to every rank by build: the others need not draw them.
   engine_.build(rank_ == 0 ? run_.model.initial_values()
                            : WeightInit([](const ParamInfo&, std::span<float>) {}),
