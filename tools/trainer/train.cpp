@@ -162,7 +162,8 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   t.steps = positive("steps", 100, std::int64_t{1} << 40);
   t.seed = static_cast<std::uint64_t>(c.integer("seed", 1));
 
-  // The data's keys, then the model's, which need its sequence length, then the engine's:
+  // model.type first (an old config is told what it is before any key it lacks is missed), then
+  // the data's keys, then the model's, which need the sequence length, then the engine's:
   // Hugging Face's "auto" reduce bucket is the model's hidden size squared.
   read_model_type(c);
   t.data_spec = token_data_spec_from_json(c);
@@ -180,7 +181,8 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   if (purpose == ConfigFor::run) t.data = open_run_data(c, t);
   t.engine = engine_config_from_json(c, t.batches, t.model->hidden_size());
   try {
-    (void)t.model->checkpoint_extra(t.engine.dtype);  // a run its checkpoints cannot hold: now
+    // A dtype or shape no checkpoint's export could hold is refused now, not at the first save.
+    (void)t.model->checkpoint_extra(t.engine.dtype);
   } catch (const ConfigError& e) {
     c.rethrow_naming_file(e);
   }
