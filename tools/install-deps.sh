@@ -4,11 +4,12 @@
 # pkg-config reads shardswap.pc in tools/checks/consumer-check.sh.
 # gnuplot-nox draws `shardswap plot`; its CLI tests need it.
 # strace injects the kills of tools/checks/kill_campaign.py at chosen system calls.
+# python3-jinja2 renders chat templates in tools/data/tokenize_data.py --chat, as transformers does.
 # clang and libclang-rt-14-dev (ASan, UBSan, libFuzzer runtimes) build the fuzz targets (preset fuzz).
 set -euo pipefail
 packages=(build-essential cmake ninja-build libeigen3-dev libspdlog-dev libfmt-dev
           nlohmann-json3-dev catch2 libopenmpi-dev gnuplot-nox pkg-config
-          clang libclang-rt-14-dev strace)
+          clang libclang-rt-14-dev strace python3-jinja2)
 # A Python package from PyPI for the user, where it is missing; a test that needs it reports as
 # skipped, saying why, where it cannot be installed.
 pip_user() {  # PACKAGE WHAT-IS-SKIPPED

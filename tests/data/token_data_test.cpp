@@ -4,6 +4,8 @@
 // micro-batch split (docs/data.md).
 #include <sys/stat.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
@@ -616,4 +618,85 @@ TEST_CASE("an llm.c token file read with the byte tokenizer is refused, naming t
   spec.seq_len = 4;
   spec.vocab = 256;
   CHECK(TokenDataset(spec).train_samples() > 0);
+}
+
+TEST_CASE("a token file with a loss mask: ignored targets where the mask says so, counted alike "
+          "at every world size and split",
+          "[data]") {
+  const ScratchFolder dir("shardswap-token-mask");
+  std::mt19937 rng(21);
+  std::vector<std::uint32_t> tokens(2000);
+  std::vector<std::uint8_t> mask(tokens.size());
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = rng() % 500;
+    // Runs of trained and untrained tokens, as a chat's answers and prompts make them.
+    mask[i] = ((i / 37) % 3 == 0 ? 0 : kMaskTarget) | (i % 200 == 0 ? kMaskDocumentStart : 0);
+  }
+  for (const int version : {1, 2}) {
+    INFO("version " << version);
+    const auto path = dir / fmt::format("masked-{}.bin", version);
+    write_token_file(path.string(), tokens, version, mask);
+    TokenDataSpec spec;
+    spec.train = path.string();
+    spec.seq_len = 16;
+    spec.vocab = 500;
+    spec.seed = 3;
+    const TokenDataset d(spec);
+    // Every sample's targets: the file's next tokens, ignored where the mask bit is clear.
+    std::int64_t all = 0;
+    for (std::int64_t s = 0; s < d.train_samples(); ++s) {
+      const TokenSequences seq = d.train_sample(s);
+      for (int k = 0; k < spec.seq_len; ++k) {
+        const std::size_t at = static_cast<std::size_t>(s * spec.seq_len + k + 1);
+        const std::int32_t want = (mask[at] & kMaskTarget) != 0
+                                      ? static_cast<std::int32_t>(tokens[at])
+                                      : lm::dec::kIgnoredTarget;
+        REQUIRE(seq.targets[static_cast<std::size_t>(k)] == want);
+        REQUIRE(seq.inputs[static_cast<std::size_t>(k)] ==
+                static_cast<std::int32_t>(tokens[at - 1]));
+      }
+      all += seq.counted_targets();
+    }
+    REQUIRE(all > 0);
+    REQUIRE(all < d.train_samples() * spec.seq_len);
+    // The global batch's count is the sum of every rank's micro-batches, whatever the split.
+    for (std::int64_t step = 0; step < 5; ++step) {
+      const std::int64_t counted = d.counted_targets(step, 8);
+      for (const int world : {1, 2, 4})
+        for (const int micro : {1, 2}) {
+          if (8 / world % micro != 0) continue;
+          std::int64_t sum = 0;
+          for (int rank = 0; rank < world; ++rank)
+            for (int m = 0; m < 8 / world / micro; ++m)
+              sum += d.train_batch(step, 8, rank, world, m, micro).counted_targets();
+          REQUIRE(sum == counted);
+        }
+    }
+  }
+  // Without a mask every target counts.
+  write_token_file((dir / "plain.bin").string(), tokens, 1);
+  TokenDataSpec plain;
+  plain.train = (dir / "plain.bin").string();
+  plain.seq_len = 16;
+  plain.vocab = 500;
+  CHECK(TokenDataset(plain).counted_targets(0, 8) == 8 * 16);
+  // A mask of another length is refused by the writer; flags the reader does not know, by it.
+  CHECK(test::contains(test::message_of<ConfigError>([&] {
+                         write_token_file((dir / "x.bin").string(), tokens, 1,
+                                          std::span(mask).first(10));
+                       }),
+                       "10 mask bytes for 2000 tokens"));
+  {
+    std::fstream f(dir / "masked-1.bin", std::ios::in | std::ios::out | std::ios::binary);
+    const std::int32_t flags = 3;
+    f.seekp(12);
+    f.write(reinterpret_cast<const char*>(&flags), 4);
+  }
+  plain.train = (dir / "masked-1.bin").string();
+  CHECK(test::contains(refusal(plain), "header[3] = 3"));
+  // Read as bytes, a masked token file is refused too.
+  plain.train = (dir / "masked-2.bin").string();
+  plain.bytes = true;
+  plain.vocab = 256;
+  CHECK(test::contains(refusal(plain), "an llm.c token file"));
 }

@@ -277,17 +277,21 @@ RefResult reference(const DecoderShape& s, const Params& w, const Tokens& b, dou
   r.logits = linear(f, head, n, V, d);
   r.grads = zeros_like(s);
   Params& g = r.grads;
-  Vec dlogits(r.logits.size());
+  Vec dlogits(r.logits.size(), 0.0);
+  // The mean over the counted targets (a target below 0 is ignored: no loss, no gradient).
+  int counted = 0;
+  for (int t = 0; t < n; ++t) counted += b.targets[t] >= 0 ? 1 : 0;
   for (int t = 0; t < n; ++t) {
+    if (b.targets[t] < 0) continue;
     const double* z = &r.logits[static_cast<std::size_t>(t) * V];
     double m = -1e300, sum = 0;
     for (int c = 0; c < V; ++c) m = std::max(m, z[c]);
     for (int c = 0; c < V; ++c) sum += std::exp(z[c] - m);
     const double lse = m + std::log(sum);
-    r.loss += (lse - z[b.targets[t]]) / n;
+    r.loss += (lse - z[b.targets[t]]) / counted;
     for (int c = 0; c < V; ++c)
       dlogits[t * V + c] =
-          grad_scale * (std::exp(z[c] - lse) - (c == b.targets[t] ? 1.0 : 0.0)) / n;
+          grad_scale * (std::exp(z[c] - lse) - (c == b.targets[t] ? 1.0 : 0.0)) / counted;
   }
   Vec df(f.size(), 0.0);
   linear_back(dlogits, head, f, n, V, d, df, s.tied ? &g.embed : &g.head);
@@ -816,6 +820,40 @@ TEST_CASE("cuda decoder: logits, loss and every gradient match the float64 refer
     REQUIRE(got.eval_loss == got.loss);  // loss() runs the same forward
     REQUIRE(logits_error < logits_tolerance(c.dtype));
   }
+}
+
+TEST_CASE("cuda decoder: ignored targets add nothing, the loss and gradients are the reference's "
+          "mean over the others",
+          "[decoder][gpu]") {
+  Case c{"masked", small_shape(), 2, 20, 2, 20};
+  c.shape.qkv_bias = true;
+  Params p = random_params(c.shape, c.dtype, 31);
+  Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 32);
+  for (std::size_t i = 0; i < b.targets.size(); ++i)
+    if ((i / 3) % 2 == 0) b.targets[i] = lm::dec::kIgnoredTarget;
+  const RefResult ref = reference(c.shape, p, b, kGradScale);
+  const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+  CAPTURE(got.problems);
+  REQUIRE(got.problems.empty());
+  const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
+  double worst = 0;
+  for (const ParamSpec& spec : param_specs(c.shape)) {
+    const double err = normalized_error(got.grads.at(spec.name), param(ref.grads, spec.id));
+    CAPTURE(spec.name, err);
+    REQUIRE(err < grad_tolerance(c.dtype));
+    worst = std::max(worst, err);
+  }
+  std::printf("cuda decoder, half the targets ignored: loss error %.2e, worst gradient error %.2e\n",
+              loss_error, worst);
+  REQUIRE(loss_error < logits_tolerance(c.dtype));
+  REQUIRE(got.eval_loss == got.loss);
+  // Every target ignored: loss 0 and no gradient.
+  for (auto& t : b.targets) t = lm::dec::kIgnoredTarget;
+  const CudaRun none = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+  REQUIRE(none.problems.empty());
+  REQUIRE(none.loss == 0.0);
+  for (const ParamSpec& spec : param_specs(c.shape))
+    for (const double g : none.grads.at(spec.name)) REQUIRE(g == 0.0);
 }
 
 TEST_CASE("cuda decoder: frozen groups open no slot, the active ones get the reference's",

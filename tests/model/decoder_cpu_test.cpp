@@ -397,6 +397,48 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("decoder CPU: ignored targets add nothing, loss and gradients are those of the mean "
+          "over the others, against the float64 reference",
+          "[decoder]") {
+  const DecoderShape shape = tiny_qwen2(false);
+  std::uint64_t seed = 300;
+  // Masks of every kind: about half ignored (two loss chunks), a single target, none at all.
+  for (const int keep_every : {2, 90, 0}) {
+    CAPTURE(keep_every);
+    Model m = random_model(shape, seed++);
+    DecoderTokens t = test_support::random_decoder_tokens(shape, 3, 30, seed++);
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < t.targets.size(); ++i) {
+      const bool keep = keep_every != 0 && (i * 7 + 3) % static_cast<std::size_t>(keep_every) == 0;
+      if (!keep) t.targets[i] = lm::dec::kIgnoredTarget;
+      kept += keep ? 1 : 0;
+    }
+    REQUIRE(lm::dec::counted_targets(batch_of(t)) == kept);
+    Backend be(shape, 3, 32);
+    RecordingSink sink(shape, RecordingSink::all(shape));
+    const double loss = be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+    REQUIRE(sink.problems.empty());
+    const double reference = test_support::decoder_reference_forward(shape, m.values, t).loss;
+    CHECK(std::abs(loss - reference) <= 1e-5 * std::abs(reference));
+    CHECK(be.compute->loss(m.weights, batch_of(t)) == loss);
+    std::mt19937_64 rng(seed++);
+    for (const auto& p : test_support::decoder_reference_params(shape)) {
+      CAPTURE(p.name);
+      const auto got = sink.grad(p.name);
+      if (kept == 0) {  // nothing counted: no gradient anywhere
+        CHECK(std::all_of(got.begin(), got.end(), [](double g) { return g == 0.0; }));
+        continue;
+      }
+      std::vector<double> ours, numeric;
+      for (std::size_t i : sample_of(shape, p, t, rng)) {
+        ours.push_back(got[i]);
+        numeric.push_back(test_support::decoder_reference_gradient(shape, m.values, t, p.name, i));
+      }
+      CHECK(test_support::decoder_normalized_error(ours, numeric) < 1e-5);
+    }
+  }
+}
+
 TEST_CASE("decoder CPU backward opens each slot once, just before writing it, in backward order",
           "[decoder]") {
   for (const bool tied : {false, true}) {

@@ -7,6 +7,7 @@
 #include "tests/catch_compat.h"
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -87,9 +88,9 @@ struct Fixture {
   int sequences = 0, seq_len = 0;
 };
 
-Fixture load_fixture(const std::string& name) {
+Fixture load_fixture(const std::string& name, const char* batch_file = "batch.safetensors") {
   const fs::path folder = kFixtures / name;
-  SafetensorsFile batch = SafetensorsFile::open(folder / "batch.safetensors");
+  SafetensorsFile batch = SafetensorsFile::open(folder / batch_file);
   const SafetensorsTensor* inputs = batch.find("inputs");
   REQUIRE(inputs != nullptr);
   REQUIRE(inputs->shape.size() == 2);
@@ -103,50 +104,70 @@ Fixture load_fixture(const std::string& name) {
   return f;
 }
 
+// The fixture's stored bf16 weights, copied out of the mapping (its data need not be aligned),
+// and the decoder's view of them.
+struct FixtureWeights {
+  std::map<std::string, std::vector<std::uint16_t>> values;
+  lm::dec::Weights w;
+};
+void load_weights(const Fixture& f, FixtureWeights& out) {
+  auto& values = out.values;
+  auto& w = out.w;
+  for (const auto& p : decoder_params(f.shape))
+    values[p.name] = tensor_values<std::uint16_t>(f.model, p.name, "BF16");
+  const auto at = [&](lm::dec::ParamId id) -> const void* {
+    return values.at(decoder_param_name(id)).data();
+  };
+  using K = lm::dec::ParamKind;
+  w.dtype = DType::bf16;
+  w.embed = at({K::embed});
+  for (int l = 0; l < f.shape.layers; ++l) {
+    lm::dec::LayerWeights lw;
+    lw.attn_norm = at({K::attn_norm, l});
+    lw.q = at({K::q, l});
+    lw.k = at({K::k, l});
+    lw.v = at({K::v, l});
+    if (f.shape.qkv_bias) {
+      lw.q_bias = at({K::q_bias, l});
+      lw.k_bias = at({K::k_bias, l});
+      lw.v_bias = at({K::v_bias, l});
+    }
+    lw.o = at({K::o, l});
+    lw.mlp_norm = at({K::mlp_norm, l});
+    lw.gate = at({K::gate, l});
+    lw.up = at({K::up, l});
+    lw.down = at({K::down, l});
+    w.layers.push_back(lw);
+  }
+  w.final_norm = at({K::final_norm});
+  w.head = f.shape.tied ? w.embed : at({K::head});
+}
+
+// The CPU compute of the fixture's shape and batch size, in a block of its own.
+struct FixtureCompute {
+  struct alignas(64) Line {
+    std::byte bytes[64];
+  };
+  std::vector<Line> memory;
+  std::unique_ptr<lm::dec::Compute> compute;
+  explicit FixtureCompute(const Fixture& f) {
+    const std::size_t bytes = lm::dec::cpu_bytes(f.shape, f.sequences, f.seq_len);
+    memory.resize(bytes / sizeof(Line) + 1);
+    compute = lm::dec::make_cpu_compute(f.shape, f.sequences, f.seq_len, memory.data(), bytes);
+  }
+};
+
 TEST_CASE("the CPU decoder gives transformers' logits, loss and every gradient on its fixtures",
           "[decoder][fixture]") {
   for (const char* model : kModels) {
     INFO("fixture " << model);
     Fixture f = load_fixture(model);
-    // The stored bf16 weights, copied out of the mapping (its data need not be aligned).
-    std::map<std::string, std::vector<std::uint16_t>> values;
-    for (const auto& p : decoder_params(f.shape))
-      values[p.name] = tensor_values<std::uint16_t>(f.model, p.name, "BF16");
-    const auto at = [&](lm::dec::ParamId id) -> const void* {
-      return values.at(decoder_param_name(id)).data();
-    };
-    using K = lm::dec::ParamKind;
-    lm::dec::Weights w;
-    w.dtype = DType::bf16;
-    w.embed = at({K::embed});
-    for (int l = 0; l < f.shape.layers; ++l) {
-      lm::dec::LayerWeights lw;
-      lw.attn_norm = at({K::attn_norm, l});
-      lw.q = at({K::q, l});
-      lw.k = at({K::k, l});
-      lw.v = at({K::v, l});
-      if (f.shape.qkv_bias) {
-        lw.q_bias = at({K::q_bias, l});
-        lw.k_bias = at({K::k_bias, l});
-        lw.v_bias = at({K::v_bias, l});
-      }
-      lw.o = at({K::o, l});
-      lw.mlp_norm = at({K::mlp_norm, l});
-      lw.gate = at({K::gate, l});
-      lw.up = at({K::up, l});
-      lw.down = at({K::down, l});
-      w.layers.push_back(lw);
-    }
-    w.final_norm = at({K::final_norm});
-    w.head = f.shape.tied ? w.embed : at({K::head});
+    FixtureWeights fw;
+    load_weights(f, fw);
+    const lm::dec::Weights& w = fw.w;
 
-    const std::size_t bytes = lm::dec::cpu_bytes(f.shape, f.sequences, f.seq_len);
-    struct alignas(64) Line {
-      std::byte bytes[64];
-    };
-    std::vector<Line> memory(bytes / sizeof(Line) + 1);
-    auto compute =
-        lm::dec::make_cpu_compute(f.shape, f.sequences, f.seq_len, memory.data(), bytes);
+    FixtureCompute fc(f);
+    lm::dec::Compute* const compute = fc.compute.get();
     const lm::dec::Batch batch{f.sequences, f.seq_len, f.inputs.data(), f.targets.data()};
 
     std::vector<float> logits(f.inputs.size() * static_cast<std::size_t>(f.shape.vocab));
@@ -173,6 +194,39 @@ TEST_CASE("the CPU decoder gives transformers' logits, loss and every gradient o
     // Every param's slot was opened and closed exactly once.
     CHECK(sink.opened.size() == sink.grads.size());
     CHECK(sink.closed.size() == sink.grads.size());
+  }
+}
+
+TEST_CASE("the CPU decoder's masked loss and gradients are transformers' with labels of -100",
+          "[decoder][fixture]") {
+  // masked_batch.safetensors: the fixture's tokens with about a third of the targets ignored (-1
+  // here, -100 in transformers' labels), and transformers' loss and gradients from those labels.
+  for (const char* model : kModels) {
+    INFO("fixture " << model);
+    Fixture f = load_fixture(model, "masked_batch.safetensors");
+    FixtureWeights fw;
+    load_weights(f, fw);
+    const std::size_t counted = static_cast<std::size_t>(
+        std::count_if(f.targets.begin(), f.targets.end(), [](std::int32_t t) { return t >= 0; }));
+    REQUIRE(counted > 0);
+    REQUIRE(counted < f.targets.size());
+    FixtureCompute fc(f);
+    lm::dec::Compute* const compute = fc.compute.get();
+    const lm::dec::Batch batch{f.sequences, f.seq_len, f.inputs.data(), f.targets.data()};
+    CollectingSink sink(f.shape);
+    const double loss = compute->train_step(fw.w, batch, 1.0, sink);
+    const float their_loss = tensor_values<float>(f.batch, "loss", "F32").at(0);
+    double worst = 0.0;
+    for (const auto& [name, grad] : sink.grads) {
+      INFO("gradient of " << name);
+      const double e = normalized_error(grad, tensor_values<float>(f.batch, "grad." + name, "F32"));
+      worst = std::max(worst, e);
+      CHECK(e < kTolerance);
+    }
+    fmt::print("{} masked ({} of {} targets): loss {:.7f} vs transformers' {:.7f}, worst gradient "
+               "error {:.2e}\n",
+               model, counted, f.targets.size(), loss, their_loss, worst);
+    CHECK(std::abs(loss - their_loss) <= kTolerance * std::abs(their_loss));
   }
 }
 

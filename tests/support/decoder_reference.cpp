@@ -135,6 +135,7 @@ DecoderRefOutput decoder_reference_forward(const DecoderShape& s, const DecoderV
   const Vec& head = s.tied ? embed : get(w, "lm_head.weight");
   DecoderRefOutput out;
   double total = 0.0;
+  std::int64_t counted = 0;  // targets the loss is on
   for (int b = 0; b < tokens.sequences; ++b) {
     // The residual stream of each position of this sequence.
     std::vector<Vec> x(static_cast<std::size_t>(T));
@@ -216,13 +217,14 @@ DecoderRefOutput decoder_reference_forward(const DecoderShape& s, const DecoderV
       const double m = *std::max_element(z.begin(), z.end());
       double sum = 0.0;
       for (double e : z) sum += std::exp(e - m);
-      const auto target =
-          static_cast<std::size_t>(tokens.targets[static_cast<std::size_t>(b * T + t)]);
-      total += m + std::log(sum) - z[target];
       out.logits.insert(out.logits.end(), z.begin(), z.end());
+      const std::int32_t id = tokens.targets[static_cast<std::size_t>(b * T + t)];
+      if (id < 0) continue;  // kIgnoredTarget: no loss on it
+      total += m + std::log(sum) - z[static_cast<std::size_t>(id)];
+      ++counted;
     }
   }
-  out.loss = total / (static_cast<double>(tokens.sequences) * T);
+  out.loss = counted == 0 ? 0.0 : total / static_cast<double>(counted);
   return out;
 }
 

@@ -33,7 +33,7 @@ struct DecoderTokens {
 
 struct DecoderRefOutput {
   std::vector<double> logits;  ///< [sequences * seq_len, vocab]
-  double loss = 0.0;           ///< mean cross-entropy over every position
+  double loss = 0.0;  ///< mean cross-entropy over every position whose target is not ignored (< 0)
 };
 DecoderRefOutput decoder_reference_forward(const DecoderShape& s, const DecoderValues& w,
                                            const DecoderTokens& tokens);

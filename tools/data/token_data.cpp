@@ -155,12 +155,18 @@ TokenFile TokenFile::open_llmc(const std::string& path, int vocab, const std::st
                               version));
   const auto count = static_cast<std::int32_t>(read_le32(bytes + 8));
   if (count < 0) refuse(where, fmt::format("token count {} in the header is negative", count));
+  const auto flags = static_cast<std::int32_t>(read_le32(bytes + 12));
+  if ((flags & ~kTokenFileMaskFlag) != 0)
+    refuse(where, fmt::format("header[3] = {}: flags this reader does not know (1: a loss mask)",
+                              flags));
+  const bool masked = (flags & kTokenFileMaskFlag) != 0;
   const int width = version == 1 ? 2 : 4;
-  const std::int64_t expected = kTokenFileHeaderBytes + std::int64_t{count} * width;
+  const std::int64_t expected =
+      kTokenFileHeaderBytes + std::int64_t{count} * width + (masked ? std::int64_t{count} : 0);
   if (size != expected)
-    refuse(where, fmt::format("{}: {} bytes, but the header's {} tokens of {} bytes make {}",
+    refuse(where, fmt::format("{}: {} bytes, but the header's {} tokens of {} bytes{} make {}",
                               size < expected ? "truncated" : "trailing bytes", size, count, width,
-                              expected));
+                              masked ? " and their mask bytes" : "", expected));
   const std::uint8_t* tokens = bytes + kTokenFileHeaderBytes;
   // Every id is checked here, once, so that a batch never carries one the model cannot embed.
   mapping->advise(MADV_SEQUENTIAL);
@@ -174,6 +180,7 @@ TokenFile TokenFile::open_llmc(const std::string& path, int vocab, const std::st
   TokenFile f;
   f.path_ = path;
   f.tokens_ = tokens;
+  f.mask_ = masked ? tokens + std::int64_t{count} * width : nullptr;
   f.count_ = count;
   f.width_ = width;
   f.file_ = std::move(mapping);
@@ -191,8 +198,10 @@ TokenFile TokenFile::open_bytes(const std::string& path, const std::string& wher
       static_cast<std::int32_t>(read_le32(bytes)) == kTokenFileMagic) {
     const auto version = static_cast<std::int32_t>(read_le32(bytes + 4));
     const auto count = static_cast<std::int32_t>(read_le32(bytes + 8));
+    const bool masked = static_cast<std::int32_t>(read_le32(bytes + 12)) == kTokenFileMaskFlag;
     if ((version == 1 || version == 2) && count >= 0 &&
-        size == kTokenFileHeaderBytes + std::int64_t{count} * (version == 1 ? 2 : 4))
+        size == kTokenFileHeaderBytes + std::int64_t{count} * (version == 1 ? 2 : 4) +
+                    (masked ? std::int64_t{count} : 0))
       refuse(where, fmt::format("an llm.c token file (version {}, {} tokens), but "
                                 "data.tokenizer = \"bytes\" would train on its bytes, header "
                                 "included: set data.tokenizer \"llmc\"",
@@ -220,7 +229,18 @@ void TokenFile::copy(std::int64_t begin, std::int64_t count, std::int32_t* out) 
     out[i] = static_cast<std::int32_t>(token_at(tokens_, width_, begin + i));
 }
 
-void write_token_file(const std::string& path, std::span<const std::uint32_t> tokens, int version) {
+void TokenFile::copy_targets(std::int64_t begin, std::int64_t count, std::int32_t* out) const {
+  copy(begin, count, out);
+  if (mask_ == nullptr) return;
+  for (std::int64_t i = 0; i < count; ++i)
+    if ((mask_[begin + i] & kMaskTarget) == 0) out[i] = lm::dec::kIgnoredTarget;
+}
+
+void write_token_file(const std::string& path, std::span<const std::uint32_t> tokens, int version,
+                      std::span<const std::uint8_t> mask) {
+  if (!mask.empty() && mask.size() != tokens.size())
+    throw ConfigError(fmt::format("write_token_file {}: {} mask bytes for {} tokens",
+                                  quote_value(path), mask.size(), tokens.size()));
   if (version != 1 && version != 2)
     throw ConfigError(
         fmt::format("write_token_file {}: version {}: must be 1 (uint16) or 2 "
@@ -232,13 +252,16 @@ void write_token_file(const std::string& path, std::span<const std::uint32_t> to
                                   std::numeric_limits<std::int32_t>::max()));
   const int width = version == 1 ? 2 : 4;
   std::vector<std::uint8_t> bytes(
-      static_cast<std::size_t>(kTokenFileHeaderBytes) + tokens.size() * width, 0);
+      static_cast<std::size_t>(kTokenFileHeaderBytes) + tokens.size() * width + mask.size(), 0);
   const auto put32 = [&](std::size_t at, std::uint32_t v) {
     for (int b = 0; b < 4; ++b) bytes[at + b] = static_cast<std::uint8_t>(v >> (8 * b));
   };
   put32(0, static_cast<std::uint32_t>(kTokenFileMagic));
   put32(4, static_cast<std::uint32_t>(version));
   put32(8, static_cast<std::uint32_t>(tokens.size()));
+  if (!mask.empty()) put32(12, static_cast<std::uint32_t>(kTokenFileMaskFlag));
+  std::copy(mask.begin(), mask.end(),
+            bytes.begin() + kTokenFileHeaderBytes + static_cast<std::int64_t>(tokens.size()) * width);
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     const std::uint32_t id = tokens[i];
     if (version == 1 && id > 0xffffu)
@@ -397,8 +420,21 @@ void TokenDataset::append(const Split& split, std::int64_t sample, TokenSequence
   out.inputs.resize(row + static_cast<std::size_t>(seq_len_));
   out.targets.resize(row + static_cast<std::size_t>(seq_len_));
   stream.file.copy(at, seq_len_, out.inputs.data() + row);
-  stream.file.copy(at + 1, seq_len_, out.targets.data() + row);
+  stream.file.copy_targets(at + 1, seq_len_, out.targets.data() + row);
   ++out.sequences;
+}
+
+bool TokenDataset::val_masked() const {
+  return std::any_of(val_.streams.begin(), val_.streams.end(),
+                     [](const Stream& s) { return s.file.has_mask(); });
+}
+
+std::int64_t TokenDataset::counted_targets(std::int64_t step, int global_batch) const {
+  const bool masked = std::any_of(train_.streams.begin(), train_.streams.end(),
+                                  [](const Stream& s) { return s.file.has_mask(); });
+  if (!masked) return std::int64_t{global_batch} * seq_len_;
+  // The whole global batch, drawn as one rank would draw it: a copy of G windows a step.
+  return train_batch(step, global_batch, 0, 1, 0, global_batch).counted_targets();
 }
 
 std::int64_t TokenDataset::sample_of_draw(std::int64_t g) const {

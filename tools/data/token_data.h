@@ -17,9 +17,16 @@
 namespace shardswap {
 
 /// llm.c's token file: 256 little-endian int32 (magic, version, token count, then zeros), then
-/// the tokens, little-endian uint16 (version 1) or uint32 (version 2).
+/// the tokens, little-endian uint16 (version 1) or uint32 (version 2). ShardSwap's loss mask:
+/// header[3] = kTokenFileMaskFlag and a byte per token after the tokens (kMaskTarget: the loss
+/// is on that token, as the target of the one before; kMaskDocumentStart: a document's first
+/// token). llm.c leaves header[3] zero and reads the tokens of such a file as its own.
 inline constexpr std::int32_t kTokenFileMagic = 20240520;
 inline constexpr std::int64_t kTokenFileHeaderBytes = 256 * 4;
+inline constexpr std::int32_t kTokenFileMaskFlag = 1;
+inline constexpr std::uint8_t kMaskTarget = 1;
+inline constexpr std::uint8_t kMaskDocumentStart = 2;
+
 
 /// One file's tokens, read-only and mapped: nothing is copied, copies share the mapping. The file
 /// must not shrink while it is open (a mapped page past its end reads as SIGBUS).
@@ -37,14 +44,19 @@ class TokenFile {
   const std::string& path() const { return path_; }
   std::int64_t size() const { return count_; }  ///< tokens
   int width() const { return width_; }          ///< bytes per token: 1 (bytes), 2 or 4
+  /// The file holds a loss mask (header[3] = kTokenFileMaskFlag).
+  bool has_mask() const { return mask_ != nullptr; }
   std::int32_t operator[](std::int64_t i) const;
   /// Tokens [begin, begin + count) as int32 into `out`; the range must lie in the file.
   void copy(std::int64_t begin, std::int64_t count, std::int32_t* out) const;
+  /// The same as targets: a token the mask leaves out of the loss is lm::dec::kIgnoredTarget.
+  void copy_targets(std::int64_t begin, std::int64_t count, std::int32_t* out) const;
 
  private:
   std::string path_;
   std::shared_ptr<const MappedFile> file_;
   const std::uint8_t* tokens_ = nullptr;  // past the header
+  const std::uint8_t* mask_ = nullptr;    // past the tokens, with kTokenFileMaskFlag
   std::int64_t count_ = 0;
   int width_ = 1;
 };
@@ -52,8 +64,11 @@ class TokenFile {
 /// Writes `tokens` as an llm.c token file of `version` (1: uint16, 2: uint32) through an
 /// OutputFile (check_output_path's refusals; a complete file replaces the target, or nothing
 /// does). Throws ConfigError, writing nothing, for another version, a token that does not fit
-/// version 1's uint16, or more than 2^31 - 1 tokens (the header's int32 count).
-void write_token_file(const std::string& path, std::span<const std::uint32_t> tokens, int version);
+/// version 1's uint16, or more than 2^31 - 1 tokens (the header's int32 count). A non-empty
+/// `mask` (a byte per token: kMaskTarget, kMaskDocumentStart) is written after the tokens with
+/// header[3] = kTokenFileMaskFlag; another size is refused.
+void write_token_file(const std::string& path, std::span<const std::uint32_t> tokens, int version,
+                      std::span<const std::uint8_t> mask = {});
 
 /// Where the tokens come from: the data.* keys of the config.
 struct TokenDataSpec {
@@ -85,7 +100,11 @@ struct TokenSequences {
   int sequences = 0;
   int seq_len = 0;
   std::vector<std::int32_t> inputs;
-  std::vector<std::int32_t> targets;
+  std::vector<std::int32_t> targets;  ///< lm::dec::kIgnoredTarget where the loss is not on it
+  /// The targets the loss is on.
+  std::int64_t counted_targets() const {
+    return static_cast<std::int64_t>(lm::dec::counted_targets(view()));
+  }
   lm::dec::Batch view() const { return {sequences, seq_len, inputs.data(), targets.data()}; }
 };
 
@@ -128,6 +147,11 @@ class TokenDataset {
   /// without validation.
   TokenSequences val_sequences(std::int64_t first, int count) const;
 
+  /// The targets the loss is on in step `step`'s global batch of `global_batch` sequences (all
+  /// ranks, all micro-batches): what the loss of the step is the mean over. Every target without
+  /// a loss mask.
+  std::int64_t counted_targets(std::int64_t step, int global_batch) const;
+
   /// The training sample of global draw g (>= 0): the shuffle.
   std::int64_t sample_of_draw(std::int64_t g) const;
   /// Training sample `index` (in [0, train_samples())), unshuffled, as one sequence.
@@ -137,6 +161,8 @@ class TokenDataset {
 
   std::int64_t train_samples() const { return train_.samples; }
   std::int64_t val_samples() const { return val_.samples; }
+  /// Some validation file holds a loss mask.
+  bool val_masked() const;
   bool has_val() const { return val_.samples > 0; }
   /// Tokens the training samples read as inputs (train_samples() * seq_len).
   std::int64_t train_tokens() const { return train_.samples * seq_len_; }

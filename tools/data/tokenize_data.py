@@ -28,9 +28,14 @@ import struct
 import sys
 import tempfile
 
+import chat_template
+
 MAGIC = 20240520
 HEADER_INTS = 256
 MAX_TOKENS = 2**31 - 1  # the header's int32 count
+FLAG_MASK = 1  # header[3]: a byte per token follows the tokens (docs/data.md)
+MASK_TARGET = 1  # the loss is on this token (it is a target of the one before)
+MASK_DOCUMENT_START = 2  # the first token of a document
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 BATCH_DOCUMENTS = 1024  # documents per encode_batch call (it encodes in parallel)
 
@@ -66,22 +71,61 @@ def eos_from_tokenizer(path, tokenizer):
     return tokenizer.token_to_id(named[0])
 
 
+def open_input(path):
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise BadInput(f"{path}: cannot be read: {e.strerror}")
+
+
 def documents(inputs, jsonl, field):
     """The documents in order, as (where, text). JSON lines are read line by line: a file larger
     than memory is fine as long as each line fits."""
+    if jsonl:
+        for where, record in json_lines(inputs):
+            if field not in record:
+                raise BadInput(f"{where}: no field {field!r}")
+            if not isinstance(record[field], str):
+                raise BadInput(f"{where}: field {field!r} is not a string")
+            yield where, record[field]
+        return
     for path in inputs:
+        with open_input(path) as f:
+            data = f.read()
         try:
-            f = open(path, "rb")
-        except OSError as e:
-            raise BadInput(f"{path}: cannot be read: {e.strerror}")
-        with f:
-            if not jsonl:
-                data = f.read()
-                try:
-                    yield path, data.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise BadInput(f"{path}: not UTF-8 (byte {e.start})")
-                continue
+            yield path, data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadInput(f"{path}: not UTF-8 (byte {e.start})")
+
+
+def chat_records(inputs):
+    """Chat records of JSON lines, as (where, record): {"messages": [{"role", "content"}, ...]}
+    (the HF datasets / OpenAI layout), or {"prompt": ..., "completion": ...} with two strings or
+    two lists of messages (TRL's prompt-completion layouts)."""
+    for where, record in json_lines(inputs):
+        if "messages" in record:
+            messages = record["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise BadInput(f"{where}: 'messages' is not a non-empty list")
+            for i, m in enumerate(messages):
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                        and isinstance(m.get("content"), str)):
+                    raise BadInput(f"{where}: messages[{i}] is not an object with string 'role'"
+                                   " and 'content'")
+        elif "prompt" in record and "completion" in record:
+            kinds = {type(record["prompt"]), type(record["completion"])}
+            if kinds not in ({str}, {list}):
+                raise BadInput(f"{where}: 'prompt' and 'completion' must be two strings or two"
+                               " lists of messages")
+        else:
+            raise BadInput(f"{where}: neither 'messages' nor 'prompt' and 'completion'")
+        yield where, record
+
+
+def json_lines(inputs):
+    """Every non-empty line of every input as (where, object)."""
+    for path in inputs:
+        with open_input(path) as f:
             for number, raw in enumerate(f, 1):
                 where = f"{path} line {number}"
                 try:
@@ -94,11 +138,45 @@ def documents(inputs, jsonl, field):
                     record = json.loads(line)
                 except ValueError as e:
                     raise BadInput(f"{where}: not JSON: {e}")
-                if not isinstance(record, dict) or field not in record:
-                    raise BadInput(f"{where}: no field {field!r}")
-                if not isinstance(record[field], str):
-                    raise BadInput(f"{where}: field {field!r} is not a string")
-                yield where, record[field]
+                if not isinstance(record, dict):
+                    raise BadInput(f"{where}: not a JSON object")
+                yield where, record
+
+
+def encoded_documents(args, tokenizer):
+    """(where, ids, mask) per document: mask None for text, else a bytearray of a byte per token
+    with MASK_TARGET where the loss is on the token (chat: the tokens holding a character of the
+    assistant's spans, or all tokens with --loss-on all)."""
+    if not args.chat:
+        for batch in batches(documents(args.inputs, args.jsonl, args.field), BATCH_DOCUMENTS):
+            encoded = tokenizer.encode_batch([text for _, text in batch],
+                                             add_special_tokens=not args.no_special_tokens)
+            for (where, _), e in zip(batch, encoded):
+                yield where, e.ids, None
+        return
+    try:
+        template, specials = chat_template.load(args.tokenizer)
+        compiled = chat_template.compile_template(template)
+    except chat_template.TemplateError as e:
+        raise BadInput(f"--chat: {e}")
+    for batch in batches(chat_records(args.inputs), BATCH_DOCUMENTS):
+        rendered = []
+        for where, record in batch:
+            try:
+                rendered.append((where, *chat_template.conversation(compiled, specials, record)))
+            except chat_template.TemplateError as e:
+                raise BadInput(f"{where}: {e}")
+        # As apply_chat_template(tokenize=True): the template writes the special tokens itself.
+        encoded = tokenizer.encode_batch([text for _, text, _ in rendered],
+                                         add_special_tokens=False)
+        for (where, _, spans), e in zip(rendered, encoded):
+            if args.loss_on == "all":
+                mask = bytearray([MASK_TARGET]) * len(e.ids)
+            else:  # a token that holds a character of a trained span is trained (transformers'
+                # return_assistant_tokens_mask marks the tokens of the span's characters)
+                mask = bytearray(MASK_TARGET if any(start < b and end > a for a, b in spans) else 0
+                                 for start, end in e.offsets)
+            yield where, e.ids, mask
 
 
 def batches(items, size):
@@ -146,24 +224,30 @@ def tokenize(args):
     folder = os.path.dirname(os.path.abspath(args.out))
     fd, temporary = tempfile.mkstemp(prefix=os.path.basename(args.out) + ".", suffix=".tmp",
                                      dir=folder)
-    count = docs = 0
+    count = docs = trained = 0
+    masks = tempfile.TemporaryFile(dir=folder) if args.chat else None
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
         with os.fdopen(fd, "wb") as f:
             f.write(b"\0" * (4 * HEADER_INTS))  # the header, filled in once the count is known
-            for batch in batches(documents(args.inputs, args.jsonl, args.field), BATCH_DOCUMENTS):
-                encoded = tokenizer.encode_batch([text for _, text in batch],
-                                                 add_special_tokens=not args.no_special_tokens)
+            for batch in batches(encoded_documents(args, tokenizer), BATCH_DOCUMENTS):
                 ids = array.array(code)
-                for (where, _), e in zip(batch, encoded):
+                mask = bytearray()
+                for where, doc_ids, doc_mask in batch:
                     if eos is not None and docs > 0:
                         ids.append(eos)
-                    if e.ids and max(e.ids) >= vocab:
-                        raise BadInput(f"{where}: the tokenizer gave id {max(e.ids)}, not below"
+                        mask.append(0)
+                    if doc_ids and max(doc_ids) >= vocab:
+                        raise BadInput(f"{where}: the tokenizer gave id {max(doc_ids)}, not below"
                                        f" its vocab size {vocab}")
-                    ids.extend(e.ids)
+                    if doc_mask is not None:
+                        if doc_mask:
+                            doc_mask[0] |= MASK_DOCUMENT_START
+                        mask += doc_mask
+                        trained += sum(m & MASK_TARGET for m in doc_mask)
+                    ids.extend(doc_ids)
                     docs += 1
                 count += len(ids)
                 if count > MAX_TOKENS:
@@ -172,10 +256,16 @@ def tokenize(args):
                 if sys.byteorder != "little":
                     ids.byteswap()
                 ids.tofile(f)
+                if masks is not None:
+                    masks.write(mask)
             if docs == 0:
                 raise BadInput("no document in the inputs")
+            if masks is not None:  # the mask bytes follow the tokens
+                masks.seek(0)
+                while chunk := masks.read(1 << 20):
+                    f.write(chunk)
             header = [0] * HEADER_INTS
-            header[0:3] = [MAGIC, version, count]
+            header[0:4] = [MAGIC, version, count, FLAG_MASK if masks is not None else 0]
             f.seek(0)
             f.write(struct.pack(f"<{HEADER_INTS}i", *header))
             f.flush()
@@ -184,9 +274,13 @@ def tokenize(args):
     except BaseException:
         os.unlink(temporary)
         raise
+    finally:
+        if masks is not None:
+            masks.close()
     print(f"{args.out}: {count} tokens of {docs} documents, version {version} "
           f"({'uint16' if version == 1 else 'uint32'}), vocab {vocab}"
-          + (f", EOS {eos} between documents" if eos is not None else ""))
+          + (f", EOS {eos} between documents" if eos is not None else "")
+          + (f", the loss on {trained} of them" if args.chat else ""))
 
 
 def main(argv=None):
@@ -201,6 +295,11 @@ def main(argv=None):
     parser.add_argument("--jsonl", action="store_true",
                         help="inputs are JSON lines; each line's --field is a document")
     parser.add_argument("--field", default="text", help="the JSON lines field (default: text)")
+    parser.add_argument("--chat", action="store_true",
+                        help="inputs are chat JSON lines (messages, or prompt and completion),"
+                             " rendered with the model's chat template; writes a loss mask")
+    parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
+                        help="--chat: the loss on the assistant's turns (default) or every token")
     parser.add_argument("--no-special-tokens", action="store_true",
                         help="encode without the tokenizer's added special tokens (e.g. BOS)")
     parser.add_argument("inputs", nargs="+", metavar="INPUT")

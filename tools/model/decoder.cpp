@@ -133,11 +133,14 @@ class EngineDecoder final : public Decoder {
         memory_(std::move(memory)) {}
   void set_compute(std::unique_ptr<lm::dec::Compute> compute) { compute_ = std::move(compute); }
 
-  double train_step(Engine& engine, const DecoderBatch& batch) override {
+  double train_step(Engine& engine, const DecoderBatch& batch, double grad_weight) override {
     const auto b = check(batch, "Decoder::train_step");
     const auto w = weights(engine, "Decoder::train_step");
     EngineSink sink(engine, shape_, dtype_);
-    return compute_->train_step(w, b, engine.loss_scale(), sink);
+    if (!(grad_weight >= 0.0) || !std::isfinite(grad_weight))
+      throw ConfigError(fmt::format("Decoder::train_step: grad_weight {} must be finite and >= 0",
+                                    grad_weight));
+    return compute_->train_step(w, b, engine.loss_scale() * grad_weight, sink);
   }
   double loss(const Engine& engine, const DecoderBatch& batch) override {
     const auto b = check(batch, "Decoder::loss");
@@ -168,7 +171,8 @@ class EngineDecoder final : public Decoder {
           batch.sequences, batch.seq_len, n, batch.inputs.size(), batch.targets.size()));
     for (const auto* ids : {&batch.inputs, &batch.targets})
       for (std::size_t i = 0; i < n; ++i)
-        if ((*ids)[i] < 0 || (*ids)[i] >= shape_.vocab)
+        if (((*ids)[i] < 0 || (*ids)[i] >= shape_.vocab) &&
+            !(ids == &batch.targets && (*ids)[i] == lm::dec::kIgnoredTarget))
           throw ConfigError(fmt::format("{}: {} token {} is {}, outside the vocabulary [0, {})",
                                         fn, ids == &batch.inputs ? "input" : "target", i,
                                         (*ids)[i], shape_.vocab));

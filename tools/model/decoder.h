@@ -83,12 +83,15 @@ class Decoder {
                    std::uint64_t seed);
 
   /// Forward + backward of one micro-batch (1 <= sequences <= max_sequences, 1 <= seq_len <=
-  /// the model's seq_len): adds loss_scale() times the gradient of the mean loss into the grad
-  /// slots of the active groups, calling grad_slot(name) just before writing a param's gradient
-  /// and grad_ready(name) right after. Backward stops below the lowest active group. Returns
-  /// the mean loss. Throws ConfigError for a malformed batch (naming the token id out of range)
+  /// the model's seq_len): adds loss_scale() times `grad_weight` times the gradient of the mean
+  /// loss over the counted targets (those not kIgnoredTarget) into the grad slots of the active
+  /// groups, calling grad_slot(name) just before writing a param's gradient and grad_ready(name)
+  /// right after. Backward stops below the lowest active group. Returns that mean loss (0 when
+  /// no target counts). grad_weight lets a trainer weigh micro-batches by their counted targets,
+  /// so that the gradients summed over micro-batches and ranks are those of the mean over the
+  /// global batch. Throws ConfigError for a malformed batch (naming the token id out of range)
   /// or weights / slots of a dtype or size the model was not made for.
-  virtual double train_step(Engine& engine, const DecoderBatch& batch) = 0;
+  virtual double train_step(Engine& engine, const DecoderBatch& batch, double grad_weight = 1.0) = 0;
   /// Mean loss only (validation); no gradients.
   virtual double loss(const Engine& engine, const DecoderBatch& batch) = 0;
   /// Every position's logits, [sequences * seq_len, vocab] (tests and export checks).

@@ -179,14 +179,27 @@ class GradSink {
   virtual void close(ParamId param) = 0;
 };
 
+/// A target the loss is not on (a prompt's token under a loss mask): its row adds nothing to the
+/// loss or the gradients, and the mean is over the other targets.
+inline constexpr std::int32_t kIgnoredTarget = -1;
+
 /// Host token ids: `sequences` rows of `seq_len`; targets[i] is the token that follows
-/// inputs[i]. Every id is in [0, vocab) (checked by the engine-facing model).
+/// inputs[i], or kIgnoredTarget. Every other id is in [0, vocab) (checked by the engine-facing
+/// model).
 struct Batch {
   int sequences = 0;
   int seq_len = 0;
   const std::int32_t* inputs = nullptr;
   const std::int32_t* targets = nullptr;
 };
+
+/// The targets of `b` the loss is on (not kIgnoredTarget): the count the loss is the mean over.
+inline std::size_t counted_targets(const Batch& b) {
+  const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
+  std::size_t counted = 0;
+  for (std::size_t i = 0; i < n; ++i) counted += b.targets[i] != kIgnoredTarget ? 1 : 0;
+  return counted;
+}
 
 /// GPU milliseconds of train_step's phases, summed over the steps since the last
 /// take_phase_times (the CUDA backend with time_phases on; zeros elsewhere). forward and

@@ -246,9 +246,11 @@ class CpuCompute final : public Compute {
     const bool backward = lowest <= s_.layers + 1;
     const int embed_group = 0, head_group = s_.layers + 1;
     const bool head_matrix = s_.tied ? sink.active(embed_group) : sink.active(head_group);
-    const std::size_t n = tokens(b);
-    // The gradient of the mean loss times grad_scale, folded into dlogits once.
-    const float alpha = static_cast<float>(grad_scale / static_cast<double>(n));
+    // The gradient of the mean loss over the counted targets times grad_scale, folded into
+    // dlogits once (none counted: no gradient).
+    const std::size_t counted = counted_targets(b);
+    const float alpha =
+        counted == 0 ? 0.0f : static_cast<float>(grad_scale / static_cast<double>(counted));
     const double loss = head_forward(w, b, backward ? &alpha : nullptr, head_matrix);
     if (backward) backward_pass(w, b, sink, lowest, head_matrix);
     return loss;
@@ -352,7 +354,8 @@ class CpuCompute final : public Compute {
     const auto v = static_cast<std::int32_t>(s_.vocab);
     const std::size_t n = tokens(b);
     for (std::size_t i = 0; i < n; ++i)
-      if (b.inputs[i] < 0 || b.inputs[i] >= v || b.targets[i] < 0 || b.targets[i] >= v)
+      if (b.inputs[i] < 0 || b.inputs[i] >= v ||
+          ((b.targets[i] < 0 || b.targets[i] >= v) && b.targets[i] != kIgnoredTarget))
         throw ConfigError(
             fmt::format("{}: token {} of the batch (input {}, target {}) is outside "
                         "[0, vocab = {})",
@@ -565,6 +568,10 @@ class CpuCompute final : public Compute {
         auto row = z.row(cols(r));
         const float m = row.maxCoeff();
         const float lse = m + std::log((row.array() - m).exp().sum());
+        if (b.targets[r0 + r] == kIgnoredTarget) {  // nothing to the loss or the gradient
+          if (alpha != nullptr) row.setZero();
+          continue;
+        }
         const auto target = static_cast<Eigen::Index>(b.targets[r0 + r]);
         total += static_cast<double>(lse - row(target));
         if (alpha == nullptr) continue;
@@ -576,7 +583,8 @@ class CpuCompute final : public Compute {
       MapR(at(l_.dn) + r0 * d, rows_i(rows), cols(d)).noalias() = z * hw.w;
       if (head_matrix) head_grad.noalias() += z.transpose() * f;
     }
-    return total / static_cast<double>(n);
+    const std::size_t counted = counted_targets(b);
+    return counted == 0 ? 0.0 : total / static_cast<double>(counted);
   }
 
   // ---- backward ----

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "shardswap/error.h"
 
 namespace shardswap {
@@ -20,6 +22,15 @@ TokenSequences RunData::val_batch(int index) const {
   const std::int64_t first = std::int64_t{index} * micro_;
   return tokens_.val_sequences(
       first, static_cast<int>(std::min<std::int64_t>(micro_, tokens_.val_samples() - first)));
+}
+
+std::int64_t RunData::val_targets(int batches) const {
+  const std::int64_t sequences = std::min<std::int64_t>(std::int64_t{batches} * micro_,
+                                                        tokens_.val_samples());
+  if (!tokens_.val_masked()) return sequences * tokens_.seq_len();
+  std::int64_t counted = 0;
+  for (int b = 0; b < batches; ++b) counted += val_batch(b).counted_targets();
+  return counted;
 }
 
 std::string RunData::describe() const {

@@ -38,8 +38,8 @@ class DecoderRank final : public RankModel {
  public:
   DecoderRank(std::unique_ptr<Decoder> model, int vocab)
       : model_(std::move(model)), vocab_(vocab) {}
-  double train_micro(Engine& engine, TokenSequences batch) override {
-    return model_->train_step(engine, to_batch(std::move(batch)));
+  double train_micro(Engine& engine, TokenSequences batch, double weight) override {
+    return model_->train_step(engine, to_batch(std::move(batch)), weight);
   }
   double val_loss(const Engine& engine, TokenSequences batch) override {
     return model_->loss(engine, to_batch(std::move(batch)));

@@ -33,10 +33,11 @@ struct ValLogits {
 class RankModel {
  public:
   virtual ~RankModel() = default;
-  /// Forward and backward of one micro-batch, adding gradients into the engine's slots
-  /// (Engine::grad_slot / grad_ready). Returns its mean loss.
-  virtual double train_micro(Engine& engine, TokenSequences batch) = 0;
-  /// The mean loss of a validation batch.
+  /// Forward and backward of one micro-batch, adding `weight` times the gradient of its mean loss
+  /// over its counted targets into the engine's slots (Engine::grad_slot / grad_ready). Returns
+  /// that mean loss.
+  virtual double train_micro(Engine& engine, TokenSequences batch, double weight) = 0;
+  /// The mean loss of a validation batch over its counted targets.
   virtual double val_loss(const Engine& engine, TokenSequences batch) = 0;
   /// The inputs of a validation batch and every position's logits ([inputs, vocab]), for checks
   /// against another implementation. ConfigError for a model that has none.

@@ -343,18 +343,20 @@ const char* stop_signal_name(int signal) {
 
 double validation_loss(RankModel& model, Engine& engine, const RunData& data, int batches,
                        int rank, int world) {
-  // Each batch's mean weighted by its share of a full micro-batch: exactly 1 but for a partial
-  // last batch, so a set of full batches gives the plain mean of the batch means.
-  const double micro = static_cast<double>(data.micro());
+  // Each batch's mean over its counted targets, weighted by their share of a full micro-batch's
+  // targets: exactly 1 for a full unmasked batch, so such a set gives the plain mean of the
+  // batch means; the whole is the mean over every counted target.
+  const double full = static_cast<double>(data.micro()) * data.seq_len();
   double sum = 0.0;
   for (int b = rank; b < batches; b += world) {
     TokenSequences batch = data.val_batch(b);
-    const double share = batch.sequences / micro;
+    const double share = static_cast<double>(batch.counted_targets()) / full;
     sum += model.val_loss(engine, std::move(batch)) * share;
   }
-  const double sequences = static_cast<double>(
-      std::min<std::int64_t>(std::int64_t{batches} * data.micro(), data.val_samples()));
-  return engine.sum_across_ranks(sum) / (sequences / micro);
+  const auto counted = static_cast<double>(data.val_targets(batches));
+  if (counted == 0.0)
+    throw ConfigError("the validation batches hold no target the loss is on (data.val's mask)");
+  return engine.sum_across_ranks(sum) / (counted / full);
 }
 
 const RunData& data_of(const TrainConfig& config) {

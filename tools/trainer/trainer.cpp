@@ -254,9 +254,20 @@ Trainer::Step Trainer::train_step(std::int64_t step) {
   s.switched = switch_layers(step);
   engine_.set_lr(config_.lr.lr_at(updates_));
   const int accumulation = config_.batches.gradient_accumulation_steps;
+  // The step's loss is the mean over every counted target of the global batch, whatever the
+  // world size and micro-batch split: micro-batch m's mean over its n_m counted targets weighs
+  // n_m * world * accumulation / N (Engine::step divides by world * accumulation). Without a
+  // loss mask every weight is exactly 1.
+  const auto counted = static_cast<double>(run_.data.step_targets(step));
   double loss = 0.0;
-  for (int m = 0; m < accumulation; ++m)
-    loss += model_->train_micro(engine_, run_.data.train_micro(step, rank_, world_, m));
+  for (int m = 0; m < accumulation; ++m) {
+    TokenSequences batch = run_.data.train_micro(step, rank_, world_, m);
+    const double weight =
+        counted == 0.0
+            ? 0.0
+            : static_cast<double>(batch.counted_targets()) * world_ * accumulation / counted;
+    loss += model_->train_micro(engine_, std::move(batch), weight) * weight;
+  }
   loss /= accumulation;
   if (config_.timing) run_.backend.synchronize();
   s.model_s = seconds_since(started);

@@ -65,7 +65,9 @@ __global__ void __launch_bounds__(kCeThreads)
   sum = m == -INFINITY ? 0.0f : sum * expf(m - row_max);
   const float lse = row_max + logf(block_reduce<false>(sum, shared));
   const int target = targets[blockIdx.x];
-  if (threadIdx.x == 0) row_loss[blockIdx.x] = lse - z[target];  // before any write below
+  // kIgnoredTarget (decoder_compute.h), the only negative target; the same for the whole block.
+  const bool ignored = target < 0;
+  if (threadIdx.x == 0) row_loss[blockIdx.x] = ignored ? 0.0f : lse - z[target];  // before writes
   if (!grad) return;
   Pack<T, N>* dz = reinterpret_cast<Pack<T, N>*>(z);
   for (int base = 0; base < packs; base += kCeThreads) {
@@ -75,15 +77,19 @@ __global__ void __launch_bounds__(kCeThreads)
       const FloatPack<N> x = zp[p];
 #pragma unroll
       for (int e = 0; e < N; ++e)
-        out.v[e] = from_float<T>(expf(x.v[e] - lse) - (p * N + e == target ? 1.0f : 0.0f));
+        out.v[e] = ignored ? from_float<T>(0.0f)
+                           : from_float<T>(expf(x.v[e] - lse) -
+                                           (p * N + e == target ? 1.0f : 0.0f));
     }
     __syncthreads();
     if (p < packs) dz[p] = out;
   }
 }
 
-// One block: out = mean of loss[0..n) in double, by a fixed tree.
-__global__ void mean_of(const float* __restrict__ loss, int n, double* __restrict__ out) {
+// One block: out = sum of loss[0..n) / denominator in double, by a fixed tree (0 for a zero
+// denominator: no target counted).
+__global__ void mean_of(const float* __restrict__ loss, int n, double denominator,
+                        double* __restrict__ out) {
   __shared__ double partial[256];
   double acc = 0.0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) acc += loss[i];
@@ -93,7 +99,7 @@ __global__ void mean_of(const float* __restrict__ loss, int n, double* __restric
     if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
     __syncthreads();
   }
-  if (threadIdx.x == 0) *out = partial[0] / n;
+  if (threadIdx.x == 0) *out = denominator == 0.0 ? 0.0 : partial[0] / denominator;
 }
 
 }  // namespace
@@ -111,8 +117,8 @@ void launch_cross_entropy_rows(float* logits, int rows, int vocab, const int* ta
   check_launch();
 }
 
-void launch_mean_of(const float* loss, int n, double* out) {
-  mean_of<<<1, 256, 0, cudaStreamPerThread>>>(loss, n, out);
+void launch_mean_of(const float* loss, int n, double denominator, double* out) {
+  mean_of<<<1, 256, 0, cudaStreamPerThread>>>(loss, n, denominator, out);
   check_launch();
 }
 

@@ -236,7 +236,7 @@ class CudaCompute final : public Compute {
     const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
     for (std::size_t i = 0; i < n; ++i)
       for (const auto* ids : {b.inputs, b.targets})
-        if (ids[i] < 0 || ids[i] >= s_.vocab)
+        if ((ids[i] < 0 || ids[i] >= s_.vocab) && !(ids == b.targets && ids[i] == kIgnoredTarget))
           throw ConfigError(where + (ids == b.inputs ? "inputs[" : "targets[") +
                             std::to_string(i) + "] = " + std::to_string(ids[i]) +
                             ": not a token id below vocab = " + std::to_string(s_.vocab));
@@ -266,6 +266,7 @@ class CudaCompute final : public Compute {
   // positions by token (made here, on the host, from the host batch).
   void upload(const Batch& b, bool embed_groups) {
     const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
+    counted_ = counted_targets(b);
     const cudaStream_t stream = cudaStreamPerThread;
     SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.tokens), b.inputs, n * sizeof(int),
                                          cudaMemcpyHostToDevice, stream));
@@ -396,7 +397,7 @@ class CudaCompute final : public Compute {
     const T* f = at<T>(l_.normed);
     float* logits = at(l_.logits);
     const T* dlogits = at<T>(l_.logits);  // in place, rows 2 V apart
-    const float alpha = static_cast<float>(grad_scale / n);
+    const float alpha = mean_factor(grad_scale);
     const bool head_matrix =
         sink != nullptr && sink->active(s_.tied ? 0 : s_.layers + 1);
     const ParamId head_id{s_.tied ? K::embed : K::head};
@@ -426,7 +427,7 @@ class CudaCompute final : public Compute {
     // Closed here even when tied: one slot is open at a time (a stage-2 bucket is reduced once
     // backward moves on to another group); the lookup's gradient opens the embedding again.
     if (head_matrix) sink->close(head_id);
-    launch_mean_of(at(l_.row_loss), n, at<double>(l_.mean_loss));
+    launch_mean_of(at(l_.row_loss), n, static_cast<double>(counted_), at<double>(l_.mean_loss));
   }
 
   double read_loss() const {
@@ -494,7 +495,7 @@ class CudaCompute final : public Compute {
     const int L = s_.layers, head_group = L + 1;
     const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
     const long long width = qkv_width();
-    const float alpha = static_cast<float>(grad_scale / n);
+    const float alpha = mean_factor(grad_scale);
     float *dx = at(l_.dx), *dz = at(l_.dz), *g32 = at(l_.qkv32);
     T *d16 = at<T>(l_.d16), *normed = at<T>(l_.normed), *g16 = at<T>(l_.qkv16);
     T *act = at<T>(l_.act), *dout = at<T>(l_.dout);
@@ -600,6 +601,12 @@ class CudaCompute final : public Compute {
   detail::CublasHandle cublas_;
   std::vector<float> inv_freq_;
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
+  std::size_t counted_ = 0;  // the uploaded batch's counted targets (not kIgnoredTarget)
+
+  // What a param gradient of the mean loss over the counted targets is multiplied by.
+  float mean_factor(double grad_scale) const {
+    return counted_ == 0 ? 0.0f : static_cast<float>(grad_scale / static_cast<double>(counted_));
+  }
   ProfileWindow profile_;                  // SHARDSWAP_CUDA_PROFILE_STEPS
   PhaseClock clock_;                       // train_step's phases (time_phases)
   std::unique_ptr<CudnnAttention> cudnn_;  // null: the own kernels

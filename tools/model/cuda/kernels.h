@@ -69,12 +69,13 @@ void launch_swiglu_backward(const float* dact, T* gate, T* up, T* act, long long
 
 // cross_entropy.cu
 /// row_loss[r] = logsumexp(z_r) - z_r[targets[r]] for `rows` rows of fp32 logits [rows, vocab];
-/// with grad, each row replaced in place by softmax(z_r) - onehot in T at the row's start.
+/// with grad, each row replaced in place by softmax(z_r) - onehot in T at the row's start. A row
+/// whose target is kIgnoredTarget has loss 0 and a zero gradient.
 template <class T>
 void launch_cross_entropy_rows(float* logits, int rows, int vocab, const int* targets,
                                float* row_loss, bool grad);
-/// *out = the mean of loss[0 .. n) in fp64.
-void launch_mean_of(const float* loss, int n, double* out);
+/// *out = the sum of loss[0 .. n) in fp64 over `denominator` (the counted targets; 0 gives 0).
+void launch_mean_of(const float* loss, int n, double denominator, double* out);
 
 // column_sums.cu
 /// partials [chunks, w] of the column sums of x [n, w] (rows ld apart), chunks of
