@@ -136,23 +136,27 @@ void Engine::add_param(std::string name, std::vector<std::int64_t> shape, std::s
   impl_->infos.push_back(impl_->params.back().info);
 }
 
-void Engine::set_group_weight_decay(const std::string& group, double weight_decay) {
+namespace {
+
+// set_group_weight_decay's and set_param_weight_decay's one rule for the value.
+void check_weight_decay(const char* call, const char* what, const std::string& name,
+                        double weight_decay) {
   if (!(weight_decay >= 0.0) || !std::isfinite(weight_decay))
-    throw ConfigError(
-        fmt::format("Engine::set_group_weight_decay: group '{}': weight decay {} "
-                    "must be finite and >= 0",
-                    group, weight_decay));
+    throw ConfigError(fmt::format("Engine::{}: {} '{}': weight decay {} must be finite and >= 0",
+                                  call, what, name, weight_decay));
+}
+
+}  // namespace
+
+void Engine::set_group_weight_decay(const std::string& group, double weight_decay) {
+  check_weight_decay("set_group_weight_decay", "group", group, weight_decay);
   impl_->weight_decay[group] = weight_decay;
   for (auto& g : impl_->groups)
     if (g.name == group) g.weight_decay = weight_decay;
 }
 
 void Engine::set_param_weight_decay(const std::string& param, double weight_decay) {
-  if (!(weight_decay >= 0.0) || !std::isfinite(weight_decay))
-    throw ConfigError(
-        fmt::format("Engine::set_param_weight_decay: param '{}': weight decay {} "
-                    "must be finite and >= 0",
-                    param, weight_decay));
+  check_weight_decay("set_param_weight_decay", "param", param, weight_decay);
   impl_->param(param, "set_param_weight_decay");  // refuses an unknown name
   impl_->param_weight_decay[param] = weight_decay;
 }

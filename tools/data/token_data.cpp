@@ -229,6 +229,16 @@ void TokenFile::copy(std::int64_t begin, std::int64_t count, std::int32_t* out) 
     out[i] = static_cast<std::int32_t>(token_at(tokens_, width_, begin + i));
 }
 
+std::int64_t TokenFile::counted_targets(std::int64_t begin, std::int64_t count) const {
+  if (begin < 0 || count < 0 || begin > count_ - count)
+    throw ConfigError(fmt::format("TokenFile::counted_targets: tokens [{}, {}) of {} in {}", begin,
+                                  begin + count, count_, quote_value(path_)));
+  if (mask_ == nullptr) return count;
+  std::int64_t counted = 0;
+  for (std::int64_t i = begin; i < begin + count; ++i) counted += mask_[i] & kMaskTarget;
+  return counted;
+}
+
 void TokenFile::copy_targets(std::int64_t begin, std::int64_t count, std::int32_t* out) const {
   copy(begin, count, out);
   if (mask_ == nullptr) return;
@@ -409,13 +419,18 @@ TokenDataset::TokenDataset(const TokenDataSpec& spec)
   if (val_.samples == 0) throw too_short("data.val", spec.val, val_);
 }
 
-void TokenDataset::append(const Split& split, std::int64_t sample, TokenSequences& out) const {
+TokenDataset::Place TokenDataset::place_of(const Split& split, std::int64_t sample) const {
   // The stream holding the sample: the last whose first sample is not above it. Streams without
   // samples share their successor's first index and are skipped by upper_bound.
   const auto it = std::upper_bound(split.first.begin(), split.first.end(), sample);
   const auto s = static_cast<std::size_t>(it - split.first.begin()) - 1;
   const Stream& stream = split.streams[s];
-  const std::int64_t at = stream.begin + (sample - split.first[s]) * seq_len_;
+  return {&stream, stream.begin + (sample - split.first[s]) * seq_len_};
+}
+
+void TokenDataset::append(const Split& split, std::int64_t sample, TokenSequences& out) const {
+  const auto [stream_ptr, at] = place_of(split, sample);
+  const Stream& stream = *stream_ptr;
   const std::size_t row = out.inputs.size();
   out.inputs.resize(row + static_cast<std::size_t>(seq_len_));
   out.targets.resize(row + static_cast<std::size_t>(seq_len_));
@@ -433,8 +448,19 @@ std::int64_t TokenDataset::counted_targets(std::int64_t step, int global_batch) 
   const bool masked = std::any_of(train_.streams.begin(), train_.streams.end(),
                                   [](const Stream& s) { return s.file.has_mask(); });
   if (!masked) return std::int64_t{global_batch} * seq_len_;
-  // The whole global batch, drawn as one rank would draw it: a copy of G windows a step.
-  return train_batch(step, global_batch, 0, 1, 0, global_batch).counted_targets();
+  // The mask bytes of the global batch's targets alone: no token is copied.
+  if (step < 0 || global_batch < 1 ||
+      step > (std::numeric_limits<std::int64_t>::max() - global_batch) / global_batch)
+    throw ConfigError(fmt::format(
+        "TokenDataset::counted_targets: step {}, global batch {}: needs step >= 0, a global "
+        "batch >= 1 and a draw count that fits int64",
+        step, global_batch));
+  std::int64_t counted = 0;
+  for (std::int64_t g = step * global_batch; g < (step + 1) * global_batch; ++g) {
+    const auto [stream, at] = place_of(train_, sample_of_draw(g));
+    counted += stream->file.counted_targets(at + 1, seq_len_);
+  }
+  return counted;
 }
 
 std::int64_t TokenDataset::sample_of_draw(std::int64_t g) const {

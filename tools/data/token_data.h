@@ -49,6 +49,8 @@ class TokenFile {
   std::int32_t operator[](std::int64_t i) const;
   /// Tokens [begin, begin + count) as int32 into `out`; the range must lie in the file.
   void copy(std::int64_t begin, std::int64_t count, std::int32_t* out) const;
+  /// Of tokens [begin, begin + count), those the loss is on (all of them without a mask).
+  std::int64_t counted_targets(std::int64_t begin, std::int64_t count) const;
   /// The same as targets: a token the mask leaves out of the loss is lm::dec::kIgnoredTarget.
   void copy_targets(std::int64_t begin, std::int64_t count, std::int32_t* out) const;
 
@@ -184,6 +186,12 @@ class TokenDataset {
     std::int64_t samples = 0;
   };
   void add(Split& split, TokenFile file, std::int64_t begin, std::int64_t length) const;
+  // Where a sample starts: its stream and the offset of its first token there.
+  struct Place {
+    const Stream* stream;
+    std::int64_t at;
+  };
+  Place place_of(const Split& split, std::int64_t sample) const;
   void append(const Split& split, std::int64_t sample, TokenSequences& out) const;
 
   int seq_len_;
