@@ -3,8 +3,9 @@ characters of the rendered text that the loss is on: the assistant's turns, or a
 
 transformers compiles tokenizer_config.json's `chat_template` (or chat_template.jinja beside it,
 transformers >= 4.43) with jinja2 in an immutable sandbox, trim_blocks and lstrip_blocks, the
-loopcontrols extension, a `tojson` filter that keeps non-ASCII, and the globals raise_exception and
-strftime_now; the variables are the messages, add_generation_prompt and the special tokens. This
+loopcontrols extension, a `tojson` filter that keeps non-ASCII, the globals raise_exception and
+strftime_now, and a {% generation %} ... {% endgeneration %} block that renders its body unchanged
+(transformers' marker of the assistant's tokens for return_assistant_tokens_mask); the variables are the messages, add_generation_prompt and the special tokens. This
 module does the same with jinja2 alone (no transformers, no torch): what a template renders here is
 what transformers renders, which tools/checks/hf_roundtrip_check.py checks where transformers is.
 
@@ -59,11 +60,22 @@ def load(tokenizer_json):
 
 def compile_template(source):
     try:
+        from jinja2 import nodes
         from jinja2.exceptions import TemplateError as JinjaError
-        from jinja2.ext import loopcontrols
+        from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise TemplateError("the Python package 'jinja2' is needed: pip install jinja2")
+
+    class Generation(Extension):
+        """{% generation %}BODY{% endgeneration %} renders BODY: the spans come from rendering
+        prefixes (conversation() below), so the marks are not needed to find them."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
 
     def raise_exception(message):
         raise TemplateError(f"the chat template refused the conversation: {message}")
@@ -73,7 +85,7 @@ def compile_template(source):
                           sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+                                        extensions=[loopcontrols, Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
