@@ -4,7 +4,8 @@
 # with model.path, data.train and data.val set on the command line, sized for this CPU by --set.
 # Then the same folder with a config written for another model (configs/qwen2.5-0.5b-lisa.json):
 # model.path wins, each field that differs is a warning (an error under --strict), and its
-# byte tokenizer is refused naming the key to change.
+# byte tokenizer is refused naming the key to change. Then the README's command on the Qwen3
+# fixture, its last checkpoint exported as a Hugging Face folder and trained from again.
 # Usage: finetune_command.sh SHARDSWAP CONFIGS_DIR FIXTURES_DIR
 set -u
 bin=$1
@@ -76,5 +77,40 @@ grep -q "model.hidden_size = 896: model.path's config.json says 48: model.path w
 rc=$?
 [ "$rc" = 2 ] && grep -q "model.hidden_size" "$work/out4" && ok "--strict: the warning is an error" ||
   fail "--strict: exit $rc: $(cat "$work/out4")"
+
+# --- the same command on a Qwen3 folder (q/k norms), exported and read back ---
+cp -r "$fixtures/qwen3" "$work/qwen3"
+# shellcheck disable=SC2086
+if "$bin" train --config "$configs/finetune-lisa.json" \
+    --set model.path="$work/qwen3" --set data.train="$work/tokens/*.bin" --set data.val="$work/val.bin" \
+    $cpu --set checkpoint.dir="$work/ck3" > "$work/out5" 2>&1; then
+  ok "README fine-tune command on a Qwen3 folder: exit 0"
+else
+  fail "Qwen3 folder: $(cat "$work/out5")"
+fi
+if "$bin" ckpt export "$work/ck3/step-00000006" --format hf --out "$work/qwen3-out" > "$work/out6" 2>&1 &&
+   python3 - "$work/qwen3-out" <<'PY'
+import json, struct, sys
+folder = sys.argv[1]
+config = json.load(open(f"{folder}/config.json"))
+assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"], config
+assert config["head_dim"] == 16 and config["attention_bias"] is False, config
+data = open(f"{folder}/model.safetensors", "rb").read()
+header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+for l in range(2):
+    for norm in ("q_norm", "k_norm"):
+        name = f"model.layers.{l}.self_attn.{norm}.weight"
+        assert header[name]["shape"] == [16], (name, header.get(name))
+PY
+then
+  ok "Qwen3 export: config.json of qwen3, q_norm and k_norm [16] in each layer"
+else
+  fail "Qwen3 export: $(cat "$work/out6")"
+fi
+# shellcheck disable=SC2086
+"$bin" train --config "$configs/finetune-lisa.json" --set model.path="$work/qwen3-out" \
+  --set data.train="$work/tokens/*.bin" --set data.val="$work/val.bin" $cpu --set steps=3 \
+  --set checkpoint.dir="$work/ck4" > "$work/out7" 2>&1 &&
+  ok "the Qwen3 export trains as model.path" || fail "Qwen3 export as model.path: $(cat "$work/out7")"
 
 [ "$failures" = 0 ] || exit 1

@@ -620,6 +620,44 @@ TEST_CASE("an llm.c token file read with the byte tokenizer is refused, naming t
   CHECK(TokenDataset(spec).train_samples() > 0);
 }
 
+TEST_CASE("data.documents: read from the config, apart refused for files that mark no documents",
+          "[data]") {
+  const ScratchFolder dir("shardswap-token-documents");
+  std::vector<std::uint32_t> tokens(400, 7);
+  write_token_file((dir / "plain.bin").string(), tokens, 1);
+  write_token_file((dir / "marked.bin").string(), tokens, 1,
+                   std::vector<std::uint8_t>(tokens.size(), kMaskTarget | kMaskDocumentStart));
+  TokenDataSpec spec;
+  spec.seq_len = 8;
+  spec.vocab = 16;
+  spec.train = (dir / "marked.bin").string();
+  spec.val = (dir / "plain.bin").string();
+  CHECK(!TokenDataset(spec).documents_apart());  // not every file marks its documents
+  spec.documents_apart = true;
+  CHECK(test::contains(refusal(spec), "data.documents = \"apart\": \"" +
+                                          (dir / "plain.bin").string() + "\" marks no document"));
+  spec.val.clear();
+  CHECK(TokenDataset(spec).documents_apart());
+  spec.documents_apart = false;
+  CHECK(!TokenDataset(spec).documents_apart());
+  spec.documents_apart = true;
+  spec.bytes = true;
+  spec.vocab = 256;
+  std::ofstream(dir / "text.txt") << std::string(300, 'a');
+  spec.train = (dir / "text.txt").string();
+  CHECK(test::contains(refusal(spec), "data.documents = \"apart\": data.tokenizer = \"bytes\""));
+  const auto read = [](const char* json) {
+    ConfigReader c(nlohmann::json::parse(json), "config");
+    return token_data_spec_from_json(c);
+  };
+  CHECK(!read(R"({"data": {"train": "x"}})").documents_apart.has_value());
+  CHECK(*read(R"({"data": {"train": "x", "documents": "apart"}})").documents_apart);
+  CHECK(!*read(R"({"data": {"train": "x", "documents": "packed"}})").documents_apart);
+  CHECK(test::contains(test::message_of<ConfigError>(
+                           [&] { read(R"({"data": {"train": "x", "documents": "split"}})"); }),
+                       "data.documents"));
+}
+
 TEST_CASE("a token file with a loss mask: ignored targets where the mask says so, counted alike "
           "at every world size and split",
           "[data]") {
@@ -632,8 +670,9 @@ TEST_CASE("a token file with a loss mask: ignored targets where the mask says so
     // Runs of trained and untrained tokens, as a chat's answers and prompts make them.
     mask[i] = ((i / 37) % 3 == 0 ? 0 : kMaskTarget) | (i % 200 == 0 ? kMaskDocumentStart : 0);
   }
-  for (const int version : {1, 2}) {
-    INFO("version " << version);
+  for (const int version : {1, 2})
+  for (const bool apart : {false, true}) {
+    INFO("version " << version << (apart ? ", documents apart" : ", packed"));
     const auto path = dir / fmt::format("masked-{}.bin", version);
     write_token_file(path.string(), tokens, version, mask);
     TokenDataSpec spec;
@@ -641,19 +680,29 @@ TEST_CASE("a token file with a loss mask: ignored targets where the mask says so
     spec.seq_len = 16;
     spec.vocab = 500;
     spec.seed = 3;
+    // Apart is what a file that marks its documents gets when data.documents is not set.
+    if (!apart) spec.documents_apart = false;
     const TokenDataset d(spec);
-    // Every sample's targets: the file's next tokens, ignored where the mask bit is clear.
+    REQUIRE(d.documents_apart() == apart);
+    // Every sample's targets: the file's next tokens, ignored where the mask bit is clear and,
+    // documents apart, where the next token starts a document; positions restart there.
     std::int64_t all = 0;
     for (std::int64_t s = 0; s < d.train_samples(); ++s) {
       const TokenSequences seq = d.train_sample(s);
+      REQUIRE(seq.positions.size() == (apart ? std::size_t{16} : 0));
       for (int k = 0; k < spec.seq_len; ++k) {
         const std::size_t at = static_cast<std::size_t>(s * spec.seq_len + k + 1);
-        const std::int32_t want = (mask[at] & kMaskTarget) != 0
-                                      ? static_cast<std::int32_t>(tokens[at])
-                                      : lm::dec::kIgnoredTarget;
+        const bool counted =
+            (mask[at] & kMaskTarget) != 0 && !(apart && (mask[at] & kMaskDocumentStart) != 0);
+        const std::int32_t want =
+            counted ? static_cast<std::int32_t>(tokens[at]) : lm::dec::kIgnoredTarget;
         REQUIRE(seq.targets[static_cast<std::size_t>(k)] == want);
         REQUIRE(seq.inputs[static_cast<std::size_t>(k)] ==
                 static_cast<std::int32_t>(tokens[at - 1]));
+        if (!apart) continue;
+        const bool starts = k == 0 || (mask[at - 1] & kMaskDocumentStart) != 0;
+        REQUIRE(seq.positions[static_cast<std::size_t>(k)] ==
+                (starts ? 0 : seq.positions[static_cast<std::size_t>(k - 1)] + 1));
       }
       all += seq.counted_targets();
     }

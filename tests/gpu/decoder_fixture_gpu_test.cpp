@@ -1,9 +1,10 @@
 // The decoder's CUDA backend against transformers itself: the fixtures of tests/fixtures/decoder
-// (tiny random Llama with llama3 RoPE scaling, Qwen2 tied and untied, Mistral; logits, loss and
-// every gradient transformers computed in float32 for one batch) run on the stored bf16 weights
-// with bf16 GEMM inputs and fp32 accumulation, compared by normalized error. The CPU backend's
-// float32 run of the same fixtures (tests/model/decoder_fixture_test.cpp) agrees to ~1e-6; here the
-// bound is bf16's (activations rounded to 8 bits of mantissa before every GEMM).
+// (tiny random Llama with llama3 RoPE scaling, Qwen2 tied and untied, Mistral, Qwen3 where its
+// folder exists; logits, loss and every gradient transformers computed in float32 for one batch)
+// run on the stored bf16 weights with bf16 GEMM inputs and fp32 accumulation, compared by
+// normalized error. The CPU backend's float32 run of the same fixtures
+// (tests/model/decoder_fixture_test.cpp) agrees to ~1e-6; here the bound is bf16's (activations
+// rounded to 8 bits of mantissa before every GEMM).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -104,10 +105,15 @@ class DeviceSink final : public lm::dec::GradSink {
 
 TEST_CASE("cuda decoder gives transformers' logits, loss and gradients on its fixtures (bf16)",
           "[decoder][gpu][fixture]") {
-  for (const char* model : {"llama3", "mistral", "qwen2_tied", "qwen2_untied"}) {
-    INFO("fixture " << model);
+  // batch.safetensors: one stream a row; packed_batch.safetensors: the same tokens cut into
+  // documents by restarting position_ids, which transformers keeps apart.
+  const std::vector<std::string> models{"llama3", "mistral", "qwen2_tied", "qwen2_untied",
+                                        "qwen3"};
+  for (const std::string& model : models)
+  for (const std::string file : {"batch.safetensors", "packed_batch.safetensors"}) {
+    INFO("fixture " << model << ", " << file);
     const fs::path folder = kFixtures / model;
-    const SafetensorsFile batch = SafetensorsFile::open(folder / "batch.safetensors");
+    const SafetensorsFile batch = SafetensorsFile::open(folder / file);
     const SafetensorsFile weights = SafetensorsFile::open(folder / "model.safetensors");
     const auto* inputs = batch.find("inputs");
     REQUIRE(inputs != nullptr);
@@ -116,6 +122,12 @@ TEST_CASE("cuda decoder gives transformers' logits, loss and gradients on its fi
     std::vector<std::int32_t> in(inputs->bytes / 4), targets(in.size());
     std::memcpy(in.data(), inputs->data, inputs->bytes);
     std::memcpy(targets.data(), batch.find("targets")->data, in.size() * 4);
+    std::vector<std::int32_t> positions;
+    if (const auto* p = batch.find("positions"); p != nullptr) {
+      positions.resize(in.size());
+      REQUIRE(p->bytes == in.size() * 4);
+      std::memcpy(positions.data(), p->data, p->bytes);
+    }
 
     // The bf16 weights on the device, by name.
     std::map<std::string, std::unique_ptr<DeviceBuffer>> device;
@@ -142,6 +154,10 @@ TEST_CASE("cuda decoder gives transformers' logits, loss and gradients on its fi
         lw.k_bias = at({ParamKind::k_bias, l});
         lw.v_bias = at({ParamKind::v_bias, l});
       }
+      if (shape.qk_norm) {
+        lw.q_norm = at({ParamKind::q_norm, l});
+        lw.k_norm = at({ParamKind::k_norm, l});
+      }
       lw.o = at({ParamKind::o, l});
       lw.mlp_norm = at({ParamKind::mlp_norm, l});
       lw.gate = at({ParamKind::gate, l});
@@ -155,7 +171,8 @@ TEST_CASE("cuda decoder gives transformers' logits, loss and gradients on its fi
     const std::size_t bytes = lm::dec::cuda_bytes(shape, sequences, seq_len);
     DeviceBuffer block(bytes);
     auto compute = lm::dec::make_cuda_compute(shape, sequences, seq_len, DType::bf16, block.p, bytes);
-    const lm::dec::Batch b{sequences, seq_len, in.data(), targets.data()};
+    const lm::dec::Batch b{sequences, seq_len, in.data(), targets.data(),
+                           positions.empty() ? nullptr : positions.data()};
     std::vector<float> logits(in.size() * static_cast<std::size_t>(shape.vocab));
     compute->logits(w, b, logits.data());
     const double logits_error = normalized_error(logits, floats(batch, "logits"));
@@ -171,9 +188,10 @@ TEST_CASE("cuda decoder gives transformers' logits, loss and gradients on its fi
       if (e > worst) worst = e, worst_name = p.name;
       CHECK(e < kGradTolerance);
     }
-    std::printf("%s (cuda, bf16): logits error %.2e, loss %.6f vs transformers' %.6f, worst "
+    std::printf("%s %s (cuda, bf16): logits error %.2e, loss %.6f vs transformers' %.6f, worst "
                 "gradient error %.2e (%s)\n",
-                model, logits_error, loss, their_loss, worst, worst_name.c_str());
+                model.c_str(), positions.empty() ? "" : "packed apart", logits_error, loss,
+                their_loss, worst, worst_name.c_str());
     CHECK(logits_error < kLogitsTolerance);
     CHECK(std::abs(loss - their_loss) < 1e-2 * std::abs(their_loss));
   }

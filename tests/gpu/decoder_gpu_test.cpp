@@ -1,9 +1,9 @@
 // The decoder's CUDA backend (tools/model/decoder_cuda.h) against a float64 host reference on
 // random weights and tokens: logits, loss and every gradient over shapes that cover GQA and
-// multi-head attention, q/k/v biases, a tied head, llama3 RoPE scaling, head dims of 1 to 4
-// lanes a warp, one to 128 positions and several sequences; frozen groups; bitwise equal runs;
-// no device memory beyond cuda_bytes; refusals. The reference itself is checked by finite
-// differences.
+// multi-head attention, q/k/v biases, Qwen3's per-head q/k norms, a tied head, llama3 RoPE
+// scaling, head dims of 1 to 4 lanes a warp, one to 128 positions and several sequences; frozen
+// groups; bitwise equal runs; no device memory beyond cuda_bytes; refusals. The reference itself
+// is checked by finite differences.
 #define CATCH_CONFIG_EXTERNAL_INTERFACES  // Catch2 v2: listeners outside main.cpp
 #include <cuda_runtime.h>
 
@@ -17,6 +17,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardswap/error.h"
@@ -33,7 +34,7 @@ using Vec = std::vector<double>;
 // ---- the float64 reference (decoder_compute.h's math, written out) ----
 
 struct LayerParams {
-  Vec attn_norm, q, q_bias, k, k_bias, v, v_bias, o, mlp_norm, gate, up, down;
+  Vec attn_norm, q, q_bias, q_norm, k, k_bias, k_norm, v, v_bias, o, mlp_norm, gate, up, down;
 };
 struct Params {
   Vec embed, final_norm, head;  // head empty when tied
@@ -60,8 +61,10 @@ std::vector<ParamSpec> param_specs(const DecoderShape& s) {
     add(ParamKind::attn_norm, "attn_norm", d);
     add(ParamKind::q, "q", qw * d);
     if (s.qkv_bias) add(ParamKind::q_bias, "q_bias", qw);
+    if (s.qk_norm) add(ParamKind::q_norm, "q_norm", static_cast<std::size_t>(s.head_dim));
     add(ParamKind::k, "k", kw * d);
     if (s.qkv_bias) add(ParamKind::k_bias, "k_bias", kw);
+    if (s.qk_norm) add(ParamKind::k_norm, "k_norm", static_cast<std::size_t>(s.head_dim));
     add(ParamKind::v, "v", kw * d);
     if (s.qkv_bias) add(ParamKind::v_bias, "v_bias", kw);
     add(ParamKind::o, "o", d * qw);
@@ -94,10 +97,14 @@ Vec& param(Params& p, ParamId id) {
       return l.q;
     case ParamKind::q_bias:
       return l.q_bias;
+    case ParamKind::q_norm:
+      return l.q_norm;
     case ParamKind::k:
       return l.k;
     case ParamKind::k_bias:
       return l.k_bias;
+    case ParamKind::k_norm:
+      return l.k_norm;
     case ParamKind::v:
       return l.v;
     case ParamKind::v_bias:
@@ -184,14 +191,17 @@ void rms_norm_back(const Vec& dz, const Vec& x, const Vec& rstd, const Vec& w, i
   }
 }
 
-// Rotate-half RoPE on x [n, heads * hd] in place; `inverse` applies the transpose.
-void rope(Vec& x, const DecoderShape& s, int heads, int seq_len, bool inverse) {
+// Rotate-half RoPE on x [n, heads * hd] in place; `inverse` applies the transpose. Token t is at
+// position positions[t] (documents apart), or t % seq_len without them.
+void rope(Vec& x, const DecoderShape& s, int heads, int seq_len, bool inverse,
+          const std::vector<std::int32_t>& positions) {
   const std::vector<float> inv_freq = rope_inv_freq(s);
   const int hd = s.head_dim, half = hd / 2, n = static_cast<int>(x.size()) / (heads * hd);
   for (int t = 0; t < n; ++t)
     for (int h = 0; h < heads; ++h)
       for (int i = 0; i < half; ++i) {
-        const float angle = static_cast<float>(t % seq_len) * inv_freq[i];  // as transformers
+        const int pos = positions.empty() ? t % seq_len : positions[static_cast<std::size_t>(t)];
+        const float angle = static_cast<float>(pos) * inv_freq[i];  // as transformers
         const double c = std::cos(static_cast<double>(angle)),
                      sn = (inverse ? -1.0 : 1.0) * std::sin(static_cast<double>(angle));
         double& a = x[static_cast<std::size_t>(t) * heads * hd + h * hd + i];
@@ -205,6 +215,7 @@ void rope(Vec& x, const DecoderShape& s, int heads, int seq_len, bool inverse) {
 struct Tokens {
   int sequences = 0, seq_len = 0;
   std::vector<std::int32_t> inputs, targets;
+  std::vector<std::int32_t> positions;  // empty: one stream a row; else documents apart
 };
 
 struct RefResult {
@@ -218,8 +229,13 @@ RefResult reference(const DecoderShape& s, const Params& w, const Tokens& b, dou
   const int H = s.heads, K = s.kv_heads, hd = s.head_dim, T = b.seq_len, G = H / K;
   const int qw = H * hd, kw = K * hd;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  // The first key row i of sequence sq sees: 0, or its document's first token.
+  const auto first_key = [&](int sq, int i) {
+    return b.positions.empty() ? 0 : i - b.positions[static_cast<std::size_t>(sq * T + i)];
+  };
   struct Saved {
     Vec x, a, r1, q, k, v, p, o, y, bn, r2, gate, up, act;
+    Vec q_in, k_in, rq, rk;  // qk_norm: q and k before their head norms, and 1 / rms per head
   };
   std::vector<Saved> saved(static_cast<std::size_t>(s.layers));
   Vec x(static_cast<std::size_t>(n) * d);
@@ -233,8 +249,14 @@ RefResult reference(const DecoderShape& s, const Params& w, const Tokens& b, dou
     sv.q = linear(sv.a, lw.q, n, qw, d, s.qkv_bias ? &lw.q_bias : nullptr);
     sv.k = linear(sv.a, lw.k, n, kw, d, s.qkv_bias ? &lw.k_bias : nullptr);
     sv.v = linear(sv.a, lw.v, n, kw, d, s.qkv_bias ? &lw.v_bias : nullptr);
-    rope(sv.q, s, H, T, false);
-    rope(sv.k, s, K, T, false);
+    if (s.qk_norm) {  // each head's hd values a row: [n, H hd] is [n H, hd]
+      sv.q_in = sv.q;
+      sv.k_in = sv.k;
+      sv.q = rms_norm(sv.q_in, lw.q_norm, n * H, hd, s.rms_eps, sv.rq);
+      sv.k = rms_norm(sv.k_in, lw.k_norm, n * K, hd, s.rms_eps, sv.rk);
+    }
+    rope(sv.q, s, H, T, false, b.positions);
+    rope(sv.k, s, K, T, false, b.positions);
     sv.p.assign(static_cast<std::size_t>(b.sequences) * H * T * T, 0.0);
     sv.o.assign(static_cast<std::size_t>(n) * qw, 0.0);
     for (int sq = 0; sq < b.sequences; ++sq)
@@ -243,7 +265,8 @@ RefResult reference(const DecoderShape& s, const Params& w, const Tokens& b, dou
           double* p = &sv.p[((static_cast<std::size_t>(sq) * H + h) * T + i) * T];
           const double* qi = &sv.q[(sq * T + i) * qw + h * hd];
           double m = -1e300;
-          for (int j = 0; j <= i; ++j) {
+          const int lo = first_key(sq, i);
+          for (int j = lo; j <= i; ++j) {
             const double* kj = &sv.k[(sq * T + j) * kw + (h / G) * hd];
             double dot = 0;
             for (int e = 0; e < hd; ++e) dot += qi[e] * kj[e];
@@ -251,8 +274,8 @@ RefResult reference(const DecoderShape& s, const Params& w, const Tokens& b, dou
             m = std::max(m, p[j]);
           }
           double sum = 0;
-          for (int j = 0; j <= i; ++j) sum += p[j] = std::exp(p[j] - m);
-          for (int j = 0; j <= i; ++j) {
+          for (int j = lo; j <= i; ++j) sum += p[j] = std::exp(p[j] - m);
+          for (int j = lo; j <= i; ++j) {
             p[j] /= sum;
             for (int e = 0; e < hd; ++e)
               sv.o[(sq * T + i) * qw + h * hd + e] +=
@@ -324,12 +347,13 @@ RefResult reference(const DecoderShape& s, const Params& w, const Tokens& b, dou
           const std::size_t qi = static_cast<std::size_t>(sq * T + i) * qw + h * hd;
           Vec dp(static_cast<std::size_t>(i) + 1);
           double mean = 0;
-          for (int j = 0; j <= i; ++j) {
+          const int lo = first_key(sq, i);
+          for (int j = lo; j <= i; ++j) {
             const std::size_t kj = static_cast<std::size_t>(sq * T + j) * kw + (h / G) * hd;
             for (int e = 0; e < hd; ++e) dp[j] += dout[qi + e] * sv.v[kj + e];
             mean += p[j] * dp[j];
           }
-          for (int j = 0; j <= i; ++j) {
+          for (int j = lo; j <= i; ++j) {
             const std::size_t kj = static_cast<std::size_t>(sq * T + j) * kw + (h / G) * hd;
             const double ds = p[j] * (dp[j] - mean) * scale;
             for (int e = 0; e < hd; ++e) {
@@ -339,8 +363,15 @@ RefResult reference(const DecoderShape& s, const Params& w, const Tokens& b, dou
             }
           }
         }
-    rope(dq, s, H, T, true);
-    rope(dk, s, K, T, true);
+    rope(dq, s, H, T, true, b.positions);
+    rope(dk, s, K, T, true, b.positions);
+    if (s.qk_norm) {
+      Vec dq_in(dq.size(), 0.0), dk_in(dk.size(), 0.0);
+      rms_norm_back(dq, sv.q_in, sv.rq, lw.q_norm, n * H, hd, dq_in, lg.q_norm);
+      rms_norm_back(dk, sv.k_in, sv.rk, lw.k_norm, n * K, hd, dk_in, lg.k_norm);
+      dq = std::move(dq_in);
+      dk = std::move(dk_in);
+    }
     Vec da(sv.a.size(), 0.0);
     linear_back(dq, lw.q, sv.a, n, qw, d, da, &lg.q, s.qkv_bias ? &lg.q_bias : nullptr);
     linear_back(dk, lw.k, sv.a, n, kw, d, da, &lg.k, s.qkv_bias ? &lg.k_bias : nullptr);
@@ -412,7 +443,8 @@ Params random_params(const DecoderShape& s, DType dtype, unsigned seed) {
                           : kind == ParamKind::down ? s.intermediate
                                                     : s.hidden;
     if (kind == ParamKind::attn_norm || kind == ParamKind::mlp_norm ||
-        kind == ParamKind::final_norm) {
+        kind == ParamKind::final_norm || kind == ParamKind::q_norm ||
+        kind == ParamKind::k_norm) {
       lo = 0.7, hi = 1.3;
     } else if (kind == ParamKind::q_bias || kind == ParamKind::k_bias ||
                kind == ParamKind::v_bias) {
@@ -432,7 +464,7 @@ Tokens random_tokens(const DecoderShape& s, int sequences, int seq_len, unsigned
   std::mt19937 rng(seed);
   // A small vocabulary slice repeats tokens (several positions per embedding row).
   std::uniform_int_distribution<int> u(0, s.vocab - 1);
-  Tokens b{sequences, seq_len, {}, {}};
+  Tokens b{sequences, seq_len, {}, {}, {}};
   for (int i = 0; i < sequences * seq_len; ++i) {
     b.inputs.push_back(u(rng));
     b.targets.push_back(u(rng));
@@ -482,8 +514,10 @@ struct DeviceParams {
         case ParamKind::attn_norm: w.layers[l].attn_norm = at; break;
         case ParamKind::q: w.layers[l].q = at; break;
         case ParamKind::q_bias: w.layers[l].q_bias = at; break;
+        case ParamKind::q_norm: w.layers[l].q_norm = at; break;
         case ParamKind::k: w.layers[l].k = at; break;
         case ParamKind::k_bias: w.layers[l].k_bias = at; break;
+        case ParamKind::k_norm: w.layers[l].k_norm = at; break;
         case ParamKind::v: w.layers[l].v = at; break;
         case ParamKind::v_bias: w.layers[l].v_bias = at; break;
         case ParamKind::o: w.layers[l].o = at; break;
@@ -660,7 +694,45 @@ std::vector<Case> shape_cases() {
     c.shape.rope_factor = 2.0;
     cases.push_back(c);
   }
+  {  // Qwen3 (as Qwen3-0.6B): per-head q/k norms, no biases, tied, GQA, a head_dim (32) that is
+     // not hidden / heads (16); the head norms a 4-pack on 8 lanes
+    Case c{"qwen3 qk_norm tied, GQA, hd 32, 3 x 40", small_shape(), 3, 40, 3, 40};
+    c.shape.family = DecoderFamily::qwen3;
+    c.shape.qk_norm = true;
+    c.shape.tied = true;
+    c.shape.head_dim = 32;
+    c.shape.rope_theta = 1e6;
+    cases.push_back(c);
+  }
+  {  // Qwen3 untied with head_dim 128 (the head norms a 4-pack on every lane, attention's 4
+     // lanes), bf16 slots, a batch below the configured size
+    Case c{"qwen3 qk_norm untied, hd 128, bf16 slots, 2 x 30 of 3 x 33", small_shape(), 3, 33, 2,
+           30, DType::bf16, DType::bf16};
+    c.shape.family = DecoderFamily::qwen3;
+    c.shape.qk_norm = true;
+    c.shape.head_dim = 128;
+    c.shape.rope_theta = 1e6;
+    cases.push_back(c);
+  }
+  {  // Qwen3 in fp16 with head_dim 10 (not a multiple of 4: the head norms one value a lane),
+     // one kv head, fp16 slots
+    Case c{"qwen3 qk_norm fp16, K = 1, hd 10, fp16 slots, 2 x 24", small_shape(), 2, 24, 2, 24,
+           DType::f16, DType::f16};
+    c.shape.family = DecoderFamily::qwen3;
+    c.shape.qk_norm = true;
+    c.shape.kv_heads = 1;
+    c.shape.head_dim = 10;
+    cases.push_back(c);
+  }
   return cases;
+}
+
+// The shape case whose label starts with `prefix`.
+Case shape_case(const std::string& prefix) {
+  for (const Case& c : shape_cases())
+    if (std::string(c.label).rfind(prefix, 0) == 0) return c;
+  FAIL("no shape case " << prefix);
+  return {};
 }
 
 // GEMM inputs and attention operands are rounded to bit16 on the GPU (as in a bf16 model in
@@ -691,7 +763,8 @@ CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_sc
   DeviceBlock block(bytes);
   auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
                                    recompute);
-  const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data()};
+  const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(),
+                    b.positions.empty() ? nullptr : b.positions.data()};
   SlotSink sink(c.shape, active, c.slot_dtype);
   CudaRun r;
   r.loss = compute->train_step(dev.w, batch, grad_scale, sink);
@@ -732,7 +805,7 @@ struct DecoderKernelWarmUp : ListenerBase {
         auto compute =
             make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes);
         const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 2);
-        const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data()};
+        const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(), nullptr};
         SlotSink sink(c.shape, all_groups(c.shape), c.slot_dtype);
         compute->train_step(dev.w, batch, 1.0, sink);
       }
@@ -748,7 +821,12 @@ CATCH_REGISTER_LISTENER(DecoderKernelWarmUp)
 
 TEST_CASE("decoder reference: its gradients match finite differences of its loss",
           "[decoder][gpu]") {
-  for (bool tied : {false, true}) {
+  struct Variant {
+    bool tied, qk_norm;
+  };
+  for (const Variant variant :
+       {Variant{false, false}, Variant{true, false}, Variant{false, true}}) {
+    const bool tied = variant.tied, qk_norm = variant.qk_norm;
     DecoderShape s;
     s.vocab = 11;
     s.hidden = 8;
@@ -756,8 +834,10 @@ TEST_CASE("decoder reference: its gradients match finite differences of its loss
     s.layers = 2;
     s.heads = 4;
     s.kv_heads = 2;
-    s.head_dim = 4;
-    s.qkv_bias = true;
+    s.head_dim = qk_norm ? 6 : 4;  // Qwen3's: not hidden / heads
+    s.qkv_bias = !qk_norm;         // (Qwen3 has none; the CUDA backend refuses both)
+    s.qk_norm = qk_norm;
+    if (qk_norm) s.family = DecoderFamily::qwen3;
     s.tied = tied;
     s.rope_scaling = RopeScaling::llama3;
     s.rope_factor = 4.0;
@@ -785,8 +865,9 @@ TEST_CASE("decoder reference: its gradients match finite differences of its loss
         worst = std::max(worst, err);
       }
     }
-    std::printf("decoder reference (tied %d): worst relative finite-difference error %.2e\n",
-                tied, worst);
+    std::printf(
+        "decoder reference (tied %d, qk_norm %d): worst relative finite-difference error %.2e\n",
+        tied, qk_norm, worst);
   }
 }
 
@@ -856,20 +937,74 @@ TEST_CASE("cuda decoder: ignored targets add nothing, the loss and gradients are
     for (const double g : none.grads.at(spec.name)) REQUIRE(g == 0.0);
 }
 
+TEST_CASE("cuda decoder: documents apart, as positions cut the rows, match the float64 reference",
+          "[decoder][gpu]") {
+  // A Qwen2 shape with biases and a Qwen3 one, rows of 70 tokens (three key tiles of the own
+  // kernels) cut into documents of 1 to 40 tokens, some across tile boundaries.
+  Case qwen2{"documents apart, qwen2", small_shape(), 3, 70, 3, 70};
+  qwen2.shape.qkv_bias = true;
+  Case qwen3{"documents apart, qwen3", small_shape(), 3, 70, 2, 64};
+  qwen3.shape.family = DecoderFamily::qwen3;
+  qwen3.shape.qk_norm = true;
+  qwen3.shape.head_dim = 32;
+  unsigned seed = 41;
+  for (const Case& c : {qwen2, qwen3}) {
+    CAPTURE(c.label);
+    Params p = random_params(c.shape, c.dtype, seed++);
+    Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, seed++);
+    std::mt19937 rng(seed++);
+    for (int r = 0; r < b.sequences; ++r)
+      for (int col = 0, pos = 0; col < b.seq_len; ++col, ++pos) {
+        if (col > 0 && (rng() % 12 == 0 || pos == 40)) pos = 0;
+        b.positions.push_back(pos);
+      }
+    const RefResult ref = reference(c.shape, p, b, kGradScale);
+    Tokens joined = b;
+    joined.positions.clear();
+    // The positions matter: without them the same tokens give other logits.
+    REQUIRE(normalized_error(reference(c.shape, p, joined, kGradScale).logits, ref.logits) > 1e-2);
+    const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    CAPTURE(got.problems);
+    REQUIRE(got.problems.empty());
+    const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
+    const double logits_error =
+        normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits);
+    double worst = 0;
+    for (const ParamSpec& spec : param_specs(c.shape)) {
+      const double err = normalized_error(got.grads.at(spec.name), param(ref.grads, spec.id));
+      CAPTURE(spec.name, err);
+      REQUIRE(err < grad_tolerance(c.dtype));
+      worst = std::max(worst, err);
+    }
+    std::printf("cuda decoder %s: loss error %.2e, logits error %.2e, worst gradient error %.2e\n",
+                c.label, loss_error, logits_error, worst);
+    REQUIRE(loss_error < logits_tolerance(c.dtype));
+    REQUIRE(logits_error < logits_tolerance(c.dtype));
+    REQUIRE(got.eval_loss == got.loss);
+    // A batch without positions after one with them: the backend's own state follows the batch.
+    const CudaRun plain = run_cuda(c, p, joined, kGradScale, all_groups(c.shape));
+    REQUIRE(normalized_error(Vec(plain.logits.begin(), plain.logits.end()),
+                             reference(c.shape, p, joined, kGradScale).logits) <
+            logits_tolerance(c.dtype));
+  }
+}
+
 TEST_CASE("cuda decoder: frozen groups open no slot, the active ones get the reference's",
           "[decoder][gpu]") {
-  for (bool tied : {false, true}) {
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool tied = variant % 2 == 1, qk_norm = variant >= 2;
     Case c{"frozen", small_shape(), 2, 20, 2, 20};
     c.shape.layers = 3;
     c.shape.tied = tied;
-    c.shape.qkv_bias = true;
+    c.shape.qkv_bias = !qk_norm;  // Qwen2's biases or Qwen3's head norms
+    c.shape.qk_norm = qk_norm;
     Params p = random_params(c.shape, c.dtype, 21);
     const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 22);
     const RefResult ref = reference(c.shape, p, b, kGradScale);
     const int head = c.shape.layers + 1;
     for (const std::set<int>& active : {std::set<int>{head}, std::set<int>{2}, std::set<int>{0},
                                         std::set<int>{1, head}, std::set<int>{}}) {
-      CAPTURE(tied, std::vector<int>(active.begin(), active.end()));
+      CAPTURE(tied, qk_norm, std::vector<int>(active.begin(), active.end()));
       const CudaRun got = run_cuda(c, p, b, kGradScale, active);
       CAPTURE(got.problems);
       REQUIRE(got.problems.empty());
@@ -889,15 +1024,18 @@ TEST_CASE("cuda decoder: frozen groups open no slot, the active ones get the ref
 
 TEST_CASE("cuda decoder: two runs from the same weights and tokens give the same bits",
           "[decoder][gpu]") {
-  Case c = shape_cases()[1];  // biases, tied, 128 positions: every kernel
-  Params p = random_params(c.shape, c.dtype, 31);
-  const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 32);
-  const CudaRun first = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
-  const CudaRun second = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
-  REQUIRE(first.problems.empty());
-  REQUIRE(first.loss == second.loss);
-  REQUIRE(first.logits == second.logits);
-  REQUIRE(first.grads == second.grads);
+  // Biases, tied, 128 positions: every kernel but the head norms; and those.
+  for (const Case& c : {shape_cases()[1], shape_case("qwen3 qk_norm tied")}) {
+    CAPTURE(c.label);
+    Params p = random_params(c.shape, c.dtype, 31);
+    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 32);
+    const CudaRun first = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    const CudaRun second = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    REQUIRE(first.problems.empty());
+    REQUIRE(first.loss == second.loss);
+    REQUIRE(first.logits == second.logits);
+    REQUIRE(first.grads == second.grads);
+  }
 }
 
 TEST_CASE("cuda decoder: recomputed layers give the same bits in fewer bytes",
@@ -937,38 +1075,59 @@ TEST_CASE("cuda decoder: recomputed layers give the same bits in fewer bytes",
 
 TEST_CASE("cuda decoder: a step uses the cuda_bytes block and no other device memory",
           "[decoder][gpu]") {
-  Case c = shape_cases()[0];
-  Params p = random_params(c.shape, c.dtype, 41);
-  const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 42);
-  const DeviceParams dev(c.shape, p, c.dtype);
-  const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len);
-  DeviceBlock block(bytes);
-  SlotSink sink(c.shape, all_groups(c.shape), DType::f32);
-  const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data()};
   const auto free_now = [] {
     std::size_t free = 0, total = 0;
     cuda_ok(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
     return static_cast<std::int64_t>(free);
   };
-  const std::int64_t before = free_now();
-  auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes);
-  const std::int64_t built = free_now();
-  compute->train_step(dev.w, batch, 1.0, sink);  // warm: our kernels and cuBLAS's load once
-  const std::int64_t warm = free_now();
-  for (int step = 0; step < 3; ++step) {
-    compute->train_step(dev.w, batch, 1.0, sink);
-    compute->loss(dev.w, batch);
-    REQUIRE(free_now() == warm);
+  // Llama; and Qwen3, whose head norms keep two regions more.
+  for (const Case& c : {shape_cases()[0], shape_case("qwen3 qk_norm tied")}) {
+    CAPTURE(c.label);
+    Params p = random_params(c.shape, c.dtype, 41);
+    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 42);
+    const DeviceParams dev(c.shape, p, c.dtype);
+    const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len);
+    DeviceBlock block(bytes);
+    SlotSink sink(c.shape, all_groups(c.shape), DType::f32);
+    const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(), nullptr};
+    const std::int64_t before = free_now();
+    auto compute =
+        make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes);
+    const std::int64_t built = free_now();
+    compute->train_step(dev.w, batch, 1.0, sink);  // warm: our kernels and cuBLAS's load once
+    const std::int64_t warm = free_now();
+    for (int step = 0; step < 3; ++step) {
+      compute->train_step(dev.w, batch, 1.0, sink);
+      compute->loss(dev.w, batch);
+      REQUIRE(free_now() == warm);
+    }
+    std::printf(
+        "cuda decoder %s: block %zu bytes; its cuBLAS (and cuDNN) handles took %lld bytes of "
+        "their own, the first step %lld, later steps 0\n",
+        c.label, bytes, static_cast<long long>(before - built),
+        static_cast<long long>(built - warm));
+    // The handles' own device memory is outside the block. With CUBLAS_WORKSPACE_CONFIG=:0:0
+    // (tests/gpu/main.cpp) cuBLAS keeps no pool per handle: 4 MiB once per process (without it,
+    // 64 MiB a handle on an H200, cuBLAS 13: tools/probes/cublas_memory.cu). Bounded so that
+    // growth shows.
+    REQUIRE(before - warm <= (std::int64_t{16} << 20));
   }
-  std::printf(
-      "cuda decoder: block %zu bytes; its cuBLAS (and cuDNN) handles took %lld bytes of their "
-      "own, the first step %lld, later steps 0\n",
-      bytes, static_cast<long long>(before - built), static_cast<long long>(built - warm));
-  // The handles' own device memory is outside the block. With CUBLAS_WORKSPACE_CONFIG=:0:0
-  // (tests/gpu/main.cpp) cuBLAS keeps no pool per handle: 4 MiB once per process (without it,
-  // 64 MiB a handle on an H200, cuBLAS 13: tools/probes/cublas_memory.cu). Bounded so that
-  // growth shows.
-  REQUIRE(before - warm <= (std::int64_t{16} << 20));
+  // The head norms' regions are all qk_norm adds: xhat in bit16 and 1 / rms in fp32 for each
+  // of the H + K head rows of a token, in every kept slot.
+  const Case c = shape_case("qwen3 qk_norm tied");
+  DecoderShape plain = c.shape;
+  plain.qk_norm = false;
+  for (int r : {0, 1, 2}) {
+    const std::size_t rows = cuda_kept_slots(c.shape.layers, r) *
+                             static_cast<std::size_t>(c.max_sequences * c.seq_len) *
+                             static_cast<std::size_t>(c.shape.heads + c.shape.kv_heads);
+    const auto rounded = [](std::size_t b) { return (b + 255) / 256 * 256; };
+    CAPTURE(r);
+    REQUIRE(cuda_bytes(c.shape, c.max_sequences, c.seq_len, r) ==
+            cuda_bytes(plain, c.max_sequences, c.seq_len, r) +
+                rounded(rows * static_cast<std::size_t>(c.shape.head_dim) * 2) +
+                rounded(rows * 4));
+  }
 }
 
 TEST_CASE("cuda decoder: refuses a block, shape or batch it cannot run, naming it",
@@ -981,6 +1140,11 @@ TEST_CASE("cuda decoder: refuses a block, shape or batch it cannot run, naming i
   s.kv_heads = 3;
   REQUIRE(test::contains(test::message_of<ConfigError>([&] { cuda_bytes(s, 2, 8); }),
                          "kv_heads = 3"));
+  s = small_shape();
+  s.qkv_bias = true;
+  s.qk_norm = true;
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { cuda_bytes(s, 2, 8); }),
+                         "qk_norm"));
   s = small_shape();
   REQUIRE(test::contains(test::message_of<ConfigError>([&] { cuda_bytes(s, 2, 300); }),
                          "max_position_embeddings"));
@@ -1013,5 +1177,30 @@ TEST_CASE("cuda decoder: refuses a block, shape or batch it cannot run, naming i
   REQUIRE(test::contains(
       test::message_of<ConfigError>([&] { compute->train_step(dev.w, bad_batch, 1.0, sink); }),
       "targets[5] = 150"));
+  // Head-norm weights where the shape has none, and none where it has them.
+  const Tokens good = random_tokens(s, 2, 8, 55);
+  const Batch batch{2, 8, good.inputs.data(), good.targets.data(), nullptr};
+  Weights extra = dev.w;
+  extra.layers[1].q_norm = extra.layers[1].attn_norm;
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([&] { compute->train_step(extra, batch, 1.0, sink); }),
+      "layers.1: q_norm/k_norm weights do not match qk_norm"));
   REQUIRE(sink.opened.empty());  // refused before anything was queued
+  // One backend at a time: with cuDNN, a second handle's plans alive beside the first's keep 8
+  // MiB of loaded kernels for the rest of the process (seen on an H200, cuDNN 9).
+  compute.reset();
+  DecoderShape q3 = small_shape();
+  q3.family = DecoderFamily::qwen3;
+  q3.qk_norm = true;
+  const std::size_t q3_bytes = cuda_bytes(q3, 2, 8);
+  DeviceBlock q3_block(q3_bytes);
+  auto q3_compute = make_cuda_compute(q3, 2, 8, DType::bf16, q3_block.p, q3_bytes);
+  const DeviceParams q3_dev(q3, random_params(q3, DType::bf16, 56), DType::bf16);
+  Weights missing = q3_dev.w;
+  missing.layers[0].k_norm = nullptr;
+  SlotSink q3_sink(q3, all_groups(q3), DType::f32);
+  REQUIRE(test::contains(
+      test::message_of<ConfigError>([&] { q3_compute->train_step(missing, batch, 1.0, q3_sink); }),
+      "layers.0: q_norm/k_norm weights do not match qk_norm"));
+  REQUIRE(q3_sink.opened.empty());
 }

@@ -2,6 +2,7 @@
 // logits and loss over the architecture's variants, every param's gradient against finite
 // differences, frozen groups, bf16 weights and slots, determinism, and its memory block.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -73,6 +74,20 @@ DecoderShape tiny_llama3() {
   return s;
 }
 
+// Qwen3: per-head q/k norms, no biases, head_dim 6 apart from hidden / heads = 4; GQA.
+DecoderShape tiny_qwen3(bool tied) {
+  DecoderShape s = tiny_llama();
+  s.family = DecoderFamily::qwen3;
+  s.heads = 4;
+  s.kv_heads = 2;
+  s.head_dim = 6;
+  s.qk_norm = true;
+  s.tied = tied;
+  s.rope_theta = 1e6;
+  s.rms_eps = 1e-6;
+  return s;
+}
+
 DecoderShape tiny_mistral() {  // GQA, three layers, tied
   DecoderShape s = tiny_llama();
   s.family = DecoderFamily::mistral;
@@ -96,10 +111,14 @@ std::string name_of(ParamId p) {
       return layer("self_attn.q_proj.weight");
     case ParamKind::q_bias:
       return layer("self_attn.q_proj.bias");
+    case ParamKind::q_norm:
+      return layer("self_attn.q_norm.weight");
     case ParamKind::k:
       return layer("self_attn.k_proj.weight");
     case ParamKind::k_bias:
       return layer("self_attn.k_proj.bias");
+    case ParamKind::k_norm:
+      return layer("self_attn.k_norm.weight");
     case ParamKind::v:
       return layer("self_attn.v_proj.weight");
     case ParamKind::v_bias:
@@ -156,10 +175,22 @@ Model make_model(const DecoderShape& s, const DecoderValues& values, DType dtype
   w.embed = ptr("model.embed_tokens.weight");
   for (int l = 0; l < s.layers; ++l) {
     const auto n = [&](ParamKind k) { return ptr(name_of({k, l})); };
-    w.layers.push_back({n(ParamKind::attn_norm), n(ParamKind::q), n(ParamKind::q_bias),
-                        n(ParamKind::k), n(ParamKind::k_bias), n(ParamKind::v),
-                        n(ParamKind::v_bias), n(ParamKind::o), n(ParamKind::mlp_norm),
-                        n(ParamKind::gate), n(ParamKind::up), n(ParamKind::down)});
+    lm::dec::LayerWeights lw;
+    lw.attn_norm = n(ParamKind::attn_norm);
+    lw.q = n(ParamKind::q);
+    lw.q_bias = n(ParamKind::q_bias);
+    lw.q_norm = n(ParamKind::q_norm);
+    lw.k = n(ParamKind::k);
+    lw.k_bias = n(ParamKind::k_bias);
+    lw.k_norm = n(ParamKind::k_norm);
+    lw.v = n(ParamKind::v);
+    lw.v_bias = n(ParamKind::v_bias);
+    lw.o = n(ParamKind::o);
+    lw.mlp_norm = n(ParamKind::mlp_norm);
+    lw.gate = n(ParamKind::gate);
+    lw.up = n(ParamKind::up);
+    lw.down = n(ParamKind::down);
+    w.layers.push_back(lw);
   }
   w.final_norm = ptr("model.norm.weight");
   w.head = s.tied ? w.embed : ptr("lm_head.weight");
@@ -199,7 +230,31 @@ struct Backend {
 };
 
 lm::dec::Batch batch_of(const DecoderTokens& t) {
-  return {t.sequences, t.seq_len, t.inputs.data(), t.targets.data()};
+  return {t.sequences, t.seq_len, t.inputs.data(), t.targets.data(),
+          t.positions.empty() ? nullptr : t.positions.data()};
+}
+
+// Positions that cut each row into documents at random places (a row's first always starts
+// one), and the (row, first column, length) of each document.
+struct Documents {
+  std::vector<std::int32_t> positions;
+  std::vector<std::array<int, 3>> spans;
+};
+Documents random_documents(int sequences, int seq_len, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Documents d;
+  for (int r = 0; r < sequences; ++r) {
+    int start = 0;
+    for (int c = 0; c < seq_len; ++c) {
+      if (c > 0 && rng() % 4 == 0) {
+        d.spans.push_back({r, start, c - start});
+        start = c;
+      }
+      d.positions.push_back(c - start);
+    }
+    d.spans.push_back({r, start, seq_len - start});
+  }
+  return d;
 }
 
 // ---- a grad sink that records what backward does ----
@@ -320,6 +375,8 @@ TEST_CASE(
       {"llama3 rope scaling", tiny_llama3(), 2, 12, 2, 12},
       {"mistral tied, shorter batch", tiny_mistral(), 4, 10, 3, 6},
       {"llama GQA, two loss chunks", tiny_llama(), 3, 32, 3, 30},
+      {"qwen3 q/k norms untied", tiny_qwen3(false), 3, 8, 3, 8},
+      {"qwen3 q/k norms tied, shorter batch", tiny_qwen3(true), 2, 10, 2, 7},
   };
   std::uint64_t seed = 1;
   for (const Case& c : cases) {
@@ -355,6 +412,8 @@ TEST_CASE(
       {"qwen2 bias tied", tiny_qwen2(true), 2, 5},
       {"llama3 rope scaling, K = 1", tiny_llama3(), 1, 9},
       {"qwen2 bias untied, two loss chunks", tiny_qwen2(false), 3, 30},
+      {"qwen3 q/k norms, GQA", tiny_qwen3(false), 2, 6},
+      {"qwen3 q/k norms tied", tiny_qwen3(true), 1, 7},
   };
   static_assert(3 * 30 > lm::dec::kLossChunkRows && 3 * 30 < 2 * lm::dec::kLossChunkRows,
                 "the last case's 90 tokens take a full chunk of rows and a partial one");
@@ -439,11 +498,99 @@ TEST_CASE("decoder CPU: ignored targets add nothing, loss and gradients are thos
   }
 }
 
+TEST_CASE(
+    "decoder CPU documents apart: each document's logits are those of it alone, loss and every "
+    "gradient match the float64 reference",
+    "[decoder]") {
+  std::uint64_t seed = 300;
+  for (const DecoderShape& s : {tiny_llama(), tiny_qwen2(true), tiny_qwen3(false)}) {
+    CAPTURE(s.qkv_bias, s.qk_norm);
+    Model m = random_model(s, seed++);
+    DecoderTokens t = test_support::random_decoder_tokens(s, 3, 12, seed++);
+    const Documents docs = random_documents(3, 12, seed++);
+    t.positions = docs.positions;
+    REQUIRE(docs.spans.size() > 3);  // some row holds several documents
+    Backend be(s, 3, 12);
+    std::vector<float> logits(t.inputs.size() * static_cast<std::size_t>(s.vocab));
+    be.compute->logits(m.weights, batch_of(t), logits.data());
+    // Independent of the reference: a document run alone, as a sequence of its own from
+    // position 0, gives the same logits (to float32 rounding of other sums).
+    for (const auto& [row, first, length] : docs.spans) {
+      CAPTURE(row, first, length);
+      DecoderTokens alone{1, length, {}, {}, {}};
+      for (int c = first; c < first + length; ++c) {
+        alone.inputs.push_back(t.inputs[static_cast<std::size_t>(row * 12 + c)]);
+        alone.targets.push_back(t.targets[static_cast<std::size_t>(row * 12 + c)]);
+      }
+      std::vector<float> want(static_cast<std::size_t>(length * s.vocab));
+      be.compute->logits(m.weights, batch_of(alone), want.data());
+      const auto offset = static_cast<std::size_t>((row * 12 + first) * s.vocab);
+      const auto from = logits.begin() + static_cast<std::ptrdiff_t>(offset);
+      const std::vector<double> got(from, from + static_cast<std::ptrdiff_t>(want.size()));
+      REQUIRE(test_support::decoder_normalized_error(got, {want.begin(), want.end()}) < 1e-6);
+    }
+    const auto ref = test_support::decoder_reference_forward(s, m.values, t);
+    REQUIRE(test_support::decoder_normalized_error({logits.begin(), logits.end()}, ref.logits) <
+            1e-5);
+    // Without the positions the same tokens give other logits: the documents did see each other.
+    DecoderTokens joined = t;
+    joined.positions.clear();
+    REQUIRE(test_support::decoder_normalized_error(
+                test_support::decoder_reference_forward(s, m.values, joined).logits, ref.logits) >
+            1e-2);
+    RecordingSink sink(s, RecordingSink::all(s));
+    const double loss = be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+    REQUIRE(std::abs(loss - ref.loss) <= 1e-5 * ref.loss);
+    std::mt19937_64 rng(seed++);
+    for (const auto& p : test_support::decoder_reference_params(s)) {
+      CAPTURE(p.name);
+      const auto got = sink.grad(p.name);
+      std::vector<double> ours, numeric;
+      for (std::size_t i : sample_of(s, p, t, rng)) {
+        ours.push_back(got[i]);
+        numeric.push_back(test_support::decoder_reference_gradient(s, m.values, t, p.name, i));
+      }
+      REQUIRE(test_support::decoder_normalized_error(ours, numeric) < 1e-5);
+    }
+    REQUIRE(be.block.guards_intact());
+  }
+}
+
+TEST_CASE("decoder CPU refuses positions that do not cut rows into documents, naming the token",
+          "[decoder]") {
+  const DecoderShape s = tiny_llama();
+  const Model m = random_model(s, 5);
+  Backend be(s, 2, 6);
+  DecoderTokens t = test_support::random_decoder_tokens(s, 2, 6, 6);
+  const std::vector<std::vector<std::int32_t>> bad = {
+      {1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5},   // a row starting past 0
+      {0, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6},   // the second row too (token 6)
+      {0, 1, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5},   // a jump (token 2)
+      {0, 1, 2, 0, 0, 7, 0, 1, 2, 3, 4, 5},   // token 5
+      {0, 1, 2, -1, 0, 1, 0, 1, 2, 3, 4, 5}}; // negative (token 3)
+  const std::int64_t tokens[] = {0, 6, 2, 5, 3};
+  for (std::size_t k = 0; k < bad.size(); ++k) {
+    t.positions = bad[k];
+    CAPTURE(k);
+    RecordingSink sink(s, RecordingSink::all(s));
+    const auto msg = test::message_of<ConfigError>(
+        [&] { be.compute->train_step(m.weights, batch_of(t), 1.0, sink); });
+    CAPTURE(msg);
+    REQUIRE(test::contains(msg, fmt::format("of token {}:", tokens[k])));
+    REQUIRE(sink.events.empty());
+  }
+  t.positions = {0, 1, 0, 0, 1, 2, 0, 0, 0, 1, 2, 3};  // documents of 1 token are fine
+  RecordingSink sink(s, RecordingSink::all(s));
+  REQUIRE(std::isfinite(be.compute->train_step(m.weights, batch_of(t), 1.0, sink)));
+}
+
 TEST_CASE("decoder CPU backward opens each slot once, just before writing it, in backward order",
           "[decoder]") {
-  for (const bool tied : {false, true}) {
-    CAPTURE(tied);
-    const DecoderShape s = tiny_qwen2(tied);
+  for (const auto& [shape, tied] : {std::pair{tiny_qwen2(false), false},
+                                    std::pair{tiny_qwen2(true), true},
+                                    std::pair{tiny_qwen3(false), false}}) {
+    CAPTURE(tied, shape.qk_norm);
+    const DecoderShape& s = shape;
     const Model m = random_model(s, 7);
     const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 5, 8);
     Backend be(s, 2, 5);
@@ -462,9 +609,13 @@ TEST_CASE("decoder CPU backward opens each slot once, just before writing it, in
     for (int l = s.layers - 1; l >= 0; --l)
       for (const ParamKind k :
            {ParamKind::down, ParamKind::up, ParamKind::gate, ParamKind::mlp_norm, ParamKind::o,
-            ParamKind::v_bias, ParamKind::v, ParamKind::k_bias, ParamKind::k, ParamKind::q_bias,
-            ParamKind::q, ParamKind::attn_norm})
-        both(name_of({k, l}));
+            ParamKind::v_bias, ParamKind::v, ParamKind::k_norm, ParamKind::k_bias, ParamKind::k,
+            ParamKind::q_norm, ParamKind::q_bias, ParamKind::q, ParamKind::attn_norm}) {
+        const bool bias =
+            k == ParamKind::v_bias || k == ParamKind::k_bias || k == ParamKind::q_bias;
+        const bool head_norm = k == ParamKind::k_norm || k == ParamKind::q_norm;
+        if ((!bias || s.qkv_bias) && (!head_norm || s.qk_norm)) both(name_of({k, l}));
+      }
     both("model.embed_tokens.weight");
     REQUIRE(sink.events == expected);
     REQUIRE(sink.problems.empty());
@@ -474,9 +625,13 @@ TEST_CASE("decoder CPU backward opens each slot once, just before writing it, in
 TEST_CASE(
     "decoder CPU frozen groups: only active slots are opened, with the all-active run's gradients",
     "[decoder]") {
-  for (const bool tied : {false, true}) {
-    CAPTURE(tied);
-    DecoderShape s = tiny_mistral();  // 3 layers: groups 0 embed, 1..3 layers, 4 head
+  DecoderShape qwen3 = tiny_qwen3(false);
+  qwen3.layers = 3;
+  for (const auto& [shape, tied] :
+       {std::pair{tiny_mistral(), false}, std::pair{tiny_mistral(), true}, std::pair{qwen3, false},
+        std::pair{qwen3, true}}) {
+    CAPTURE(tied, shape.qk_norm);
+    DecoderShape s = shape;  // 3 layers: groups 0 embed, 1..3 layers, 4 head
     s.tied = tied;
     const Model m = random_model(s, 11);
     const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 7, 12);
@@ -703,11 +858,11 @@ TEST_CASE("decoder CPU refuses shapes and batches it cannot run, naming the fiel
 
 TEST_CASE("decoder CPU recomputing layers in backward gives the same bits in fewer bytes",
           "[decoder]") {
-  // A tied Mistral-like shape of 3 layers (the lookup's and the head's gradient summed) and a
-  // Qwen2 shape with biases; every group active, and LISA-like sets (embedding and head with
-  // one layer, a frozen layer below an active one).
-  for (const DecoderShape& s : {tiny_mistral(), tiny_qwen2(false)}) {
-    CAPTURE(s.layers, s.qkv_bias, s.tied);
+  // A tied Mistral-like shape of 3 layers (the lookup's and the head's gradient summed), a
+  // Qwen2 shape with biases and a Qwen3 one with q/k norms; every group active, and LISA-like
+  // sets (embedding and head with one layer, a frozen layer below an active one).
+  for (const DecoderShape& s : {tiny_mistral(), tiny_qwen2(false), tiny_qwen3(true)}) {
+    CAPTURE(s.layers, s.qkv_bias, s.qk_norm, s.tied);
     const Model m = random_model(s, 71, DType::bf16);
     const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 9, 72);
     std::vector<std::set<int>> actives = {RecordingSink::all(s), {0, s.layers + 1, 1}, {2}};
@@ -733,17 +888,18 @@ TEST_CASE("decoder CPU recomputing layers in backward gives the same bits in few
       }
     }
     // Recomputed layers share one layer's activations: each one past the first saves a layer's
-    // (up to the 64-byte rounding of the 11 per-layer regions).
+    // (up to the 64-byte rounding of the 11 per-layer regions, 15 with q/k norms).
+    const std::size_t regions = s.qk_norm ? 15 : 11;
     const std::size_t none = lm::dec::cpu_bytes(s, 2, 9);
     REQUIRE(lm::dec::cpu_bytes(s, 2, 9, 1) == none);
     const std::size_t per_layer = none - lm::dec::cpu_bytes(s, 2, 9, 2);
-    REQUIRE(per_layer > 11 * 64);
+    REQUIRE(per_layer > regions * 64);
     for (int r = 2; r <= s.layers; ++r) {
       const std::size_t saved = none - lm::dec::cpu_bytes(s, 2, 9, r);
       CAPTURE(r, saved, per_layer);
       const std::size_t want = static_cast<std::size_t>(r - 1) * per_layer;
-      REQUIRE(saved + 11 * 64 >= want);
-      REQUIRE(saved <= want + 11 * 64);
+      REQUIRE(saved + regions * 64 >= want);
+      REQUIRE(saved <= want + regions * 64);
     }
   }
 }

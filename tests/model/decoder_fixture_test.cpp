@@ -1,5 +1,6 @@
 // The decoder against transformers itself: tests/fixtures/decoder holds tiny random Llama (llama3
-// RoPE scaling), Qwen2 (q/k/v biases, tied and untied) and Mistral models saved by transformers
+// RoPE scaling), Qwen2 (q/k/v biases, tied and untied), Qwen3 (q/k norms, head_dim apart from
+// hidden / heads) and Mistral models saved by transformers
 // 5.17 with, for one batch, the logits, loss and every parameter's gradient it computed in float32
 // (tools/fixtures/make_decoder_fixtures.py). They are read here through ShardSwap's own readers
 // (config.json, safetensors), run through the CPU backend on the stored bf16 weights, and
@@ -26,7 +27,7 @@ namespace {
 namespace fs = std::filesystem;
 
 const fs::path kFixtures = fs::path(SHARDSWAP_TEST_DIR) / "fixtures" / "decoder";
-const char* const kModels[] = {"llama3", "mistral", "qwen2_tied", "qwen2_untied"};
+const char* const kModels[] = {"llama3", "mistral", "qwen2_tied", "qwen2_untied", "qwen3"};
 
 // Float32 arithmetic in another order than PyTorch's: ~1e-6 observed; the bound leaves room
 // for the longer sums of the gradients.
@@ -132,6 +133,10 @@ void load_weights(const Fixture& f, FixtureWeights& out) {
       lw.k_bias = at({K::k_bias, l});
       lw.v_bias = at({K::v_bias, l});
     }
+    if (f.shape.qk_norm) {
+      lw.q_norm = at({K::q_norm, l});
+      lw.k_norm = at({K::k_norm, l});
+    }
     lw.o = at({K::o, l});
     lw.mlp_norm = at({K::mlp_norm, l});
     lw.gate = at({K::gate, l});
@@ -168,7 +173,7 @@ TEST_CASE("the CPU decoder gives transformers' logits, loss and every gradient o
 
     FixtureCompute fc(f);
     lm::dec::Compute* const compute = fc.compute.get();
-    const lm::dec::Batch batch{f.sequences, f.seq_len, f.inputs.data(), f.targets.data()};
+    const lm::dec::Batch batch{f.sequences, f.seq_len, f.inputs.data(), f.targets.data(), nullptr};
 
     std::vector<float> logits(f.inputs.size() * static_cast<std::size_t>(f.shape.vocab));
     compute->logits(w, batch, logits.data());
@@ -212,7 +217,7 @@ TEST_CASE("the CPU decoder's masked loss and gradients are transformers' with la
     REQUIRE(counted < f.targets.size());
     FixtureCompute fc(f);
     lm::dec::Compute* const compute = fc.compute.get();
-    const lm::dec::Batch batch{f.sequences, f.seq_len, f.inputs.data(), f.targets.data()};
+    const lm::dec::Batch batch{f.sequences, f.seq_len, f.inputs.data(), f.targets.data(), nullptr};
     CollectingSink sink(f.shape);
     const double loss = compute->train_step(fw.w, batch, 1.0, sink);
     const float their_loss = tensor_values<float>(f.batch, "loss", "F32").at(0);
@@ -226,6 +231,46 @@ TEST_CASE("the CPU decoder's masked loss and gradients are transformers' with la
     fmt::print("{} masked ({} of {} targets): loss {:.7f} vs transformers' {:.7f}, worst gradient "
                "error {:.2e}\n",
                model, counted, f.targets.size(), loss, their_loss, worst);
+    CHECK(std::abs(loss - their_loss) <= kTolerance * std::abs(their_loss));
+  }
+}
+
+TEST_CASE("the CPU decoder keeps packed documents apart as transformers does with restarting "
+          "position_ids",
+          "[decoder][fixture]") {
+  // packed_batch.safetensors: the fixture's tokens cut into documents by position_ids that
+  // restart (no attention mask: transformers then keeps the documents apart), the targets that
+  // start a document ignored, and transformers' logits, loss and gradients.
+  for (const char* model : kModels) {
+    INFO("fixture " << model);
+    Fixture f = load_fixture(model, "packed_batch.safetensors");
+    FixtureWeights fw;
+    load_weights(f, fw);
+    const std::vector<std::int32_t> positions =
+        tensor_values<std::int32_t>(f.batch, "positions", "I32");
+    REQUIRE(std::count(positions.begin(), positions.end(), 0) > f.sequences);  // several a row
+    FixtureCompute fc(f);
+    lm::dec::Compute* const compute = fc.compute.get();
+    const lm::dec::Batch batch{f.sequences, f.seq_len, f.inputs.data(), f.targets.data(),
+                               positions.data()};
+    std::vector<float> logits(f.inputs.size() * static_cast<std::size_t>(f.shape.vocab));
+    compute->logits(fw.w, batch, logits.data());
+    const double logits_error =
+        normalized_error(logits, tensor_values<float>(f.batch, "logits", "F32"));
+    CollectingSink sink(f.shape);
+    const double loss = compute->train_step(fw.w, batch, 1.0, sink);
+    const float their_loss = tensor_values<float>(f.batch, "loss", "F32").at(0);
+    double worst = 0.0;
+    for (const auto& [name, grad] : sink.grads) {
+      INFO("gradient of " << name);
+      const double e = normalized_error(grad, tensor_values<float>(f.batch, "grad." + name, "F32"));
+      worst = std::max(worst, e);
+      CHECK(e < kTolerance);
+    }
+    fmt::print("{} packed apart: logits error {:.2e}, loss {:.7f} vs transformers' {:.7f}, worst "
+               "gradient error {:.2e}\n",
+               model, logits_error, loss, their_loss, worst);
+    CHECK(logits_error < kTolerance);
     CHECK(std::abs(loss - their_loss) <= kTolerance * std::abs(their_loss));
   }
 }

@@ -1,5 +1,5 @@
 // Hugging Face config.json to DecoderShape and back: configs modelled on real checkpoints
-// (Qwen2.5-0.5B, Llama-3.2-1B, Mistral-7B-v0.1) in both RoPE layouts, transformers' defaults,
+// (Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B, Mistral-7B-v0.1) in both RoPE layouts, transformers' defaults,
 // and every refusal naming its field.
 #include <filesystem>
 #include <fstream>
@@ -31,6 +31,17 @@ const json kQwen = json::parse(R"({
   "sliding_window": 32768, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
   "transformers_version": "4.40.1", "use_cache": true, "use_sliding_window": false,
   "vocab_size": 151936})");
+
+// Qwen/Qwen3-0.6B's config.json: head_dim 128 with hidden_size / num_attention_heads = 64.
+const json kQwen3 = json::parse(R"({
+  "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+  "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+  "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+  "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+  "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+  "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})");
 
 // meta-llama/Llama-3.2-1B's config.json: llama3 RoPE scaling in rope_scaling.
 const json kLlama = json::parse(R"({
@@ -94,7 +105,7 @@ bool same(const DecoderShape& a, const DecoderShape& b) {
          a.rope_factor == b.rope_factor && a.rope_low_freq_factor == b.rope_low_freq_factor &&
          a.rope_high_freq_factor == b.rope_high_freq_factor &&
          a.rope_original_max_positions == b.rope_original_max_positions &&
-         a.qkv_bias == b.qkv_bias && a.tied == b.tied;
+         a.qkv_bias == b.qkv_bias && a.qk_norm == b.qk_norm && a.tied == b.tied;
 }
 
 }  // namespace
@@ -221,7 +232,7 @@ TEST_CASE("transformers' defaults fill what config.json leaves out, null include
 TEST_CASE("each refused config.json field is named with its value and the file", "[hf]") {
   CHECK(refusal(with(kQwen, "model_type", "gpt2")) ==
         "/models/x/config.json 'model_type' = \"gpt2\": unsupported model type; supported: "
-        "llama, qwen2, mistral");
+        "llama, qwen2, qwen3, mistral");
   CHECK(contains(refusal(without(kQwen, "model_type")), "'model_type': missing"));
   CHECK(contains(refusal(with(kQwen, "hidden_act", "gelu")), "'hidden_act' = \"gelu\""));
   CHECK(contains(refusal(without(kQwen, "hidden_size")), "'hidden_size': missing; required"));
@@ -292,13 +303,13 @@ TEST_CASE("the same fields inline in ShardSwap's config are named by their key",
           hf_config_from_json(m, inline_source, {128, "model.seq_len"});
         }) ==
         "model.model_type = \"bert\": unsupported model type; supported: llama, qwen2, "
-        "mistral");
+        "qwen3, mistral");
   CHECK(message_of<ConfigError>([&] { hf_config_from_json(json::array(), inline_source, {}); }) ==
         "model: not a JSON object");
 }
 
 TEST_CASE("config.json written for a shape reads back as that shape", "[hf]") {
-  for (const json* j : {&kQwen, &kLlama, &kMistral}) {
+  for (const json* j : {&kQwen, &kQwen3, &kLlama, &kMistral}) {
     auto s = parse(*j, {16, "s"}).shape;
     for (const DType dtype : {DType::bf16, DType::f16, DType::f32}) {
       const json out = hf_config_to_json(s, dtype);
@@ -329,6 +340,41 @@ TEST_CASE("config.json written for a shape reads back as that shape", "[hf]") {
   q.qkv_bias = false;
   CHECK(contains(message_of<ConfigError>([&] { hf_config_to_json(q, DType::bf16); }),
                  "a qwen2 always has q/k/v biases"));
+  auto q3 = parse(kQwen3).shape;
+  CHECK(hf_config_to_json(q3, DType::bf16).at("architectures")[0] == "Qwen3ForCausalLM");
+  CHECK(hf_config_to_json(q3, DType::bf16).at("attention_bias") == false);
+  q3.qk_norm = false;
+  CHECK(contains(message_of<ConfigError>([&] { hf_config_to_json(q3, DType::bf16); }),
+                 "a qwen3 always has q/k norms"));
+  s.qk_norm = true;
+  CHECK(contains(message_of<ConfigError>([&] { hf_config_to_json(s, DType::bf16); }),
+                 "q/k norms exist only in qwen3"));
+}
+
+TEST_CASE("a Qwen3 config.json: q/k norms, no biases, head_dim apart from hidden / heads", "[hf]") {
+  const DecoderShape s = parse(kQwen3).shape;
+  CHECK(s.family == DecoderFamily::qwen3);
+  CHECK(s.qk_norm);
+  CHECK(!s.qkv_bias);
+  CHECK(s.head_dim == 128);  // not 1024 / 16
+  CHECK(s.q_width() == 2048);
+  CHECK(s.kv_heads == 8);
+  CHECK(s.max_positions == 40960);
+  CHECK(s.rope_theta == 1e6);
+  CHECK(s.tied);
+  // Qwen3Config's own default head_dim is 128, whatever hidden / heads is.
+  CHECK(parse(without(kQwen3, "head_dim")).shape.head_dim == 128);
+  CHECK(parse(with(kQwen3, "hidden_size", 1000)).shape.head_dim == 128);
+  // attention_bias puts a bias on o_proj too, which the decoder does not have.
+  CHECK(contains(refusal(with(kQwen3, "attention_bias", true)),
+                 "'attention_bias' = true: biases on the attention projections"));
+  // Sliding windows as in Qwen2: in use only with use_sliding_window, from max_window_layers up.
+  CHECK(contains(refusal(with(with(with(kQwen3, "use_sliding_window", true), "sliding_window", 512),
+                              "max_window_layers", 4)),
+                 "sliding-window attention is not implemented"));
+  CHECK(parse(with(with(with(kQwen3, "use_sliding_window", true), "sliding_window", 512),
+                   "max_window_layers", 28))
+            .shape.qk_norm);
 }
 
 TEST_CASE("read_hf_config names the file that is missing, not JSON or refused", "[hf]") {

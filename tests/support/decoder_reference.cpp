@@ -47,6 +47,15 @@ Vec rms_norm(const Vec& x, const Vec& weight, double eps) {
   return y;
 }
 
+// Qwen3's per-head norm: each head's head_dim values of x normalized on their own.
+void head_rms_norm(Vec& x, int heads, int head_dim, const Vec& weight, double eps) {
+  for (int h = 0; h < heads; ++h) {
+    const auto first = x.begin() + static_cast<std::ptrdiff_t>(h) * head_dim;
+    const Vec y = rms_norm(Vec(first, first + head_dim), weight, eps);
+    std::copy(y.begin(), y.end(), first);
+  }
+}
+
 // Rotates each head's halves [x1, x2] into [x1 cos - x2 sin, x2 cos + x1 sin].
 void rope(Vec& x, int heads, int head_dim, int position, const std::vector<float>& inv_freq) {
   const int half = head_dim / 2;
@@ -84,8 +93,10 @@ std::vector<DecoderRefParam> decoder_reference_params(const DecoderShape& s) {
     out.push_back({L(l, "input_layernorm.weight"), {D}, g});
     out.push_back({L(l, "self_attn.q_proj.weight"), {Q, D}, g});
     if (s.qkv_bias) out.push_back({L(l, "self_attn.q_proj.bias"), {Q}, g});
+    if (s.qk_norm) out.push_back({L(l, "self_attn.q_norm.weight"), {s.head_dim}, g});
     out.push_back({L(l, "self_attn.k_proj.weight"), {KV, D}, g});
     if (s.qkv_bias) out.push_back({L(l, "self_attn.k_proj.bias"), {KV}, g});
+    if (s.qk_norm) out.push_back({L(l, "self_attn.k_norm.weight"), {s.head_dim}, g});
     out.push_back({L(l, "self_attn.v_proj.weight"), {KV, D}, g});
     if (s.qkv_bias) out.push_back({L(l, "self_attn.v_proj.bias"), {KV}, g});
     out.push_back({L(l, "self_attn.o_proj.weight"), {D, Q}, g});
@@ -137,6 +148,12 @@ DecoderRefOutput decoder_reference_forward(const DecoderShape& s, const DecoderV
   double total = 0.0;
   std::int64_t counted = 0;  // targets the loss is on
   for (int b = 0; b < tokens.sequences; ++b) {
+    // Each token's place in its document: its RoPE position, and how many tokens before it
+    // attention sees.
+    std::vector<int> pos(static_cast<std::size_t>(T));
+    for (int t = 0; t < T; ++t)
+      pos[static_cast<std::size_t>(t)] =
+          tokens.positions.empty() ? t : tokens.positions[static_cast<std::size_t>(b * T + t)];
     // The residual stream of each position of this sequence.
     std::vector<Vec> x(static_cast<std::size_t>(T));
     for (int t = 0; t < T; ++t) {
@@ -153,6 +170,8 @@ DecoderRefOutput decoder_reference_forward(const DecoderShape& s, const DecoderV
       const Vec* bq = s.qkv_bias ? &get(w, L(l, "self_attn.q_proj.bias")) : nullptr;
       const Vec* bk = s.qkv_bias ? &get(w, L(l, "self_attn.k_proj.bias")) : nullptr;
       const Vec* bv = s.qkv_bias ? &get(w, L(l, "self_attn.v_proj.bias")) : nullptr;
+      const Vec* q_norm = s.qk_norm ? &get(w, L(l, "self_attn.q_norm.weight")) : nullptr;
+      const Vec* k_norm = s.qk_norm ? &get(w, L(l, "self_attn.k_norm.weight")) : nullptr;
       const Vec& wo = get(w, L(l, "self_attn.o_proj.weight"));
       const Vec& mlp_norm = get(w, L(l, "post_attention_layernorm.weight"));
       const Vec& wgate = get(w, L(l, "mlp.gate_proj.weight"));
@@ -165,8 +184,12 @@ DecoderRefOutput decoder_reference_forward(const DecoderShape& s, const DecoderV
         q[ut] = linear(wq, a, Q, bq);
         k[ut] = linear(wk, a, KV, bk);
         v[ut] = linear(wv, a, KV, bv);
-        rope(q[ut], H, hd, t, inv_freq);
-        rope(k[ut], K, hd, t, inv_freq);
+        if (s.qk_norm) {
+          head_rms_norm(q[ut], H, hd, *q_norm, s.rms_eps);
+          head_rms_norm(k[ut], K, hd, *k_norm, s.rms_eps);
+        }
+        rope(q[ut], H, hd, pos[ut], inv_freq);
+        rope(k[ut], K, hd, pos[ut], inv_freq);
       }
       // Every position's attention reads the k, v of the positions before it, so the residual
       // is updated only once all of them are computed.
@@ -176,22 +199,23 @@ DecoderRefOutput decoder_reference_forward(const DecoderShape& s, const DecoderV
         Vec o(Q, 0.0);
         for (int h = 0; h < H; ++h) {
           const int g = h / (H / K);
-          // Scores of positions 0..t, then their softmax.
-          Vec score(ut + 1);
-          for (int j = 0; j <= t; ++j) {
+          // Scores of positions first..t (its document's, up to it), then their softmax.
+          const int first = t - pos[ut];
+          Vec score(static_cast<std::size_t>(t - first + 1));
+          for (int j = first; j <= t; ++j) {
             double dot = 0.0;
             for (int e = 0; e < hd; ++e)
               dot += q[ut][static_cast<std::size_t>(h * hd + e)] *
                      k[static_cast<std::size_t>(j)][static_cast<std::size_t>(g * hd + e)];
-            score[static_cast<std::size_t>(j)] = dot / std::sqrt(static_cast<double>(hd));
+            score[static_cast<std::size_t>(j - first)] = dot / std::sqrt(static_cast<double>(hd));
           }
           const double m = *std::max_element(score.begin(), score.end());
           double sum = 0.0;
           for (double& sc : score) sum += (sc = std::exp(sc - m));
-          for (int j = 0; j <= t; ++j)
+          for (int j = first; j <= t; ++j)
             for (int e = 0; e < hd; ++e)
               o[static_cast<std::size_t>(h * hd + e)] +=
-                  score[static_cast<std::size_t>(j)] / sum *
+                  score[static_cast<std::size_t>(j - first)] / sum *
                   v[static_cast<std::size_t>(j)][static_cast<std::size_t>(g * hd + e)];
         }
         attn[ut] = linear(wo, o, static_cast<std::size_t>(D));
@@ -269,7 +293,7 @@ DecoderTokens random_decoder_tokens(const DecoderShape& s, int sequences, int se
                                     std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<std::int32_t> id(0, s.vocab - 1);
-  DecoderTokens t{sequences, seq_len, {}, {}};
+  DecoderTokens t{sequences, seq_len, {}, {}, {}};
   for (int i = 0; i < sequences * seq_len; ++i) {
     t.inputs.push_back(id(rng));
     t.targets.push_back(id(rng));

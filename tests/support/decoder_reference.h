@@ -24,11 +24,14 @@ struct DecoderRefParam {
 /// Every param of the shape, in declaration order (embedding first, lm_head last).
 std::vector<DecoderRefParam> decoder_reference_params(const DecoderShape& s);
 
-/// Token ids: `sequences` rows of `seq_len` inputs, each followed by its target.
+/// Token ids: `sequences` rows of `seq_len` inputs, each followed by its target; positions
+/// (empty: 0 .. seq_len - 1 in each row) keep documents apart: each token's place in its
+/// document, which starts where a position is 0 (lm::dec::Batch::positions).
 struct DecoderTokens {
   int sequences = 0;
   int seq_len = 0;
   std::vector<std::int32_t> inputs, targets;
+  std::vector<std::int32_t> positions;
 };
 
 struct DecoderRefOutput {

@@ -566,9 +566,10 @@ TEST_CASE("validation covers the set once: \"all\", a partial last batch, never 
 }
 
 TEST_CASE("the loss is the mean over the global batch's counted targets at world sizes 1 to 4 "
-          "and every micro-batch split") {
+          "and every micro-batch split, documents packed or apart") {
   // Token files with a loss mask in runs (whole windows counted, some none): micro-batches hold
   // very different counts, so a mean of micro-batch means would differ from the global mean.
+  // Documents start every 57 tokens: kept apart, their first targets leave the count too.
   const test_support::ScratchFolder dir("train-masked");
   std::mt19937 rng(8);
   const auto write = [&](const std::string& name, std::size_t n) {
@@ -576,7 +577,7 @@ TEST_CASE("the loss is the mean over the global batch's counted targets at world
     std::vector<std::uint8_t> mask(n);
     for (std::size_t i = 0; i < n; ++i) {
       tokens[i] = rng() % 256;
-      mask[i] = (i / 41) % 3 == 0 ? 0 : kMaskTarget;
+      mask[i] = ((i / 41) % 3 == 0 ? 0 : kMaskTarget) | (i % 57 == 0 ? kMaskDocumentStart : 0);
     }
     write_token_file((dir / name).string(), tokens, 1, mask);
   };
@@ -592,29 +593,40 @@ TEST_CASE("the loss is the mean over the global batch's counted targets at world
   struct Split {
     int world, micro, accumulation;
   };
-  std::vector<std::vector<nlohmann::json>> runs;
-  for (const Split& s : {Split{1, 8, 1}, Split{1, 1, 8}, Split{1, 2, 4}, Split{2, 4, 1},
-                         Split{2, 1, 4}, Split{3, 8, 1}, Split{4, 2, 1}, Split{4, 1, 2}}) {
-    if (s.world == 3) continue;  // 3 does not divide the global batch of 8
-    INFO("world " << s.world << ", micro " << s.micro << ", accumulation " << s.accumulation);
-    j["world_size"] = s.world;
-    j["train_micro_batch_size_per_gpu"] = s.micro;
-    j["gradient_accumulation_steps"] = s.accumulation;
-    std::ostringstream log, metrics;
-    run(load(j), log, &metrics);
-    std::istringstream in(metrics.str());
-    std::vector<nlohmann::json> lines;
-    for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-    REQUIRE(lines.size() == 2);
-    runs.push_back(lines);
-    const auto& want = runs.front()[0];
-    // Step 1's loss comes from the same weights: fp32 sums in another order. Its gradient is
-    // accumulated in bf16 slots, micro-batch by micro-batch: bf16 rounding apart.
-    CHECK(std::abs(lines[0]["loss"].get<double>() - want["loss"].get<double>()) <=
-          1e-6 * want["loss"].get<double>());
-    CHECK(std::abs(lines[0]["grad_norm"].get<double>() - want["grad_norm"].get<double>()) <=
-          1e-2 * want["grad_norm"].get<double>());
-    CHECK(std::abs(lines[1]["val_loss"].get<double>() -
-                   runs.front()[1]["val_loss"].get<double>()) < 1e-2);
+  double packed_loss = 0.0;
+  for (const char* documents : {"packed", "apart"}) {
+    j["data"]["documents"] = documents;
+    std::vector<std::vector<nlohmann::json>> runs;
+    for (const Split& s : {Split{1, 8, 1}, Split{1, 1, 8}, Split{1, 2, 4}, Split{2, 4, 1},
+                           Split{2, 1, 4}, Split{3, 8, 1}, Split{4, 2, 1}, Split{4, 1, 2}}) {
+      if (s.world == 3) continue;  // 3 does not divide the global batch of 8
+      INFO("documents " << documents << ", world " << s.world << ", micro " << s.micro
+                        << ", accumulation " << s.accumulation);
+      j["world_size"] = s.world;
+      j["train_micro_batch_size_per_gpu"] = s.micro;
+      j["gradient_accumulation_steps"] = s.accumulation;
+      std::ostringstream log, metrics;
+      run(load(j), log, &metrics);
+      std::istringstream in(metrics.str());
+      std::vector<nlohmann::json> lines;
+      for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+      REQUIRE(lines.size() == 2);
+      runs.push_back(lines);
+      const auto& want = runs.front()[0];
+      // Step 1's loss comes from the same weights: fp32 sums in another order. Its gradient is
+      // accumulated in bf16 slots, micro-batch by micro-batch: bf16 rounding apart.
+      CHECK(std::abs(lines[0]["loss"].get<double>() - want["loss"].get<double>()) <=
+            1e-6 * want["loss"].get<double>());
+      CHECK(std::abs(lines[0]["grad_norm"].get<double>() - want["grad_norm"].get<double>()) <=
+            1e-2 * want["grad_norm"].get<double>());
+      CHECK(std::abs(lines[1]["val_loss"].get<double>() -
+                     runs.front()[1]["val_loss"].get<double>()) < 1e-2);
+    }
+    // Apart is another computation: the documents do not see each other.
+    const double first = runs.front()[0]["loss"].get<double>();
+    if (std::string(documents) == "packed")
+      packed_loss = first;
+    else
+      CHECK(std::abs(first - packed_loss) > 1e-4);  // 100 times the splits' spread
   }
 }

@@ -229,21 +229,38 @@ void TokenFile::copy(std::int64_t begin, std::int64_t count, std::int32_t* out) 
     out[i] = static_cast<std::int32_t>(token_at(tokens_, width_, begin + i));
 }
 
-std::int64_t TokenFile::counted_targets(std::int64_t begin, std::int64_t count) const {
+namespace {
+// Whether the loss is on a token as a target, from its mask byte.
+bool counted_byte(std::uint8_t m, bool apart) {
+  return (m & kMaskTarget) != 0 && !(apart && (m & kMaskDocumentStart) != 0);
+}
+}  // namespace
+
+std::int64_t TokenFile::counted_targets(std::int64_t begin, std::int64_t count, bool apart) const {
   if (begin < 0 || count < 0 || begin > count_ - count)
     throw ConfigError(fmt::format("TokenFile::counted_targets: tokens [{}, {}) of {} in {}", begin,
                                   begin + count, count_, quote_value(path_)));
   if (mask_ == nullptr) return count;
   std::int64_t counted = 0;
-  for (std::int64_t i = begin; i < begin + count; ++i) counted += mask_[i] & kMaskTarget;
+  for (std::int64_t i = begin; i < begin + count; ++i) counted += counted_byte(mask_[i], apart);
   return counted;
 }
 
-void TokenFile::copy_targets(std::int64_t begin, std::int64_t count, std::int32_t* out) const {
+void TokenFile::copy_targets(std::int64_t begin, std::int64_t count, std::int32_t* out,
+                             bool apart) const {
   copy(begin, count, out);
   if (mask_ == nullptr) return;
   for (std::int64_t i = 0; i < count; ++i)
-    if ((mask_[begin + i] & kMaskTarget) == 0) out[i] = lm::dec::kIgnoredTarget;
+    if (!counted_byte(mask_[begin + i], apart)) out[i] = lm::dec::kIgnoredTarget;
+}
+
+void TokenFile::copy_positions(std::int64_t begin, std::int64_t count, std::int32_t* out) const {
+  if (begin < 0 || count < 0 || begin > count_ - count || mask_ == nullptr)
+    throw ConfigError(fmt::format("TokenFile::copy_positions: tokens [{}, {}) of {} in {}{}",
+                                  begin, begin + count, count_, quote_value(path_),
+                                  mask_ == nullptr ? ", which marks no documents" : ""));
+  for (std::int64_t i = 0; i < count; ++i)
+    out[i] = i == 0 || (mask_[begin + i] & kMaskDocumentStart) != 0 ? 0 : out[i - 1] + 1;
 }
 
 void write_token_file(const std::string& path, std::span<const std::uint32_t> tokens, int version,
@@ -340,6 +357,14 @@ TokenDataSpec token_data_spec_from_json(ConfigReader& c) {
   if (spec.train.empty()) c.fail("data.train", "is required for model.type \"decoder\"");
   spec.val = c.string("data.val", "");
   spec.val_fraction = c.number("data.val_fraction", spec.val_fraction);
+  if (c.has("data.documents")) {
+    const auto documents = c.string("data.documents", "");
+    if (documents != "apart" && documents != "packed")
+      c.fail("data.documents", quote_value(documents),
+             "expected \"apart\" (attention and positions restart at each document) or "
+             "\"packed\" (one stream per sequence)");
+    spec.documents_apart = documents == "apart";
+  }
   return spec;
 }
 
@@ -391,6 +416,10 @@ TokenDataset::TokenDataset(const TokenDataSpec& spec)
                       spec.val_fraction, seq_len_ + 1));
     add(train_, file, 0, train);
     add(val_, std::move(file), train, val);
+    if (spec.documents_apart.value_or(false))
+      throw ConfigError(
+          "data.documents = \"apart\": data.tokenizer = \"bytes\" reads no document starts; "
+          "token files from tools/data/tokenize_data.py --chat mark them");
     return;
   }
   const auto too_short = [&](const char* key, const std::string& pattern, const Split& split) {
@@ -410,13 +439,25 @@ TokenDataset::TokenDataset(const TokenDataSpec& spec)
     add(train_, std::move(file), 0, length);
   }
   if (train_.samples == 0) throw too_short("data.train", spec.train, train_);
-  if (spec.val.empty()) return;
-  for (const auto& path : val_paths) {
-    TokenFile file = open("data.val", spec.val, path);
-    const std::int64_t length = file.size();
-    add(val_, std::move(file), 0, length);
+  if (!spec.val.empty()) {
+    for (const auto& path : val_paths) {
+      TokenFile file = open("data.val", spec.val, path);
+      const std::int64_t length = file.size();
+      add(val_, std::move(file), 0, length);
+    }
+    if (val_.samples == 0) throw too_short("data.val", spec.val, val_);
   }
-  if (val_.samples == 0) throw too_short("data.val", spec.val, val_);
+  // Documents apart need every file's document starts (its mask).
+  const Stream* unmarked = nullptr;
+  for (const Split* split : {&train_, &val_})
+    for (const Stream& s : split->streams)
+      if (unmarked == nullptr && !s.file.has_mask()) unmarked = &s;
+  if (spec.documents_apart.value_or(false) && unmarked != nullptr)
+    throw ConfigError(fmt::format(
+        "data.documents = \"apart\": {} marks no document starts (no loss mask); token files "
+        "from tools/data/tokenize_data.py --chat mark them, or set data.documents = \"packed\"",
+        quote_value(unmarked->file.path())));
+  apart_ = spec.documents_apart.value_or(unmarked == nullptr);
 }
 
 TokenDataset::Place TokenDataset::place_of(const Split& split, std::int64_t sample) const {
@@ -435,7 +476,11 @@ void TokenDataset::append(const Split& split, std::int64_t sample, TokenSequence
   out.inputs.resize(row + static_cast<std::size_t>(seq_len_));
   out.targets.resize(row + static_cast<std::size_t>(seq_len_));
   stream.file.copy(at, seq_len_, out.inputs.data() + row);
-  stream.file.copy_targets(at + 1, seq_len_, out.targets.data() + row);
+  stream.file.copy_targets(at + 1, seq_len_, out.targets.data() + row, apart_);
+  if (apart_) {
+    out.positions.resize(row + static_cast<std::size_t>(seq_len_));
+    stream.file.copy_positions(at, seq_len_, out.positions.data() + row);
+  }
   ++out.sequences;
 }
 
@@ -447,7 +492,7 @@ bool TokenDataset::val_masked() const {
 std::int64_t TokenDataset::counted_targets(std::int64_t step, int global_batch) const {
   const bool masked = std::any_of(train_.streams.begin(), train_.streams.end(),
                                   [](const Stream& s) { return s.file.has_mask(); });
-  if (!masked) return std::int64_t{global_batch} * seq_len_;
+  if (!masked) return std::int64_t{global_batch} * seq_len_;  // (apart needs masks)
   // The mask bytes of the global batch's targets alone: no token is copied.
   if (step < 0 || global_batch < 1 ||
       step > (std::numeric_limits<std::int64_t>::max() - global_batch) / global_batch)
@@ -458,7 +503,7 @@ std::int64_t TokenDataset::counted_targets(std::int64_t step, int global_batch) 
   std::int64_t counted = 0;
   for (std::int64_t g = step * global_batch; g < (step + 1) * global_batch; ++g) {
     const auto [stream, at] = place_of(train_, sample_of_draw(g));
-    counted += stream->file.counted_targets(at + 1, seq_len_);
+    counted += stream->file.counted_targets(at + 1, seq_len_, apart_);
   }
   return counted;
 }

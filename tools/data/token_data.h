@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -49,10 +50,16 @@ class TokenFile {
   std::int32_t operator[](std::int64_t i) const;
   /// Tokens [begin, begin + count) as int32 into `out`; the range must lie in the file.
   void copy(std::int64_t begin, std::int64_t count, std::int32_t* out) const;
-  /// Of tokens [begin, begin + count), those the loss is on (all of them without a mask).
-  std::int64_t counted_targets(std::int64_t begin, std::int64_t count) const;
-  /// The same as targets: a token the mask leaves out of the loss is lm::dec::kIgnoredTarget.
-  void copy_targets(std::int64_t begin, std::int64_t count, std::int32_t* out) const;
+  /// Of tokens [begin, begin + count), those the loss is on (all of them without a mask); with
+  /// `apart`, not a document's first token either (it does not follow the token before it).
+  std::int64_t counted_targets(std::int64_t begin, std::int64_t count, bool apart = false) const;
+  /// The same as targets: a token left out of the loss is lm::dec::kIgnoredTarget.
+  void copy_targets(std::int64_t begin, std::int64_t count, std::int32_t* out,
+                    bool apart = false) const;
+  /// Each token's place in its document (lm::dec::Batch::positions), for tokens [begin, begin +
+  /// count): 0 at `begin` (what came before is not seen) and at each kMaskDocumentStart, else
+  /// one more than the token before. The file must have a mask.
+  void copy_positions(std::int64_t begin, std::int64_t count, std::int32_t* out) const;
 
  private:
   std::string path_;
@@ -80,13 +87,17 @@ struct TokenDataSpec {
   /// data.train must be one file, whose last floor(size * val_fraction) bytes are validation.
   bool bytes = false;
   double val_fraction = 0.1;  ///< data.val_fraction: bytes without data.val only
+  /// data.documents: "apart" (true), "packed" (false), or absent (empty: apart when every file
+  /// marks its documents' starts, as tokenize_data.py --chat writes them; else packed).
+  std::optional<bool> documents_apart;
   int seq_len = 0;            ///< tokens per sequence (inputs; each sample reads seq_len + 1)
   int vocab = 0;              ///< the model's vocabulary size: every token must be below it
   std::uint64_t seed = 1;     ///< the shuffle's seed
 };
 
-/// Reads data.seq_len, data.tokenizer ("llmc" or "bytes"), data.train (required), data.val and
-/// data.val_fraction; vocab and seed are the model's and the run's, left for the caller to set.
+/// Reads data.seq_len, data.tokenizer ("llmc" or "bytes"), data.train (required), data.val,
+/// data.val_fraction and data.documents; vocab and seed are the model's and the run's, left for
+/// the caller to set.
 /// Throws ConfigError naming the key. Opens nothing: the files are checked when a TokenDataset
 /// opens them.
 TokenDataSpec token_data_spec_from_json(ConfigReader& c);
@@ -103,11 +114,17 @@ struct TokenSequences {
   int seq_len = 0;
   std::vector<std::int32_t> inputs;
   std::vector<std::int32_t> targets;  ///< lm::dec::kIgnoredTarget where the loss is not on it
+  /// Documents apart: each token's place in its document (lm::dec::Batch::positions); empty:
+  /// packed, one stream per row.
+  std::vector<std::int32_t> positions;
   /// The targets the loss is on.
   std::int64_t counted_targets() const {
     return static_cast<std::int64_t>(lm::dec::counted_targets(view()));
   }
-  lm::dec::Batch view() const { return {sequences, seq_len, inputs.data(), targets.data()}; }
+  lm::dec::Batch view() const {
+    return {sequences, seq_len, inputs.data(), targets.data(),
+            positions.empty() ? nullptr : positions.data()};
+  }
 };
 
 /// The position of draw p of an epoch: a bijection of [0, n) that is a pure function of
@@ -165,6 +182,8 @@ class TokenDataset {
   std::int64_t val_samples() const { return val_.samples; }
   /// Some validation file holds a loss mask.
   bool val_masked() const;
+  /// Documents are kept apart (data.documents): batches carry positions.
+  bool documents_apart() const { return apart_; }
   bool has_val() const { return val_.samples > 0; }
   /// Tokens the training samples read as inputs (train_samples() * seq_len).
   std::int64_t train_tokens() const { return train_.samples * seq_len_; }
@@ -197,6 +216,7 @@ class TokenDataset {
   int seq_len_;
   int vocab_;
   std::uint64_t seed_;
+  bool apart_ = false;
   Split train_;
   Split val_;
 };

@@ -54,6 +54,9 @@ std::vector<std::int64_t> param_shape(const DecoderShape& s, ParamKind kind) {
       return {q, d};
     case ParamKind::q_bias:
       return {q};
+    case ParamKind::q_norm:
+    case ParamKind::k_norm:
+      return {s.head_dim};
     case ParamKind::k:
     case ParamKind::v:
       return {kv, d};
@@ -169,6 +172,9 @@ class EngineDecoder final : public Decoder {
       throw ConfigError(fmt::format(
           "{}: a batch of {} x {} tokens needs {} inputs and targets, it has {} and {}", fn,
           batch.sequences, batch.seq_len, n, batch.inputs.size(), batch.targets.size()));
+    if (!batch.positions.empty() && batch.positions.size() != n)
+      throw ConfigError(fmt::format("{}: a batch of {} tokens has {} positions (none, or one each)",
+                                    fn, n, batch.positions.size()));
     for (const auto* ids : {&batch.inputs, &batch.targets})
       for (std::size_t i = 0; i < n; ++i)
         if (((*ids)[i] < 0 || (*ids)[i] >= shape_.vocab) &&
@@ -176,7 +182,16 @@ class EngineDecoder final : public Decoder {
           throw ConfigError(fmt::format("{}: {} token {} is {}, outside the vocabulary [0, {})",
                                         fn, ids == &batch.inputs ? "input" : "target", i,
                                         (*ids)[i], shape_.vocab));
-    return {batch.sequences, batch.seq_len, batch.inputs.data(), batch.targets.data()};
+    const lm::dec::Batch b{batch.sequences, batch.seq_len, batch.inputs.data(),
+                           batch.targets.data(),
+                           batch.positions.empty() ? nullptr : batch.positions.data()};
+    if (const std::int64_t i = lm::dec::bad_position(b); i >= 0)
+      throw ConfigError(fmt::format(
+          "{}: position {} of token {} (row {}, column {}): a row starts at 0 and a position is "
+          "0 (a document's start) or the one before plus 1",
+          fn, batch.positions[static_cast<std::size_t>(i)], i, i / batch.seq_len,
+          i % batch.seq_len));
+    return b;
   }
 
   const void* weight(const Engine& engine, ParamId id, const char* fn) const {
@@ -198,13 +213,18 @@ class EngineDecoder final : public Decoder {
     const auto bias = [&](ParamKind kind, int l) {
       return shape_.qkv_bias ? weight(engine, {kind, l}, fn) : nullptr;
     };
+    const auto head_norm = [&](ParamKind kind, int l) {
+      return shape_.qk_norm ? weight(engine, {kind, l}, fn) : nullptr;
+    };
     for (int l = 0; l < shape_.layers; ++l) {
       lm::dec::LayerWeights lw;
       lw.attn_norm = weight(engine, {ParamKind::attn_norm, l}, fn);
       lw.q = weight(engine, {ParamKind::q, l}, fn);
       lw.q_bias = bias(ParamKind::q_bias, l);
+      lw.q_norm = head_norm(ParamKind::q_norm, l);
       lw.k = weight(engine, {ParamKind::k, l}, fn);
       lw.k_bias = bias(ParamKind::k_bias, l);
+      lw.k_norm = head_norm(ParamKind::k_norm, l);
       lw.v = weight(engine, {ParamKind::v, l}, fn);
       lw.v_bias = bias(ParamKind::v_bias, l);
       lw.o = weight(engine, {ParamKind::o, l}, fn);
@@ -233,7 +253,8 @@ std::int64_t count_params(const DecoderShape& s) {
   const std::int64_t d = s.hidden, i = s.intermediate, v = s.vocab, q = s.q_width(),
                      kv = s.kv_width();
   const std::int64_t layer =
-      2 * d + q * d + 2 * kv * d + d * q + 3 * i * d + (s.qkv_bias ? q + 2 * kv : 0);
+      2 * d + q * d + 2 * kv * d + d * q + 3 * i * d + (s.qkv_bias ? q + 2 * kv : 0) +
+      (s.qk_norm ? 2 * std::int64_t{s.head_dim} : 0);
   return v * d + s.layers * layer + d + (s.tied ? 0 : v * d);
 }
 
@@ -271,6 +292,8 @@ void validate_decoder_shape(const DecoderShape& s, std::string_view where) {
   if (s.heads % s.kv_heads != 0)
     fail("kv_heads", fmt::format("{}", s.kv_heads), fmt::format("must divide heads = {}", s.heads));
   if (s.head_dim % 2 != 0) fail("head_dim", fmt::format("{}", s.head_dim), "must be even (RoPE)");
+  if (s.qk_norm && s.qkv_bias)  // no model has both (Qwen3's biases come with o_proj's)
+    fail("qk_norm", "true", "with qkv_bias: q/k norms after q/k biases are not implemented");
   if (!(s.rms_eps > 0.0) || !std::isfinite(s.rms_eps))
     fail("rms_eps", fmt::format("{}", s.rms_eps), "must be positive");
   if (!(s.rope_theta > 0.0) || !std::isfinite(s.rope_theta))
@@ -305,12 +328,13 @@ std::vector<DecoderParam> decoder_params(const DecoderShape& s) {
   add(ParamKind::embed, -1);
   for (int l = 0; l < s.layers; ++l) {
     for (const auto kind :
-         {ParamKind::attn_norm, ParamKind::q, ParamKind::q_bias, ParamKind::k, ParamKind::k_bias,
-          ParamKind::v, ParamKind::v_bias, ParamKind::o, ParamKind::mlp_norm, ParamKind::gate,
-          ParamKind::up, ParamKind::down}) {
+         {ParamKind::attn_norm, ParamKind::q, ParamKind::q_bias, ParamKind::q_norm, ParamKind::k,
+          ParamKind::k_bias, ParamKind::k_norm, ParamKind::v, ParamKind::v_bias, ParamKind::o,
+          ParamKind::mlp_norm, ParamKind::gate, ParamKind::up, ParamKind::down}) {
       const bool bias = kind == ParamKind::q_bias || kind == ParamKind::k_bias ||
                         kind == ParamKind::v_bias;
-      if (!bias || s.qkv_bias) add(kind, l);
+      const bool head_norm = kind == ParamKind::q_norm || kind == ParamKind::k_norm;
+      if ((!bias || s.qkv_bias) && (!head_norm || s.qk_norm)) add(kind, l);
     }
   }
   add(ParamKind::final_norm, -1);
@@ -345,7 +369,8 @@ void Decoder::init(const DecoderShape& shape, const ParamInfo& param, std::span<
   (void)shape;
   const std::string_view name = param.name;
   std::mt19937_64 rng = lm::param_rng(name, seed);
-  if (ends_with(name, "norm.weight")) {  // input_layernorm, post_attention_layernorm, norm
+  // input_layernorm, post_attention_layernorm, q_norm, k_norm, norm
+  if (ends_with(name, "norm.weight")) {
     std::fill(values.begin(), values.end(), 1.0f);
   } else if (ends_with(name, ".bias")) {
     std::fill(values.begin(), values.end(), 0.0f);

@@ -1,4 +1,4 @@
-// The decoder-only transformer (Llama / Qwen2 / Mistral; the math is in
+// The decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral; the math is in
 // tools/model/decoder_compute.h) as the engine trains it: its params under their Hugging Face names,
 // in groups "embed", "layers.0" .. "layers.{L-1}" and "head" (the final norm and, untied,
 // lm_head; a tied head's matrix is the embedding, in "embed"), and one Decoder per rank that runs
@@ -47,7 +47,8 @@ struct DecoderParam {
   std::string group;
 };
 /// Every param in declaration (forward) order: the embedding, each layer's (input_layernorm,
-/// q/k/v projections with their biases where the shape has them, o_proj,
+/// q/k/v projections with their biases where the shape has them, q_norm after q and k_norm
+/// after k where it has those, o_proj,
 /// post_attention_layernorm, gate, up, down), the final norm, lm_head unless tied.
 std::vector<DecoderParam> decoder_params(const DecoderShape& shape);
 /// "model.layers.3.self_attn.q_proj.weight" and so on.
@@ -70,6 +71,9 @@ struct DecoderBatch {
   int seq_len = 0;
   std::vector<std::int32_t> inputs;   ///< sequences * seq_len, row-major
   std::vector<std::int32_t> targets;  ///< sequences * seq_len
+  /// Empty: every row is one stream (positions 0 .. seq_len - 1). Else sequences * seq_len
+  /// positions that keep documents apart (lm::dec::Batch::positions).
+  std::vector<std::int32_t> positions;
 };
 
 class Decoder {

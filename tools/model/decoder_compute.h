@@ -1,17 +1,22 @@
-// The decoder-only transformer (Llama / Qwen2 / Mistral architecture) at the seam between the
+// The decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral architecture) at the seam between the
 // engine-facing model (tools/model/decoder.h: names, groups, grad slots) and its compute backends
 // (CPU: tools/model/decoder_cpu.cpp). C++17 and free of Eigen and the engine so that nvcc compiles
 // it: weights and slots travel as raw pointers (device pointers for a device backend), the batch
 // as host token ids.
 //
 // The model, as Hugging Face transformers computes it (LlamaForCausalLM, Qwen2ForCausalLM,
-// MistralForCausalLM), for a batch of B sequences of T tokens:
+// Qwen3ForCausalLM, MistralForCausalLM), for a batch of B sequences of T tokens:
 //   x_0 = embed[tokens]                                             [B*T, D]
 //   per layer l:
 //     a = rmsnorm(x_l) * input_layernorm                            eps = rms_eps
 //     q = a Wq^T (+ bq), k = a Wk^T (+ bk), v = a Wv^T (+ bv)       heads H, kv_heads K, head_dim hd
+//     (qk_norm, Qwen3: each head's q_h = rmsnorm(q_h) * q_norm, k_g = rmsnorm(k_g) * k_norm,
+//      over its hd features, eps = rms_eps)
 //     q, k = rope(q), rope(k) at positions 0..T-1 of each sequence  (rotate-half convention)
 //     o_h = softmax(q_h k_g^T / sqrt(hd) + causal mask) v_g         g = h / (H / K)
+//     (documents apart, Batch::positions: a token's position is its place in its document, and
+//      the causal mask also hides the tokens of earlier documents, as transformers does with
+//      position_ids that restart: each document is computed as if alone)
 //     y = x_l + o Wo^T
 //     b = rmsnorm(y) * post_attention_layernorm
 //     x_{l+1} = y + (silu(b Wgate^T) * (b Wup^T)) Wdown^T
@@ -32,7 +37,7 @@
 
 namespace shardswap {
 
-enum class DecoderFamily { llama, qwen2, mistral };
+enum class DecoderFamily { llama, qwen2, qwen3, mistral };
 enum class RopeScaling { none, linear, llama3 };
 
 /// Everything that fixes the decoder's parameters and arithmetic (Hugging Face config.json
@@ -55,6 +60,9 @@ struct DecoderShape {
   double rope_high_freq_factor = 4.0;           ///< [rope_scaling.high_freq_factor] (llama3)
   int rope_original_max_positions = 8192;  ///< [rope_scaling.original_max_position_embeddings]
   bool qkv_bias = false;  ///< biases on q, k, v only (Qwen2) [attention_bias / model_type]
+  /// RMSNorm of each q and k head over its head_dim features, before RoPE, with weights
+  /// q_norm, k_norm [head_dim] shared by the heads (Qwen3) [model_type]
+  bool qk_norm = false;
   bool tied = false;      ///< the head is the embedding [tie_word_embeddings]
 
   std::int64_t q_width() const { return std::int64_t{heads} * head_dim; }
@@ -114,8 +122,10 @@ enum class ParamKind {
   attn_norm,      // model.layers.N.input_layernorm.weight [D]
   q,              // model.layers.N.self_attn.q_proj.weight [H*hd, D]
   q_bias,         //                        q_proj.bias     [H*hd]
+  q_norm,         //                        q_norm.weight   [hd] (qk_norm)
   k,              //                        k_proj.weight   [K*hd, D]
   k_bias,         //                        k_proj.bias     [K*hd]
+  k_norm,         //                        k_norm.weight   [hd] (qk_norm)
   v,              //                        v_proj.weight   [K*hd, D]
   v_bias,         //                        v_proj.bias     [K*hd]
   o,              //                        o_proj.weight   [D, H*hd]
@@ -139,8 +149,10 @@ struct LayerWeights {
   const void* attn_norm = nullptr;
   const void* q = nullptr;
   const void* q_bias = nullptr;  ///< null without qkv_bias
+  const void* q_norm = nullptr;  ///< null without qk_norm
   const void* k = nullptr;
   const void* k_bias = nullptr;
+  const void* k_norm = nullptr;  ///< null without qk_norm
   const void* v = nullptr;
   const void* v_bias = nullptr;
   const void* o = nullptr;
@@ -185,13 +197,29 @@ inline constexpr std::int32_t kIgnoredTarget = -1;
 
 /// Host token ids: `sequences` rows of `seq_len`; targets[i] is the token that follows
 /// inputs[i], or kIgnoredTarget. Every other id is in [0, vocab) (checked by the engine-facing
-/// model).
+/// model). positions (null: 0 .. seq_len - 1 in every row) packs documents apart: positions[i]
+/// is token i's place in its document, 0 at a row's start and where a document starts, else
+/// positions[i - 1] + 1 (check_positions); token i then attends to tokens i - positions[i] .. i.
 struct Batch {
   int sequences = 0;
   int seq_len = 0;
   const std::int32_t* inputs = nullptr;
   const std::int32_t* targets = nullptr;
+  const std::int32_t* positions = nullptr;
 };
+
+/// The first token, in the batch's row-major order, at which b.positions breaks the rule above
+/// (-1 when it holds or positions is null): what a backend refuses naming the token.
+inline std::int64_t bad_position(const Batch& b) {
+  if (b.positions == nullptr) return -1;
+  const auto n = static_cast<std::int64_t>(b.sequences) * b.seq_len;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int32_t p = b.positions[i];
+    const bool row_start = i % b.seq_len == 0;
+    if (row_start ? p != 0 : (p != 0 && p != b.positions[i - 1] + 1)) return i;
+  }
+  return -1;
+}
 
 /// The targets of `b` the loss is on (not kIgnoredTarget): the count the loss is the mean over.
 inline std::size_t counted_targets(const Batch& b) {

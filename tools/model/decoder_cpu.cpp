@@ -3,7 +3,8 @@
 // cross-entropy. Bit16 weights are upcast one group at a time into scratch of the block.
 //
 // What backward keeps from forward, per layer: the residual stream x, the normalized inputs'
-// 1/rms, q and k after RoPE, v, the attention output, the post-attention residual y, gate and up.
+// 1/rms, q and k after RoPE, v, the attention output, the post-attention residual y, gate and up;
+// with qk_norm (Qwen3) also q and k before their per-head norm and each head row's 1/rms.
 // Norm outputs, silu(gate) * up and the attention probabilities are recomputed (the latter from
 // the per-row log-sum-exp), which keeps activations O(tokens x width) per layer instead of
 // O(tokens x seq_len x heads).
@@ -77,10 +78,11 @@ Sizes sizes_of(const DecoderShape& s, int max_sequences, int seq_len) {
           z(s.layers)};
 }
 
-std::size_t layer_upcast_floats(const Sizes& z, bool bias) {
+std::size_t layer_upcast_floats(const Sizes& z, bool bias, bool qk_norm) {
   std::size_t f = 2 * padded(z.d) + padded(z.q * z.d) + 2 * padded(z.kv * z.d) + padded(z.d * z.q) +
                   3 * padded(z.inter * z.d);
   if (bias) f += padded(z.q) + 2 * padded(z.kv);
+  if (qk_norm) f += 2 * padded(2 * z.half);
   return f;
 }
 
@@ -104,12 +106,16 @@ struct Layout {
   std::size_t ys;                               // n * d: after attention's residual
   std::size_t rstd_attn, rstd_mlp, rstd_final;  // n, n per slot; final n
   std::size_t qs, ks, vs, os;   // n * (q, kv, kv, q): q, k after RoPE; attention out
+  std::size_t q_raw, k_raw;     // n * (q, kv): q, k before their per-head norm (qk_norm; else 0)
+  std::size_t rstd_q, rstd_k;   // n * (heads, kv_heads): 1/rms of each head row (qk_norm)
   std::size_t lse;              // n * heads: attention rows' log-sum-exp
   std::size_t gates, ups;       // n * I
   std::size_t normed, act;      // scratch n * d (a norm's output), n * I (silu(gate) * up)
   std::size_t dx, dn;           // n * d: residual gradient, gradient at a norm's output
   std::size_t dq, dk, dv, d_o;  // n * (q, kv, kv, q)
   std::size_t dgate, dup;       // n * I
+  std::size_t d_head;           // n * q: a per-head norm's input gradient (qk_norm)
+  std::size_t head_norm_grads;  // 2 hd: q_norm's and k_norm's gradients (qk_norm)
   std::size_t scores, dscores;  // seq_len^2: one (sequence, head)'s probabilities
   std::size_t logits;           // kLossChunkRows * V
   std::size_t weights;          // one group's weights upcast
@@ -135,6 +141,11 @@ Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len, int reco
   l.ks = a.take_floats(S * n * z.kv);
   l.vs = a.take_floats(S * n * z.kv);
   l.os = a.take_floats(S * n * z.q);
+  const std::size_t qk = s.qk_norm ? 1 : 0;
+  l.q_raw = a.take_floats(qk * S * n * z.q);
+  l.k_raw = a.take_floats(qk * S * n * z.kv);
+  l.rstd_q = a.take_floats(qk * S * n * z.h);
+  l.rstd_k = a.take_floats(qk * S * n * z.k);
   l.lse = a.take_floats(S * n * z.h);
   l.gates = a.take_floats(S * n * z.inter);
   l.ups = a.take_floats(S * n * z.inter);
@@ -148,10 +159,13 @@ Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len, int reco
   l.d_o = a.take_floats(n * z.q);
   l.dgate = a.take_floats(n * z.inter);
   l.dup = a.take_floats(n * z.inter);
+  l.d_head = a.take_floats(qk * n * z.q);
+  l.head_norm_grads = a.take_floats(qk * 4 * z.half);
   l.scores = a.take_floats(z.t * z.t);
   l.dscores = a.take_floats(z.t * z.t);
   l.logits = a.take_floats(std::min<std::size_t>(kLossChunkRows, n) * z.v);
-  l.weights = a.take_floats(std::max(layer_upcast_floats(z, s.qkv_bias), padded(d) + z.v * d));
+  l.weights = a.take_floats(
+      std::max(layer_upcast_floats(z, s.qkv_bias, s.qk_norm), padded(d) + z.v * d));
   l.grad = a.take_floats(std::max({z.q * d, z.kv * d, z.inter * d}));
   l.head_grad = a.take_floats(z.v * d);
   l.bytes = a.bytes();
@@ -307,6 +321,11 @@ class CpuCompute final : public Compute {
                                     b.seq_len, seq_len_));
     if (b.inputs == nullptr || b.targets == nullptr)
       throw ConfigError(fmt::format("{}: the batch's inputs or targets are null", fn));
+    if (const std::int64_t i = bad_position(b); i >= 0)
+      throw ConfigError(fmt::format(
+          "{}: position {} of token {}: a row starts at 0 and a position is 0 or the one before "
+          "plus 1",
+          fn, b.positions[i], i));
     if (w.dtype != DType::bf16 && w.dtype != DType::f16 && w.dtype != DType::f32)
       throw ConfigError(
           fmt::format("{}: weights of dtype {}; this backend takes bf16, fp16 or fp32", fn,
@@ -350,6 +369,14 @@ class CpuCompute final : public Compute {
           throw ConfigError(fmt::format("{}: weight '{}' is given but the model has no qkv bias",
                                         fn, param_name({kind, l})));
       }
+      const std::pair<const void*, ParamKind> head_norms[] = {{lw.q_norm, ParamKind::q_norm},
+                                                              {lw.k_norm, ParamKind::k_norm}};
+      for (const auto& [p, kind] : head_norms) {
+        if (s_.qk_norm) need(p, {kind, l});
+        if (!s_.qk_norm && p != nullptr)
+          throw ConfigError(fmt::format(
+              "{}: weight '{}' is given but the model has no q/k norm", fn, param_name({kind, l})));
+      }
     }
     const auto v = static_cast<std::int32_t>(s_.vocab);
     const std::size_t n = tokens(b);
@@ -373,7 +400,8 @@ class CpuCompute final : public Compute {
   }
 
   struct Layer {
-    const float *attn_norm, *q, *q_bias, *k, *k_bias, *v, *v_bias, *o, *mlp_norm, *gate, *up, *down;
+    const float *attn_norm, *q, *q_bias, *q_norm, *k, *k_bias, *k_norm, *v, *v_bias, *o, *mlp_norm,
+        *gate, *up, *down;
   };
   Layer upcast_layer(const Weights& w, int l) const {
     const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
@@ -388,6 +416,10 @@ class CpuCompute final : public Compute {
       out.q_bias = upcast(p, lw.q_bias, q, w.dtype);
       out.k_bias = upcast(p, lw.k_bias, kv, w.dtype);
       out.v_bias = upcast(p, lw.v_bias, kv, w.dtype);
+    }
+    if (s_.qk_norm) {
+      out.q_norm = upcast(p, lw.q_norm, 2 * z_.half, w.dtype);
+      out.k_norm = upcast(p, lw.k_norm, 2 * z_.half, w.dtype);
     }
     out.o = upcast(p, lw.o, d * q, w.dtype);
     out.mlp_norm = upcast(p, lw.mlp_norm, d, w.dtype);
@@ -410,12 +442,23 @@ class CpuCompute final : public Compute {
 
   // ---- forward ----
 
-  void rope(float* x, std::size_t n, std::size_t width, std::size_t t) const {
-    const std::size_t hd = 2 * z_.half, heads = width / hd;
+  // Token r's RoPE position: its place in its document, or in its row.
+  static std::size_t position(const Batch& b, std::size_t r) {
+    return b.positions != nullptr ? static_cast<std::size_t>(b.positions[r])
+                                  : r % static_cast<std::size_t>(b.seq_len);
+  }
+  // The first key position (in its row) that token `i` of row `seq` attends to.
+  static std::size_t first_key(const Batch& b, std::size_t seq, std::size_t i) {
+    return b.positions != nullptr ? i - position(b, seq * static_cast<std::size_t>(b.seq_len) + i)
+                                  : 0;
+  }
+
+  void rope(float* x, const Batch& b, std::size_t width) const {
+    const std::size_t hd = 2 * z_.half, heads = width / hd, n = tokens(b);
     const float* const cs = at(l_.rope_cos);
     const float* const sn = at(l_.rope_sin);
     for (std::size_t r = 0; r < n; ++r) {
-      const std::size_t p = r % t;
+      const std::size_t p = position(b, r);
       const float* c = cs + p * z_.half;
       const float* s = sn + p * z_.half;
       for (std::size_t h = 0; h < heads; ++h) {
@@ -431,12 +474,12 @@ class CpuCompute final : public Compute {
   }
 
   // The transpose of rope(): the gradient before the rotation from the one after it.
-  void rope_backward(float* g, std::size_t n, std::size_t width, std::size_t t) const {
-    const std::size_t hd = 2 * z_.half, heads = width / hd;
+  void rope_backward(float* g, const Batch& b, std::size_t width) const {
+    const std::size_t hd = 2 * z_.half, heads = width / hd, n = tokens(b);
     const float* const cs = at(l_.rope_cos);
     const float* const sn = at(l_.rope_sin);
     for (std::size_t r = 0; r < n; ++r) {
-      const std::size_t p = r % t;
+      const std::size_t p = position(b, r);
       const float* c = cs + p * z_.half;
       const float* s = sn + p * z_.half;
       for (std::size_t h = 0; h < heads; ++h) {
@@ -458,7 +501,8 @@ class CpuCompute final : public Compute {
                    Eigen::OuterStride<>(cols(width)));
   }
 
-  // Causal softmax attention of every (sequence, head), keeping each row's log-sum-exp.
+  // Causal softmax attention of every (sequence, head), keeping each row's log-sum-exp. Row i
+  // sees keys first_key .. i (all of them before it, or those of its document).
   void attention(int l, const Batch& b) const {
     const std::size_t t = static_cast<std::size_t>(b.seq_len), group = z_.h / z_.k;
     const float scale = 1.0f / std::sqrt(static_cast<float>(2 * z_.half));
@@ -475,12 +519,14 @@ class CpuCompute final : public Compute {
         float* const row_lse = lse + (seq * z_.h + h) * t;
         for (std::size_t i = 0; i < t; ++i) {
           auto row = p.row(cols(i));
-          const auto seen = row.head(cols(i + 1));
+          const std::size_t lo = first_key(b, seq, i);
+          auto seen = row.segment(cols(lo), cols(i + 1 - lo));
           const float m = seen.maxCoeff() * scale;
-          // Scale, subtract the maximum and exponentiate the positions up to i; mask the rest.
-          row.head(cols(i + 1)) = (seen.array() * scale - m).exp().matrix();
-          const float sum = row.head(cols(i + 1)).sum();
-          row.head(cols(i + 1)) /= sum;
+          // Scale, subtract the maximum and exponentiate the positions seen; mask the rest.
+          seen = (seen.array() * scale - m).exp().matrix();
+          const float sum = seen.sum();
+          seen /= sum;
+          row.head(cols(lo)).setZero();
           row.tail(cols(t - i - 1)).setZero();
           row_lse[i] = m + std::log(sum);
         }
@@ -505,15 +551,16 @@ class CpuCompute final : public Compute {
   // backward for a recomputed layer (write_next false: x_{l+1} is kept): the same operations on
   // the same x_l and weights, so the same bits.
   void forward_layer(const Layer& lw, const Batch& b, int l, bool write_next) const {
-    const std::size_t n = tokens(b), d = z_.d, t = static_cast<std::size_t>(b.seq_len);
+    const std::size_t n = tokens(b), d = z_.d;
     const float eps = static_cast<float>(s_.rms_eps);
     float* const normed = at(l_.normed);
     const float* const x = layer_at(l_.xs, l, d);
     // `normed` holds the attention's norm output, then the MLP's.
     rms_norm(x, n, d, lw.attn_norm, eps, normed, slot_at(l_.rstd_attn, l, 1));
     const CMapR a(normed, rows_i(n), cols(d));
-    MapR q(slot_at(l_.qs, l, z_.q), rows_i(n), cols(z_.q));
-    MapR k(slot_at(l_.ks, l, z_.kv), rows_i(n), cols(z_.kv));
+    // With qk_norm the projections go to q_raw, k_raw, and their per-head norms to qs, ks.
+    MapR q(slot_at(s_.qk_norm ? l_.q_raw : l_.qs, l, z_.q), rows_i(n), cols(z_.q));
+    MapR k(slot_at(s_.qk_norm ? l_.k_raw : l_.ks, l, z_.kv), rows_i(n), cols(z_.kv));
     MapR v(slot_at(l_.vs, l, z_.kv), rows_i(n), cols(z_.kv));
     q.noalias() = a * CMapR(lw.q, cols(z_.q), cols(d)).transpose();
     k.noalias() = a * CMapR(lw.k, cols(z_.kv), cols(d)).transpose();
@@ -523,8 +570,14 @@ class CpuCompute final : public Compute {
       k.rowwise() += CMapRow(lw.k_bias, cols(z_.kv));
       v.rowwise() += CMapRow(lw.v_bias, cols(z_.kv));
     }
-    rope(q.data(), n, z_.q, t);
-    rope(k.data(), n, z_.kv, t);
+    float* const q_out = slot_at(l_.qs, l, z_.q);
+    float* const k_out = slot_at(l_.ks, l, z_.kv);
+    if (s_.qk_norm) {  // a head's hd values are one row of the [n * heads, hd] view
+      rms_norm(q.data(), n * z_.h, 2 * z_.half, lw.q_norm, eps, q_out, slot_at(l_.rstd_q, l, z_.h));
+      rms_norm(k.data(), n * z_.k, 2 * z_.half, lw.k_norm, eps, k_out, slot_at(l_.rstd_k, l, z_.k));
+    }
+    rope(q_out, b, z_.q);
+    rope(k_out, b, z_.kv);
     attention(l, b);
     MapR y(slot_at(l_.ys, l, d), rows_i(n), cols(d));
     y = CMapR(x, rows_i(n), cols(d));
@@ -615,6 +668,18 @@ class CpuCompute final : public Compute {
     emit(sink, id, g, width);
   }
 
+  // A per-head norm's backward over `rows` head rows of hd (x: its input, kept from forward):
+  // `grad` goes from the gradient at its output to the one at its input, and the weight's
+  // gradient (summed over every head row) into dw when given.
+  void head_norm_backward(const float* x, const float* rstd, const float* w, std::size_t rows,
+                          float* grad, float* dw) const {
+    const std::size_t hd = 2 * z_.half;
+    float* const dx = at(l_.d_head);
+    MapR(dx, rows_i(rows), cols(hd)).setZero();
+    rms_norm_backward(x, rows, hd, w, rstd, grad, dw, dx);
+    std::copy(dx, dx + rows * hd, grad);
+  }
+
   // Gradients of q, k, v (after RoPE) from that of the attention output (d_o).
   void attention_backward(int l, const Batch& b) const {
     const std::size_t t = static_cast<std::size_t>(b.seq_len), n = tokens(b), group = z_.h / z_.k;
@@ -642,8 +707,10 @@ class CpuCompute final : public Compute {
         const float* const row_lse = lse + (seq * z_.h + h) * t;
         for (std::size_t i = 0; i < t; ++i) {
           auto row = p.row(cols(i));
-          row.head(cols(i + 1)) =
-              (row.head(cols(i + 1)).array() * scale - row_lse[i]).exp().matrix();
+          const std::size_t lo = first_key(b, seq, i);
+          auto seen = row.segment(cols(lo), cols(i + 1 - lo));
+          seen = (seen.array() * scale - row_lse[i]).exp().matrix();
+          row.head(cols(lo)).setZero();
           row.tail(cols(t - i - 1)).setZero();
         }
         head_block(dv, seq, g, z_.kv, t).noalias() += p.transpose() * doh;
@@ -695,8 +762,7 @@ class CpuCompute final : public Compute {
   // `below` (a lower group wants gradients). A frozen layer only carries dx through.
   void layer_backward(const Weights& w, const Batch& b, GradSink& sink, int l, bool active,
                       bool below) {
-    const std::size_t n = tokens(b), d = z_.d, in = z_.inter,
-                      t = static_cast<std::size_t>(b.seq_len);
+    const std::size_t n = tokens(b), d = z_.d, in = z_.inter;
     const Layer lw = upcast_layer(w, l);
     // A recomputed layer's activations, from x_l, into the slot the lowest layers share.
     if (static_cast<std::size_t>(l) < recompute_) forward_layer(lw, b, l, false);
@@ -739,14 +805,26 @@ class CpuCompute final : public Compute {
     float* const dq = at(l_.dq);
     float* const dk = at(l_.dk);
     float* const dv = at(l_.dv);
-    rope_backward(dq, n, z_.q, t);
-    rope_backward(dk, n, z_.kv, t);
+    rope_backward(dq, b, z_.q);
+    rope_backward(dk, b, z_.kv);
+    // With q/k norms, dq and dk go from the norms' outputs to their inputs, and the norms'
+    // weight gradients wait in head_norm_grads to be written in backward order.
+    float* const q_norm_grad = at(l_.head_norm_grads);
+    float* const k_norm_grad = q_norm_grad + 2 * z_.half;
+    if (s_.qk_norm && (active || below)) {
+      head_norm_backward(slot_at(l_.k_raw, l, z_.kv), slot_at(l_.rstd_k, l, z_.k), lw.k_norm,
+                         n * z_.k, dk, active ? k_norm_grad : nullptr);
+      head_norm_backward(slot_at(l_.q_raw, l, z_.q), slot_at(l_.rstd_q, l, z_.h), lw.q_norm,
+                         n * z_.h, dq, active ? q_norm_grad : nullptr);
+    }
     if (active) {
       rms_norm_again(x, n, d, lw.attn_norm, slot_at(l_.rstd_attn, l, 1), normed);
       if (s_.qkv_bias) emit_bias(sink, {ParamKind::v_bias, l}, dv, n, z_.kv);
       emit_weight(sink, {ParamKind::v, l}, dv, normed, n, z_.kv, d);
+      if (s_.qk_norm) emit(sink, {ParamKind::k_norm, l}, k_norm_grad, 2 * z_.half);
       if (s_.qkv_bias) emit_bias(sink, {ParamKind::k_bias, l}, dk, n, z_.kv);
       emit_weight(sink, {ParamKind::k, l}, dk, normed, n, z_.kv, d);
+      if (s_.qk_norm) emit(sink, {ParamKind::q_norm, l}, q_norm_grad, 2 * z_.half);
       if (s_.qkv_bias) emit_bias(sink, {ParamKind::q_bias, l}, dq, n, z_.q);
       emit_weight(sink, {ParamKind::q, l}, dq, normed, n, z_.q, d);
     }

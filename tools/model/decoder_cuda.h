@@ -38,6 +38,7 @@ struct CudaLayout {
   std::size_t rope_cos, rope_sin;  // f32 seq_len head_dim / 2: RoPE's angles, once a forward
   std::size_t tokens;         // i32 n: the batch's inputs
   std::size_t targets;        // i32 n
+  std::size_t positions;      // i32 n: the batch's positions (documents apart), when it has them
   std::size_t embed_rows;     // i32 n: the distinct input tokens, ascending
   std::size_t embed_starts;   // i32 n + 1: where each one's positions start in embed_positions
   std::size_t embed_positions;  // i32 n: positions grouped by token, ascending within a token
@@ -48,9 +49,14 @@ struct CudaLayout {
   std::size_t ys;    // f32 S n D: the residual stream after attention
   std::size_t rstd_attn, rstd_mlp;  // f32 S n: 1 / rms of the attention and MLP norms' rows
   std::size_t rstd_final;           // f32 n: of the final norm's
-  std::size_t q, k, v;  // b16 S n H hd, S n K hd, S n K hd: after bias and RoPE
+  std::size_t q, k, v;  // b16 S n H hd, S n K hd, S n K hd: after bias, head norm and RoPE
   std::size_t o;        // b16 S n H hd: attention's output
   std::size_t lse;      // f32 S cuda_lse_stride(n, H): logsumexp of each attention row
+  // qk_norm (Qwen3) only, 0 bytes without: each q and k head's normalised values before their
+  // weight, x / rms(x) (what the norms' backward and weight gradients read: kept, as q and k
+  // are, since the projections' fp32 rows are scratch), H q heads then K k heads a token.
+  std::size_t qk_hat;   // b16 S n (H + K) hd
+  std::size_t qk_rstd;  // f32 S n (H + K): 1 / rms of each of those head rows
   std::size_t gate, up;  // b16 S n I: the MLP's two input projections
   // Scratch, one of each:
   std::size_t normed;  // b16 n D: a norm's output (recomputed in backward)
@@ -66,7 +72,7 @@ struct CudaLayout {
   std::size_t logits;  // f32 min(n, kCudaLossChunkRows) V; its rows' gradient in place (b16)
   std::size_t row_loss;   // f32 n
   std::size_t mean_loss;  // f64 1
-  std::size_t partials;   // f32 ceil(n / kCudaRowsPerPartial) max(D, H hd)
+  std::size_t partials;   // f32 ceil(n / kCudaRowsPerPartial) max(D, H hd) (head norms: hd)
   std::size_t workspace;  // kCudaCublasWorkspaceBytes
   // Attention through cuDNN (a build with cuDNN; 0 bytes in one without):
   std::size_t attn_scratch;  // cuda_cudnn_scratch_bytes: its workspace (and fp32 dQ, atomic form)
@@ -89,6 +95,11 @@ inline void check_cuda_shape(const DecoderShape& s, int max_sequences, int seq_l
     fail("max_sequences = " + std::to_string(max_sequences) + ": above 65535");
   if (seq_len < 1) fail("seq_len = " + std::to_string(seq_len) + ": not >= 1");
   validate_decoder_shape(s, "decoder (cuda)");
+  // transformers adds q_proj's and k_proj's biases before the head norms; this backend adds
+  // them in RoPE's kernel, after. validate_decoder_shape refuses the pair for every backend;
+  // this backend would be wrong without that rule, so it keeps its own.
+  if (s.qkv_bias && s.qk_norm)
+    fail("qkv_bias with qk_norm: q/k biases before the per-head q/k norms are not supported");
   if (s.heads > 65535) fail("heads = " + std::to_string(s.heads) + ": above 65535");
   if (s.head_dim > kCudaMaxHeadDim)
     fail("head_dim = " + std::to_string(s.head_dim) + ": above " +
@@ -192,6 +203,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.rope_sin = a.take(static_cast<std::size_t>(seq_len) * (s.head_dim / 2), f32);
   l.tokens = a.take(n, i32);
   l.targets = a.take(n, i32);
+  l.positions = a.take(n, i32);
   l.embed_rows = a.take(n, i32);
   l.embed_starts = a.take(n + 1, i32);
   l.embed_positions = a.take(n, i32);
@@ -206,6 +218,9 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.v = a.take(slots * n * kw, b16);
   l.o = a.take(slots * n * qw, b16);
   l.lse = a.take(slots * cuda_lse_stride(n, s.heads), f32);
+  const std::size_t head_rows = s.qk_norm ? n * (h + static_cast<std::size_t>(s.kv_heads)) : 0;
+  l.qk_hat = a.take(slots * head_rows * static_cast<std::size_t>(s.head_dim), b16);
+  l.qk_rstd = a.take(slots * head_rows, f32);
   l.gate = a.take(slots * n * in, b16);
   l.up = a.take(slots * n * in, b16);
   l.normed = a.take(n * d, b16);

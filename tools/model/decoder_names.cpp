@@ -19,10 +19,14 @@ std::string param_name(ParamId id) {
       return layer("self_attn.q_proj.weight");
     case ParamKind::q_bias:
       return layer("self_attn.q_proj.bias");
+    case ParamKind::q_norm:
+      return layer("self_attn.q_norm.weight");
     case ParamKind::k:
       return layer("self_attn.k_proj.weight");
     case ParamKind::k_bias:
       return layer("self_attn.k_proj.bias");
+    case ParamKind::k_norm:
+      return layer("self_attn.k_norm.weight");
     case ParamKind::v:
       return layer("self_attn.v_proj.weight");
     case ParamKind::v_bias:

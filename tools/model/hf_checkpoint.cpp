@@ -276,7 +276,9 @@ void HfCheckpoint::refuse_leftovers(const Places& stored) const {
     throw refusal(fmt::format("tensor {} in '{}' is no param of the model config.json describes "
                               "({} layers, {}, {} head)",
                               quote_value(name), file, shape().layers,
-                              shape().qkv_bias ? "q/k/v biases" : "no biases",
+                              shape().qkv_bias  ? "q/k/v biases"
+                              : shape().qk_norm ? "q/k norms, no biases"
+                                                : "no biases",
                               shape().tied ? "a tied" : "an untied"));
   }
 }

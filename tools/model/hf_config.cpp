@@ -29,18 +29,21 @@ std::string HfConfigSource::field(std::string_view key) const {
 namespace {
 
 // transformers' defaults where config.json leaves a field out (LlamaConfig, Qwen2Config,
-// MistralConfig of transformers 5).
+// Qwen3Config, MistralConfig of transformers 5).
 struct FamilyDefaults {
   std::string_view model_type;
   DecoderFamily family;
   int max_positions;
   std::optional<int> kv_heads;  ///< empty: num_attention_heads
+  std::optional<int> head_dim;  ///< empty: hidden_size / num_attention_heads
 };
 constexpr FamilyDefaults kFamilies[] = {
-    {"llama", DecoderFamily::llama, 2048, std::nullopt},
-    {"qwen2", DecoderFamily::qwen2, 32768, 32},
-    {"mistral", DecoderFamily::mistral, 4096 * 32, 8},
+    {"llama", DecoderFamily::llama, 2048, std::nullopt, std::nullopt},
+    {"qwen2", DecoderFamily::qwen2, 32768, 32, std::nullopt},
+    {"qwen3", DecoderFamily::qwen3, 32768, 32, 128},
+    {"mistral", DecoderFamily::mistral, 4096 * 32, 8, std::nullopt},
 };
+constexpr std::string_view kSupportedTypes = "supported: llama, qwen2, qwen3, mistral";
 constexpr double kDefaultTheta = 10000.0;
 // The largest config.json read: real ones are a few KiB (a classifier's label names make some
 // larger), so this only bounds the memory a hostile one takes.
@@ -201,8 +204,10 @@ void check_sliding_window(const Fields& f, const DecoderShape& s, int layers,
     if (window && window_in_use(*window, seq_len)) refuse(*window);
     return;
   }
-  if (s.family != DecoderFamily::qwen2) return;  // Llama has no sliding window
-  // Qwen2Config: the window applies only with use_sliding_window, to the layers layer_types
+  // Llama has no sliding window
+  if (s.family != DecoderFamily::qwen2 && s.family != DecoderFamily::qwen3) return;
+  // Qwen2Config and Qwen3Config: the window applies only with use_sliding_window, to the layers
+  // layer_types
   // marks "sliding_attention" (by default those from max_window_layers up).
   if (!f.boolean("use_sliding_window", false)) return;
   const auto window = window_of(f, "sliding_window", kQwen2SlidingWindow);
@@ -226,10 +231,10 @@ void check_sliding_window(const Fields& f, const DecoderShape& s, int layers,
 
 const FamilyDefaults& family_of(const Fields& f) {
   const auto type = f.string("model_type");
-  if (!type) f.refuse_missing("model_type", "supported: llama, qwen2, mistral");
+  if (!type) f.refuse_missing("model_type", kSupportedTypes);
   for (const auto& d : kFamilies)
     if (d.model_type == *type) return d;
-  f.refuse("model_type", "unsupported model type; supported: llama, qwen2, mistral");
+  f.refuse("model_type", fmt::format("unsupported model type; {}", kSupportedTypes));
 }
 
 std::optional<DType> dtype_field(const Fields& f) {
@@ -295,6 +300,7 @@ void check_limits(const Fields& f, const DecoderShape& s) {
                                      s.head_dim, s.q_width(), above(Limits::q_width)));
   DecoderShape counted = s;
   counted.qkv_bias = s.family == DecoderFamily::qwen2;
+  counted.qk_norm = s.family == DecoderFamily::qwen3;
   counted.tied = f.boolean("tie_word_embeddings", false);
   if (const auto params = decoder_param_count_unchecked(counted); params > Limits::params)
     throw ConfigError(
@@ -326,10 +332,12 @@ HfModelConfig hf_config_from_json(const json& config, const HfConfigSource& sour
                 f.present("num_key_value_heads") ? s.heads : family.kv_heads.value_or(s.heads), 1);
   if (s.heads % s.kv_heads != 0)
     f.refuse("num_key_value_heads", fmt::format("must divide num_attention_heads = {}", s.heads));
-  // LlamaConfig refuses a hidden size that is no multiple of the heads even with a head_dim.
-  if ((!f.has("head_dim") || s.family == DecoderFamily::llama) && s.hidden % s.heads != 0)
+  // LlamaConfig refuses a hidden size that is no multiple of the heads even with a head_dim;
+  // Qwen3Config's head_dim has a default of its own (128).
+  const bool head_dim_given = f.has("head_dim") || family.head_dim.has_value();
+  if ((!head_dim_given || s.family == DecoderFamily::llama) && s.hidden % s.heads != 0)
     f.refuse("num_attention_heads", fmt::format("does not divide hidden_size = {}", s.hidden));
-  s.head_dim = f.integer("head_dim", s.hidden / s.heads, 1);
+  s.head_dim = f.integer("head_dim", family.head_dim.value_or(s.hidden / s.heads), 1);
   if (s.head_dim % 2 != 0) {
     if (f.has("head_dim")) f.refuse("head_dim", "must be even (RoPE rotates pairs)");
     throw ConfigError(fmt::format(
@@ -346,6 +354,16 @@ HfModelConfig hf_config_from_json(const json& config, const HfConfigSource& sour
   switch (s.family) {
     case DecoderFamily::qwen2:
       s.qkv_bias = true;  // Qwen2Attention always builds q/k/v with a bias and o without
+      break;
+    case DecoderFamily::qwen3:
+      // Qwen3Attention: q_norm and k_norm always; attention_bias puts biases on all four
+      // projections, o_proj's included.
+      if (f.boolean("attention_bias", false))
+        f.refuse("attention_bias",
+                 "biases on the attention projections (o_proj's included) are "
+                 "not implemented");
+      s.qkv_bias = false;
+      s.qk_norm = true;
       break;
     case DecoderFamily::llama:
       if (f.boolean("attention_bias", false))
@@ -404,12 +422,23 @@ json hf_config_to_json(const DecoderShape& s, DType dtype) {
   if (s.qkv_bias != (s.family == DecoderFamily::qwen2))
     throw refuse(s.qkv_bias ? "q/k/v biases without o_proj's exist only in qwen2"
                             : "a qwen2 always has q/k/v biases");
-  const char* model_type = s.family == DecoderFamily::llama   ? "llama"
-                           : s.family == DecoderFamily::qwen2 ? "qwen2"
-                                                              : "mistral";
-  const char* architecture = s.family == DecoderFamily::llama   ? "LlamaForCausalLM"
-                             : s.family == DecoderFamily::qwen2 ? "Qwen2ForCausalLM"
-                                                                : "MistralForCausalLM";
+  if (s.qk_norm != (s.family == DecoderFamily::qwen3))
+    throw refuse(s.qk_norm ? "q/k norms exist only in qwen3" : "a qwen3 always has q/k norms");
+  const char* model_type = "mistral";
+  const char* architecture = "MistralForCausalLM";
+  switch (s.family) {
+    case DecoderFamily::llama:
+      model_type = "llama", architecture = "LlamaForCausalLM";
+      break;
+    case DecoderFamily::qwen2:
+      model_type = "qwen2", architecture = "Qwen2ForCausalLM";
+      break;
+    case DecoderFamily::qwen3:
+      model_type = "qwen3", architecture = "Qwen3ForCausalLM";
+      break;
+    case DecoderFamily::mistral:
+      break;
+  }
   json rope = {{"rope_type", "default"}};
   if (s.rope_scaling == RopeScaling::linear) {
     rope = {{"rope_type", "linear"}, {"factor", s.rope_factor}};
@@ -445,6 +474,9 @@ json hf_config_to_json(const DecoderShape& s, DType dtype) {
       c["attention_bias"] = false;
       c["mlp_bias"] = false;
       break;
+    case DecoderFamily::qwen3:
+      c["attention_bias"] = false;
+      [[fallthrough]];
     case DecoderFamily::qwen2:
       c["use_sliding_window"] = false;
       c["sliding_window"] = nullptr;

@@ -34,8 +34,9 @@ std::int64_t RunData::val_targets(int batches) const {
 }
 
 std::string RunData::describe() const {
-  return fmt::format("data {} ({} sequences, {} tokens; {} validation sequences)", train_,
-                     tokens_.train_samples(), tokens_.train_tokens(), tokens_.val_samples());
+  return fmt::format("data {} ({} sequences, {} tokens; {} validation sequences; documents {})",
+                     train_, tokens_.train_samples(), tokens_.train_tokens(),
+                     tokens_.val_samples(), tokens_.documents_apart() ? "apart" : "packed");
 }
 
 }  // namespace shardswap

@@ -34,6 +34,8 @@ class RunData {
   /// The batches of micro-batch size that cover the validation set, the last one maybe partial.
   std::int64_t val_batches() const { return (tokens_.val_samples() + micro_ - 1) / micro_; }
   bool has_val() const { return tokens_.has_val(); }
+  /// Documents kept apart (data.documents): the batches carry positions.
+  bool documents_apart() const { return tokens_.documents_apart(); }
   int micro() const { return micro_; }
   int seq_len() const { return tokens_.seq_len(); }
   std::int64_t val_samples() const { return tokens_.val_samples(); }

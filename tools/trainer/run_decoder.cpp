@@ -24,6 +24,8 @@ const char* family_name(DecoderFamily f) {
       return "llama";
     case DecoderFamily::qwen2:
       return "qwen2";
+    case DecoderFamily::qwen3:
+      return "qwen3";
     case DecoderFamily::mistral:
       return "mistral";
   }
@@ -31,7 +33,8 @@ const char* family_name(DecoderFamily f) {
 }
 
 DecoderBatch to_batch(TokenSequences s) {
-  return {s.sequences, s.seq_len, std::move(s.inputs), std::move(s.targets)};
+  return {s.sequences, s.seq_len, std::move(s.inputs), std::move(s.targets),
+          std::move(s.positions)};
 }
 
 class DecoderRank final : public RankModel {

@@ -158,6 +158,10 @@ void Trainer::open_log() {
       comm_description(config_), config_.engine.stage, dtype_name(config_.engine.dtype),
       optimizer_type_name(config_.engine.optimizer.type), config_.batches.train_samples, micro,
       config_.batches.gradient_accumulation_steps, world_, run_.data.describe());
+  if (run_.data.documents_apart() && run_.backend.kind() == DeviceKind::cuda)
+    out.log << "documents apart: attention runs the decoder's own kernels, which take document "
+               "boundaries (cuDNN's fused attention is not given them yet): its attention is "
+               "slower; data.documents = \"packed\" keeps cuDNN\n";
   const LayerSchedule& schedule = *config_.schedule;
   if (schedule.enabled())
     out.log << fmt::format("layer switching: {} every {} steps, policy {}; active now: {}\n",

@@ -39,6 +39,14 @@ __device__ void load_tile(const T* __restrict__ src, long long first_row, int t0
   }
 }
 
+// The first key row i (of the sequence whose first token is `first`) sees: 0, or with
+// positions (documents apart) its document's first token, i - positions[first + i]. Rows past
+// the sequence's end: 0 (unused).
+__device__ __forceinline__ int first_key(const int* __restrict__ positions, long long first,
+                                         int i, int seq_len) {
+  return positions != nullptr && i < seq_len ? i - positions[first + i] : 0;
+}
+
 // Calls f(std::integral_constant<int, P>) with P = head_dim / 32 rounded up (1..4).
 template <class F>
 void with_lanes(int hd, F&& f) {

@@ -3,9 +3,9 @@
 // Every projection is a cuBLAS GEMM (cublasGemmEx, bit16 inputs, fp32 accumulation,
 // CUBLAS_COMPUTE_32F); weight gradients are written by the GEMM straight into the engine's grad
 // slot (beta = 1, alpha = grad scale / tokens). Small kernels do the rest, one file per op in
-// tools/model/cuda/ (launched through kernels.h): embedding gather, RMSNorm, bias + RoPE, causal GQA
-// attention (flash style), SwiGLU, the chunked cross-entropy, bias and norm gradients and the
-// embedding gradient.
+// tools/model/cuda/ (launched through kernels.h): embedding gather, RMSNorm, Qwen3's per-head q/k
+// RMSNorm, bias + RoPE, causal GQA attention (flash style), SwiGLU, the chunked cross-entropy,
+// bias and norm gradients and the embedding gradient.
 //
 // Precision: the residual stream, GEMM outputs that feed a reduction, norm statistics and the
 // softmaxes are fp32; GEMM inputs and attention's operands are rounded to the weights' type, as a
@@ -23,12 +23,14 @@
 //
 // Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
 // head_dim is a multiple of 8, else (or with SHARDSWAP_DECODER_ATTENTION=own) the own kernels
-// (attention_forward.cu, attention_backward.cu). cuDNN keeps lse as [sequence, head, position]
-// and writes dQ, dK, dV in the operands' type (rounded from its fp32 sums, where the own kernels
-// keep fp32), which the RoPE backward reads as they are. Its backward is the deterministic one
-// (dP in its workspace, in calls of a few sequences) unless SHARDSWAP_DECODER_ATTENTION=
-// cudnn-atomic asks for the one that sums dQ over key tiles with atomics, whose runs differ in
-// the last bits.
+// (attention_forward.cu, attention_backward.cu). A batch that keeps documents apart
+// (Batch::positions) runs the own kernels, which take each row's first key: the fused attention is
+// not yet given the document boundaries (cuDNN's ragged layout would take them). cuDNN keeps lse as
+// [sequence, head, position] and writes dQ, dK, dV in the operands' type (rounded from its fp32
+// sums, where the own kernels keep fp32), which the RoPE backward reads as they are. Its backward
+// is the deterministic one (dP in its workspace, in calls of a few sequences) unless
+// SHARDSWAP_DECODER_ATTENTION=cudnn-atomic asks for the one that sums dQ over key tiles with
+// atomics, whose runs differ in the last bits.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -216,6 +218,11 @@ class CudaCompute final : public Compute {
   float* rstd_attn(int l) const { return layer<float>(l_.rstd_attn, l, 1); }
   float* rstd_mlp(int l) const { return layer<float>(l_.rstd_mlp, l, 1); }
   float* rstd_final() const { return at(l_.rstd_final); }
+  // qk_norm's kept rows: H + K head rows a token.
+  T* qk_hat(int l) const {
+    return layer<T>(l_.qk_hat, l, std::int64_t{s_.heads + s_.kv_heads} * s_.head_dim);
+  }
+  float* qk_rstd(int l) const { return layer<float>(l_.qk_rstd, l, s_.heads + s_.kv_heads); }
   float* lse(int l) const {
     return at(l_.lse) + cuda_slot_of(l, recompute_) * cuda_lse_stride(n_max_, s_.heads);
   }
@@ -233,6 +240,10 @@ class CudaCompute final : public Compute {
                         std::to_string(seq_len_) + "]");
     if (b.inputs == nullptr || b.targets == nullptr)
       throw ConfigError(where + "the batch's inputs or targets are null");
+    if (const std::int64_t i = bad_position(b); i >= 0)
+      throw ConfigError(where + "position " + std::to_string(b.positions[i]) + " of token " +
+                        std::to_string(i) +
+                        ": a row starts at 0 and a position is 0 or the one before plus 1");
     const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
     for (std::size_t i = 0; i < n; ++i)
       for (const auto* ids : {b.inputs, b.targets})
@@ -259,6 +270,11 @@ class CudaCompute final : public Compute {
       if (any_null || (s_.qkv_bias ? !biases : !no_biases))
         throw ConfigError(where + "layers." + std::to_string(l) +
                           ": a weight is null, or q/k/v biases do not match qkv_bias");
+      const bool head_norms = lw.q_norm && lw.k_norm;
+      const bool no_head_norms = !lw.q_norm && !lw.k_norm;
+      if (s_.qk_norm ? !head_norms : !no_head_norms)
+        throw ConfigError(where + "layers." + std::to_string(l) +
+                          ": q_norm/k_norm weights do not match qk_norm");
     }
   }
 
@@ -272,6 +288,10 @@ class CudaCompute final : public Compute {
                                          cudaMemcpyHostToDevice, stream));
     SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.targets), b.targets, n * sizeof(int),
                                          cudaMemcpyHostToDevice, stream));
+    doc_positions_ = b.positions != nullptr ? at<int>(l_.positions) : nullptr;
+    if (doc_positions_ != nullptr)
+      SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(doc_positions_, b.positions, n * sizeof(int),
+                                           cudaMemcpyHostToDevice, stream));
     if (!embed_groups) return;
     positions_.resize(n);
     for (std::size_t i = 0; i < n; ++i) positions_[i] = static_cast<int>(i);
@@ -325,7 +345,8 @@ class CudaCompute final : public Compute {
   // Layer l's forward from x_l into its slot, and x_{l+1}. A recompute (at the start of the
   // layer's backward) stops at what backward reads, gate and up: act and x_{l+1} are not
   // rewritten, and no phase is marked (its time counts in backward MLP). It writes only the slot
-  // and the scratch normed and qkv32, both rewritten by backward before it reads them.
+  // (qk_hat and qk_rstd too, with qk_norm) and the scratch normed and qkv32, both rewritten by
+  // backward before it reads them.
   void forward_layer(const Weights& w, const Batch& b, int l, bool recompute) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
     const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
@@ -346,9 +367,15 @@ class CudaCompute final : public Compute {
     linear(n, qw, d, normed, d, lw.q, 0.0f, qkv, CUDA_R_32F, width);
     linear(n, kw, d, normed, d, lw.k, 0.0f, qkv + qw, CUDA_R_32F, width);
     linear(n, kw, d, normed, d, lw.v, 0.0f, qkv + qw + kw, CUDA_R_32F, width);
+    // Qwen3: each q and k head normalised in place, before RoPE (no biases with it:
+    // check_cuda_shape).
+    if (s_.qk_norm)
+      launch_head_norm_forward<T>(qkv, width, n, s_.heads, s_.kv_heads, s_.head_dim,
+                                  cw(lw.q_norm), cw(lw.k_norm), static_cast<float>(s_.rms_eps),
+                                  qk_hat(l), qk_rstd(l));
     launch_qkv_forward<T>(n, qkv, cw(lw.q_bias), cw(lw.k_bias), cw(lw.v_bias), at(l_.rope_cos),
                           at(l_.rope_sin), b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, q, k,
-                          v);
+                          v, doc_positions_);
     mark(PhaseClock::attention_forward);
     attention(b, q, k, v, o, lse(l));
     mark(PhaseClock::forward);
@@ -374,16 +401,18 @@ class CudaCompute final : public Compute {
   }
   // Plans for the batch's shape before anything is queued (a refusal changes nothing).
   void prepare_attention(const Batch& b) {
-    if (cudnn_) cudnn_->prepare(attention_shape(b.sequences, b.seq_len));
+    if (cudnn_ && b.positions == nullptr) cudnn_->prepare(attention_shape(b.sequences, b.seq_len));
   }
+  // cuDNN for the uploaded batch: not when it keeps documents apart.
+  bool use_cudnn() const { return cudnn_ && doc_positions_ == nullptr; }
 
   void attention(const Batch& b, const T* q, const T* k, const T* v, T* o, float* lse) {
-    if (cudnn_) {
+    if (use_cudnn()) {
       cudnn_->forward(attention_shape(b.sequences, b.seq_len), {q, k, v, o, lse});
       return;
     }
     launch_attention_forward<T>(b.sequences, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, q, k,
-                                v, o, lse);
+                                v, o, lse, doc_positions_);
   }
 
   // The head over chunks of token rows: logits, per-row loss and the mean loss; with a sink,
@@ -472,6 +501,28 @@ class CudaCompute final : public Compute {
     finish(sink, id, chunks, d, alpha);
   }
 
+  // Qwen3's q/k head norms, backward, from g32's q|k columns = the gradient at their output
+  // (RoPE's backward): when `active`, their weight gradients, slot [hd] += alpha sum over the
+  // tokens and the norm's heads of dz xhat (k_norm's, then q_norm's: both read dz before it is
+  // replaced); then in place the gradient at their input into g32 and, rounded, g16, which the
+  // projections' GEMMs read.
+  void head_norm_backward(const LayerWeights& lw, int l, int n, bool active, GradSink& sink,
+                          float alpha, float* g32, T* g16) {
+    const int heads = s_.heads, kv_heads = s_.kv_heads, hd = s_.head_dim;
+    const long long width = qkv_width();
+    if (active) {
+      const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+      launch_head_norm_partials<T>(g32, width, qk_hat(l), n, heads + kv_heads, heads, kv_heads,
+                                   hd, at(l_.partials));
+      finish(sink, {K::k_norm, l}, chunks, hd, alpha);
+      launch_head_norm_partials<T>(g32, width, qk_hat(l), n, heads + kv_heads, 0, heads, hd,
+                                   at(l_.partials));
+      finish(sink, {K::q_norm, l}, chunks, hd, alpha);
+    }
+    launch_head_norm_backward<T>(g32, g16, width, n, heads, kv_heads, hd, cw(lw.q_norm),
+                                 cw(lw.k_norm), qk_hat(l), qk_rstd(l));
+  }
+
   void finish(GradSink& sink, ParamId id, int chunks, int w, float alpha) {
     const GradSlot slot = sink.open(id);
     with_slot_type<T>(slot, id, [&](auto g) {
@@ -544,10 +595,11 @@ class CudaCompute final : public Compute {
       clock_.mark(PhaseClock::backward);
       if (in_g16)
         launch_qkv_backward<T, T>(n, g16, g32, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
-                                  s_.heads, s_.kv_heads, s_.head_dim, g16);
+                                  s_.heads, s_.kv_heads, s_.head_dim, g16, doc_positions_);
       else
         launch_qkv_backward<T, float>(n, g32, g32, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
-                                      s_.heads, s_.kv_heads, s_.head_dim, g16);
+                                      s_.heads, s_.kv_heads, s_.head_dim, g16, doc_positions_);
+      if (s_.qk_norm) head_norm_backward(lw, l, n, active, sink, alpha, g32, g16);
       if (active) {
         rms_norm(xs(l), lw.attn_norm, n, normed, nullptr);
         weight_grad(sink, {K::q, l}, n, qw, d, alpha, g16, width, normed, d);
@@ -579,7 +631,7 @@ class CudaCompute final : public Compute {
   // g32 (false).
   bool attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* o,
                           const T* dout, const float* lse, float* g32, T* g16, long long width) {
-    if (cudnn_) {
+    if (use_cudnn()) {
       const long long qw = s_.q_width(), kw = s_.kv_width();
       cudnn_->backward(attention_shape(b.sequences, b.seq_len),
                        {q, k, v, o, dout, lse, g16, g16 + qw, g16 + qw + kw, dq32_,
@@ -587,7 +639,7 @@ class CudaCompute final : public Compute {
       return true;
     }
     launch_attention_backward<T>(b.sequences, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, q,
-                                 k, v, o, dout, lse, at(l_.delta), g32, width);
+                                 k, v, o, dout, lse, at(l_.delta), g32, width, doc_positions_);
     return false;
   }
 
@@ -602,6 +654,7 @@ class CudaCompute final : public Compute {
   std::vector<float> inv_freq_;
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
   std::size_t counted_ = 0;  // the uploaded batch's counted targets (not kIgnoredTarget)
+  int* doc_positions_ = nullptr;  // the uploaded batch's positions on the device (documents apart)
 
   // What a param gradient of the mean loss over the counted targets is multiplied by.
   float mean_factor(double grad_scale) const {

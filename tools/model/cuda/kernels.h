@@ -35,29 +35,55 @@ void launch_rms_norm_backward(const float* dz, const float* x, const float* rstd
 void launch_rope_table(const float* inv_freq, int seq_len, int half, float* cos_out,
                        float* sin_out);
 /// q, k (biased and rotated) and v (biased) in T from the fp32 projections qkv [n, (H + 2K) hd];
-/// a bias may be null.
+/// a bias may be null. Token t's RoPE position is positions[t] (device; documents apart) or,
+/// with positions null, t % seq_len.
 template <class T>
 void launch_qkv_forward(int n, const float* qkv, const T* bq, const T* bk, const T* bv,
                         const float* rope_cos, const float* rope_sin, int seq_len, int heads,
-                        int kv_heads, int hd, T* q, T* k, T* v);
+                        int kv_heads, int hd, T* q, T* k, T* v, const int* positions);
 /// RoPE's backward from dq|dk|dv in `in` (In: fp32 or T; may be g or g16): the gradient at the
-/// projections into g (fp32) and rounded into g16.
+/// projections into g (fp32) and rounded into g16. Positions as launch_qkv_forward's.
 template <class T, class In>
 void launch_qkv_backward(int n, const In* in, float* g, const float* rope_cos,
                          const float* rope_sin, int seq_len, int heads, int kv_heads, int hd,
-                         T* g16);
+                         T* g16, const int* positions);
+
+// head_norm.cu: Qwen3's RMSNorm of each q and k head (DecoderShape::qk_norm), before RoPE.
+/// In place on the fp32 projections qkv [n, (H + 2K) hd] (rows ld apart), each of the H q heads
+/// and K k heads of a token (contiguous at its row's start) x -> x r w, r = 1 / rms(x) over the
+/// head's hd values, w = wq for a q head, wk for a k head; xhat [n (H + K), hd] = x r in T and
+/// rstd [n (H + K)] = r, for the backward.
+template <class T>
+void launch_head_norm_forward(float* qkv, long long ld, int n, int heads, int kv_heads, int hd,
+                              const T* wq, const T* wk, float eps, T* xhat, float* rstd);
+/// From dz at the norms' output in g's q|k columns (fp32, rows ld apart), in place the gradient
+/// at their input into g and rounded to T into g16 (the same rows).
+template <class T>
+void launch_head_norm_backward(float* g, T* g16, long long ld, int n, int heads, int kv_heads,
+                               int hd, const T* wq, const T* wk, const T* xhat,
+                               const float* rstd);
+/// partials [chunks, hd] of one head norm's weight gradient: the sum of dz * xhat over the
+/// chunk's kCudaRowsPerPartial tokens and over heads [first, first + count) of each token's
+/// per_token = H + K (dz: head h of token t at t ld + h hd; xhat as the forward's).
+template <class T>
+void launch_head_norm_partials(const float* dz, long long ld, const T* xhat, int n,
+                               int per_token, int first, int count, int hd, float* partials);
 
 // attention_forward.cu, attention_backward.cu: the own causal GQA attention.
-/// o [n, H hd] in T and lse fp32 [n, H] from q [n, H hd], k, v [n, K hd].
+/// o [n, H hd] in T and lse fp32 [n, H] from q [n, H hd], k, v [n, K hd]. With positions
+/// (device, [n]; null: none), token i attends to tokens i - positions[i] .. i of its row only
+/// (documents apart, lm::dec::Batch::positions).
 template <class T>
 void launch_attention_forward(int sequences, int seq_len, int heads, int kv_heads, int hd,
-                              const T* q, const T* k, const T* v, T* o, float* lse);
+                              const T* q, const T* k, const T* v, T* o, float* lse,
+                              const int* positions);
 /// dq, dk, dv in fp32 at columns 0, H hd and (H + K) hd of `grads` (rows ld long); delta fp32
-/// [n, H] is scratch.
+/// [n, H] is scratch. Positions as launch_attention_forward's.
 template <class T>
 void launch_attention_backward(int sequences, int seq_len, int heads, int kv_heads, int hd,
                                const T* q, const T* k, const T* v, const T* o, const T* dout,
-                               const float* lse, float* delta, float* grads, long long ld);
+                               const float* lse, float* delta, float* grads, long long ld,
+                               const int* positions);
 
 // swiglu.cu
 /// act = silu(gate) * up, count elements.
@@ -84,7 +110,7 @@ void launch_column_partials(const float* x, int n, int w, long long ld, float* p
 /// partials [chunks, d] of the column sums of dz * x * rstd (an RMSNorm's weight gradient).
 void launch_norm_partials(const float* dz, const float* x, const float* rstd, int n, int d,
                           float* partials);
-/// slot[k] += alpha * the sum of partials[0 .. chunks)[k], in order.
+/// slot[k] += alpha * the sum of partials[0 .. chunks)[k], in order (also the head norms').
 template <class G>
 void launch_finish_columns(const float* partials, int chunks, int w, float alpha, G* slot);
 

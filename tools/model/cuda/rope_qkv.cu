@@ -55,13 +55,15 @@ __global__ void qkv_forward(const float* __restrict__ qkv, const T* __restrict__
                             const T* __restrict__ bk, const T* __restrict__ bv,
                             const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
                             int seq_len, int heads, int kv_heads, int hd, T* __restrict__ q,
-                            T* __restrict__ k, T* __restrict__ v) {
+                            T* __restrict__ k, T* __restrict__ v,
+                            const int* __restrict__ positions) {
   const int half = hd / 2, width = (heads + 2 * kv_heads) * hd;
   const int units = (heads + kv_heads) * half + kv_heads * hd;
   const long long t = blockIdx.x;
   const float* row = qkv + t * width;
-  const float* cr = rope_cos + static_cast<long long>(t % seq_len) * half;
-  const float* sr = rope_sin + static_cast<long long>(t % seq_len) * half;
+  const long long pos = positions != nullptr ? positions[t] : t % seq_len;
+  const float* cr = rope_cos + pos * half;
+  const float* sr = rope_sin + pos * half;
   for (int u = threadIdx.x; u < units; u += blockDim.x) {
     const QkvUnit p = unit_place(u, heads, kv_heads, hd);
     if (p.part == 2) {
@@ -87,15 +89,16 @@ __global__ void qkv_forward(const float* __restrict__ qkv, const T* __restrict__
 template <class T, class In>
 __global__ void qkv_backward(const In* in, float* g, const float* __restrict__ rope_cos,
                              const float* __restrict__ rope_sin, int seq_len, int heads,
-                             int kv_heads, int hd, T* g16) {
+                             int kv_heads, int hd, T* g16, const int* __restrict__ positions) {
   const int half = hd / 2, width = (heads + 2 * kv_heads) * hd;
   const int units = (heads + kv_heads) * half + kv_heads * hd;
   const long long t = blockIdx.x;
   const In* row_in = in + t * width;
   float* row = g + t * width;
   T* row16 = g16 + t * width;
-  const float* cr = rope_cos + static_cast<long long>(t % seq_len) * half;
-  const float* sr = rope_sin + static_cast<long long>(t % seq_len) * half;
+  const long long pos = positions != nullptr ? positions[t] : t % seq_len;
+  const float* cr = rope_cos + pos * half;
+  const float* sr = rope_sin + pos * half;
   for (int u = threadIdx.x; u < units; u += blockDim.x) {
     const QkvUnit p = unit_place(u, heads, kv_heads, hd);
     if (p.part == 2) {
@@ -126,34 +129,35 @@ void launch_rope_table(const float* inv_freq, int seq_len, int half, float* cos_
 template <class T>
 void launch_qkv_forward(int n, const float* qkv, const T* bq, const T* bk, const T* bv,
                         const float* rope_cos, const float* rope_sin, int seq_len, int heads,
-                        int kv_heads, int hd, T* q, T* k, T* v) {
+                        int kv_heads, int hd, T* q, T* k, T* v, const int* positions) {
   qkv_forward<T><<<n, kQkvThreads, 0, cudaStreamPerThread>>>(
-      qkv, bq, bk, bv, rope_cos, rope_sin, seq_len, heads, kv_heads, hd, q, k, v);
+      qkv, bq, bk, bv, rope_cos, rope_sin, seq_len, heads, kv_heads, hd, q, k, v, positions);
   check_launch();
 }
 
 template <class T, class In>
 void launch_qkv_backward(int n, const In* in, float* g, const float* rope_cos,
                          const float* rope_sin, int seq_len, int heads, int kv_heads, int hd,
-                         T* g16) {
+                         T* g16, const int* positions) {
   qkv_backward<T, In><<<n, kQkvThreads, 0, cudaStreamPerThread>>>(
-      in, g, rope_cos, rope_sin, seq_len, heads, kv_heads, hd, g16);
+      in, g, rope_cos, rope_sin, seq_len, heads, kv_heads, hd, g16, positions);
   check_launch();
 }
 
 template void launch_qkv_forward(int, const float*, const __nv_bfloat16*, const __nv_bfloat16*,
                                  const __nv_bfloat16*, const float*, const float*, int, int, int,
-                                 int, __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*);
+                                 int, __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*,
+                                 const int*);
 template void launch_qkv_forward(int, const float*, const __half*, const __half*, const __half*,
                                  const float*, const float*, int, int, int, int, __half*, __half*,
-                                 __half*);
+                                 __half*, const int*);
 template void launch_qkv_backward(int, const __nv_bfloat16*, float*, const float*, const float*,
-                                  int, int, int, int, __nv_bfloat16*);
+                                  int, int, int, int, __nv_bfloat16*, const int*);
 template void launch_qkv_backward(int, const float*, float*, const float*, const float*, int, int,
-                                  int, int, __nv_bfloat16*);
+                                  int, int, __nv_bfloat16*, const int*);
 template void launch_qkv_backward(int, const __half*, float*, const float*, const float*, int,
-                                  int, int, int, __half*);
+                                  int, int, int, __half*, const int*);
 template void launch_qkv_backward(int, const float*, float*, const float*, const float*, int, int,
-                                  int, int, __half*);
+                                  int, int, __half*, const int*);
 
 }  // namespace shardswap::lm::dec
