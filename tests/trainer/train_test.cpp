@@ -535,6 +535,53 @@ TEST_CASE("a run that only skips fails after shardswap.max_consecutive_skips, na
   CHECK(test::config_shaped(config_error(j), "test.json", "shardswap.max_consecutive_skips"));
 }
 
+TEST_CASE("a step whose global batch counts no target runs and updates nothing, on every rank") {
+  // The loss mask is on the first 320 tokens of 3200 only: most global batches of 2 sequences
+  // hold none of them.
+  const test_support::ScratchFolder dir("train-no-targets");
+  std::mt19937 rng(4);
+  std::vector<std::uint32_t> tokens(3200);
+  std::vector<std::uint8_t> mask(tokens.size(), 0);
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = rng() % 256;
+    if (i < 320) mask[i] = kMaskTarget;
+  }
+  write_token_file((dir / "train.bin").string(), tokens, 1, mask);
+  write_token_file((dir / "val.bin").string(), tokens, 1, mask);
+  auto j = small_run();
+  j["steps"] = 12;
+  j["train_micro_batch_size_per_gpu"] = 1;
+  j["data"] = {{"train", (dir / "train.bin").string()},
+               {"val", (dir / "val.bin").string()},
+               {"seq_len", 32}};
+  j["logging"] = {{"interval", 1}, {"eval_interval", 12}, {"eval_batches", 2}};
+  j["shardswap"]["max_consecutive_skips"] = 0;
+  std::ostringstream log, metrics;
+  const TrainSummary summary = run(load(j), log, &metrics);
+  std::istringstream in(metrics.str());
+  int empty = 0, trained = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto m = nlohmann::json::parse(line);
+    if (!m.contains("step")) continue;
+    const bool none = m.value("no_targets", false);
+    INFO(line);
+    CHECK(m["skipped"] == none);  // skipped exactly when nothing counts
+    CHECK(m["loss"].is_null() == none);
+    (none ? empty : trained) += 1;
+  }
+  CHECK(empty > 0);
+  CHECK(trained > 0);
+  CHECK(summary.skipped == empty);
+  CHECK(std::isfinite(summary.final_loss));
+  // No target anywhere: every step is one, and max_consecutive_skips ends the run naming why.
+  std::fill(mask.begin(), mask.end(), std::uint8_t{0});
+  write_token_file((dir / "train.bin").string(), tokens, 1, mask);
+  j["shardswap"]["max_consecutive_skips"] = 3;
+  const std::string msg = test::message_of<Error>([&] { run(load(j), log, nullptr); });
+  CHECK(test::contains(msg, "step 3: 3 steps in a row skipped"));
+  CHECK(test::contains(msg, "no target of the global batch is under the loss mask"));
+}
+
 TEST_CASE("validation covers the set once: \"all\", a partial last batch, never a wrap") {
   auto j = small_run();
   j["logging"]["eval_batches"] = "all";

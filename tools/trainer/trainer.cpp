@@ -80,6 +80,7 @@ struct Trainer::Step {
   Phases phases;            // the model's GPU phases, engine.step() and the rest (timing, cuda)
   bool stopping = false;    // a stop signal ends the run after this step
   bool evaluating = false;  // validated after this step
+  bool no_targets = false;  // the global batch counts no target: nothing run, nothing updated
   double val = 0.0;
   MemoryStats mem;
   std::int64_t plan_on_gpu = 0;  // the plans of every rank on rank 0's GPU (first step, cuda)
@@ -263,8 +264,12 @@ Trainer::Step Trainer::train_step(std::int64_t step) {
   // n_m * world * accumulation / N (Engine::step divides by world * accumulation). Without a
   // loss mask every weight is exactly 1.
   const auto counted = static_cast<double>(run_.data.step_targets(step));
+  // A global batch whose mask counts no target has no loss to take the mean of: no forward, no
+  // backward and no update (AdamW would still move the weights by its moments and decay). Every
+  // rank counts the same global batch, so all skip the same steps; the step is reported skipped.
+  s.no_targets = counted == 0.0;
   double loss = 0.0;
-  for (int m = 0; m < accumulation; ++m) {
+  for (int m = 0; m < accumulation && !s.no_targets; ++m) {
     TokenSequences batch = run_.data.train_micro(step, rank_, world_, m);
     const double weight =
         counted == 0.0
@@ -276,7 +281,10 @@ Trainer::Step Trainer::train_step(std::int64_t step) {
   if (config_.timing) run_.backend.synchronize();
   s.model_s = seconds_since(started);
   const auto stepping = std::chrono::steady_clock::now();
-  s.result = engine_.step();
+  if (s.no_targets)
+    s.result.loss_scale = engine_.loss_scale();  // not applied, nothing else changed
+  else
+    s.result = engine_.step();
   if (config_.timing) run_.backend.synchronize();
   s.engine_s = seconds_since(stepping);
   if (s.result.applied) ++updates_;
@@ -314,7 +322,10 @@ void Trainer::refuse_skips(std::int64_t step, const Step& s) {
   skips_in_row_ = s.result.applied ? 0 : skips_in_row_ + 1;
   if (config_.max_consecutive_skips == 0 || skips_in_row_ < config_.max_consecutive_skips) return;
   std::string cause;
-  if (!std::isfinite(s.loss))
+  if (s.no_targets)
+    cause = "no target of the global batch is under the loss mask (the token files' mask "
+            "leaves the loss on none of these windows)";
+  else if (!std::isfinite(s.loss))
     cause = fmt::format("the loss itself is {} (the forward pass: a weight or an input that is "
                         "not finite, or an overflow)", s.loss);
   else if (config_.engine.dtype == DType::f16)
@@ -359,9 +370,12 @@ void Trainer::account(std::int64_t step, const Step& s) {
   summary.switches += s.switched ? 1 : 0;
   summary.peak_bytes = std::max(summary.peak_bytes, s.mem.requested.peak);
   if (s.evaluating) summary.final_val_loss = s.val;
-  interval_loss_ += s.loss;
-  ++interval_steps_;
-  if ((step + 1) % config_.log_interval == 0 || step + 1 == config_.steps || s.stopping) {
+  if (!s.no_targets) {  // a step without targets has no loss to average in
+    interval_loss_ += s.loss;
+    ++interval_steps_;
+  }
+  if (((step + 1) % config_.log_interval == 0 || step + 1 == config_.steps || s.stopping) &&
+      interval_steps_ > 0) {
     summary.final_loss = interval_loss_ / interval_steps_;
     interval_loss_ = 0.0;
     interval_steps_ = 0;
@@ -404,7 +418,7 @@ void Trainer::report(std::int64_t step, const Step& s) {
   const double tokens_per_s = run_.tokens_per_step / s.seconds;
   if (run_.out.metrics) run_.out.metrics->write(step + 1, metrics_line(step, s));
   progress_->update({.step = step + 1,
-                     .loss = s.loss,
+                     .loss = s.no_targets ? std::nan("") : s.loss,
                      .throughput = tokens_per_s,
                      .memory_bytes = s.mem.requested.current});
 }
@@ -417,6 +431,10 @@ nlohmann::json Trainer::metrics_line(std::int64_t step, const Step& s) const {
       {"grad_norm", r.grad_norm}, {"clip_coef", r.clip_coef},
       {"skipped", !r.applied},    {"tokens_per_s", run_.tokens_per_step / s.seconds},
       {"step_seconds", s.seconds}};
+  if (s.no_targets) {  // no loss to report: null, as plot and TensorBoard read a missing value
+    line["loss"] = nullptr;
+    line["no_targets"] = true;
+  }
   if (!std::isfinite(r.grad_norm)) line["grad_norm"] = nullptr;  // JSON has no Inf
   if (s.evaluating) line["val_loss"] = s.val;
   // The validation loss before training, on a fresh run's first line.
