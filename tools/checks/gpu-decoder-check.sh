@@ -11,7 +11,9 @@
 #  3. the Hugging Face round trip: a tiny Llama with a real tokenizer and chat template
 #     (tools/checks/hf_roundtrip_check.py), its text tokenized by tools/data/tokenize_data.py,
 #     fine-tuned from model.path, exported; AutoTokenizer, the chat template and generate() on
-#     the export against the source.
+#     the export against the source;
+#  4. the same with a tiny Qwen3 and chat JSON lines tokenized with --chat (documents apart on the
+#     GPU, the loss on the assistant's tokens).
 # Logs, metrics and a summary go under $OUT (default build/gpu-out).
 #   usage: OUT=DIR bash tools/checks/gpu-decoder-check.sh
 set -uo pipefail
@@ -131,6 +133,24 @@ step "3. Hugging Face round trip: tokenizer, chat template, token ids, generate(
   python3 tools/checks/hf_roundtrip_check.py check "$work/rt-model" "$work/rt-hf"; } \
   > "$OUT/hf-roundtrip.log" 2>&1 || status=1
 grep -E "made|done:|wrote|beside|ok |FAIL|Error|error" "$OUT/hf-roundtrip.log"
+
+step "4. Qwen3 from chat data: --chat tokens (documents apart), fine-tuned, exported, generate()"
+{ python3 tools/checks/hf_roundtrip_check.py make "$work/q3-model" /usr/share/common-licenses/GPL-3 qwen3 &&
+  python3 tools/checks/hf_roundtrip_check.py chats /usr/share/common-licenses/GPL-3 "$work/q3-train.jsonl" &&
+  python3 tools/checks/hf_roundtrip_check.py chats /usr/share/common-licenses/GPL-2 "$work/q3-val.jsonl" &&
+  python3 tools/data/tokenize_data.py --tokenizer "$work/q3-model/tokenizer.json" --chat \
+    --out "$work/q3-train.bin" "$work/q3-train.jsonl" &&
+  python3 tools/data/tokenize_data.py --tokenizer "$work/q3-model/tokenizer.json" --chat \
+    --out "$work/q3-val.bin" "$work/q3-val.jsonl" &&
+  $bin train --config configs/finetune-lisa.json --set model.path="$work/q3-model" \
+    --set data.train="$work/q3-train.bin" --set data.val="$work/q3-val.bin" --set data.seq_len=128 \
+    --set steps=20 --set scheduler.params.warmup_num_steps=2 --set layer_switching.gamma=1 \
+    --set layer_switching.interval=5 --set checkpoint.dir="$work/q3-ckpt" --set checkpoint.every=20 \
+    --metrics "$OUT/qwen3-chat-metrics.jsonl" &&
+  $bin ckpt export "$work/q3-ckpt/step-00000020" --format hf --out "$work/q3-hf" &&
+  python3 tools/checks/hf_roundtrip_check.py check "$work/q3-model" "$work/q3-hf"; } \
+  > "$OUT/qwen3-chat.log" 2>&1 || status=1
+grep -E "made|wrote|documents|validation loss|ok |FAIL|Error|error" "$OUT/qwen3-chat.log"
 
 echo
 [ $status -eq 0 ] && echo "gpu-decoder-check: all passed" || echo "gpu-decoder-check: FAILED (logs in $OUT)"

@@ -4,10 +4,13 @@ with a real tokenizer goes in, ShardSwap trains it, `ckpt export --format hf` wr
 and transformers' AutoTokenizer, chat template, from_pretrained and generate() work on that
 folder as on the source.
 
-    python3 hf_roundtrip_check.py make FOLDER TEXT
-        writes FOLDER: a tiny random Llama saved by transformers (bos/eos/pad ids set), with a
-        byte-level BPE tokenizer trained on TEXT (tokenizers), a chat template and a
-        generation_config.json
+    python3 hf_roundtrip_check.py make FOLDER TEXT [llama|qwen3]
+        writes FOLDER: a tiny random Llama (or Qwen3: q/k norms, head_dim apart from hidden /
+        heads) saved by transformers (bos/eos/pad ids set), with a byte-level BPE tokenizer
+        trained on TEXT (tokenizers), a chat template and a generation_config.json
+    python3 hf_roundtrip_check.py chats TEXT OUT
+        writes OUT: chat JSON lines, each a user turn and an assistant turn taken from TEXT's
+        non-empty lines, for tokenize_data.py --chat
     python3 hf_roundtrip_check.py check SOURCE EXPORT
         the export against the source: the tokenizer encodes a text and renders a chat alike,
         the token ids and generation config agree, and generate() runs from the export
@@ -27,10 +30,11 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 TEXT = "This program is distributed in the hope that it will be useful."
 
 
-def make(folder, text_file):
+def make(folder, text_file, family="llama"):
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     special = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -42,12 +46,16 @@ def make(folder, text_file):
                                    eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, bos_token_id=fast.bos_token_id,
-                         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
-                         tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    fields = dict(vocab_size=len(fast), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, bos_token_id=fast.bos_token_id,
+                  eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+                  tie_word_embeddings=False)
+    if family == "qwen3":
+        config = Qwen3Config(head_dim=32, attention_bias=False, use_sliding_window=False, **fields)
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**fields)).to(torch.bfloat16)
     model.generation_config.max_new_tokens = 16
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
@@ -88,9 +96,21 @@ def check(source, export):
     return 1 if failures else 0
 
 
+def chats(text_file, out):
+    lines = [l.strip() for l in open(text_file, encoding="utf-8") if l.strip()]
+    with open(out, "w", encoding="utf-8") as f:
+        for question, answer in zip(lines[0::2], lines[1::2]):
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    print(f"wrote {out}: {len(lines) // 2} conversations")
+
+
 def main(argv):
-    if len(argv) == 4 and argv[1] == "make":
-        make(argv[2], argv[3])
+    if len(argv) in (4, 5) and argv[1] == "make":
+        make(argv[2], argv[3], argv[4] if len(argv) == 5 else "llama")
+        return 0
+    if len(argv) == 4 and argv[1] == "chats":
+        chats(argv[2], argv[3])
         return 0
     if len(argv) == 4 and argv[1] == "check":
         return check(argv[2], argv[3])
