@@ -162,6 +162,19 @@ struct FixtureCompute {
   }
 };
 
+// Each gradient the sink collected against the fixture's "grad." + name, checked within
+// kTolerance; returns the worst normalized error and its param's name.
+std::pair<double, std::string> check_gradients(const CollectingSink& sink, const Fixture& f) {
+  std::pair<double, std::string> worst{0.0, ""};
+  for (const auto& [name, grad] : sink.grads) {
+    INFO("gradient of " << name);
+    const double e = normalized_error(grad, tensor_values<float>(f.batch, "grad." + name, "F32"));
+    if (e > worst.first) worst = {e, name};
+    CHECK(e < kTolerance);
+  }
+  return worst;
+}
+
 TEST_CASE("the CPU decoder gives transformers' logits, loss and every gradient on its fixtures",
           "[decoder][fixture]") {
   for (const char* model : kModels) {
@@ -183,14 +196,7 @@ TEST_CASE("the CPU decoder gives transformers' logits, loss and every gradient o
 
     CollectingSink sink(f.shape);
     const double loss = compute->train_step(w, batch, 1.0, sink);
-    double worst = 0.0;
-    std::string worst_name;
-    for (const auto& [name, grad] : sink.grads) {
-      INFO("gradient of " << name);
-      const double e = normalized_error(grad, tensor_values<float>(f.batch, "grad." + name, "F32"));
-      if (e > worst) worst = e, worst_name = name;
-      CHECK(e < kTolerance);
-    }
+    const auto [worst, worst_name] = check_gradients(sink, f);
     fmt::print("{}: logits error {:.2e}, loss {:.7f} vs transformers' {:.7f}, worst gradient "
                "error {:.2e} ({})\n",
                model, logits_error, loss, their_loss, worst, worst_name);
@@ -221,13 +227,7 @@ TEST_CASE("the CPU decoder's masked loss and gradients are transformers' with la
     CollectingSink sink(f.shape);
     const double loss = compute->train_step(fw.w, batch, 1.0, sink);
     const float their_loss = tensor_values<float>(f.batch, "loss", "F32").at(0);
-    double worst = 0.0;
-    for (const auto& [name, grad] : sink.grads) {
-      INFO("gradient of " << name);
-      const double e = normalized_error(grad, tensor_values<float>(f.batch, "grad." + name, "F32"));
-      worst = std::max(worst, e);
-      CHECK(e < kTolerance);
-    }
+    const double worst = check_gradients(sink, f).first;
     fmt::print("{} masked ({} of {} targets): loss {:.7f} vs transformers' {:.7f}, worst gradient "
                "error {:.2e}\n",
                model, counted, f.targets.size(), loss, their_loss, worst);
@@ -260,13 +260,7 @@ TEST_CASE("the CPU decoder keeps packed documents apart as transformers does wit
     CollectingSink sink(f.shape);
     const double loss = compute->train_step(fw.w, batch, 1.0, sink);
     const float their_loss = tensor_values<float>(f.batch, "loss", "F32").at(0);
-    double worst = 0.0;
-    for (const auto& [name, grad] : sink.grads) {
-      INFO("gradient of " << name);
-      const double e = normalized_error(grad, tensor_values<float>(f.batch, "grad." + name, "F32"));
-      worst = std::max(worst, e);
-      CHECK(e < kTolerance);
-    }
+    const double worst = check_gradients(sink, f).first;
     fmt::print("{} packed apart: logits error {:.2e}, loss {:.7f} vs transformers' {:.7f}, worst "
                "gradient error {:.2e}\n",
                model, logits_error, loss, their_loss, worst);
