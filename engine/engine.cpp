@@ -446,7 +446,7 @@ std::vector<std::uint64_t> Engine::Impl::declaration_entries() const {
   std::vector<std::uint64_t> out;
   out.reserve(params.size() + 1);
   out.push_back(fnv1a_words(
-      kFnvStart,
+      kFnvOffset,
       {config.stage, static_cast<std::int64_t>(config.dtype),
        static_cast<std::int64_t>(config.grad_type()), static_cast<std::int64_t>(config.comm_type()),
        static_cast<std::int64_t>(config.alignment_bytes),
@@ -454,11 +454,11 @@ std::vector<std::uint64_t> Engine::Impl::declaration_entries() const {
        static_cast<std::int64_t>(config.order)}));
   for (const Param& p : params) {
     const ParamInfo& info = p.info;
-    std::uint64_t h = fnv1a(kFnvStart, info.name.data(), info.name.size());
+    std::uint64_t h = fnv1a64(info.name.data(), info.name.size());
     h = fnv1a_words(h, {static_cast<std::int64_t>(info.name.size()),
                         static_cast<std::int64_t>(info.shape.size())});
     for (const auto extent : info.shape) h = fnv1a_words(h, {extent});
-    h = fnv1a(h, info.group.data(), info.group.size());
+    h = fnv1a64(info.group.data(), info.group.size(), h);
     out.push_back(fnv1a_words(h, {static_cast<std::int64_t>(info.group.size())}));
   }
   return out;
@@ -497,8 +497,9 @@ std::string Engine::Impl::describe_hand_over(std::size_t i) const {
 }
 
 void Engine::Impl::hash_declarations() {
-  declarations_hash = kFnvStart;
-  for (const auto e : declaration_entries()) declarations_hash = fnv1a(declarations_hash, &e, sizeof e);
+  declarations_hash = kFnvOffset;
+  for (const auto e : declaration_entries())
+    declarations_hash = fnv1a64(&e, sizeof e, declarations_hash);
 }
 
 void Engine::Impl::require_same_declarations(void* scratch, const char* caller,
@@ -525,11 +526,11 @@ void Engine::Impl::require_same_hand_overs() {
     // By the group's name, not its index: ranks that re-formed alike in another order number
     // the same groups differently.
     const std::string& name = groups[h.group].name;
-    issued.push_back(fnv1a_words(fnv1a(kFnvStart, name.data(), name.size()),
+    issued.push_back(fnv1a_words(fnv1a64(name.data(), name.size()),
                                  {static_cast<std::int64_t>(name.size()), h.begin, h.end}));
   }
-  std::uint64_t reduced = kFnvStart;
-  for (const auto e : issued) reduced = fnv1a(reduced, &e, sizeof e);
+  std::uint64_t reduced = kFnvOffset;
+  for (const auto e : issued) reduced = fnv1a64(&e, sizeof e, reduced);
   reduced = fnv1a_words(reduced, {static_cast<std::int64_t>(issued.size())});
   RankAgreement agreement(comm, space, scalars.data());
   const std::uint64_t both[2] = {declarations_hash, reduced};

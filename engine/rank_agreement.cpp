@@ -10,17 +10,8 @@
 
 namespace shardswap {
 
-std::uint64_t fnv1a(std::uint64_t h, const void* bytes, std::size_t n) {
-  const auto* p = static_cast<const unsigned char*>(bytes);
-  for (std::size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 std::uint64_t fnv1a_words(std::uint64_t h, std::initializer_list<std::int64_t> words) {
-  for (const std::int64_t w : words) h = fnv1a(h, &w, sizeof w);
+  for (const std::int64_t w : words) h = fnv1a64(&w, sizeof w, h);
   return h;
 }
 
@@ -91,10 +82,10 @@ std::optional<RankAgreement::Difference> RankAgreement::first_difference(
   // sequences of which one is the other's beginning differ at the shorter one's end).
   constexpr std::uint64_t kAbsent = 0x9e3779b97f4a7c15ull;
   const auto prefix = [&](std::size_t k) {
-    std::uint64_t h = kFnvStart;
+    std::uint64_t h = kFnvOffset;
     for (std::size_t i = 0; i < k; ++i) {
       const std::uint64_t e = i < entries.size() ? entries[i] : kAbsent;
-      h = fnv1a(h, &e, sizeof e);
+      h = fnv1a64(&e, sizeof e, h);
     }
     return h;
   };

@@ -20,14 +20,13 @@
 #include <vector>
 
 #include "shardswap/buffer.h"
+#include "shardswap/checkpoint.h"
 #include "shardswap/communicator.h"
 
 namespace shardswap {
 
-/// FNV-1a over `bytes`, continuing from `h` (start from kFnvStart).
-inline constexpr std::uint64_t kFnvStart = 1469598103934665603ull;
-std::uint64_t fnv1a(std::uint64_t h, const void* bytes, std::size_t n);
-/// fnv1a over the bytes of each value in order.
+/// fnv1a64 (shardswap/checkpoint.h) over the bytes of each value in order, continuing from `h`
+/// (start from kFnvOffset). The hashes compared across ranks live only as long as the run.
 std::uint64_t fnv1a_words(std::uint64_t h, std::initializer_list<std::int64_t> words);
 
 class RankAgreement {

@@ -10,16 +10,9 @@
 #include <random>
 #include <string_view>
 
-namespace shardswap::lm {
+#include "shardswap/checkpoint.h"  // fnv1a64
 
-inline std::uint64_t fnv1a(std::string_view s) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (const char ch : s) {
-    h ^= static_cast<unsigned char>(ch);
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
+namespace shardswap::lm {
 
 inline std::uint64_t splitmix64(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -30,7 +23,7 @@ inline std::uint64_t splitmix64(std::uint64_t x) {
 
 /// The generator of one param's values.
 inline std::mt19937_64 param_rng(std::string_view name, std::uint64_t seed) {
-  return std::mt19937_64(splitmix64(fnv1a(name) ^ splitmix64(seed)));
+  return std::mt19937_64(splitmix64(fnv1a64(name.data(), name.size()) ^ splitmix64(seed)));
 }
 
 /// [0, 1) with 53 random bits.
