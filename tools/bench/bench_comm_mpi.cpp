@@ -184,7 +184,12 @@ void print_rows(const std::vector<Row>& rows, int world, int iters, const std::s
     out += line;
   }
   out += "]\n";
-  if (!json.empty()) std::ofstream(json) << out;
+  if (json.empty()) return;
+  std::ofstream file(json);
+  file << out;
+  file.flush();
+  // A figure file that silently came out empty or short would pass for a run that measured.
+  if (!file) throw std::runtime_error("bench_comm_mpi: cannot write '" + json + "'");
 }
 
 }  // namespace
