@@ -186,6 +186,9 @@ TEST_CASE("bad config values are refused naming the key and the file") {
       {with("/shardswap/communicator", "gloo"), "shardswap.communicator"},
       {with("/train_batch_size", 1001), "train_batch_size"},  // not a multiple of 4 x 2
       {with("/fp16/enabled", true), "fp16.enabled"},
+      {with("/data/documents", "split"), "data.documents"},
+      {with("/data/documents", 1), "data.documents"},
+      {with("/data/documents", "apart"), "data.documents"},  // bytes mark no documents
   };
   for (const auto& c : cases) {
     const auto msg = config_error(c.config);
