@@ -20,11 +20,16 @@ def include_dirs(command, directory):
     args = shlex.split(command)
     dirs = []
     for i, a in enumerate(args):
-        for flag in ("-I", "-isystem", "-iquote"):
+        # Each flag takes its directory as the next argument or joined to it (-I/x,
+        # -isystem/x, -iquote/x), as GCC, Clang and nvcc read them; -isystem and -iquote are
+        # tried before -I, whose prefix they do not share.
+        for flag in ("-isystem", "-iquote", "-I"):
             if a == flag and i + 1 < len(args):
                 dirs.append(args[i + 1])
-            elif a.startswith(flag) and len(a) > len(flag) and flag == "-I":
+                break
+            if a.startswith(flag) and len(a) > len(flag):
                 dirs.append(a[len(flag):])
+                break
     return [os.path.realpath(os.path.join(directory, d)) for d in dirs]
 
 
