@@ -3,7 +3,8 @@
 # and as messages) rendered with the chat template of tokenizer_config.json, written with a loss
 # mask; read back by an independent reader, the ids compared with tokenizer.encode of the text
 # rendered here with jinja2 and the mask with the assistant's spans found here by search; the
-# whole text with --loss-on all; bad records and a missing template exit 2 naming them, writing
+# whole text with --loss-on all; --eos after each conversation, trained after a trained end (a
+# prompt/completion pair's); bad records and a missing template exit 2 naming them, writing
 # nothing. Exits 77 (skipped) without the Python packages tokenizers and jinja2.
 # Usage: chat_tool.sh TOKENIZE_DATA_PY
 set -u
@@ -55,6 +56,7 @@ import json, struct, sys
 import jinja2
 from tokenizers import Tokenizer
 work, out, loss_on = sys.argv[1], sys.argv[2], sys.argv[3]
+with_eos = len(sys.argv) > 4  # --eos: </s> after each conversation, trained after a trained end
 t = Tokenizer.from_file(f"{work}/tokenizer.json")
 config = json.load(open(f"{work}/tokenizer_config.json"))
 env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
@@ -90,6 +92,9 @@ for line in open(f"{work}/chat.jsonl"):
         mask[0] |= 2
     want_ids += e.ids
     want_mask += mask
+    if with_eos:
+        want_ids.append(t.token_to_id("</s>"))
+        want_mask.append(1 if mask and mask[-1] & 1 else 0)
 data = open(out, "rb").read()
 magic, version, count, flags = struct.unpack("<4i", data[:16])
 assert (magic, version, flags) == (20240520, 1, 1), (magic, version, flags)
@@ -111,6 +116,9 @@ check "$work/chat.bin" assistant || fail "--chat's file"
 python3 "$tool" --tokenizer "$work/tokenizer.json" --chat --loss-on all --out "$work/all.bin" \
   "$work/chat.jsonl" || fail "--chat --loss-on all"
 check "$work/all.bin" all || fail "--loss-on all's file"
+python3 "$tool" --tokenizer "$work/tokenizer.json" --chat --eos --out "$work/eos.bin" \
+  "$work/chat.jsonl" || fail "--chat --eos"
+check "$work/eos.bin" assistant eos || fail "--chat --eos's file"
 
 # Bad input: exit 2, the file and line named, nothing written.
 refused() {  # WHAT EXPECTED-TEXT ARGS...

@@ -12,7 +12,9 @@ out) and written in order, in llm.c's format: a header of 256 little-endian int3
 version, token count), then the ids as uint16 (version 1) when the vocabulary has at most 65536
 ids, else uint32 (version 2). With --eos (the id of the tokenizer's EOS token: tokenizer_config.json
 beside tokenizer.json says which, else the one special token named like an EOS) or --eos-id N,
-that id is written between consecutive documents.
+that id is written between consecutive documents; with --chat, after every conversation, and
+trained when the conversation's last token is (a completion then ends with a trained EOS, as
+TRL's SFTTrainer appends one to each completion).
 
 OUT is written beside itself under a temporary name and renamed over the target once complete:
 an interrupted run leaves what was there. Exit 0 on success, 2 on bad input (the file and, for
@@ -236,9 +238,8 @@ def tokenize(args):
                 ids = array.array(code)
                 mask = bytearray()
                 for where, doc_ids, doc_mask in batch:
-                    if eos is not None and docs > 0:
+                    if eos is not None and docs > 0 and not args.chat:
                         ids.append(eos)
-                        mask.append(0)
                     if doc_ids and max(doc_ids) >= vocab:
                         raise BadInput(f"{where}: the tokenizer gave id {max(doc_ids)}, not below"
                                        f" its vocab size {vocab}")
@@ -248,6 +249,11 @@ def tokenize(args):
                         mask += doc_mask
                         trained += sum(m & MASK_TARGET for m in doc_mask)
                     ids.extend(doc_ids)
+                    if eos is not None and args.chat:  # the conversation's end, its own
+                        ids.append(eos)
+                        eos_mask = MASK_TARGET if doc_mask and doc_mask[-1] & MASK_TARGET else 0
+                        mask.append(eos_mask)
+                        trained += eos_mask
                     docs += 1
                 count += len(ids)
                 if count > MAX_TOKENS:
@@ -279,7 +285,8 @@ def tokenize(args):
             masks.close()
     print(f"{args.out}: {count} tokens of {docs} documents, version {version} "
           f"({'uint16' if version == 1 else 'uint32'}), vocab {vocab}"
-          + (f", EOS {eos} between documents" if eos is not None else "")
+          + (f", EOS {eos} {'after' if args.chat else 'between'} documents"
+             if eos is not None else "")
           + (f", the loss on {trained} of them" if args.chat else ""))
 
 
