@@ -14,6 +14,7 @@
 #include "shardswap/error.h"
 #include "shardswap/loss_scaler.h"
 #include "optimizer/optimizer.h"
+#include "optimizer/update_scalars.h"
 #include "tests/catch_compat.h"
 
 using namespace shardswap;
@@ -238,6 +239,106 @@ void check_against_reference(const OptimizerConfig& config, double lr, double wd
     }
 }
 
+// --- the update of one element, one float rounding per operation ---------------------------
+
+// Each operation alone, rounded to float, out of line: no build of this file can fuse a multiply
+// into the add after it (an FMA under -march=native and GCC's default -ffp-contract=fast), as the
+// CUDA kernels' __fmul_rn and __fadd_rn never do.
+[[gnu::noinline]] float mul_rn(float a, float b) {
+  return a * b;
+}
+[[gnu::noinline]] float add_rn(float a, float b) {
+  return a + b;
+}
+[[gnu::noinline]] float sub_rn(float a, float b) {
+  return a - b;
+}
+[[gnu::noinline]] float div_rn(float a, float b) {
+  return a / b;
+}
+[[gnu::noinline]] float sqrt_rn(float a) {
+  return std::sqrt(a);
+}
+
+// adam_element and sgd_element of optimizer/cuda/kernels.cu, written again in plain C++.
+void adam_element(const AdamScalars& s, float grad, float& p, float& m, float& v) {
+  const float g = add_rn(mul_rn(grad, s.grad_scale), mul_rn(s.l2, p));
+  p = sub_rn(p, mul_rn(s.lr_wd, p));
+  m = add_rn(mul_rn(s.beta1, m), mul_rn(s.one_minus_beta1, g));
+  v = add_rn(mul_rn(s.beta2, v), mul_rn(mul_rn(s.one_minus_beta2, g), g));
+  const float denom = add_rn(mul_rn(sqrt_rn(v), s.inv_sqrt_bc2), s.eps);
+  p = sub_rn(p, div_rn(mul_rn(s.step_size, m), denom));
+}
+
+void sgd_element(const SgdScalars& s, float grad, float& p, float& buf) {
+  const float g = add_rn(mul_rn(grad, s.grad_scale), mul_rn(s.wd, p));
+  if (!s.has_momentum) {
+    p = sub_rn(p, mul_rn(s.lr, g));
+    return;
+  }
+  buf = s.first ? g : add_rn(mul_rn(s.momentum, buf), mul_rn(s.one_minus_dampening, g));
+  p = sub_rn(p, mul_rn(s.lr, s.nesterov ? add_rn(g, mul_rn(s.momentum, buf)) : buf));
+}
+
+// Elements [from, end) whose bits differ.
+std::size_t bit_mismatches(const std::vector<float>& got, const std::vector<float>& ref,
+                           std::size_t from = 0) {
+  std::size_t wrong = 0;
+  for (std::size_t i = from; i < ref.size(); ++i)
+    wrong += std::bit_cast<std::uint32_t>(got[i]) != std::bit_cast<std::uint32_t>(ref[i]);
+  return wrong;
+}
+
+// Runs 5 CPU updates and the per-element reference from the same random master, state and
+// gradients, and requires the same bits after every step: master, state and bit16 param. For
+// both bit16 types and both gradient types, on lengths whose tails fall after 4-, 8- and 16-wide
+// vectors and after the kernel's 512-element chunks, from a vector-aligned start or not.
+void check_bits_of_reference(const OptimizerConfig& config, double lr, double wd) {
+  config.validate();
+  const int slots = config.state_slots();
+  for (DType dtype : bit16_types)
+    for (DType grad_dtype : {dtype, DType::f32})
+      for (std::size_t n : {1, 15, 17, 513, 1031})
+        for (std::size_t at : {0, 1}) {
+          INFO("param dtype " << dtype_name(dtype) << ", grad dtype " << dtype_name(grad_dtype)
+                              << ", " << n << " elements from element " << at);
+          std::mt19937 rng(4321);
+          std::vector<float> master = random_values(rng, at + n, 0.05f, 1.0f);
+          std::vector<float> state0 = random_values(rng, at + n, 1e-4f, 1e-2f);
+          std::vector<float> state1 = random_values(rng, at + n, 1e-6f, 1e-4f);
+          for (float& x : state1) x = std::abs(x);  // Adam's second moment
+          std::vector<std::uint16_t> param(at + n, 0);
+          std::vector<float> ref_master = master, ref0 = state0, ref1 = state1;
+          for (std::int64_t step = 1; step <= 5; ++step) {
+            INFO("step " << step);
+            const Data grad = random_typed(rng, grad_dtype, at + n, 0.01f, 2.0f);
+            const StepArgs args{step, lr, wd, 0.37f};
+            cpu_device_ops().update(
+                config, args,
+                ShardTensors{
+                    master.data() + at, slots >= 1 ? state0.data() + at : nullptr,
+                    slots >= 2 ? state1.data() + at : nullptr,
+                    static_cast<const unsigned char*>(grad.data()) + at * dtype_size(grad_dtype),
+                    param.data() + at, dtype, grad_dtype, n});
+            for (std::size_t i = at; i < at + n; ++i) {
+              const auto g = static_cast<float>(grad.value(i));
+              if (config.type == OptimizerType::sgd) {
+                sgd_element(sgd_scalars(config, args), g, ref_master[i], ref0[i]);
+              } else {
+                adam_element(adam_scalars(config, args), g, ref_master[i], ref0[i], ref1[i]);
+              }
+            }
+            CHECK(bit_mismatches(master, ref_master, at) == 0);
+            if (slots >= 1) CHECK(bit_mismatches(state0, ref0, at) == 0);
+            if (slots >= 2) CHECK(bit_mismatches(state1, ref1, at) == 0);
+            std::size_t misrounded = 0;
+            for (std::size_t i = at; i < at + n; ++i)
+              misrounded += param[i] != round_to(dtype, ref_master[i]);
+            CHECK(misrounded == 0);
+          }
+        }
+}
+
 OptimizerConfig make(OptimizerType type) {
   OptimizerConfig c;
   c.type = type;
@@ -335,6 +436,30 @@ TEST_CASE("fp32 gradients enter the update at full precision, never rounded to b
     CHECK(param[0] == round_to(dtype, master[0]));
     CHECK(param[1] == round_to(dtype, master[1]));
   }
+}
+
+// --- the bits of the update: what the CUDA kernels compute --------------------------------
+
+TEST_CASE("Adam's CPU update rounds each operation as the CUDA kernel does, bit for bit") {
+  check_bits_of_reference(make(OptimizerType::adam), 1e-2, 0.0);
+  check_bits_of_reference(make(OptimizerType::adam), 1e-2, 0.1);
+  OptimizerConfig c = make(OptimizerType::adam);
+  c.beta1 = 0.0;
+  c.beta2 = 0.95;
+  c.eps = 1e-3;
+  check_bits_of_reference(c, 1e-2, 0.0);
+}
+
+TEST_CASE("AdamW's CPU update rounds each operation as the CUDA kernel does, bit for bit") {
+  check_bits_of_reference(make(OptimizerType::adamw), 1e-2, 0.0);
+  check_bits_of_reference(make(OptimizerType::adamw), 1e-2, 0.1);
+}
+
+TEST_CASE("SGD's CPU update rounds each operation as the CUDA kernel does, bit for bit") {
+  check_bits_of_reference(sgd(0.0, 0.0, false), 0.05, 0.01);
+  check_bits_of_reference(sgd(0.9, 0.0, false), 0.05, 0.01);
+  check_bits_of_reference(sgd(0.9, 0.0, true), 0.05, 0.01);
+  check_bits_of_reference(sgd(0.8, 0.3, false), 0.05, 0.01);
 }
 
 TEST_CASE("the backends are named") {

@@ -1,6 +1,14 @@
 // The CPU backend of the optimizer kernels, on Eigen's bf16/fp16 host types. It computes as the
 // CUDA kernels do (fp32 arithmetic, the per-call scalars of update_scalars.h, one pass over each
 // shard) so that it is the reference the other backends are tested against.
+
+// The same bits as the CUDA kernels (offloaded and on-device runs must agree, issue 31): Eigen's
+// default EIGEN_FAST_MATH=1 makes a vector sqrt an rsqrt approximation and one Newton step, not
+// correctly rounded as __fsqrt_rn is. Before any Eigen header. This file is also compiled with
+// -ffp-contract=off (optimizer/CMakeLists.txt): no multiply is fused into an add that the CUDA
+// kernels round apart. Nothing else here uses a function that the macro changes.
+#define EIGEN_FAST_MATH 0
+
 #include <fmt/format.h>
 
 #include <Eigen/Core>
