@@ -1,8 +1,10 @@
 // The CUDA optimizer kernels against the CPU kernels, the reference backend: the same 20 update
-// steps from the same data for every rule, param dtype and gradient dtype; the reductions, casts
-// and accumulation for every dtype (pair). Each runs on shapes that take the 16-byte vector path
-// only, the vector path and a tail, unaligned pointers (every element singly), fewer elements
-// than one vector unit, and more vector units than the grid has threads (the grid-stride loop).
+// steps from the same data for every rule, param dtype and gradient dtype, bit for bit (an
+// offloaded run, updated on the host, must give an on-device run's bits: issue 31); the
+// reductions, casts and accumulation for every dtype (pair). Each runs on shapes that take the
+// 16-byte vector path only, the vector path and a tail, unaligned pointers (every element singly),
+// fewer elements than one vector unit, and more vector units than the grid has threads (the
+// grid-stride loop).
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -142,22 +144,6 @@ const Shape shapes[] = {
 // More 8-element units than 132 SMs x 8 blocks x 256 threads, and a tail of 5.
 const Shape grid_stride{3'000'005, 0, "more vector units than grid threads"};
 
-double normalized_error(const Host& got, const Host& ref) {
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    const double d = static_cast<double>(got.value(i)) - ref.value(i);
-    diff += d * d;
-    norm += static_cast<double>(ref.value(i)) * ref.value(i);
-  }
-  return std::sqrt(diff / norm);
-}
-
-// Position of a bit16 value on the number line, in ulps.
-int ordinal16(std::uint32_t b) {
-  const int magnitude = static_cast<int>(b & 0x7FFF);
-  return (b & 0x8000) ? -magnitude : magnitude;
-}
-
 // Same bits, or both NaN (the backends may pick different NaN payloads).
 std::size_t mismatches(const Host& got, const Host& ref) {
   std::size_t wrong = 0;
@@ -183,9 +169,10 @@ OptimizerConfig sgd(double momentum, double dampening, bool nesterov) {
 }
 
 // Runs `steps` updates on the CPU and the CUDA kernels from the same data and gradients; after
-// every step the master and state agree to normalized error 1e-6, the GPU's bit16 param is its
-// own master rounded to nearest even, and it differs from the CPU's only by one ulp where the
-// masters differ (float rounding of the two backends' sqrt).
+// every step the master, the state and the bit16 param have the same bits on both (or are NaN on
+// both). Both round every operation to float in the same order, with no fused multiply-add and a
+// correctly rounded sqrt (optimizer/cpu/kernels.cpp: EIGEN_FAST_MATH 0, -ffp-contract=off), so
+// no rule, SGD included, has a reason to differ by even one ulp.
 void check_update_agrees(const OptimizerConfig& config, double lr, double wd, DType dtype,
                          DType grad_dtype, const Shape& shape, int steps) {
   config.validate();
@@ -216,23 +203,10 @@ void check_update_agrees(const OptimizerConfig& config, double lr, double wd, DT
                                        slots >= 2 ? d_state1.f32() : nullptr, d_grad.get(),
                                        d_param.get(), dtype, grad_dtype, n});
 
-    const Host got_master = d_master.download();
-    const Host got_param = d_param.download();
-    CHECK(normalized_error(got_master, master) <= 1e-6);
-    if (slots >= 1) CHECK(normalized_error(d_state0.download(), state0) <= 1e-6);
-    if (slots >= 2) CHECK(normalized_error(d_state1.download(), state1) <= 1e-6);
-    std::size_t misrounded = 0, far_apart = 0, differ = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      misrounded += got_param.bits(i) != Host::encode(dtype, got_master.value(i));
-      if (got_param.bits(i) == param.bits(i)) continue;
-      ++differ;
-      const bool masters_differ = got_master.bits(i) != master.bits(i);
-      far_apart +=
-          !masters_differ || std::abs(ordinal16(got_param.bits(i)) - ordinal16(param.bits(i))) > 1;
-    }
-    INFO(differ << " bit16 params differ from the CPU's");
-    CHECK(misrounded == 0);
-    CHECK(far_apart == 0);
+    CHECK(mismatches(d_master.download(), master) == 0);
+    if (slots >= 1) CHECK(mismatches(d_state0.download(), state0) == 0);
+    if (slots >= 2) CHECK(mismatches(d_state1.download(), state1) == 0);
+    CHECK(mismatches(d_param.download(), param) == 0);
   }
 }
 
@@ -252,7 +226,7 @@ TEST_CASE("cuda: the kernel table is named cuda") {
   CHECK_NOTHROW(cuda_device_ops().synchronize());
 }
 
-TEST_CASE("cuda: Adam agrees with the CPU kernels over 20 steps, with and without L2") {
+TEST_CASE("cuda: Adam gives the CPU kernels' bits over 20 steps, with and without L2") {
   check_rule(make(OptimizerType::adam), 1e-2, 0.0);
   check_rule(make(OptimizerType::adam), 1e-2, 0.1);
   OptimizerConfig c = make(OptimizerType::adam);
@@ -262,17 +236,17 @@ TEST_CASE("cuda: Adam agrees with the CPU kernels over 20 steps, with and withou
   check_rule(c, 1e-2, 0.0);
 }
 
-TEST_CASE("cuda: AdamW agrees with the CPU kernels over 20 steps, with and without decay") {
+TEST_CASE("cuda: AdamW gives the CPU kernels' bits over 20 steps, with and without decay") {
   check_rule(make(OptimizerType::adamw), 1e-2, 0.0);
   check_rule(make(OptimizerType::adamw), 1e-2, 0.1);
 }
 
-TEST_CASE("cuda: plain SGD agrees with the CPU kernels, with and without weight decay") {
+TEST_CASE("cuda: plain SGD gives the CPU kernels' bits, with and without weight decay") {
   check_rule(sgd(0.0, 0.0, false), 0.05, 0.0);
   check_rule(sgd(0.0, 0.0, false), 0.05, 0.01);
 }
 
-TEST_CASE("cuda: SGD with momentum, nesterov or dampening agrees with the CPU kernels") {
+TEST_CASE("cuda: SGD with momentum, nesterov or dampening gives the CPU kernels' bits") {
   check_rule(sgd(0.9, 0.0, false), 0.05, 0.0);
   check_rule(sgd(0.9, 0.0, false), 0.05, 0.01);
   check_rule(sgd(0.9, 0.0, true), 0.05, 0.0);
@@ -280,7 +254,7 @@ TEST_CASE("cuda: SGD with momentum, nesterov or dampening agrees with the CPU ke
   check_rule(sgd(0.8, 0.3, false), 0.05, 0.01);
 }
 
-TEST_CASE("cuda: an update longer than one grid-stride pass agrees with the CPU kernels") {
+TEST_CASE("cuda: an update longer than one grid-stride pass gives the CPU kernels' bits") {
   check_update_agrees(make(OptimizerType::adamw), 1e-2, 0.1, DType::bf16, DType::bf16, grid_stride,
                       3);
   check_update_agrees(make(OptimizerType::adam), 1e-2, 0.0, DType::f16, DType::f32, grid_stride, 3);
