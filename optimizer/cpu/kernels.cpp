@@ -6,7 +6,10 @@
 // default EIGEN_FAST_MATH=1 makes a vector sqrt an rsqrt approximation and one Newton step, not
 // correctly rounded as __fsqrt_rn is. Before any Eigen header. This file is also compiled with
 // -ffp-contract=off (optimizer/CMakeLists.txt): no multiply is fused into an add that the CUDA
-// kernels round apart. Nothing else here uses a function that the macro changes.
+// kernels round apart. Nothing else here uses a function that the macro changes. Eigen's packet
+// functions are inline with external linkage: should another file of a program use a vector float
+// sqrt under the default, an unoptimized build could link its approximate copy in here (no other
+// file does today); tests/optimizer_test.cpp's bit-for-bit tests would then fail.
 #define EIGEN_FAST_MATH 0
 
 #include <fmt/format.h>
