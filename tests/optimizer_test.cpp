@@ -1,18 +1,24 @@
 // Specification of optimizer/: the CPU update rules against an independent float64 reference
-// (torch.optim formulas), the casts and reductions against bit-level rounding written here, loss
-// scaling and config validation.
+// (torch.optim formulas) and, bit for bit, against the CUDA kernels' per-element float arithmetic;
+// HostUpdater against one cpu_device_ops().update; the casts and reductions against bit-level
+// rounding written here, loss scaling and config validation.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "shardswap/dtype.h"
 #include "shardswap/error.h"
 #include "shardswap/loss_scaler.h"
+#include "optimizer/host_updater.h"
 #include "optimizer/optimizer.h"
 #include "optimizer/update_scalars.h"
 #include "tests/catch_compat.h"
@@ -339,6 +345,33 @@ void check_bits_of_reference(const OptimizerConfig& config, double lr, double wd
         }
 }
 
+// A shard of random host data for HostUpdater against cpu_device_ops().update: both state slots
+// are present whatever the rule (one that needs fewer ignores them).
+struct HostShard {
+  DType dtype;
+  std::vector<float> master, state0, state1;
+  Data grad;
+  std::vector<std::uint16_t> param;
+
+  HostShard(std::mt19937& rng, DType param_dtype, DType grad_dtype, std::size_t n)
+      : dtype(param_dtype),
+        master(random_values(rng, n, 0.05f, 1.0f)),
+        state0(random_values(rng, n, 1e-4f, 1e-2f)),
+        state1(random_values(rng, n, 1e-6f, 1e-4f)),
+        grad(random_typed(rng, grad_dtype, n, 0.01f, 2.0f)),
+        param(n, 0) {
+    for (float& x : state1) x = std::abs(x);
+  }
+  ShardTensors tensors() {
+    return {master.data(), state0.data(), state1.data(), grad.data(),
+            param.data(),  dtype,         grad.dtype(),  master.size()};
+  }
+  bool same_bits(const HostShard& o) const {
+    return bit_mismatches(master, o.master) == 0 && bit_mismatches(state0, o.state0) == 0 &&
+           bit_mismatches(state1, o.state1) == 0 && param == o.param;
+  }
+};
+
 OptimizerConfig make(OptimizerType type) {
   OptimizerConfig c;
   c.type = type;
@@ -518,6 +551,106 @@ TEST_CASE("update refuses gradients of the other bit16 type instead of misreadin
     CHECK(test::contains(msg, "cpu_device_ops().update: grad dtype"));
     CHECK(test::contains(msg, dtype_name(other)));
   }
+}
+
+// --- HostUpdater: the update of host shards over a pool of threads ------------------------
+
+TEST_CASE("HostUpdater with 1, 2, 3 or 7 threads gives the bits of one cpu_device_ops().update") {
+  const OptimizerConfig rules[] = {make(OptimizerType::adam), make(OptimizerType::adamw),
+                                   sgd(0.9, 0.0, true)};
+  const std::size_t lengths[] = {1, 63, 64, 65, 100003, std::size_t{1} << 20};
+  std::vector<std::unique_ptr<HostUpdater>> updaters;
+  for (unsigned threads : {1u, 2u, 3u, 7u})
+    updaters.push_back(std::make_unique<HostUpdater>(threads));
+  for (const OptimizerConfig& config : rules)
+    for (std::size_t n : lengths)
+      for (DType dtype : bit16_types) {
+        const DType grad_dtype = dtype == DType::bf16 ? DType::bf16 : DType::f32;
+        INFO(optimizer_type_name(config.type)
+             << ", " << n << " elements, param dtype " << dtype_name(dtype));
+        std::mt19937 rng(99);
+        const HostShard start(rng, dtype, grad_dtype, n);
+        HostShard expected = start;
+        for (std::int64_t step = 1; step <= 2; ++step)
+          cpu_device_ops().update(config, StepArgs{step, 1e-2, 0.1, 0.37f}, expected.tensors());
+        for (const auto& updater : updaters) {
+          INFO(updater->threads() << " threads");
+          HostShard got = start;
+          for (std::int64_t step = 1; step <= 2; ++step)
+            updater->update(config, StepArgs{step, 1e-2, 0.1, 0.37f}, got.tensors());
+          CHECK(got.same_bits(expected));
+        }
+      }
+}
+
+TEST_CASE("HostUpdater uses every hardware thread when asked for 0") {
+  CHECK(HostUpdater().threads() == std::max(1u, std::thread::hardware_concurrency()));
+  CHECK(HostUpdater(5).threads() == 5);
+}
+
+TEST_CASE(
+    "HostUpdaters destroyed right after an update, on several threads at once, lose nothing") {
+  const OptimizerConfig config = make(OptimizerType::adamw);
+  std::mt19937 rng(5);
+  const HostShard start(rng, DType::bf16, DType::bf16, 300001);
+  HostShard expected = start;
+  cpu_device_ops().update(config, StepArgs{}, expected.tensors());
+  // Catch2's checks are not thread-safe: each thread counts its wrong results.
+  std::vector<int> wrong(4, 0);
+  std::vector<std::thread> callers;
+  for (unsigned c = 0; c < wrong.size(); ++c) {
+    callers.emplace_back([&, c] {
+      for (int round = 0; round < 10; ++round) {
+        HostShard got = start;
+        HostUpdater(c + 2).update(config, StepArgs{}, got.tensors());
+        wrong[c] += !got.same_bits(expected);
+      }
+    });
+  }
+  for (std::thread& caller : callers) caller.join();
+  CHECK(wrong == std::vector<int>(wrong.size(), 0));
+}
+
+TEST_CASE("HostUpdater refuses what cpu_device_ops().update refuses, before changing anything") {
+  std::mt19937 rng(6);
+  const HostShard start(rng, DType::bf16, DType::bf16, std::size_t{1} << 20);
+  HostShard shard = start;
+  HostUpdater updater(3);
+  const auto refused = [&](const OptimizerConfig& config, const StepArgs& args,
+                           const ShardTensors& t) {
+    return test::message_of<ConfigError>([&] { updater.update(config, args, t); });
+  };
+  ShardTensors no_v = shard.tensors();
+  no_v.state1 = nullptr;
+  CHECK(refused(make(OptimizerType::adam), StepArgs{}, no_v) ==
+        "HostUpdater::update: state1 is null for 1048576 elements of a shard");
+  CHECK(test::contains(refused(make(OptimizerType::adamw), StepArgs{0}, shard.tensors()),
+                       "step = 0"));
+  ShardTensors f16_grad = shard.tensors();
+  f16_grad.grad_dtype = DType::f16;
+  CHECK(test::contains(refused(make(OptimizerType::sgd), StepArgs{}, f16_grad),
+                       "grad dtype fp16 does not go with param dtype bf16"));
+  ShardTensors f32_param = shard.tensors();
+  f32_param.dtype = DType::f32;
+  CHECK(test::contains(refused(make(OptimizerType::sgd), StepArgs{}, f32_param), "fp32"));
+  CHECK(shard.same_bits(start));
+  CHECK_NOTHROW(updater.update(
+      make(OptimizerType::adam), StepArgs{},
+      ShardTensors{nullptr, nullptr, nullptr, nullptr, nullptr, DType::bf16, DType::bf16, 0}));
+}
+
+TEST_CASE("an exception in a pool thread reaches the caller after every part has finished") {
+  ForkJoinPool pool(4);
+  std::vector<int> done(4, 0);
+  const auto work = [&](unsigned part) {
+    if (part == 2 || part == 3) throw std::runtime_error("part " + std::to_string(part));
+    done[part] = 1;
+  };
+  CHECK(test::message_of<std::runtime_error>([&] { pool.run(4, work); }) == "part 2");
+  CHECK(done == std::vector<int>{1, 1, 0, 0});
+  std::vector<int> again(4, 0);
+  pool.run(3, [&](unsigned part) { again[part] = 1; });  // the pool still runs jobs
+  CHECK(again == std::vector<int>{1, 1, 1, 0});
 }
 
 // --- reductions, casts and copies -----------------------------------------------------------
