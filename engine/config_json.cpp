@@ -30,7 +30,12 @@ struct KnownKey {
 };
 
 constexpr std::string_view kNoOffload =
-    "ShardSwap keeps params, fp32 master and optimizer state on the training device";
+    "ShardSwap keeps params on the training device (the fp32 master and optimizer state move to "
+    "the host with zero_optimization.offload_optimizer.device = \"cpu\")";
+constexpr std::string_view kOffloadSpelling =
+    "DeepSpeed's older spelling; write zero_optimization.offload_optimizer.device = \"cpu\" "
+    "and offload_optimizer.pin_memory";
+constexpr std::string_view kNoNvme = "an NVMe-offload setting; ShardSwap offloads to host memory";
 constexpr std::string_view kMetrics =
     "use `shardswap train --metrics FILE` (one JSON line per step)";
 constexpr std::string_view kOwnCheckpoints =
@@ -95,12 +100,16 @@ constexpr KnownKey kUnimplemented[] = {
     {"bf16.immediate_grad_update", "not implemented"},
     {"fp16.auto_cast", "inputs are the model's business, not the engine's"},
     {"fp16.fp16_master_weights_and_grads", "master weights are always fp32"},
-    {"zero_optimization.offload_optimizer", kNoOffload},
+    {"zero_optimization.offload_optimizer.nvme_path", kNoNvme},
+    {"zero_optimization.offload_optimizer.buffer_count", kNoNvme},
+    {"zero_optimization.offload_optimizer.ratio",
+     "the whole optimizer state is offloaded or none of it"},
+    {"zero_optimization.offload_optimizer.fast_init", kNoNvme},
     {"zero_optimization.offload_param", kNoOffload},
-    {"zero_optimization.cpu_offload", kNoOffload},
+    {"zero_optimization.cpu_offload", kOffloadSpelling},
     {"zero_optimization.cpu_offload_param", kNoOffload},
     {"zero_optimization.cpu_offload_params", kNoOffload},
-    {"zero_optimization.cpu_offload_use_pin_memory", kNoOffload},
+    {"zero_optimization.cpu_offload_use_pin_memory", kOffloadSpelling},
     {"zero_optimization.sub_group_size", kNoZero3},
     {"zero_optimization.stage3_*", kNoZero3},
     {"zero_optimization.zero_hpz_partition_size", kNoZero3},
@@ -301,6 +310,35 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   }
 }
 
+// DeepSpeed's offload_optimizer: device "none" or "cpu" (the host), and pin_memory, whose default
+// is DeepSpeed's (false) when the section is given.
+void read_offload(ConfigReader& c, EngineConfig& cfg) {
+  constexpr std::string_view kSection = "zero_optimization.offload_optimizer";
+  c.expect_object(kSection);
+  const std::string device_key = std::string(kSection) + ".device";
+  const std::string device = c.string(device_key, "none");
+  if (device == "cpu") {
+    cfg.optimizer_placement = Placement::host;
+  } else if (device == "nvme") {
+    c.fail_value(device_key, kNoNvme);
+  } else if (device != "none") {
+    c.fail_value(device_key, "expected \"none\" or \"cpu\"");
+  }
+  if (c.has(kSection))
+    cfg.pin_host_memory = c.boolean(std::string(kSection) + ".pin_memory", false);
+  const auto chunk = c.integer("shardswap.offload_chunk_elements",
+                               static_cast<std::int64_t>(cfg.offload_chunk_elements));
+  if (chunk < 1 || chunk > (std::int64_t{1} << 40))
+    c.fail("shardswap.offload_chunk_elements", fmt::format("{} elements", chunk),
+           "must lie in [1, 2^40] elements");
+  cfg.offload_chunk_elements = static_cast<std::size_t>(chunk);
+  const auto threads = c.integer("shardswap.offload_threads", 0);
+  if (threads < 0 || threads > 4096)
+    c.fail("shardswap.offload_threads", fmt::format("{}", threads),
+           "must lie in [0, 4096] (0: every core)");
+  cfg.offload_threads = static_cast<unsigned>(threads);
+}
+
 void read_zero(ConfigReader& c, EngineConfig& cfg, std::optional<std::int64_t> hidden_size) {
   cfg.stage = bounded_int(c, "zero_optimization.stage", 2, INT_MIN);
   if (cfg.stage == 3)
@@ -340,6 +378,7 @@ void read_zero(ConfigReader& c, EngineConfig& cfg, std::optional<std::int64_t> h
   cfg.order = c.boolean("zero_optimization.round_robin_gradients", false)
                   ? LayoutOrder::round_robin
                   : LayoutOrder::declaration;
+  read_offload(c, cfg);
 }
 
 EngineConfig read(ConfigReader& c, const BatchSizes& batches,

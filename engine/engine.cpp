@@ -26,6 +26,12 @@ std::int64_t MemoryPlan::total() const {
   return sum;
 }
 
+std::int64_t MemoryPlan::host_total() const {
+  std::int64_t sum = 0;
+  for (auto b : host) sum += b;
+  return sum;
+}
+
 namespace {
 
 // The step's scalars: the sum of squares, and the doubles RankAgreement exchanges.
@@ -279,6 +285,7 @@ struct PlanSource {
   int rank = 0;
   const std::vector<Group>* built = nullptr;  // the built groups; null before build()
   std::int64_t capacity = 0;                  // build's bucket capacity, after build()
+  std::int64_t chunk = 0;                     // build's offload chunk, after build()
 };
 
 MemoryPlan plan_of(const PlanSource& in,
@@ -301,8 +308,13 @@ MemoryPlan plan_of(const PlanSource& in,
   const auto gsize = static_cast<std::int64_t>(dtype_size(in.config.grad_type()));
   const auto slots = in.config.optimizer.state_slots();
   const bool in_place = accumulates_in_place(in.config, in.world_size);
+  const bool state_on_host = in.config.optimizer_placement == Placement::host;
   MemoryPlan plan;
-  auto add = [&](Tag t, std::int64_t bytes) { plan.bytes[static_cast<std::size_t>(t)] += bytes; };
+  auto add_to = [](std::array<std::int64_t, kTagCount>& where, Tag t, std::int64_t bytes) {
+    where[static_cast<std::size_t>(t)] += bytes;
+  };
+  auto add = [&](Tag t, std::int64_t bytes) { add_to(plan.bytes, t, bytes); };
+  auto add_host = [&](Tag t, std::int64_t bytes) { add_to(plan.host, t, bytes); };
   for (std::size_t i = 0; i < planned.size(); ++i) {
     const Group& g = planned[i];
     add(Tag::param16, g.layout.total_numel() * psize);
@@ -310,13 +322,20 @@ MemoryPlan plan_of(const PlanSource& in,
     const Group* now = in.built ? &(*in.built)[i] : nullptr;
     const bool active =
         now != nullptr ? now->active : !active_at_build || assumed.count(in.group_names[i]);
-    const bool kept_on_device =
-        now != nullptr && now->kept && now->kept->policy == DeactivatePolicy::keep_device;
+    const bool kept = now != nullptr && now->kept;
     if (active) add(Tag::grad, (in_place ? g.layout.total_numel() : g.shard.numel()) * gsize);
-    if (active || kept_on_device) {
-      add(Tag::master32, g.shard.numel() * 4);
-      add(Tag::optim_state, g.shard.numel() * 4 * slots);
+    if (active || kept) {
+      const bool on_host =
+          state_on_host || (kept && now->kept->policy == DeactivatePolicy::keep_host);
+      auto& where = on_host ? plan.host : plan.bytes;
+      add_to(where, Tag::master32, g.shard.numel() * 4);
+      add_to(where, Tag::optim_state, g.shard.numel() * 4 * slots);
     }
+  }
+  if (state_on_host) {  // the update's two staging buffers, one chunk each
+    const std::int64_t chunk = in.built ? in.chunk : offload_chunk(in.config, planned);
+    add_host(Tag::grad, chunk * gsize);
+    add_host(Tag::param16, chunk * psize);
   }
   // After build the buckets exist: their size stays what build chose, whatever reform does.
   const auto capacity =
@@ -339,7 +358,8 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
                   .world_size = impl_->comm.world_size(),
                   .rank = impl_->comm.rank(),
                   .built = impl_->built ? &impl_->groups : nullptr,
-                  .capacity = impl_->capacity},
+                  .capacity = impl_->capacity,
+                  .chunk = impl_->chunk},
                  active_at_build);
 }
 
@@ -421,11 +441,16 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
   std::swap(impl_->params, params);
   std::swap(impl_->reducer, reducer);
   try {
+    if (impl_->state_on_host()) impl_->allocate_staging(groups);
     for (auto& g : groups)
       if (!active || wanted.count(g.name)) impl_->allocate_active_state(g);
   } catch (...) {
     std::swap(impl_->params, params);
     std::swap(impl_->reducer, reducer);
+    impl_->staging_grad = Buffer();
+    impl_->staging_param = Buffer();
+    impl_->updater.reset();
+    impl_->host.reset();
     throw;
   }
   impl_->groups = std::move(groups);
@@ -688,6 +713,10 @@ StepResult Engine::step() {
       for (const DecaySpan& span : decay_spans(g, impl_->params, impl_->param_weight_decay)) {
         const auto at = static_cast<std::size_t>(span.begin);
         args.weight_decay = span.weight_decay;
+        if (impl_->state_on_host()) {
+          impl_->update_on_host(g, args, span.begin, span.count);
+          continue;
+        }
         ShardTensors t;
         t.master = g.master.as<float>() + at;
         t.state0 = slots >= 1 ? g.state.as<float>() + at : nullptr;
@@ -745,8 +774,23 @@ MemoryStats Engine::memory_stats() const {
   return impl_->space.stats();
 }
 
+MemoryStats Engine::host_memory_stats() const {
+  if (!impl_->host) {
+    MemoryStats none;
+    none.rank = impl_->comm.rank();
+    return none;
+  }
+  return impl_->host->stats();
+}
+
+void Engine::reset_host_peaks() {
+  if (impl_->host) impl_->host->reset_peaks();
+}
+
 std::string Engine::memory_report() const {
-  return impl_->space.report_text();
+  std::string text = impl_->space.report_text();
+  if (impl_->host) text += impl_->host->report_text();
+  return text;
 }
 
 int Engine::rank() const {
@@ -784,10 +828,11 @@ std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {
   std::vector<MasterPiece> pieces;
   if (!g.active) return pieces;  // a frozen group has no master
   const float* master = g.master.as<float>();
+  const MemorySpace& from = *impl_->state_space(g);
   for (const auto& f : g.shard.fragments)
     if (f.param == p.index_in_group) {
       MasterPiece piece{f.param_offset, std::vector<float>(static_cast<std::size_t>(f.count))};
-      impl_->space.download(piece.values.data(), master + f.shard_offset, f.count * sizeof(float));
+      from.download(piece.values.data(), master + f.shard_offset, f.count * sizeof(float));
       pieces.push_back(std::move(piece));
     }
   return pieces;

@@ -21,6 +21,10 @@ const char* nonfinite_policy_name(NonFinitePolicy policy) {
   return policy == NonFinitePolicy::error ? "error" : "skip";
 }
 
+const char* placement_name(Placement placement) {
+  return placement == Placement::host ? "host" : "device";
+}
+
 namespace {
 
 void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {
@@ -71,6 +75,8 @@ void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {
     fail("shardswap.nonfinite", "nonfinite", quote_value(nonfinite_policy_name(c.nonfinite)),
          "applies to bf16 only: under fp16 Inf/NaN gradients are the loss scaler's overflow "
          "signal, and the step is always skipped");
+  if (c.offload_chunk_elements == 0)
+    fail("shardswap.offload_chunk_elements", "offload_chunk_elements", "0", "must be >= 1");
   validate_optimizer_config(c.optimizer, name.nested("optimizer.params", "optimizer"));
   if (c.dtype == DType::f16)
     validate_loss_scale_config(c.loss_scale, name.nested("fp16", "loss_scale"));

@@ -14,6 +14,7 @@
 #include "engine/gradient_reducer.h"
 #include "engine/group.h"
 #include "shardswap/loss_scaler.h"
+#include "optimizer/host_updater.h"
 #include "optimizer/optimizer.h"
 #include "shardswap/engine.h"
 #include "shardswap/error.h"
@@ -44,7 +45,15 @@ struct Engine::Impl {
   Buffer scalars;             // the step's global scalars, in backend memory for the collectives
   std::int64_t capacity = 0;  // bucket (and compressed chunk) capacity in elements
   LossScaler scaler;
-  std::unique_ptr<MemorySpace> host;  // keep_host states; made on first use
+  // Host memory: keep_host states, made on first use and dropped when idle; with the state
+  // placed on the host (config.optimizer_placement), every master and optimizer state and the
+  // two staging buffers below, for the engine's life.
+  std::unique_ptr<MemorySpace> host;
+  // ---- state on the host ----
+  Buffer staging_grad;   // one chunk of a gradient partition, brought down for the update
+  Buffer staging_param;  // one chunk of updated bit16 weights, on their way up
+  std::int64_t chunk = 0;  // elements per chunk: the staging buffers' size, fixed at build()
+  std::unique_ptr<HostUpdater> updater;  // the update's threads
   // During set_active only: blocks given up by outgoing groups, handed to incoming groups of
   // the same size and tag instead of a cudaFree + cudaMalloc pair; the rest is released when
   // set_active returns, so nothing is cached between calls.
@@ -110,18 +119,38 @@ struct Engine::Impl {
   /// allocator keeps for reuse (pinned blocks, on CUDA) goes back to the system with it.
   void release_idle_host() noexcept;
   MemorySpace& host_space();
+  /// What the host space allocates from: pinned (config.pin_host_memory) or pageable memory.
+  std::unique_ptr<Allocator> host_allocator() const;
+  bool state_on_host() const { return config.optimizer_placement == Placement::host; }
+  /// Where a group's master and state live, `active` or kept under `kept`; null: it holds none.
+  MemorySpace* state_space(bool active, std::optional<DeactivatePolicy> kept);
+  const MemorySpace* state_space(const Group& g) const;
+  /// A buffer for master or state in `where`: take() on the device, a fresh block on the host.
+  Buffer take_state(MemorySpace& where, std::size_t bytes, Tag tag, std::string label);
+  /// Gives a master or state buffer up: give_up() on the device, released on the host.
+  std::size_t give_up_state(Buffer& b, const std::string& event, ReleasePolicy pins);
+  /// The staging buffers (state on the host) for `planned` groups: allocated by build(), kept
+  /// for the engine's life.
+  void allocate_staging(const std::vector<Group>& planned);
+  /// Seeds a host master from the group's bit16 shard, a chunk at a time through staging_param.
+  void seed_master_on_host(const Group& g, Buffer& master);
+  /// The update of `count` elements from shard element `at`, with master and state on the host:
+  /// the gradient comes down and the bit16 result goes up, a chunk at a time.
+  void update_on_host(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
   /// Host buffers for a group's state kept under keep_host (labelled "... (kept on host)").
   KeptState kept_on_host(MemorySpace& host, const Group& g, std::int64_t step) const;
-  std::string master_label(const Group& g) const;
-  std::string state_label(const Group& g) const;
+  /// "group G master", "group G AdamW state"; "group G master (kept on host)" and "group G
+  /// state (kept on host)" for state a frozen group keeps on the host.
+  std::string master_label(const Group& g, bool kept_on_host = false) const;
+  std::string state_label(const Group& g, bool kept_on_host = false) const;
 
   // ---- restore_training_state's steps (engine/lifecycle.cpp) ----
   /// A group's part of a restore: new buffers (invalid where one is reused or not needed), what
   /// is reused, and the buffers given back at commit.
   struct GroupRestore {
-    Buffer grad, master, state;
-    Buffer host_master, host_state;
-    bool reuse_grad = false, reuse_device_state = false;
+    Buffer grad, master, state;  // master and state in `to`, when not reused
+    MemorySpace* to = nullptr;   // where the restored master and state go; null: none
+    bool reuse_grad = false, reuse_state = false;
     std::vector<const Buffer*> freed;
   };
   struct RestorePlan {
@@ -136,6 +165,10 @@ struct Engine::Impl {
   /// Moves the plan's buffers in, copies `state` into them and gives back what they replace.
   void commit_restore(const TrainingState& state, RestorePlan& plan);
 };
+
+/// Elements per chunk of an update with the state on the host: the configured chunk, capped at
+/// the largest shard of `groups` (at least 1).
+std::int64_t offload_chunk(const EngineConfig& config, const std::vector<Group>& groups);
 
 /// Groups with their layouts and shards (no buffers) for `names`, each holding the params whose
 /// info.group is its name; sets each param's group and index_in_group.

@@ -77,26 +77,52 @@ KeptState Engine::Impl::kept_on_host(MemorySpace& host, const Group& g,
   const auto shard = static_cast<std::size_t>(g.shard.numel());
   const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
   KeptState k{DeactivatePolicy::keep_host, {}, {}, step};
-  k.master = host.allocate(shard * 4, Tag::master32,
-                           fmt::format("group {} master (kept on host)", g.name));
-  k.state = host.allocate(slots * shard * 4, Tag::optim_state,
-                          fmt::format("group {} state (kept on host)", g.name));
+  k.master = host.allocate(shard * 4, Tag::master32, master_label(g, true));
+  k.state = host.allocate(slots * shard * 4, Tag::optim_state, state_label(g, true));
   return k;
 }
 
 MemorySpace& Engine::Impl::host_space() {
-  if (!host) host = std::make_unique<MemorySpace>(comm.rank(), space.host_staging_allocator());
+  if (!host) host = std::make_unique<MemorySpace>(comm.rank(), host_allocator());
   return *host;
 }
 
-std::string Engine::Impl::master_label(const Group& g) const {
-  return fmt::format("group {} master", g.name);
+std::unique_ptr<Allocator> Engine::Impl::host_allocator() const {
+  return config.pin_host_memory ? space.host_staging_allocator() : make_host_allocator();
 }
 
-std::string Engine::Impl::state_label(const Group& g) const {
+MemorySpace* Engine::Impl::state_space(bool active, std::optional<DeactivatePolicy> kept) {
+  if (!active && (!kept || *kept == DeactivatePolicy::drop)) return nullptr;
+  if (state_on_host() || (!active && *kept == DeactivatePolicy::keep_host)) return &host_space();
+  return &space;
+}
+
+const MemorySpace* Engine::Impl::state_space(const Group& g) const {
+  if (!g.active && !g.kept) return nullptr;
+  if (state_on_host() || (!g.active && g.kept->policy == DeactivatePolicy::keep_host))
+    return host.get();
+  return &space;
+}
+
+Buffer Engine::Impl::take_state(MemorySpace& where, std::size_t bytes, Tag tag,
+                                std::string label) {
+  if (&where == &space) return take(bytes, tag, std::move(label));
+  return where.allocate(bytes, tag, std::move(label));
+}
+
+std::size_t Engine::Impl::give_up_state(Buffer& b, const std::string& event, ReleasePolicy pins) {
+  if (state_on_host()) return b.release(event, pins);  // host blocks are not recycled
+  return give_up(b, event, pins);
+}
+
+std::string Engine::Impl::master_label(const Group& g, bool kept_on_host) const {
+  return fmt::format("group {} master{}", g.name, kept_on_host ? " (kept on host)" : "");
+}
+
+std::string Engine::Impl::state_label(const Group& g, bool kept_on_host) const {
+  if (kept_on_host) return fmt::format("group {} state (kept on host)", g.name);
   return fmt::format("group {} {} state", g.name, optimizer_type_name(config.optimizer.type));
 }
-
 
 Buffer Engine::Impl::take(std::size_t bytes, Tag tag, std::string label) {
   auto& pool = recycled;
@@ -127,27 +153,34 @@ void Engine::Impl::allocate_active_state(Group& g) {
   Buffer grad = take(static_cast<std::size_t>(reducer->grad_numel(g)) * gsize, Tag::grad,
                      reducer->grad_label(g));
   ops.fill_zero(grad.data(), grad.bytes());
+  MemorySpace& where = *state_space(true, std::nullopt);
+  // Kept state that lives where an active group's does (keep_device; anything kept with the
+  // state on the host) is handed back: no copy, and nothing can fail past this point.
+  const bool in_place = g.kept && state_space(false, g.kept->policy) == &where;
   Buffer master, state;
   std::int64_t step = 0;
   const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
-  if (g.kept && g.kept->policy == DeactivatePolicy::keep_device) {
-    // Restored by handing the kept buffers back: no copy, and nothing can fail past this point.
-  } else {
-    master = take(shard * 4, Tag::master32, master_label(g));
-    state = take(slots * shard * 4, Tag::optim_state, state_label(g));
-    if (g.kept) {  // keep_host: exact copies back
+  if (!in_place) {
+    master = take_state(where, shard * 4, Tag::master32, master_label(g));
+    state = take_state(where, slots * shard * 4, Tag::optim_state, state_label(g));
+    if (g.kept) {  // keep_host with the state on the device: exact copies back
       space.upload(master.data(), g.kept->master.data(), master.bytes());
       space.upload(state.data(), g.kept->state.data(), state.bytes());
       step = g.kept->step;
-    } else {
+    } else if (&where == &space) {
       ops.cast(master.data(), DType::f32, g.param16_at(g.shard.begin, psize), dtype, shard);
       ops.fill_zero(state.data(), state.bytes());
+    } else {
+      seed_master_on_host(g, master);
+      cpu_device_ops().fill_zero(state.data(), state.bytes());
     }
   }
   // Commit.
-  if (g.kept && g.kept->policy == DeactivatePolicy::keep_device) {
+  if (in_place) {
     master = std::move(g.kept->master);
     state = std::move(g.kept->state);
+    master.relabel(master_label(g));
+    state.relabel(state_label(g));
     step = g.kept->step;
   }
   g.kept.reset();  // keep_host copies go back to the host allocator here
@@ -169,7 +202,7 @@ void Engine::activate(const std::string& group) {
 }
 
 void Engine::Impl::release_idle_host() noexcept {
-  if (!host) return;
+  if (!host || state_on_host()) return;  // with the state there, it lives as the engine does
   for (const auto& g : groups)
     if (g.kept && g.kept->policy == DeactivatePolicy::keep_host) return;
   // No live buffer is left in it. Blocks still held by Pins keep the allocator alive through
@@ -183,10 +216,12 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
   if (!g.active)
     throw StateError(fmt::format("Engine::deactivate: group '{}' is not active", group));
   impl_->require_no_pending(g, "deactivate");
-  const bool keep_device = policy == DeactivatePolicy::keep_device;
+  MemorySpace* const to = impl_->state_space(false, policy);
+  // keep_device, and any kept state with the state on the host, stays where it is.
+  const bool in_place = to == impl_->state_space(true, std::nullopt);
   // Check every Pin before changing anything.
   std::vector<const Buffer*> leaving{&g.grad};
-  if (!keep_device) {
+  if (!in_place) {
     leaving.push_back(&g.master);
     leaving.push_back(&g.state);
   }
@@ -199,22 +234,25 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
                       group, held));
   }
   std::optional<KeptState> kept;
-  if (policy == DeactivatePolicy::keep_host) {
-    KeptState k = impl_->kept_on_host(impl_->host_space(), g, g.step);
+  if (to != nullptr && !in_place) {  // keep_host with the state on the device
+    KeptState k = impl_->kept_on_host(*to, g, g.step);
     impl_->space.download(k.master.data(), g.master.data(), g.master.bytes());
     impl_->space.download(k.state.data(), g.state.data(), g.state.bytes());
     kept = std::move(k);
   }
-  // Commit: nothing below can fail.
+  // Commit: nothing below can fail but the relabelling's string.
   const auto event = fmt::format("deactivate({}, {})", group, deactivate_policy_name(policy));
   std::size_t held = 0;
   impl_->reducer->detach(g);
   held += impl_->give_up(g.grad, event, pins);
-  if (keep_device) {
+  if (in_place) {
+    const bool on_host = to != &impl_->space;
+    g.master.relabel(impl_->master_label(g, on_host));
+    g.state.relabel(impl_->state_label(g, on_host));
     kept = KeptState{policy, std::move(g.master), std::move(g.state), g.step};
   } else {
-    held += impl_->give_up(g.master, event, pins);
-    held += impl_->give_up(g.state, event, pins);
+    held += impl_->give_up_state(g.master, event, pins);
+    held += impl_->give_up_state(g.state, event, pins);
   }
   g.kept = std::move(kept);
   g.active = false;
@@ -387,13 +425,12 @@ TrainingState Engine::training_state(bool with_weights) const {
     s.step = g.step;
     const Buffer* master = g.active ? &g.master : nullptr;
     const Buffer* state = g.active ? &g.state : nullptr;
-    const MemorySpace* from = &impl_->space;
+    const MemorySpace* from = impl_->state_space(g);
     if (!g.active && g.kept) {
       s.kept = g.kept->policy;
       s.step = g.kept->step;
       master = &g.kept->master;
       state = &g.kept->state;
-      if (g.kept->policy == DeactivatePolicy::keep_host) from = impl_->host.get();
     }
     if (master != nullptr) {
       const auto shard = static_cast<std::size_t>(g.shard.numel());
@@ -458,47 +495,44 @@ void Engine::Impl::check_restorable(const TrainingState& state, const char* fn) 
   check.restore(state.scaler);
 }
 
-// Buffers: a group's device master and state are reused when it has them now and needs them
-// after (active or keep_device either side), its gradients when it stays active; anything
-// else is allocated here, into the plan, so that a failure changes nothing.
+// Buffers: a group's master and state are reused when it has them now and needs them after in
+// the same memory (active, or kept where they are), its gradients when it stays active;
+// anything else is allocated here, into the plan, so that a failure changes nothing.
 Engine::Impl::RestorePlan Engine::Impl::plan_restore(const TrainingState& state) {
   const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
   const auto gsize = dtype_size(config.grad_type());
   RestorePlan plan;
   plan.groups.resize(groups.size());
-  MemorySpace* keep_host = host.get();
+  MemorySpace* host_now = host.get();
   for (std::size_t i = 0; i < groups.size(); ++i) {
     const auto& s = state.groups[i];
     Group& g = groups[i];
     GroupRestore& p = plan.groups[i];
     const auto shard = static_cast<std::size_t>(g.shard.numel());
-    const bool has_device = g.active || (g.kept && g.kept->policy == DeactivatePolicy::keep_device);
-    const bool wants_device = s.active || s.kept == DeactivatePolicy::keep_device;
+    const MemorySpace* now = state_space(g);
+    const bool holds = s.active || s.kept;
+    const bool wants_host =
+        holds && (state_on_host() || (!s.active && s.kept == DeactivatePolicy::keep_host));
+    if (wants_host && host_now == nullptr) {
+      plan.new_host = std::make_unique<MemorySpace>(comm.rank(), host_allocator());
+      host_now = plan.new_host.get();
+    }
+    p.to = !holds ? nullptr : wants_host ? host_now : &space;
     p.reuse_grad = g.active && s.active;
-    p.reuse_device_state = has_device && wants_device;
+    p.reuse_state = p.to != nullptr && now == p.to;
     if (s.active && !p.reuse_grad)
       p.grad = take(static_cast<std::size_t>(reducer->grad_numel(g)) * gsize, Tag::grad,
                     reducer->grad_label(g));
-    if (wants_device && !p.reuse_device_state) {
-      p.master = take(shard * 4, Tag::master32, master_label(g));
-      p.state = take(slots * shard * 4, Tag::optim_state, state_label(g));
-    }
-    if (s.kept == DeactivatePolicy::keep_host) {
-      if (keep_host == nullptr) {
-        plan.new_host = std::make_unique<MemorySpace>(comm.rank(), space.host_staging_allocator());
-        keep_host = plan.new_host.get();
-      }
-      KeptState k = kept_on_host(*keep_host, g, s.step);
-      p.host_master = std::move(k.master);
-      p.host_state = std::move(k.state);
+    if (p.to != nullptr && !p.reuse_state) {
+      const bool kept_on_host = !s.active && wants_host;
+      p.master = take_state(*p.to, shard * 4, Tag::master32, master_label(g, kept_on_host));
+      p.state = take_state(*p.to, slots * shard * 4, Tag::optim_state,
+                           state_label(g, kept_on_host));
     }
     if (g.active && !p.reuse_grad) p.freed.push_back(&g.grad);
-    const Buffer* now_master = g.active ? &g.master : g.kept ? &g.kept->master : nullptr;
-    const Buffer* now_state = g.active ? &g.state : g.kept ? &g.kept->state : nullptr;
-    const bool now_host = g.kept && g.kept->policy == DeactivatePolicy::keep_host;
-    if (now_master != nullptr && (now_host || !p.reuse_device_state)) {
-      p.freed.push_back(now_master);
-      p.freed.push_back(now_state);
+    if (now != nullptr && !p.reuse_state) {
+      p.freed.push_back(g.active ? &g.master : &g.kept->master);
+      p.freed.push_back(g.active ? &g.state : &g.kept->state);
     }
   }
   return plan;
@@ -513,9 +547,12 @@ void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan)
     Group& g = groups[i];
     GroupRestore& p = plan.groups[i];
     Buffer master, sstate, grad;
-    if (p.reuse_device_state) {
+    if (p.reuse_state) {
       master = g.active ? std::move(g.master) : std::move(g.kept->master);
       sstate = g.active ? std::move(g.state) : std::move(g.kept->state);
+      const bool kept_on_host = !s.active && p.to != &space;
+      master.relabel(master_label(g, kept_on_host));
+      sstate.relabel(state_label(g, kept_on_host));
     } else {
       master = std::move(p.master);
       sstate = std::move(p.state);
@@ -524,27 +561,21 @@ void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan)
     else grad = std::move(p.grad);
     if (g.active) reducer->detach(g);
     // What is left in the group now is given back.
-    for (Buffer* b : {&g.grad, &g.master, &g.state})
-      if (b->valid()) give_up(*b, event, ReleasePolicy::fail_if_pinned);  // checked above
+    if (g.grad.valid()) give_up(g.grad, event, ReleasePolicy::fail_if_pinned);  // checked above
+    for (Buffer* b : {&g.master, &g.state})
+      if (b->valid()) give_up_state(*b, event, ReleasePolicy::fail_if_pinned);
     g.kept.reset();
-    if (s.active || s.kept == DeactivatePolicy::keep_device) {
-      space.upload(master.data(), s.master.data(), s.master.size() * 4);
-      if (!s.state.empty()) space.upload(sstate.data(), s.state.data(), s.state.size() * 4);
+    if (p.to != nullptr) {
+      p.to->upload(master.data(), s.master.data(), s.master.size() * 4);
+      if (!s.state.empty()) p.to->upload(sstate.data(), s.state.data(), s.state.size() * 4);
     }
     if (s.active) {
       ops.fill_zero(grad.data(), grad.bytes());
       g.grad = std::move(grad);
       g.master = std::move(master);
       g.state = std::move(sstate);
-    } else if (s.kept == DeactivatePolicy::keep_device) {
-      g.kept = KeptState{DeactivatePolicy::keep_device, std::move(master), std::move(sstate),
-                         s.step};
-    } else if (s.kept == DeactivatePolicy::keep_host) {
-      host->upload(p.host_master.data(), s.master.data(), s.master.size() * 4);
-      if (!s.state.empty())
-        host->upload(p.host_state.data(), s.state.data(), s.state.size() * 4);
-      g.kept = KeptState{DeactivatePolicy::keep_host, std::move(p.host_master),
-                         std::move(p.host_state), s.step};
+    } else if (s.kept) {
+      g.kept = KeptState{*s.kept, std::move(master), std::move(sstate), s.step};
     }
     g.active = s.active;
     g.step = s.step;  // a kept group keeps its count too, as deactivate leaves it

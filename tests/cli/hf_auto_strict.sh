@@ -56,7 +56,6 @@ scheduler.params.warmup_max_lr = "auto": ShardSwap uses 5e-05
 scheduler.params.warmup_num_steps = "auto": ShardSwap uses 0'
 # What else the file has that ShardSwap only warns about.
 others='zero_optimization.allgather_bucket_size = 200000000.0: no effect
-zero_optimization.offload_optimizer: a DeepSpeed setting ShardSwap does not implement; ignored: ShardSwap keeps params, fp32 master and optimizer state on the training device
 steps_per_print: a DeepSpeed setting
 wall_clock_breakdown: a DeepSpeed setting'
 

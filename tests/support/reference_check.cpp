@@ -107,6 +107,8 @@ EngineConfig make_config(const Case& c) {
   cfg.loss_scale.dynamic = false;
   cfg.loss_scale.static_scale = kLossScale;
   cfg.overlap_comm = c.overlap_comm;
+  cfg.optimizer_placement = c.optimizer_placement;
+  cfg.offload_chunk_elements = c.offload_chunk_elements;
   return cfg;
 }
 

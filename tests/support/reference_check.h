@@ -29,6 +29,9 @@ struct Case {
   /// Groups: embed, layers.0, layers.1, head. Empty: every group active throughout.
   std::vector<std::pair<int, std::vector<std::string>>> switches = {};
   DeactivatePolicy policy = DeactivatePolicy::drop;
+  /// EngineConfig::optimizer_placement, and the offload chunk (small: chunks really cycle).
+  Placement optimizer_placement = Placement::device;
+  std::size_t offload_chunk_elements = 100;
 };
 
 /// A schedule over the reference model's groups that drops, brings back and finally reactivates

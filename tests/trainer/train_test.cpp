@@ -128,14 +128,14 @@ TEST_CASE("a DeepSpeed reduce_bucket_size counts elements, even written as a flo
 TEST_CASE("keys ShardSwap does not implement are warned about once each, known keys are not") {
   auto j = small_run();
   j["wall_clock_breakdown"] = false;
-  j["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}, {"pin_memory", true}};
+  j["zero_optimization"]["offload_param"] = {{"device", "cpu"}, {"pin_memory", true}};
   ConfigReader reader(j, "test.json");
   train_config_from_json(reader);
   const auto warnings = config_warnings(reader);
   CAPTURE(warnings);
   REQUIRE(warnings.size() == 2);
   REQUIRE(test::contains(warnings[0] + warnings[1], "wall_clock_breakdown"));
-  REQUIRE(test::contains(warnings[0] + warnings[1], "zero_optimization.offload_optimizer"));
+  REQUIRE(test::contains(warnings[0] + warnings[1], "zero_optimization.offload_param"));
 }
 
 TEST_CASE("train refuses an unknown key in each of its own sections, naming it") {

@@ -72,11 +72,16 @@ struct SwitchReport {
   double seconds = 0.0;
 };
 
-/// Planned bytes per tag for this rank, computed from the declarations alone.
+/// Planned bytes per tag for this rank, computed from the declarations alone: on the device
+/// (`bytes`, what memory_stats() measures) and in host memory (`host`, what host_memory_stats()
+/// measures: state placed on the host with its staging buffers, state kept under keep_host).
 struct MemoryPlan {
   std::array<std::int64_t, kTagCount> bytes{};
+  std::array<std::int64_t, kTagCount> host{};
   std::int64_t total() const;
+  std::int64_t host_total() const;
   std::int64_t of(Tag t) const { return bytes[static_cast<std::size_t>(t)]; }
+  std::int64_t host_of(Tag t) const { return host[static_cast<std::size_t>(t)]; }
 };
 
 /// A piece of a param's fp32 master held by this rank.
@@ -221,8 +226,8 @@ class Engine {
   std::vector<std::string> groups() const;
   std::int64_t group_step(const std::string& group) const;
   std::vector<MasterPiece> master_pieces(const std::string& name) const;
-  /// This rank's fp32 master shard of an active group (registered as "group G master shard").
-  /// Throws StateError for a frozen group.
+  /// This rank's fp32 master shard of an active group (registered as "group G master shard"), in
+  /// host memory when config().optimizer_placement is host. Throws StateError for a frozen group.
   View master(const std::string& group) const;
   /// The param's bit16 weights, copied to the host as floats.
   std::vector<float> read_weight(const std::string& name) const;
@@ -243,6 +248,14 @@ class Engine {
   double sum_across_ranks(double value);
   MemorySpace& memory() const;
   MemoryStats memory_stats() const;
+  /// The engine's host memory (EngineConfig::optimizer_placement = host, keep_host): all zeros
+  /// while it holds none. Its requested bytes equal plan().host after build and every lifecycle
+  /// call.
+  MemoryStats host_memory_stats() const;
+  /// Starts the host memory's peaks over from what it holds now (MemorySpace::reset_peaks).
+  void reset_host_peaks();
+  /// The device memory's report, then, when the engine holds host memory, that memory's
+  /// ("rank R memory (pinned host):" on CUDA).
   std::string memory_report() const;
   int rank() const;
   int world_size() const;

@@ -22,6 +22,14 @@ enum class NonFinitePolicy {
 NonFinitePolicy nonfinite_policy_from_name(std::string_view name, std::string_view key);
 const char* nonfinite_policy_name(NonFinitePolicy policy);
 
+/// Where a kind of state lives.
+enum class Placement {
+  device,  ///< the rank's MemorySpace (the GPU on CUDA)
+  host,    ///< host memory beside it (pinned or pageable: EngineConfig::pin_host_memory)
+};
+/// "device" or "host".
+const char* placement_name(Placement placement);
+
 struct EngineConfig {
   /// 1: fp32 master and optimizer state sharded, full bit16 gradients kept until the step.
   /// 2: gradients also sharded: reduced in buckets into their owners' partitions as they come.
@@ -53,6 +61,23 @@ struct EngineConfig {
   LossScaleConfig loss_scale;
   /// bf16 only (shardswap.nonfinite): skip the step or fail it when gradients are not finite.
   NonFinitePolicy nonfinite = NonFinitePolicy::skip;
+  /// Where every group's fp32 master and optimizer state live, active or kept
+  /// (zero_optimization.offload_optimizer.device: "cpu" is host). On the host the update runs
+  /// on the CPU over all cores, with the same arithmetic as the device's kernel (the same bits):
+  /// each step the gradient partition comes down and the updated bit16 shard goes up, in chunks
+  /// of at most offload_chunk_elements through two host staging buffers.
+  Placement optimizer_placement = Placement::device;
+  /// Host memory of the engine's state (offloaded, or kept under keep_host) is page-locked
+  /// (offload_optimizer.pin_memory): copies to and from the GPU run at full PCIe bandwidth. False:
+  /// pageable memory, which the system may swap; CUDA copies through its own bounce buffer.
+  /// No effect on the CPU backend.
+  bool pin_host_memory = true;
+  /// Elements per chunk of an offloaded update: the size of its staging buffers (capped at the
+  /// largest shard when build() runs).
+  std::size_t offload_chunk_elements = std::size_t{1} << 24;
+  /// Threads of the update on the host (shardswap.offload_threads); 0: every core the machine
+  /// has. Ranks sharing a machine should split its cores between them.
+  unsigned offload_threads = 0;
 
   /// Throws ConfigError "NAME = VALUE: what is wrong" for the first bad value, NAME being its
   /// field, in the field's unit ("EngineConfig.reduce_bucket_bytes = 128 bytes: ...",

@@ -1,0 +1,247 @@
+// The fp32 master and optimizer state in host memory (EngineConfig::optimizer_placement = host):
+// the float64 reference under every policy and stage, the same bits as the state on the device
+// through switches and checkpoints, host bytes planned = measured, and the JSON keys.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "memory/host_types.h"
+#include "shardswap/backend.h"
+#include "shardswap/config_json.h"
+#include "shardswap/config_reader.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
+#include "tests/catch_compat.h"
+#include "tests/support/reference_check.h"
+#include "tests/support/small_models.h"
+
+using namespace shardswap;
+using test_support::Case;
+
+namespace {
+
+void init(const ParamInfo& p, std::span<float> v) {
+  for (std::size_t i = 0; i < v.size(); ++i)
+    v[i] = 0.5f * std::sin(0.37f * static_cast<float>(i) + static_cast<float>(p.numel % 7));
+}
+
+// Gradients of every active param, varied by rank, step and position (never all equal).
+void backward(Engine& e, int rank, int step) {
+  const auto& params = e.params();
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    if (!e.is_active(it->group)) continue;
+    std::vector<float> g(static_cast<std::size_t>(it->numel));
+    for (std::size_t i = 0; i < g.size(); ++i)
+      g[i] = 0.01f * std::cos(0.11f * static_cast<float>(i) + 0.7f * static_cast<float>(rank) +
+                              0.3f * static_cast<float>(step));
+    e.add_grad(it->name, g);
+  }
+}
+
+// Throws (from rank threads) naming the memory, tag and both figures unless device and host
+// bytes held equal the plan's.
+void require_plan_held(const Engine& e, const std::string& when) {
+  const MemoryPlan plan = e.plan();
+  const MemoryStats device = e.memory_stats(), host = e.host_memory_stats();
+  for (Tag t : kAllTags) {
+    if (device.tag(t).requested.current != plan.of(t))
+      throw std::runtime_error(fmt::format("rank {} {}: device {} holds {} bytes, the plan says {}",
+                                           e.rank(), when, tag_name(t),
+                                           device.tag(t).requested.current, plan.of(t)));
+    if (host.tag(t).requested.current != plan.host_of(t))
+      throw std::runtime_error(fmt::format("rank {} {}: host {} holds {} bytes, the plan says {}",
+                                           e.rank(), when, tag_name(t),
+                                           host.tag(t).requested.current, plan.host_of(t)));
+  }
+}
+
+EngineConfig config_at(Placement placement, int stage) {
+  EngineConfig cfg = test_support::small_lisa_config(stage);
+  cfg.optimizer_placement = placement;
+  cfg.offload_chunk_elements = 97;  // chunks end inside params and decay spans
+  return cfg;
+}
+
+// A LISA-like run on two ranks: switches under `policy` every 3 steps, a per-param weight decay
+// (several decay spans per shard), 20 steps. Returns rank 0's training state with weights.
+TrainingState lisa_run(Placement placement, int stage, DeactivatePolicy policy) {
+  TrainingState out;
+  std::mutex mu;
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_at(placement, stage), comm, space);
+    test_support::declare_small_lisa_model(e);
+    e.set_param_weight_decay("layers.1.norm", 0.0);
+    e.set_param_weight_decay("head.weight", 0.3);
+    e.build(init, std::vector<std::string>{"embed", "head", "layers.1"});
+    require_plan_held(e, "after build");
+    for (int step = 0; step < 20; ++step) {
+      if (step % 3 == 2) {
+        const std::string in = fmt::format("layers.{}", (step / 3) % 4);
+        e.set_active({"embed", "head", in}, policy);
+        require_plan_held(e, fmt::format("after the switch before step {}", step + 1));
+      }
+      backward(e, rank, step);
+      RANK_REQUIRE(e.step().applied);
+      require_plan_held(e, fmt::format("after step {}", step + 1));
+    }
+    e.set_active(e.groups(), policy);  // every master readable
+    TrainingState s = e.training_state(true);
+    std::lock_guard lock(mu);
+    if (rank == 0) out = std::move(s);
+  });
+  return out;
+}
+
+void require_same_bits(const TrainingState& a, const TrainingState& b) {
+  REQUIRE(a.groups.size() == b.groups.size());
+  for (std::size_t i = 0; i < a.groups.size(); ++i) {
+    CAPTURE(a.groups[i].group);
+    REQUIRE(a.groups[i].step == b.groups[i].step);
+    REQUIRE(a.groups[i].master == b.groups[i].master);  // float ==: the same values, no NaN here
+    REQUIRE(a.groups[i].state == b.groups[i].state);
+  }
+  REQUIRE(a.weights == b.weights);
+}
+
+}  // namespace
+
+TEST_CASE("state on the host matches the float64 reference under every policy and stage") {
+  for (DeactivatePolicy policy :
+       {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
+    for (int stage : {1, 2})
+      for (DType dtype : {DType::bf16, DType::f16}) {
+        Case c{4, stage, dtype, OptimizerType::adamw};
+        c.switches = test_support::switching_schedule();
+        c.policy = policy;
+        c.optimizer_placement = Placement::host;
+        CAPTURE(deactivate_policy_name(policy), stage, dtype_name(dtype));
+        test_support::check_against_reference(c, cpu_backend());
+      }
+  Case sgd{2, 2, DType::bf16, OptimizerType::sgd};
+  sgd.optimizer_placement = Placement::host;
+  test_support::check_against_reference(sgd, cpu_backend());
+}
+
+TEST_CASE("state on the host gives the same bits as on the device through 20 steps of switches") {
+  for (DeactivatePolicy policy :
+       {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
+    for (int stage : {1, 2}) {
+      CAPTURE(deactivate_policy_name(policy), stage);
+      const TrainingState device = lisa_run(Placement::device, stage, policy);
+      const TrainingState host = lisa_run(Placement::host, stage, policy);
+      require_same_bits(device, host);
+    }
+}
+
+TEST_CASE("the plan puts master, state and the staging buffers on the host, and they are held") {
+  MemorySpace space(0, make_host_allocator());
+  InProcessGroup group(1);
+  EngineConfig cfg = config_at(Placement::host, 2);
+  Engine e(cfg, group.rank(0), space);
+  test_support::declare_small_lisa_model(e);
+  const MemoryPlan before = e.plan();
+  EngineConfig on_device = cfg;
+  on_device.optimizer_placement = Placement::device;
+  std::vector<ParamDeclaration> declared;
+  for (const auto& p : e.params()) declared.push_back({p.name, p.shape, p.group});
+  const MemoryPlan device_plan = plan_memory(on_device, 1, 0, declared);
+  // What leaves the device is exactly master32 and optim_state; the host adds one chunk each of
+  // gradients (bf16) and weights (bf16): 97 elements, the configured chunk (< every shard).
+  REQUIRE(before.of(Tag::master32) == 0);
+  REQUIRE(before.of(Tag::optim_state) == 0);
+  REQUIRE(before.host_of(Tag::master32) == device_plan.of(Tag::master32));
+  REQUIRE(before.host_of(Tag::optim_state) == device_plan.of(Tag::optim_state));
+  REQUIRE(before.host_of(Tag::grad) == 97 * 2);
+  REQUIRE(before.host_of(Tag::param16) == 97 * 2);
+  REQUIRE(before.total() + before.host_total() ==
+          device_plan.total() + 2 * 97 * 2);
+  REQUIRE(plan_memory(cfg, 1, 0, declared).host == before.host);  // the same code, no Engine
+  e.build(init);
+  require_plan_held(e, "after build");
+  REQUIRE(e.host_memory_stats().requested.peak == before.host_total());
+  REQUIRE(test::contains(e.memory_report(), "offload gradient staging"));
+  REQUIRE(test::contains(e.memory_report(), "group layers.0 master"));
+  // Deactivation under each policy: keep_* leave the state in place (relabelled), drop frees it.
+  e.deactivate("layers.0", DeactivatePolicy::keep_host);
+  e.deactivate("layers.1", DeactivatePolicy::keep_device);
+  e.deactivate("layers.2", DeactivatePolicy::drop);
+  require_plan_held(e, "after deactivation");
+  REQUIRE(test::contains(e.memory_report(), "group layers.0 master (kept on host)"));
+  REQUIRE(test::contains(e.memory_report(), "group layers.1 state (kept on host)"));
+  REQUIRE(!test::contains(e.memory_report(), "group layers.2 master"));
+  REQUIRE(e.host_memory_stats().tag(Tag::master32).buffers == 5);  // 6 groups, one dropped
+  e.activate("layers.0");
+  e.activate("layers.2");
+  require_plan_held(e, "after activation");
+}
+
+TEST_CASE("a training state moves between the host and the device placements bit for bit") {
+  // Ten steps in one placement, the state handed to an engine of the other, ten more there:
+  // the same bits as twenty steps on the device, both ways, with a group kept on the host.
+  auto run = [](Placement first, Placement second) {
+    TrainingState out;
+    std::mutex mu;
+    run_ranks(2, [&](int rank, Communicator& comm) {
+      TrainingState half;
+      {
+        MemorySpace space(rank, make_host_allocator());
+        Engine e(config_at(first, 2), comm, space);
+        test_support::declare_small_lisa_model(e);
+        e.build(init);
+        for (int step = 0; step < 10; ++step) {
+          if (step == 5) e.deactivate("layers.3", DeactivatePolicy::keep_host);
+          backward(e, rank, step);
+          e.step();
+        }
+        half = e.training_state(true);
+      }
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(config_at(second, 2), comm, space);
+      test_support::declare_small_lisa_model(e);
+      e.build(init, std::vector<std::string>{"embed"});
+      e.restore_training_state(half);
+      require_plan_held(e, "after the restore");
+      for (int step = 10; step < 20; ++step) {
+        if (step == 15) e.activate("layers.3");
+        backward(e, rank, step);
+        e.step();
+      }
+      TrainingState s = e.training_state(true);
+      std::lock_guard lock(mu);
+      if (rank == 0) out = std::move(s);
+    });
+    return out;
+  };
+  const TrainingState device = run(Placement::device, Placement::device);
+  require_same_bits(device, run(Placement::host, Placement::device));
+  require_same_bits(device, run(Placement::device, Placement::host));
+  require_same_bits(device, run(Placement::host, Placement::host));
+}
+
+TEST_CASE("offload_optimizer.device and pin_memory read as DeepSpeed writes them") {
+  auto read = [](const nlohmann::json& offload) {
+    nlohmann::json j = {{"train_micro_batch_size_per_gpu", 1},
+                        {"bf16", {{"enabled", true}}},
+                        {"zero_optimization", {{"stage", 2}, {"offload_optimizer", offload}}}};
+    ConfigReader reader(j, "test.json");
+    return engine_config_from_json(reader, BatchSizes{});
+  };
+  const EngineConfig cpu = read({{"device", "cpu"}, {"pin_memory", true}});
+  REQUIRE(cpu.optimizer_placement == Placement::host);
+  REQUIRE(cpu.pin_host_memory);
+  // DeepSpeed's default for pin_memory is false.
+  REQUIRE(!read({{"device", "cpu"}}).pin_host_memory);
+  REQUIRE(read({{"device", "none"}}).optimizer_placement == Placement::device);
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { read({{"device", "nvme"}}); }),
+                         "test.json: zero_optimization.offload_optimizer.device = \"nvme\": an "
+                         "NVMe-offload setting"));
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { read({{"device", "gpu"}}); }),
+                         "zero_optimization.offload_optimizer.device = \"gpu\": expected "
+                         "\"none\" or \"cpu\""));
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { read(42); }),
+                         "zero_optimization.offload_optimizer"));
+}
