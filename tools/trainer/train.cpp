@@ -82,18 +82,20 @@ std::int64_t host_memory_bytes() {
 
 void check_plan_fits(const TrainConfig& config, const PlannedMemory& rank0) {
   // On the cpu backend every rank of this process holds its buffers in host memory; on cuda
-  // they are on the devices, whose allocator names what does not fit.
-  if (config.backend.kind != DeviceKind::host) return;
+  // the devices' part is their allocator's to refuse, and the engine's host memory is checked.
+  const std::int64_t per_rank =
+      rank0.host_total() + (config.backend.kind == DeviceKind::host ? rank0.total() : 0);
+  if (per_rank == 0) return;
   const std::int64_t memory = host_memory_bytes();
   const int ranks = config.process ? 1 : config.world_size;
   // Ranks hold near-equal shares; in doubles, so that no product overflows.
-  const double needed = static_cast<double>(rank0.total()) * ranks;
+  const double needed = static_cast<double>(per_rank) * ranks;
   if (memory <= 0 || needed <= static_cast<double>(memory)) return;
   throw Error(fmt::format(
       "the plan needs {:.1f} GiB of host memory ({} on rank 0 x {} rank{} in this process; "
       "`shardswap plan` lists it by tag), more than the {:.1f} GiB this machine has: refused "
       "before anything is allocated",
-      needed / 1073741824.0, mib(rank0.total()), ranks, ranks == 1 ? "" : "s",
+      needed / 1073741824.0, mib(per_rank), ranks, ranks == 1 ? "" : "s",
       static_cast<double>(memory) / 1073741824.0));
 }
 
@@ -268,11 +270,11 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
   const int shown = std::min(n, 8);
   std::vector<PlannedMemory> plans;
   for (int r = 0; r < n; ++r) plans.push_back(plan_memory(config, model, r));
-  out << fmt::format("{:<12}", "bytes");
+  out << fmt::format("{:<18}", "bytes");
   for (int r = 0; r < shown; ++r) out << fmt::format("{:>16}", fmt::format("rank {}", r));
   out << fmt::format("{:>16}\n", "max over ranks");
   const auto row = [&](const std::string& name, auto bytes_of) {
-    out << fmt::format("{:<12}", name);
+    out << fmt::format("{:<18}", name);
     std::int64_t most = 0;
     for (int r = 0; r < n; ++r) {
       const std::int64_t b = bytes_of(plans[static_cast<std::size_t>(r)]);
@@ -287,6 +289,16 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
   }
   row("activation", [](const PlannedMemory& p) { return p.activation; });
   row("total", [](const PlannedMemory& p) { return p.total(); });
+  // The engine's host memory, where it holds any: the state placed there and its staging.
+  if (std::any_of(plans.begin(), plans.end(),
+                  [](const PlannedMemory& p) { return p.host_total() > 0; })) {
+    for (Tag t : kAllTags)
+      if (std::any_of(plans.begin(), plans.end(),
+                      [t](const PlannedMemory& p) { return p.engine.host_of(t) > 0; }))
+        row(fmt::format("host {}", tag_name(t)),
+            [t](const PlannedMemory& p) { return p.engine.host_of(t); });
+    row("host total", [](const PlannedMemory& p) { return p.host_total(); });
+  }
   // The ZeRO paper's count for bit16 params and Adam (no buckets, no padding, all groups active).
   const double psi = static_cast<double>(params);
   const double formula = config.engine.stage == 1 ? 4 * psi + 12 * psi / n : 2 * psi + 14 * psi / n;

@@ -123,15 +123,17 @@ struct PlannedMemory {
   MemoryPlan engine;               ///< what the engine takes for the groups active at step 0
   std::int64_t activation = 0;     ///< the model's working memory (Tag::activation)
   std::int64_t total() const { return engine.total() + activation; }
+  std::int64_t host_total() const { return engine.host_total(); }  ///< the engine's host memory
 };
 /// The plan of `rank` for the config's `model` (the engine's plan with the active set of step 0,
 /// plus the model's activations), from the model's declarations: no Engine, nothing allocated.
 PlannedMemory plan_memory(const TrainConfig& config, const RunModel& model, int rank);
 /// `shardswap plan`: a table of predicted bytes by tag for every rank.
 void print_plan(const TrainConfig& config, std::ostream& out);
-/// Throws Error when the cpu backend's ranks in this process would need more host memory than
-/// the machine (or its cgroup) has, by rank 0's plan: train and eval refuse such a model before
-/// anything is allocated, rather than end in std::bad_alloc or the OOM killer gigabytes later.
+/// Throws Error when the ranks in this process would need more host memory than the machine (or
+/// its cgroup) has, by rank 0's plan (on the cpu backend all of it, on cuda the engine's host
+/// memory): train and eval refuse such a model before anything is allocated, rather than end in
+/// std::bad_alloc or the OOM killer gigabytes later.
 void check_plan_fits(const TrainConfig& config, const PlannedMemory& rank0);
 
 struct TrainSummary {

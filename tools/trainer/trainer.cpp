@@ -83,6 +83,7 @@ struct Trainer::Step {
   bool no_targets = false;  // the global batch counts no target: nothing run, nothing updated
   double val = 0.0;
   MemoryStats mem;
+  MemoryStats host;  // the engine's host memory (state placed there, or kept under keep_host)
   std::int64_t plan_on_gpu = 0;  // the plans of every rank on rank 0's GPU (first step, cuda)
 };
 
@@ -228,6 +229,7 @@ void Trainer::begin_training() {
                                 : std::optional<ResumePoint>(ResumePoint{start_, resume_from_}));
   }
   space_.reset_peaks();
+  engine_.reset_host_peaks();
 }
 
 double Trainer::validate() {
@@ -247,6 +249,7 @@ std::optional<SwitchReport> Trainer::switch_layers(std::int64_t step) {
   // here on: a window from before the switch would include the bytes of the groups it let go (a
   // false excess after a switch that shrinks the set).
   space_.reset_peaks();
+  engine_.reset_host_peaks();
   return switched;
 }
 
@@ -304,6 +307,7 @@ Trainer::Step Trainer::train_step(std::int64_t step) {
   if (s.evaluating) s.val = validate();
   s.seconds = seconds_since(started);
   s.mem = engine_.memory_stats();
+  s.host = engine_.host_memory_stats();
   // The plans of every rank on rank 0's GPU (in-process ranks share it; over NCCL a rank has a
   // GPU of its own): a collective, so every rank computes it, on the same step.
   if (step == start_ && space_.device() == DeviceKind::cuda)
@@ -397,7 +401,16 @@ void Trainer::report(std::int64_t step, const Step& s) {
     progress_->message(fmt::format(
         "memory of rank 0 after step {}: predicted {}, measured peak {} ({:+.3f}%)", step + 1,
         mib(planned_), mib(peak), 100.0 * static_cast<double>(peak - planned_) / planned_));
+    const std::int64_t host_planned = engine_.plan().host_total();
+    if (host_planned > 0 || s.host.requested.peak > 0)
+      progress_->message(fmt::format(
+          "host memory of rank 0 after step {}: predicted {}, measured peak {} ({:+.3f}%)",
+          step + 1, mib(host_planned), mib(s.host.requested.peak),
+          host_planned > 0 ? 100.0 * static_cast<double>(s.host.requested.peak - host_planned) /
+                                 static_cast<double>(host_planned)
+                           : 0.0));
     space_.reset_peaks();  // the next report measures from here
+    engine_.reset_host_peaks();
   }
   if (step == start_ && space_.device() == DeviceKind::cuda) {
     const int device = run_.rank0_device;
@@ -449,6 +462,13 @@ nlohmann::json Trainer::metrics_line(std::int64_t step, const Step& s) const {
   memory["total"] = s.mem.requested.current;
   memory["peak"] = s.mem.requested.peak;
   line["memory_bytes"] = memory;
+  if (s.host.requested.peak > 0) {  // the same for the engine's host memory, where it holds any
+    nlohmann::json host;
+    for (Tag t : kAllTags) host[tag_name(t)] = s.host.tag(t).requested.current;
+    host["total"] = s.host.requested.current;
+    host["peak"] = s.host.requested.peak;
+    line["host_memory_bytes"] = host;
+  }
   // The driver's view of the GPU (cudaMemGetInfo, the whole device: what a soak watches for
   // leaks the engine's own counts cannot see), on the same steps as the progress lines. Rank 0's
   // GPU is its thread's current device: the model and the allocator make it current at each call.
