@@ -1,0 +1,130 @@
+// Master and optimizer state in host memory on the CUDA backend: the float64 reference under
+// every policy, the bits of the state on the device (the CPU update against the CUDA kernel,
+// over several threads on a shard past HostUpdater's split), and host bytes planned = held in
+// pinned or pageable memory.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "shardswap/backend.h"
+#include "shardswap/engine.h"
+#include "tests/catch_compat.h"
+#include "tests/support/reference_check.h"
+
+using namespace shardswap;
+using test_support::Case;
+
+namespace {
+
+void init(const ParamInfo& p, std::span<float> v) {
+  for (std::size_t i = 0; i < v.size(); ++i)
+    v[i] = 0.5f * std::sin(0.37f * static_cast<float>(i) + static_cast<float>(p.numel % 7));
+}
+
+// Gradients of every active param, varied by rank, step and position.
+void backward(Engine& e, int rank, int step) {
+  const auto& params = e.params();
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    if (!e.is_active(it->group)) continue;
+    std::vector<float> g(static_cast<std::size_t>(it->numel));
+    for (std::size_t i = 0; i < g.size(); ++i)
+      g[i] = 0.01f * std::cos(0.11f * static_cast<float>(i) + 0.7f * static_cast<float>(rank) +
+                              0.3f * static_cast<float>(step));
+    e.add_grad(it->name, g);
+  }
+}
+
+void require_plan_held(const Engine& e) {
+  const MemoryPlan plan = e.plan();
+  const MemoryStats device = e.memory_stats(), host = e.host_memory_stats();
+  for (Tag t : kAllTags) {
+    if (device.tag(t).requested.current != plan.of(t) ||
+        host.tag(t).requested.current != plan.host_of(t))
+      throw std::runtime_error(fmt::format(
+          "rank {}: {} held {} on the device and {} on the host, planned {} and {}", e.rank(),
+          tag_name(t), device.tag(t).requested.current, host.tag(t).requested.current,
+          plan.of(t), plan.host_of(t)));
+  }
+}
+
+// Two ranks on GPU 0, groups of 1.2M elements (shards of 600K: past HostUpdater's split, so the
+// update runs over several threads and chunks of 256K), switches under `policy`, 12 steps.
+TrainingState run(Placement placement, DeactivatePolicy policy, bool pinned) {
+  TrainingState out;
+  std::mutex mu;
+  run_ranks(
+      2,
+      [&](int rank, Communicator& comm) {
+        MemorySpace space(rank, make_cuda_allocator(0));
+        EngineConfig cfg;
+        cfg.optimizer.lr = 0.01;
+        cfg.optimizer.weight_decay = 0.1;
+        cfg.optimizer_placement = placement;
+        cfg.pin_host_memory = pinned;
+        cfg.offload_chunk_elements = 1 << 18;
+        Engine e(cfg, comm, space, cuda_backend());
+        for (int l = 0; l < 4; ++l) {
+          e.add_param(fmt::format("layers.{}.w", l), {1000, 1200}, fmt::format("layers.{}", l));
+          e.add_param(fmt::format("layers.{}.norm", l), {1200}, fmt::format("layers.{}", l));
+          e.set_param_weight_decay(fmt::format("layers.{}.norm", l), 0.0);
+        }
+        e.build(init, std::vector<std::string>{"layers.0", "layers.1"});
+        require_plan_held(e);
+        for (int step = 0; step < 12; ++step) {
+          if (step % 4 == 3)
+            e.set_active({"layers.0", fmt::format("layers.{}", 1 + (step / 4) % 3)}, policy);
+          require_plan_held(e);
+          backward(e, rank, step);
+          e.step();
+          require_plan_held(e);
+        }
+        e.set_active(e.groups(), policy);
+        TrainingState s = e.training_state(true);
+        if (placement == Placement::host) {
+          const std::string report = e.memory_report();
+          if (report.find(pinned ? "memory (pinned host)" : "memory (host)") == std::string::npos)
+            throw std::runtime_error("the host space is not the memory asked for:\n" + report);
+        }
+        std::lock_guard lock(mu);
+        if (rank == 0) out = std::move(s);
+      },
+      cuda_backend());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("cuda: state on the host matches the float64 reference under every policy") {
+  for (DeactivatePolicy policy :
+       {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
+    for (int stage : {1, 2}) {
+      Case c{4, stage, DType::bf16, OptimizerType::adamw};
+      c.switches = test_support::switching_schedule();
+      c.policy = policy;
+      c.optimizer_placement = Placement::host;
+      CAPTURE(deactivate_policy_name(policy), stage);
+      test_support::check_against_reference(c, cuda_backend());
+    }
+}
+
+TEST_CASE("cuda: state on the host gives the bits of the state on the device, pinned or not") {
+  for (DeactivatePolicy policy : {DeactivatePolicy::drop, DeactivatePolicy::keep_host}) {
+    CAPTURE(deactivate_policy_name(policy));
+    const TrainingState device = run(Placement::device, policy, true);
+    for (bool pinned : {true, false}) {
+      CAPTURE(pinned);
+      const TrainingState host = run(Placement::host, policy, pinned);
+      REQUIRE(host.groups.size() == device.groups.size());
+      for (std::size_t i = 0; i < host.groups.size(); ++i) {
+        CAPTURE(host.groups[i].group);
+        REQUIRE(host.groups[i].step == device.groups[i].step);
+        REQUIRE(host.groups[i].master == device.groups[i].master);
+        REQUIRE(host.groups[i].state == device.groups[i].state);
+      }
+      REQUIRE(host.weights == device.weights);
+    }
+  }
+}
