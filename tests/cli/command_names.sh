@@ -1,7 +1,7 @@
 #!/bin/sh
 # A CLI error names the command as the user typed it, never an inner function: `bench optimizer`
-# and `bench switch` (their messages said bench_optimizer: / bench_switch:), `ckpt export --out`.
-# Each exit 2.
+# and `bench switch` (their messages said bench_optimizer: / bench_switch:), `bench offload`,
+# `ckpt export --out`. Each exit 2.
 # Usage: command_names.sh SHARDSWAP
 set -u
 bin=$1
@@ -22,6 +22,10 @@ expect "bench optimizer, a bad --iters" "shardswap: bench optimizer: --iters '0'
   bench optimizer --iters 0
 expect "bench optimizer, an unknown argument" "shardswap: bench optimizer: unknown argument" \
   bench optimizer --frobnicate
+expect "bench offload, a bad --threads" "shardswap: bench offload: --threads '0'" \
+  bench offload --threads 0
+expect "bench offload, an unknown argument" "shardswap: bench offload: unknown argument" \
+  bench offload --frobnicate
 expect "bench switch, a bad --layers" "shardswap: bench switch: --layers must be >= " \
   bench switch --layers 0
 expect "bench switch, an unknown argument" "shardswap: bench switch: unknown argument" \

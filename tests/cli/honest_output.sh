@@ -90,8 +90,8 @@ lacks "$work/plan.out" "gradient_clipping"
 has "$work/plan.out" "total"
 
 # --- --help everywhere ---
-for cmd in "train" "plan" "eval" "bench optimizer" "bench switch" "ckpt export" "ckpt inspect" \
-           "plot"; do
+for cmd in "train" "plan" "eval" "bench optimizer" "bench offload" "bench switch" "ckpt export" \
+           "ckpt inspect" "plot"; do
   # shellcheck disable=SC2086
   "$bin" $cmd --help > "$work/help.out" 2>&1
   rc=$?

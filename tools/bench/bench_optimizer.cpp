@@ -21,6 +21,7 @@
 
 #include "shardswap/allocator.h"
 #include "shardswap/error.h"
+#include "bench/counts.h"
 #include "memory/host_types.h"
 #include "optimizer/optimizer.h"
 #include "files/output_file.h"
@@ -43,48 +44,6 @@ struct Options {
   int iters = 20;
   std::string json;
 };
-
-std::size_t parse_count(const std::string& text) {
-  const auto bad = [&] {
-    return ConfigError(fmt::format(
-        "bench optimizer: --sizes: '{}' is not a count like 64M, 256M or 1G (K, M, G are "
-        "powers of 1024)",
-        text));
-  };
-  if (text.empty()) throw bad();
-  std::size_t unit = 1;
-  std::string digits = text;
-  switch (text.back()) {
-    case 'K':
-    case 'k':
-      unit = std::size_t{1} << 10;
-      break;
-    case 'M':
-    case 'm':
-      unit = std::size_t{1} << 20;
-      break;
-    case 'G':
-    case 'g':
-      unit = std::size_t{1} << 30;
-      break;
-    default:
-      break;
-  }
-  if (unit != 1) digits.pop_back();
-  if (digits.empty() || digits.size() > 12 ||
-      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
-    throw bad();
-  const std::size_t count = std::stoull(digits) * unit;
-  if (count == 0) throw bad();
-  return count;
-}
-
-std::string count_label(std::size_t n) {
-  if (n % (std::size_t{1} << 30) == 0) return fmt::format("{}G", n >> 30);
-  if (n % (std::size_t{1} << 20) == 0) return fmt::format("{}M", n >> 20);
-  if (n % (std::size_t{1} << 10) == 0) return fmt::format("{}K", n >> 10);
-  return std::to_string(n);
-}
 
 Options parse(const std::vector<std::string>& args) {
   Options o;
@@ -121,7 +80,8 @@ Options parse(const std::vector<std::string>& args) {
   std::size_t start = 0;
   while (start <= sizes.size()) {
     const std::size_t end = std::min(sizes.find(',', start), sizes.size());
-    o.sizes_params.push_back(parse_count(sizes.substr(start, end - start)));
+    o.sizes_params.push_back(
+        parse_count(sizes.substr(start, end - start), "bench optimizer: --sizes"));
     start = end + 1;
   }
   return o;

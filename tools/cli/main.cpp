@@ -24,6 +24,7 @@
 #include "shardswap/checkpoint.h"
 #include "shardswap/config_json.h"
 #include "shardswap/error.h"
+#include "bench/bench_offload.h"
 #include "bench/bench_optimizer.h"
 #include "bench/bench_switch.h"
 #include "cli/ckpt.h"
@@ -46,6 +47,8 @@ constexpr const char* kUsage = R"(usage:
                  [--strict]
 
   shardswap bench optimizer [--backend cpu|cuda] [--sizes 64M,256M,1G] [--iters N] [--json FILE]
+  shardswap bench offload [--backend cpu|cuda] [--params 256M] [--threads N] [--iters 10]
+                          [--json FILE]
 
   train   runs the built-in model with the JSON config FILE (see docs/config.md)
           --metrics FILE     one JSON object per step (appended to on a resume)
@@ -71,6 +74,11 @@ constexpr const char* kUsage = R"(usage:
 
   bench optimizer
           the fused AdamW shard update against the copy bandwidth of the same run
+  bench offload
+          optimizer state in host memory: the multi-threaded host update against the host's
+          copy bandwidth; with cuda the pinned link, and the update of pinned state on the CPU
+          (gradient down, params up) or streamed through the GPU, against the on-device update
+          (--threads: all by default)
   bench switch
           the time of a layer switch against the bytes it touches over the copy bandwidth
 
@@ -380,6 +388,8 @@ int run_command(const std::vector<std::string>& args) {
     if (args[0] == "eval") return eval_command({args.begin() + 1, args.end()});
     if (args[0] == "bench" && args.size() > 1 && args[1] == "optimizer")
       return shardswap::bench_optimizer({args.begin() + 2, args.end()}, std::cout);
+    if (args[0] == "bench" && args.size() > 1 && args[1] == "offload")
+      return shardswap::bench_offload({args.begin() + 2, args.end()}, std::cout);
     if (args[0] == "bench" && args.size() > 1 && args[1] == "switch")
       return shardswap::bench_switch({args.begin() + 2, args.end()}, std::cout);
     if (args[0] == "ckpt")
