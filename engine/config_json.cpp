@@ -332,6 +332,9 @@ void read_offload(ConfigReader& c, EngineConfig& cfg) {
     c.fail("shardswap.offload_chunk_elements", fmt::format("{} elements", chunk),
            "must lie in [1, 2^40] elements");
   cfg.offload_chunk_elements = static_cast<std::size_t>(chunk);
+  cfg.offload_update = offload_update_from_name(
+      c.string("shardswap.offload_update", offload_update_name(cfg.offload_update)),
+      "shardswap.offload_update");
   const auto threads = c.integer("shardswap.offload_threads", 0);
   if (threads < 0 || threads > 4096)
     c.fail("shardswap.offload_threads", fmt::format("{}", threads),

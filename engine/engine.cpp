@@ -332,10 +332,15 @@ MemoryPlan plan_of(const PlanSource& in,
       add_to(where, Tag::optim_state, g.shard.numel() * 4 * slots);
     }
   }
-  if (state_on_host) {  // the update's two staging buffers, one chunk each
+  if (state_on_host) {  // the update's two slots on the device, or two staging buffers
     const std::int64_t chunk = in.built ? in.chunk : offload_chunk(in.config, planned);
-    add_host(Tag::grad, chunk * gsize);
-    add_host(Tag::param16, chunk * psize);
+    if (in.config.offload_update == OffloadUpdate::streamed) {
+      add(Tag::master32, 2 * chunk * 4);
+      add(Tag::optim_state, 2 * chunk * 4 * slots);
+    } else {
+      add_host(Tag::grad, chunk * gsize);
+      add_host(Tag::param16, chunk * psize);
+    }
   }
   // After build the buckets exist: their size stays what build chose, whatever reform does.
   const auto capacity =
@@ -447,6 +452,8 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
   } catch (...) {
     std::swap(impl_->params, params);
     std::swap(impl_->reducer, reducer);
+    impl_->slot_master = Buffer();
+    impl_->slot_state = Buffer();
     impl_->staging_grad = Buffer();
     impl_->staging_param = Buffer();
     impl_->updater.reset();

@@ -25,6 +25,16 @@ const char* placement_name(Placement placement) {
   return placement == Placement::host ? "host" : "device";
 }
 
+OffloadUpdate offload_update_from_name(std::string_view name, std::string_view key) {
+  if (name == "streamed") return OffloadUpdate::streamed;
+  if (name == "cpu") return OffloadUpdate::cpu;
+  throw ConfigError(fmt::format("{} = {}: expected streamed or cpu", key, quote_value(name)));
+}
+
+const char* offload_update_name(OffloadUpdate way) {
+  return way == OffloadUpdate::cpu ? "cpu" : "streamed";
+}
+
 namespace {
 
 void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {

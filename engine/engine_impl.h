@@ -50,6 +50,10 @@ struct Engine::Impl {
   // two staging buffers below, for the engine's life.
   std::unique_ptr<MemorySpace> host;
   // ---- state on the host ----
+  bool streamed() const { return config.offload_update == OffloadUpdate::streamed; }
+  // streamed: the device slots of two chunks (master, and the state's slots one after another)
+  Buffer slot_master, slot_state;
+  // cpu: host staging
   Buffer staging_grad;   // one chunk of a gradient partition, brought down for the update
   Buffer staging_param;  // one chunk of updated bit16 weights, on their way up
   std::int64_t chunk = 0;  // elements per chunk: the staging buffers' size, fixed at build()
@@ -129,14 +133,18 @@ struct Engine::Impl {
   Buffer take_state(MemorySpace& where, std::size_t bytes, Tag tag, std::string label);
   /// Gives a master or state buffer up: give_up() on the device, released on the host.
   std::size_t give_up_state(Buffer& b, const std::string& event, ReleasePolicy pins);
-  /// The staging buffers (state on the host) for `planned` groups: allocated by build(), kept
-  /// for the engine's life.
+  /// The slots (streamed) or staging buffers (cpu) of the update of state on the host, for
+  /// `planned` groups: allocated by build(), kept for the engine's life.
   void allocate_staging(const std::vector<Group>& planned);
-  /// Seeds a host master from the group's bit16 shard, a chunk at a time through staging_param.
+  /// Seeds a host master from the group's bit16 shard, a chunk at a time through a slot or the
+  /// staging buffer.
   void seed_master_on_host(const Group& g, Buffer& master);
-  /// The update of `count` elements from shard element `at`, with master and state on the host:
-  /// the gradient comes down and the bit16 result goes up, a chunk at a time.
+  /// The update of `count` elements from shard element `at`, with master and state on the host,
+  /// a chunk at a time: streamed through the device slots, or (cpu) on the CPU, the gradient
+  /// coming down and the bit16 result going up.
   void update_on_host(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
+  void update_streamed(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
+  void update_on_cpu(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
   /// Host buffers for a group's state kept under keep_host (labelled "... (kept on host)").
   KeptState kept_on_host(MemorySpace& host, const Group& g, std::int64_t step) const;
   /// "group G master", "group G AdamW state"; "group G master (kept on host)" and "group G

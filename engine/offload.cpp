@@ -1,6 +1,7 @@
-// Master and optimizer state in host memory (EngineConfig::optimizer_placement = host): the
-// update runs on the CPU with the device kernel's arithmetic, the gradient partition coming
-// down and the updated bit16 shard going up a chunk at a time through two host staging buffers.
+// Master and optimizer state in host memory (EngineConfig::optimizer_placement = host), updated
+// with the device kernel's arithmetic a chunk at a time: streamed through two device slots (up,
+// the kernel, down), or on the CPU, the gradient partition coming down and the updated bit16
+// shard going up through two host staging buffers.
 #include <algorithm>
 
 #include "engine/engine_impl.h"
@@ -16,8 +17,14 @@ std::int64_t offload_chunk(const EngineConfig& config, const std::vector<Group>&
 
 void Engine::Impl::allocate_staging(const std::vector<Group>& planned) {
   chunk = offload_chunk(config, planned);
-  MemorySpace& h = host_space();
   const auto n = static_cast<std::size_t>(chunk);
+  if (streamed()) {
+    const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
+    slot_master = space.allocate(2 * n * 4, Tag::master32, "offload master slots");
+    slot_state = space.allocate(2 * slots * n * 4, Tag::optim_state, "offload state slots");
+    return;
+  }
+  MemorySpace& h = host_space();
   staging_grad =
       h.allocate(n * dtype_size(config.grad_type()), Tag::grad, "offload gradient staging");
   staging_param = h.allocate(n * dtype_size(config.dtype), Tag::param16, "offload param staging");
@@ -29,35 +36,80 @@ void Engine::Impl::seed_master_on_host(const Group& g, Buffer& master) {
   const std::int64_t n = g.shard.numel();
   for (std::int64_t at = 0; at < n; at += chunk) {
     const auto count = static_cast<std::size_t>(std::min(chunk, n - at));
-    space.download(staging_param.data(), g.param16_at(g.shard.begin + at, psize), count * psize);
-    cpu_device_ops().cast(master.as<float>() + at, DType::f32, staging_param.data(), config.dtype,
-                          count);
+    const std::byte* weights = g.param16_at(g.shard.begin + at, psize);
+    float* to = master.as<float>() + at;
+    if (streamed()) {  // cast on the device, then down
+      ops.cast(slot_master.data(), DType::f32, weights, config.dtype, count);
+      space.download(to, slot_master.data(), count * 4);
+    } else {
+      space.download(staging_param.data(), weights, count * psize);
+      cpu_device_ops().cast(to, DType::f32, staging_param.data(), config.dtype, count);
+    }
   }
 }
 
 void Engine::Impl::update_on_host(Group& g, const StepArgs& args, std::int64_t at,
                                   std::int64_t count) {
+  if (streamed())
+    update_streamed(g, args, at, count);
+  else
+    update_on_cpu(g, args, at, count);
+}
+
+namespace {
+
+// The master and state of elements [at, at + count) of a group's shard, in host memory.
+ShardTensors host_state(const Group& g, int slots, std::int64_t at, std::int64_t count) {
+  const auto shard = static_cast<std::size_t>(g.shard.numel());
+  const auto i = static_cast<std::size_t>(at);
+  ShardTensors t;
+  t.master = g.master.as<float>() + i;
+  t.state0 = slots >= 1 ? g.state.as<float>() + i : nullptr;
+  t.state1 = slots >= 2 ? g.state.as<float>() + shard + i : nullptr;
+  t.count = static_cast<std::size_t>(count);
+  return t;
+}
+
+}  // namespace
+
+void Engine::Impl::update_streamed(Group& g, const StepArgs& args, std::int64_t at,
+                                   std::int64_t count) {
+  const DType dtype = config.dtype, grad_dtype = config.grad_type();
+  const int slots = config.optimizer.state_slots();
+  const auto n = static_cast<std::size_t>(chunk);
+  StreamedTensors s;
+  s.t = host_state(g, slots, at, count);
+  s.t.grad = reducer->partition(g) + static_cast<std::size_t>(at) * dtype_size(grad_dtype);
+  s.t.param = g.param16_at(g.shard.begin + at, dtype_size(dtype));
+  s.t.dtype = dtype;
+  s.t.grad_dtype = grad_dtype;
+  for (std::size_t k = 0; k < 2; ++k) {
+    s.slot_master[k] = slot_master.as<float>() + k * n;
+    if (slots >= 1) s.slot_state0[k] = slot_state.as<float>() + k * slots * n;
+    if (slots >= 2) s.slot_state1[k] = slot_state.as<float>() + (k * slots + 1) * n;
+  }
+  s.chunk = n;
+  ops.update_streamed(config.optimizer, args, s);
+}
+
+void Engine::Impl::update_on_cpu(Group& g, const StepArgs& args, std::int64_t at,
+                                 std::int64_t count) {
   const DType dtype = config.dtype, grad_dtype = config.grad_type();
   const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
-  const auto shard = static_cast<std::size_t>(g.shard.numel());
   const int slots = config.optimizer.state_slots();
   const std::byte* grads = reducer->partition(g);
   for (std::int64_t done = 0; done < count; done += chunk) {
-    const auto n = static_cast<std::size_t>(std::min(chunk, count - done));
+    const std::int64_t n = std::min(chunk, count - done);
     const auto i = static_cast<std::size_t>(at + done);
-    space.download(staging_grad.data(), grads + i * gsize, n * gsize);
-    ShardTensors t;
-    t.master = g.master.as<float>() + i;
-    t.state0 = slots >= 1 ? g.state.as<float>() + i : nullptr;
-    t.state1 = slots >= 2 ? g.state.as<float>() + shard + i : nullptr;
+    space.download(staging_grad.data(), grads + i * gsize, static_cast<std::size_t>(n) * gsize);
+    ShardTensors t = host_state(g, slots, at + done, n);
     t.grad = staging_grad.data();
     t.param = staging_param.data();
     t.dtype = dtype;
     t.grad_dtype = grad_dtype;
-    t.count = n;
     updater->update(config.optimizer, args, t);
-    space.upload(g.param16_at(g.shard.begin + static_cast<std::int64_t>(i), psize),
-                 staging_param.data(), n * psize);
+    space.upload(g.param16_at(g.shard.begin + at + done, psize), staging_param.data(),
+                 static_cast<std::size_t>(n) * psize);
   }
 }
 

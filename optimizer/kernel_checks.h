@@ -18,4 +18,21 @@ void require_data(const void* p, const char* fn, const char* name, std::size_t c
 bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs& args,
                   const ShardTensors& t);
 
+/// check_update for update_streamed, and every slot the rule uses present with a chunk >= 1.
+bool check_streamed(const char* fn, const OptimizerConfig& config, const StepArgs& args,
+                    const StreamedTensors& s);
+
+/// The update of elements [at, at + n) of a streamed shard, with master and state in `slot`.
+inline ShardTensors slot_tensors(const StreamedTensors& s, int slot, std::size_t at,
+                                 std::size_t n) {
+  ShardTensors c = s.t;
+  c.master = s.slot_master[slot];
+  c.state0 = s.t.state0 != nullptr ? s.slot_state0[slot] : nullptr;
+  c.state1 = s.t.state1 != nullptr ? s.slot_state1[slot] : nullptr;
+  c.grad = static_cast<const std::byte*>(s.t.grad) + at * dtype_size(s.t.grad_dtype);
+  c.param = static_cast<std::byte*>(s.t.param) + at * dtype_size(s.t.dtype);
+  c.count = n;
+  return c;
+}
+
 }  // namespace shardswap::detail

@@ -169,6 +169,18 @@ bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs&
   return true;
 }
 
+bool check_streamed(const char* fn, const OptimizerConfig& config, const StepArgs& args,
+                    const StreamedTensors& s) {
+  if (!check_update(fn, config, args, s.t)) return false;
+  if (s.chunk == 0) throw ConfigError(fmt::format("{}: chunk = 0 elements: must be >= 1", fn));
+  for (int slot = 0; slot < 2; ++slot) {
+    require_data(s.slot_master[slot], fn, "slot_master", s.chunk);
+    if (config.state_slots() >= 1) require_data(s.slot_state0[slot], fn, "slot_state0", s.chunk);
+    if (config.state_slots() >= 2) require_data(s.slot_state1[slot], fn, "slot_state1", s.chunk);
+  }
+  return true;
+}
+
 }  // namespace detail
 
 }  // namespace shardswap

@@ -35,6 +35,18 @@ struct ShardTensors {
   std::size_t count = 0;
 };
 
+/// A shard update whose fp32 master and state live in host memory (`t.master`, `t.state0`,
+/// `t.state1`) while the gradient and the bit16 param are in the backend's memory (`t.grad`,
+/// `t.param`): streamed through two slots in the backend's memory, `chunk` elements each (state
+/// slots null where the rule has fewer), a chunk at a time: up, the fused update, down.
+struct StreamedTensors {
+  ShardTensors t;
+  float* slot_master[2] = {nullptr, nullptr};
+  float* slot_state0[2] = {nullptr, nullptr};
+  float* slot_state1[2] = {nullptr, nullptr};
+  std::size_t chunk = 0;
+};
+
 /// The kernels one backend provides, on that backend's memory. Capabilities are data: the engine
 /// calls through this table and never asks which backend it runs on. Kernels of a device backend
 /// are queued on the calling thread's stream (cudaStreamPerThread) in call order; a function
@@ -44,6 +56,11 @@ struct DeviceOps {
   const char* name;
   /// The fused update (Adam, AdamW or SGD per config) of one shard, in one pass.
   void (*update)(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t);
+  /// update() of a shard streamed through slots (StreamedTensors), with the bits update() gives
+  /// in place. Returns when the host's master and state hold the result; on CUDA the copies of
+  /// one chunk overlap the update of the next (two copy streams, ordered by events).
+  void (*update_streamed)(const OptimizerConfig& config, const StepArgs& args,
+                          const StreamedTensors& s);
   /// sum over i of (double(data[i]) * scale)^2, data of any dtype; Inf/NaN make it non-finite.
   double (*sum_squares)(const void* data, DType dtype, std::size_t count, double scale);
   /// True if any of the `count` values (any dtype) is Inf or NaN.

@@ -58,21 +58,26 @@ void require_plan_held(const Engine& e, const std::string& when) {
   }
 }
 
-EngineConfig config_at(Placement placement, int stage) {
+constexpr OffloadUpdate kWays[] = {OffloadUpdate::streamed, OffloadUpdate::cpu};
+
+EngineConfig config_at(Placement placement, int stage,
+                       OffloadUpdate way = OffloadUpdate::streamed) {
   EngineConfig cfg = test_support::small_lisa_config(stage);
   cfg.optimizer_placement = placement;
+  cfg.offload_update = way;
   cfg.offload_chunk_elements = 97;  // chunks end inside params and decay spans
   return cfg;
 }
 
 // A LISA-like run on two ranks: switches under `policy` every 3 steps, a per-param weight decay
 // (several decay spans per shard), 20 steps. Returns rank 0's training state with weights.
-TrainingState lisa_run(Placement placement, int stage, DeactivatePolicy policy) {
+TrainingState lisa_run(Placement placement, int stage, DeactivatePolicy policy,
+                       OffloadUpdate way = OffloadUpdate::streamed) {
   TrainingState out;
   std::mutex mu;
   run_ranks(2, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, make_host_allocator());
-    Engine e(config_at(placement, stage), comm, space);
+    Engine e(config_at(placement, stage, way), comm, space);
     test_support::declare_small_lisa_model(e);
     e.set_param_weight_decay("layers.1.norm", 0.0);
     e.set_param_weight_decay("head.weight", 0.3);
@@ -113,34 +118,42 @@ TEST_CASE("state on the host matches the float64 reference under every policy an
   for (DeactivatePolicy policy :
        {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
     for (int stage : {1, 2})
-      for (DType dtype : {DType::bf16, DType::f16}) {
-        Case c{4, stage, dtype, OptimizerType::adamw};
-        c.switches = test_support::switching_schedule();
-        c.policy = policy;
-        c.optimizer_placement = Placement::host;
-        CAPTURE(deactivate_policy_name(policy), stage, dtype_name(dtype));
-        test_support::check_against_reference(c, cpu_backend());
-      }
-  Case sgd{2, 2, DType::bf16, OptimizerType::sgd};
-  sgd.optimizer_placement = Placement::host;
-  test_support::check_against_reference(sgd, cpu_backend());
+      for (DType dtype : {DType::bf16, DType::f16})
+        for (OffloadUpdate way : kWays) {
+          Case c{4, stage, dtype, OptimizerType::adamw};
+          c.switches = test_support::switching_schedule();
+          c.policy = policy;
+          c.optimizer_placement = Placement::host;
+          c.offload_update = way;
+          CAPTURE(deactivate_policy_name(policy), stage, dtype_name(dtype),
+                  offload_update_name(way));
+          test_support::check_against_reference(c, cpu_backend());
+        }
+  for (OffloadUpdate way : kWays) {
+    Case sgd{2, 2, DType::bf16, OptimizerType::sgd};
+    sgd.optimizer_placement = Placement::host;
+    sgd.offload_update = way;
+    test_support::check_against_reference(sgd, cpu_backend());
+  }
 }
 
-TEST_CASE("state on the host gives the same bits as on the device through 20 steps of switches") {
+TEST_CASE("state on the host, streamed or updated on the CPU, has the device's bits through switches") {
   for (DeactivatePolicy policy :
        {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
     for (int stage : {1, 2}) {
       CAPTURE(deactivate_policy_name(policy), stage);
       const TrainingState device = lisa_run(Placement::device, stage, policy);
-      const TrainingState host = lisa_run(Placement::host, stage, policy);
-      require_same_bits(device, host);
+      for (OffloadUpdate way : kWays) {
+        CAPTURE(offload_update_name(way));
+        require_same_bits(device, lisa_run(Placement::host, stage, policy, way));
+      }
     }
 }
 
 TEST_CASE("the plan puts master, state and the staging buffers on the host, and they are held") {
   MemorySpace space(0, make_host_allocator());
   InProcessGroup group(1);
-  EngineConfig cfg = config_at(Placement::host, 2);
+  EngineConfig cfg = config_at(Placement::host, 2, OffloadUpdate::cpu);
   Engine e(cfg, group.rank(0), space);
   test_support::declare_small_lisa_model(e);
   const MemoryPlan before = e.plan();
@@ -177,6 +190,34 @@ TEST_CASE("the plan puts master, state and the staging buffers on the host, and 
   e.activate("layers.0");
   e.activate("layers.2");
   require_plan_held(e, "after activation");
+}
+
+TEST_CASE("streamed, the host holds master and state and the device two chunk slots of each") {
+  MemorySpace space(0, make_host_allocator());
+  InProcessGroup group(1);
+  const EngineConfig cfg = config_at(Placement::host, 1, OffloadUpdate::streamed);
+  Engine e(cfg, group.rank(0), space);
+  test_support::declare_small_lisa_model(e);
+  EngineConfig on_device = cfg;
+  on_device.optimizer_placement = Placement::device;
+  std::vector<ParamDeclaration> declared;
+  for (const auto& p : e.params()) declared.push_back({p.name, p.shape, p.group});
+  const MemoryPlan device_plan = plan_memory(on_device, 1, 0, declared);
+  const MemoryPlan plan = e.plan();
+  REQUIRE(plan.of(Tag::master32) == 2 * 97 * 4);      // two slots of 97 elements
+  REQUIRE(plan.of(Tag::optim_state) == 2 * 2 * 97 * 4);  // AdamW: two state slots each
+  REQUIRE(plan.host_of(Tag::master32) == device_plan.of(Tag::master32));
+  REQUIRE(plan.host_of(Tag::optim_state) == device_plan.of(Tag::optim_state));
+  REQUIRE(plan.host_of(Tag::grad) == 0);
+  REQUIRE(plan.host_of(Tag::param16) == 0);
+  e.build(init);
+  require_plan_held(e, "after build");
+  REQUIRE(test::contains(e.memory_report(), "offload master slots"));
+  for (int step = 0; step < 3; ++step) {
+    backward(e, 0, step);
+    e.step();
+    require_plan_held(e, fmt::format("after step {}", step + 1));
+  }
 }
 
 TEST_CASE("a training state moves between the host and the device placements bit for bit") {
@@ -236,6 +277,7 @@ TEST_CASE("offload_optimizer.device and pin_memory read as DeepSpeed writes them
   // DeepSpeed's default for pin_memory is false.
   REQUIRE(!read({{"device", "cpu"}}).pin_host_memory);
   REQUIRE(read({{"device", "none"}}).optimizer_placement == Placement::device);
+  REQUIRE(cpu.offload_update == OffloadUpdate::streamed);
   REQUIRE(test::contains(test::message_of<ConfigError>([&] { read({{"device", "nvme"}}); }),
                          "test.json: zero_optimization.offload_optimizer.device = \"nvme\": an "
                          "NVMe-offload setting"));
@@ -244,4 +286,19 @@ TEST_CASE("offload_optimizer.device and pin_memory read as DeepSpeed writes them
                          "\"none\" or \"cpu\""));
   REQUIRE(test::contains(test::message_of<ConfigError>([&] { read(42); }),
                          "zero_optimization.offload_optimizer"));
+}
+
+TEST_CASE("shardswap.offload_update picks the way, and a bad name is refused naming the key") {
+  auto read = [](const nlohmann::json& way) {
+    nlohmann::json j = {{"train_micro_batch_size_per_gpu", 1},
+                        {"bf16", {{"enabled", true}}},
+                        {"shardswap", {{"offload_update", way}, {"offload_threads", 3}}}};
+    ConfigReader reader(j, "test.json");
+    return engine_config_from_json(reader, BatchSizes{});
+  };
+  REQUIRE(read("cpu").offload_update == OffloadUpdate::cpu);
+  REQUIRE(read("cpu").offload_threads == 3);
+  REQUIRE(read("streamed").offload_update == OffloadUpdate::streamed);
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { read("gpu"); }),
+                         "shardswap.offload_update = \"gpu\": expected streamed or cpu"));
 }

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "shardswap/error.h"
 #include "memory/host_types.h"
@@ -244,11 +245,31 @@ void copy(void* dst, const void* src, std::size_t bytes) {
 
 void synchronize() {}
 
+// The CUDA backend's walk without its overlap: chunk k goes through slot k % 2, so a CPU test
+// covers the same chunk and slot arithmetic.
+void update_streamed(const OptimizerConfig& config, const StepArgs& args,
+                     const StreamedTensors& s) {
+  if (!detail::check_streamed("cpu_device_ops().update_streamed", config, args, s)) return;
+  const ShardTensors& t = s.t;
+  for (std::size_t at = 0, k = 0; at < t.count; at += s.chunk, ++k) {
+    const std::size_t n = std::min(s.chunk, t.count - at);
+    const ShardTensors c = detail::slot_tensors(s, static_cast<int>(k % 2), at, n);
+    const std::pair<float*, float*> tensors[] = {
+        {c.master, t.master}, {c.state0, t.state0}, {c.state1, t.state1}};
+    for (const auto& [slot, host] : tensors)
+      if (slot != nullptr) std::memcpy(slot, host + at, n * sizeof(float));
+    update(config, args, c);
+    for (const auto& [slot, host] : tensors)
+      if (slot != nullptr) std::memcpy(host + at, slot, n * sizeof(float));
+  }
+}
+
 }  // namespace
 
 const DeviceOps& cpu_device_ops() {
   static const DeviceOps table{.name = "cpu",
                                       .update = update,
+                                      .update_streamed = update_streamed,
                                       .sum_squares = sum_squares,
                                       .has_inf_or_nan = has_inf_or_nan,
                                       .cast = cast,

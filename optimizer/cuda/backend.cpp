@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <utility>
+
 #include "shardswap/error.h"
 #include "optimizer/cuda/kernels.h"
 #include "optimizer/kernel_checks.h"
@@ -163,11 +166,74 @@ void synchronize() {
   SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
 }
 
+// A stream or event of one update_streamed call, destroyed when the call ends (also by an
+// exception: the call synchronizes first).
+struct CopyStream {
+  cudaStream_t s = nullptr;
+  CopyStream() { SHARDSWAP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~CopyStream() { SHARDSWAP_CUDA_WARN(cudaStreamDestroy(s)); }
+  CopyStream(const CopyStream&) = delete;
+  CopyStream& operator=(const CopyStream&) = delete;
+};
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { SHARDSWAP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); }
+  ~Event() { SHARDSWAP_CUDA_WARN(cudaEventDestroy(e)); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+// Chunk k goes up on `up` into slot k % 2 once the chunk before it in that slot has come down;
+// the update runs on the calling thread's stream once it is up, and it comes down on `down`
+// once updated. So chunk k + 1 travels up while chunk k is updated and chunk k - 1 comes down.
+void update_streamed(const OptimizerConfig& config, const StepArgs& args,
+                     const StreamedTensors& s) {
+  if (!detail::check_streamed("cuda_device_ops().update_streamed", config, args, s)) return;
+  const ShardTensors& t = s.t;
+  CopyStream up, down;
+  Event uploaded[2], updated[2], downloaded[2];
+  bool slot_used[2] = {false, false};
+  const auto copies = [&](const ShardTensors& c, std::size_t at, std::size_t n, bool to_slot,
+                          cudaStream_t stream) {
+    const std::pair<float*, float*> tensors[] = {
+        {c.master, t.master}, {c.state0, t.state0}, {c.state1, t.state1}};
+    for (const auto& [slot, host] : tensors)
+      if (slot != nullptr)
+        SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(to_slot ? slot : host + at, to_slot ? host + at : slot,
+                                             n * sizeof(float), cudaMemcpyDefault, stream));
+  };
+  try {
+    for (std::size_t at = 0, k = 0; at < t.count; at += s.chunk, ++k) {
+      const std::size_t n = std::min(s.chunk, t.count - at);
+      const int slot = static_cast<int>(k % 2);
+      const ShardTensors c = detail::slot_tensors(s, slot, at, n);
+      if (slot_used[slot]) SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(up.s, downloaded[slot].e, 0));
+      copies(c, at, n, true, up.s);
+      SHARDSWAP_CUDA_CHECK(cudaEventRecord(uploaded[slot].e, up.s));
+      SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, uploaded[slot].e, 0));
+      update(config, args, c);
+      SHARDSWAP_CUDA_CHECK(cudaEventRecord(updated[slot].e, cudaStreamPerThread));
+      SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(down.s, updated[slot].e, 0));
+      copies(c, at, n, false, down.s);
+      SHARDSWAP_CUDA_CHECK(cudaEventRecord(downloaded[slot].e, down.s));
+      slot_used[slot] = true;
+    }
+    SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(down.s));  // the host holds the result
+  } catch (...) {
+    // Nothing queued may outlive the streams and events it names.
+    SHARDSWAP_CUDA_WARN(cudaStreamSynchronize(up.s));
+    SHARDSWAP_CUDA_WARN(cudaStreamSynchronize(cudaStreamPerThread));
+    SHARDSWAP_CUDA_WARN(cudaStreamSynchronize(down.s));
+    throw;
+  }
+}
+
 }  // namespace
 
 const DeviceOps& cuda_device_ops() {
   static const DeviceOps table{.name = "cuda",
                                       .update = update,
+                                      .update_streamed = update_streamed,
                                       .sum_squares = sum_squares,
                                       .has_inf_or_nan = has_inf_or_nan,
                                       .cast = cast,

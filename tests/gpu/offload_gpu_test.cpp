@@ -1,11 +1,13 @@
-// Master and optimizer state in host memory on the CUDA backend: the float64 reference under
-// every policy, the bits of the state on the device (the CPU update against the CUDA kernel,
-// over several threads on a shard past HostUpdater's split), and host bytes planned = held in
-// pinned or pageable memory.
+// Master and optimizer state in host memory on the CUDA backend, streamed through the device or
+// updated on the CPU: the float64 reference under every policy, the bits of the state on the
+// device (streamed: copies overlapping the kernel over many chunks; cpu: the CPU update against
+// the CUDA kernel, over several threads on a shard past HostUpdater's split), and device and
+// host bytes planned = held, in pinned or pageable memory.
 #include <fmt/format.h>
 
 #include <cmath>
 #include <mutex>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -52,7 +54,8 @@ void require_plan_held(const Engine& e) {
 
 // Two ranks on GPU 0, groups of 1.2M elements (shards of 600K: past HostUpdater's split, so the
 // update runs over several threads and chunks of 256K), switches under `policy`, 12 steps.
-TrainingState run(Placement placement, DeactivatePolicy policy, bool pinned) {
+TrainingState run(Placement placement, DeactivatePolicy policy, bool pinned,
+                  OffloadUpdate way = OffloadUpdate::streamed) {
   TrainingState out;
   std::mutex mu;
   run_ranks(
@@ -64,6 +67,7 @@ TrainingState run(Placement placement, DeactivatePolicy policy, bool pinned) {
         cfg.optimizer.weight_decay = 0.1;
         cfg.optimizer_placement = placement;
         cfg.pin_host_memory = pinned;
+        cfg.offload_update = way;
         cfg.offload_chunk_elements = 1 << 18;
         Engine e(cfg, comm, space, cuda_backend());
         for (int l = 0; l < 4; ++l) {
@@ -100,23 +104,28 @@ TrainingState run(Placement placement, DeactivatePolicy policy, bool pinned) {
 TEST_CASE("cuda: state on the host matches the float64 reference under every policy") {
   for (DeactivatePolicy policy :
        {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
-    for (int stage : {1, 2}) {
-      Case c{4, stage, DType::bf16, OptimizerType::adamw};
-      c.switches = test_support::switching_schedule();
-      c.policy = policy;
-      c.optimizer_placement = Placement::host;
-      CAPTURE(deactivate_policy_name(policy), stage);
-      test_support::check_against_reference(c, cuda_backend());
-    }
+    for (int stage : {1, 2})
+      for (OffloadUpdate way : {OffloadUpdate::streamed, OffloadUpdate::cpu}) {
+        Case c{4, stage, DType::bf16, OptimizerType::adamw};
+        c.switches = test_support::switching_schedule();
+        c.policy = policy;
+        c.optimizer_placement = Placement::host;
+        c.offload_update = way;
+        CAPTURE(deactivate_policy_name(policy), stage, offload_update_name(way));
+        test_support::check_against_reference(c, cuda_backend());
+      }
 }
 
 TEST_CASE("cuda: state on the host gives the bits of the state on the device, pinned or not") {
   for (DeactivatePolicy policy : {DeactivatePolicy::drop, DeactivatePolicy::keep_host}) {
     CAPTURE(deactivate_policy_name(policy));
     const TrainingState device = run(Placement::device, policy, true);
-    for (bool pinned : {true, false}) {
-      CAPTURE(pinned);
-      const TrainingState host = run(Placement::host, policy, pinned);
+    for (const auto& [pinned, way] : {std::pair{true, OffloadUpdate::streamed},
+                                      std::pair{false, OffloadUpdate::streamed},
+                                      std::pair{true, OffloadUpdate::cpu},
+                                      std::pair{false, OffloadUpdate::cpu}}) {
+      CAPTURE(pinned, offload_update_name(way));
+      const TrainingState host = run(Placement::host, policy, pinned, way);
       REQUIRE(host.groups.size() == device.groups.size());
       for (std::size_t i = 0; i < host.groups.size(); ++i) {
         CAPTURE(host.groups[i].group);

@@ -108,6 +108,7 @@ EngineConfig make_config(const Case& c) {
   cfg.loss_scale.static_scale = kLossScale;
   cfg.overlap_comm = c.overlap_comm;
   cfg.optimizer_placement = c.optimizer_placement;
+  cfg.offload_update = c.offload_update;
   cfg.offload_chunk_elements = c.offload_chunk_elements;
   return cfg;
 }

@@ -31,6 +31,7 @@ struct Case {
   DeactivatePolicy policy = DeactivatePolicy::drop;
   /// EngineConfig::optimizer_placement, and the offload chunk (small: chunks really cycle).
   Placement optimizer_placement = Placement::device;
+  OffloadUpdate offload_update = OffloadUpdate::streamed;
   std::size_t offload_chunk_elements = 100;
 };
 

@@ -6,8 +6,8 @@
 #     PCIe both ways, and the two ways to update state that lives in pinned host memory (on the
 #     CPU, or streamed through the GPU), side by side;
 #  2. Qwen2.5-shaped full fine-tunes (tools/bench/train_bench.py) with the state on the device and
-#     on the host (pinned), at gradient accumulation 1 and 8: tokens/s, and the host plan against
-#     the host peak the trainer measured.
+#     on the host (pinned; streamed and updated on the CPU), at gradient accumulation 1 and 8:
+#     tokens/s, and the host plan against the host peak the trainer measured.
 # Logs, JSON and a summary go under $OUT (default build/gpu-out).
 #   usage: OUT=DIR [SHAPES=0.5b] [PARAMS=1G] bash tools/checks/gpu-offload-check.sh
 set -uo pipefail
@@ -43,13 +43,16 @@ step "bench offload ($PARAMS params)"
 
 step "training, state on the device and on the host ($SHAPES)"
 for accumulation in 1 8; do
-  for placement in none cpu; do
-    dir="$OUT/train-acc$accumulation-$placement"
+  for placement in none cpu:streamed cpu:cpu; do
+    device=${placement%%:*} way=${placement#*:}
+    [ "$way" = none ] && way=streamed
+    dir="$OUT/train-acc$accumulation-$device-$way"
     python3 tools/bench/train_bench.py --bin "$bin" --out "$dir" --shapes "$SHAPES" --modes full \
       --steps 20 --warmup 5 --set gradient_accumulation_steps=$accumulation \
-      --set zero_optimization.offload_optimizer.device=$placement \
-      --set zero_optimization.offload_optimizer.pin_memory=true > "$dir.txt" 2>&1 || status=1
-    echo "--- accumulation $accumulation, offload_optimizer.device $placement"
+      --set zero_optimization.offload_optimizer.device=$device \
+      --set zero_optimization.offload_optimizer.pin_memory=true \
+      --set shardswap.offload_update=$way > "$dir.txt" 2>&1 || status=1
+    echo "--- accumulation $accumulation, offload_optimizer.device $device, offload_update $way"
     tail -4 "$dir.txt"
     grep -h "host memory of rank 0" "$dir"/*.log | head -2
   done

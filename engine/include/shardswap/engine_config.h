@@ -30,6 +30,15 @@ enum class Placement {
 /// "device" or "host".
 const char* placement_name(Placement placement);
 
+/// How the update of state placed on the host runs.
+enum class OffloadUpdate {
+  streamed,  ///< master and state stream through two device slots: up, the device kernel, down
+  cpu,       ///< on the CPU over its cores; the gradients come down, the bit16 weights go up
+};
+/// "streamed", "cpu". Throws ConfigError "KEY = \"NAME\": expected streamed or cpu" otherwise.
+OffloadUpdate offload_update_from_name(std::string_view name, std::string_view key);
+const char* offload_update_name(OffloadUpdate way);
+
 struct EngineConfig {
   /// 1: fp32 master and optimizer state sharded, full bit16 gradients kept until the step.
   /// 2: gradients also sharded: reduced in buckets into their owners' partitions as they come.
@@ -63,17 +72,22 @@ struct EngineConfig {
   NonFinitePolicy nonfinite = NonFinitePolicy::skip;
   /// Where every group's fp32 master and optimizer state live, active or kept
   /// (zero_optimization.offload_optimizer.device: "cpu" is host). On the host the update runs
-  /// on the CPU over all cores, with the same arithmetic as the device's kernel (the same bits):
-  /// each step the gradient partition comes down and the updated bit16 shard goes up, in chunks
-  /// of at most offload_chunk_elements through two host staging buffers.
+  /// as offload_update says, with the device kernel's arithmetic either way (the same bits).
   Placement optimizer_placement = Placement::device;
+  /// shardswap.offload_update. streamed: master and state go up, a chunk of at most
+  /// offload_chunk_elements at a time, into one of two device slots, are updated by the device
+  /// kernel, and come down, the copies of one chunk overlapping the update of the next (1.9x the
+  /// cpu way's rate on an NVIDIA H200 host with 16 cores, docs/benchmarks.md). cpu: the gradient
+  /// partition comes down and the updated bit16 shard goes up through two host staging buffers,
+  /// the CPU updating in between over offload_threads threads.
+  OffloadUpdate offload_update = OffloadUpdate::streamed;
   /// Host memory of the engine's state (offloaded, or kept under keep_host) is page-locked
   /// (offload_optimizer.pin_memory): copies to and from the GPU run at full PCIe bandwidth. False:
   /// pageable memory, which the system may swap; CUDA copies through its own bounce buffer.
   /// No effect on the CPU backend.
   bool pin_host_memory = true;
-  /// Elements per chunk of an offloaded update: the size of its staging buffers (capped at the
-  /// largest shard when build() runs).
+  /// Elements per chunk of an offloaded update: the size of its slots or staging buffers (capped
+  /// at the largest shard when build() runs).
   std::size_t offload_chunk_elements = std::size_t{1} << 24;
   /// Threads of the update on the host (shardswap.offload_threads); 0: every core the machine
   /// has. Ranks sharing a machine should split its cores between them.
