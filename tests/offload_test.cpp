@@ -19,30 +19,12 @@
 #include "tests/support/small_models.h"
 
 using namespace shardswap;
+using test_support::add_cosine_grads;
 using test_support::Case;
+using test_support::sine_init;
 
 namespace {
 
-void init(const ParamInfo& p, std::span<float> v) {
-  for (std::size_t i = 0; i < v.size(); ++i)
-    v[i] = 0.5f * std::sin(0.37f * static_cast<float>(i) + static_cast<float>(p.numel % 7));
-}
-
-// Gradients of every active param, varied by rank, step and position (never all equal).
-void backward(Engine& e, int rank, int step) {
-  const auto& params = e.params();
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    if (!e.is_active(it->group)) continue;
-    std::vector<float> g(static_cast<std::size_t>(it->numel));
-    for (std::size_t i = 0; i < g.size(); ++i)
-      g[i] = 0.01f * std::cos(0.11f * static_cast<float>(i) + 0.7f * static_cast<float>(rank) +
-                              0.3f * static_cast<float>(step));
-    e.add_grad(it->name, g);
-  }
-}
-
-// Throws (from rank threads) naming the memory, tag and both figures unless device and host
-// bytes held equal the plan's.
 void require_plan_held(const Engine& e, const std::string& when) {
   const MemoryPlan plan = e.plan();
   const MemoryStats device = e.memory_stats(), host = e.host_memory_stats();
@@ -81,7 +63,7 @@ TrainingState lisa_run(Placement placement, int stage, DeactivatePolicy policy,
     test_support::declare_small_lisa_model(e);
     e.set_param_weight_decay("layers.1.norm", 0.0);
     e.set_param_weight_decay("head.weight", 0.3);
-    e.build(init, std::vector<std::string>{"embed", "head", "layers.1"});
+    e.build(sine_init, std::vector<std::string>{"embed", "head", "layers.1"});
     require_plan_held(e, "after build");
     for (int step = 0; step < 20; ++step) {
       if (step % 3 == 2) {
@@ -89,7 +71,7 @@ TrainingState lisa_run(Placement placement, int stage, DeactivatePolicy policy,
         e.set_active({"embed", "head", in}, policy);
         require_plan_held(e, fmt::format("after the switch before step {}", step + 1));
       }
-      backward(e, rank, step);
+      add_cosine_grads(e, rank, step);
       RANK_REQUIRE(e.step().applied);
       require_plan_held(e, fmt::format("after step {}", step + 1));
     }
@@ -173,7 +155,7 @@ TEST_CASE("the plan puts master, state and the staging buffers on the host, and 
   REQUIRE(before.total() + before.host_total() ==
           device_plan.total() + 2 * 97 * 2);
   REQUIRE(plan_memory(cfg, 1, 0, declared).host == before.host);  // the same code, no Engine
-  e.build(init);
+  e.build(sine_init);
   require_plan_held(e, "after build");
   REQUIRE(e.host_memory_stats().requested.peak == before.host_total());
   REQUIRE(test::contains(e.memory_report(), "offload gradient staging"));
@@ -210,11 +192,11 @@ TEST_CASE("streamed, the host holds master and state and the device two chunk sl
   REQUIRE(plan.host_of(Tag::optim_state) == device_plan.of(Tag::optim_state));
   REQUIRE(plan.host_of(Tag::grad) == 0);
   REQUIRE(plan.host_of(Tag::param16) == 0);
-  e.build(init);
+  e.build(sine_init);
   require_plan_held(e, "after build");
   REQUIRE(test::contains(e.memory_report(), "offload master slots"));
   for (int step = 0; step < 3; ++step) {
-    backward(e, 0, step);
+    add_cosine_grads(e, 0, step);
     e.step();
     require_plan_held(e, fmt::format("after step {}", step + 1));
   }
@@ -232,10 +214,10 @@ TEST_CASE("a training state moves between the host and the device placements bit
         MemorySpace space(rank, make_host_allocator());
         Engine e(config_at(first, 2), comm, space);
         test_support::declare_small_lisa_model(e);
-        e.build(init);
+        e.build(sine_init);
         for (int step = 0; step < 10; ++step) {
           if (step == 5) e.deactivate("layers.3", DeactivatePolicy::keep_host);
-          backward(e, rank, step);
+          add_cosine_grads(e, rank, step);
           e.step();
         }
         half = e.training_state(true);
@@ -243,12 +225,12 @@ TEST_CASE("a training state moves between the host and the device placements bit
       MemorySpace space(rank, make_host_allocator());
       Engine e(config_at(second, 2), comm, space);
       test_support::declare_small_lisa_model(e);
-      e.build(init, std::vector<std::string>{"embed"});
+      e.build(sine_init, std::vector<std::string>{"embed"});
       e.restore_training_state(half);
       require_plan_held(e, "after the restore");
       for (int step = 10; step < 20; ++step) {
         if (step == 15) e.activate("layers.3");
-        backward(e, rank, step);
+        add_cosine_grads(e, rank, step);
         e.step();
       }
       TrainingState s = e.training_state(true);

@@ -15,29 +15,14 @@
 #include "shardswap/engine.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
+#include "tests/support/small_models.h"
 
 using namespace shardswap;
+using test_support::add_cosine_grads;
 using test_support::Case;
+using test_support::sine_init;
 
 namespace {
-
-void init(const ParamInfo& p, std::span<float> v) {
-  for (std::size_t i = 0; i < v.size(); ++i)
-    v[i] = 0.5f * std::sin(0.37f * static_cast<float>(i) + static_cast<float>(p.numel % 7));
-}
-
-// Gradients of every active param, varied by rank, step and position.
-void backward(Engine& e, int rank, int step) {
-  const auto& params = e.params();
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    if (!e.is_active(it->group)) continue;
-    std::vector<float> g(static_cast<std::size_t>(it->numel));
-    for (std::size_t i = 0; i < g.size(); ++i)
-      g[i] = 0.01f * std::cos(0.11f * static_cast<float>(i) + 0.7f * static_cast<float>(rank) +
-                              0.3f * static_cast<float>(step));
-    e.add_grad(it->name, g);
-  }
-}
 
 void require_plan_held(const Engine& e) {
   const MemoryPlan plan = e.plan();
@@ -75,13 +60,13 @@ TrainingState run(Placement placement, DeactivatePolicy policy, bool pinned,
           e.add_param(fmt::format("layers.{}.norm", l), {1200}, fmt::format("layers.{}", l));
           e.set_param_weight_decay(fmt::format("layers.{}.norm", l), 0.0);
         }
-        e.build(init, std::vector<std::string>{"layers.0", "layers.1"});
+        e.build(sine_init, std::vector<std::string>{"layers.0", "layers.1"});
         require_plan_held(e);
         for (int step = 0; step < 12; ++step) {
           if (step % 4 == 3)
             e.set_active({"layers.0", fmt::format("layers.{}", 1 + (step / 4) % 3)}, policy);
           require_plan_held(e);
-          backward(e, rank, step);
+          add_cosine_grads(e, rank, step);
           e.step();
           require_plan_held(e);
         }
