@@ -33,7 +33,7 @@ if [ $? -ne 0 ]; then tail -60 "$OUT/build.log"; exit 1; fi
 bin=build/cuda/tools/shardswap
 
 step "GPU tests: state on the host, update kernels"
-build/cuda/tests/gpu/shardswap_gpu_tests "cuda: state on the host*,cuda: *the CPU kernels' bits*" \
+build/cuda/tests/gpu/shardswap_gpu_tests "cuda: state on the host*,*the CPU kernels' bits*" \
   --durations yes > "$OUT/gpu-offload-tests.log" 2>&1 || status=1
 grep -E "FAILED|passed|failed" "$OUT/gpu-offload-tests.log" | tail -6
 
