@@ -712,6 +712,7 @@ StepResult Engine::step() {
     args.lr = impl_->config.optimizer.lr;
     args.grad_scale = static_cast<float>(unscale * result.clip_coef);
     const auto slots = impl_->config.optimizer.state_slots();
+    impl_->streaming.clear();  // nothing left from a step that failed part-way
     for (auto& g : groups) {
       if (!g.active) continue;
       const auto shard = static_cast<std::size_t>(g.shard.numel());
@@ -736,6 +737,7 @@ StepResult Engine::step() {
         impl_->ops.update(impl_->config.optimizer, args, t);
       }
     }
+    impl_->flush_host_updates();
     for (auto& g : groups) {
       if (!g.active) continue;
       const auto shard = static_cast<std::size_t>(g.shard.numel());

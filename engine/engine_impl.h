@@ -143,7 +143,11 @@ struct Engine::Impl {
   /// a chunk at a time: streamed through the device slots, or (cpu) on the CPU, the gradient
   /// coming down and the bit16 result going up.
   void update_on_host(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
+  /// streamed: queues the piece; flush_host_updates() streams every queued piece in one
+  /// pipeline (chunks of one group's shard travel while another's are updated).
   void update_streamed(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
+  void flush_host_updates();
+  std::vector<StreamedPiece> streaming;  // the step's queued pieces
   void update_on_cpu(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
   /// Host buffers for a group's state kept under keep_host (labelled "... (kept on host)").
   KeptState kept_on_host(MemorySpace& host, const Group& g, std::int64_t step) const;

@@ -75,21 +75,28 @@ ShardTensors host_state(const Group& g, int slots, std::int64_t at, std::int64_t
 void Engine::Impl::update_streamed(Group& g, const StepArgs& args, std::int64_t at,
                                    std::int64_t count) {
   const DType dtype = config.dtype, grad_dtype = config.grad_type();
+  StreamedPiece p{args, host_state(g, config.optimizer.state_slots(), at, count)};
+  p.t.grad = reducer->partition(g) + static_cast<std::size_t>(at) * dtype_size(grad_dtype);
+  p.t.param = g.param16_at(g.shard.begin + at, dtype_size(dtype));
+  p.t.dtype = dtype;
+  p.t.grad_dtype = grad_dtype;
+  streaming.push_back(p);
+}
+
+void Engine::Impl::flush_host_updates() {
+  if (streaming.empty()) return;
   const int slots = config.optimizer.state_slots();
   const auto n = static_cast<std::size_t>(chunk);
   StreamedTensors s;
-  s.t = host_state(g, slots, at, count);
-  s.t.grad = reducer->partition(g) + static_cast<std::size_t>(at) * dtype_size(grad_dtype);
-  s.t.param = g.param16_at(g.shard.begin + at, dtype_size(dtype));
-  s.t.dtype = dtype;
-  s.t.grad_dtype = grad_dtype;
+  s.pieces = std::move(streaming);
+  streaming.clear();
   for (std::size_t k = 0; k < 2; ++k) {
     s.slot_master[k] = slot_master.as<float>() + k * n;
     if (slots >= 1) s.slot_state0[k] = slot_state.as<float>() + k * slots * n;
     if (slots >= 2) s.slot_state1[k] = slot_state.as<float>() + (k * slots + 1) * n;
   }
   s.chunk = n;
-  ops.update_streamed(config.optimizer, args, s);
+  ops.update_streamed(config.optimizer, s);
 }
 
 void Engine::Impl::update_on_cpu(Group& g, const StepArgs& args, std::int64_t at,

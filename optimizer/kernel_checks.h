@@ -2,6 +2,7 @@
 // backends refuse exactly the same calls with the same messages). Internal to optimizer/.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 
 #include "optimizer/optimizer.h"
@@ -18,21 +19,31 @@ void require_data(const void* p, const char* fn, const char* name, std::size_t c
 bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs& args,
                   const ShardTensors& t);
 
-/// check_update for update_streamed, and every slot the rule uses present with a chunk >= 1.
-bool check_streamed(const char* fn, const OptimizerConfig& config, const StepArgs& args,
-                    const StreamedTensors& s);
+/// check_update of every piece, and every slot the rule uses present with a chunk >= 1. Returns
+/// false when no piece has an element.
+bool check_streamed(const char* fn, const OptimizerConfig& config, const StreamedTensors& s);
 
-/// The update of elements [at, at + n) of a streamed shard, with master and state in `slot`.
-inline ShardTensors slot_tensors(const StreamedTensors& s, int slot, std::size_t at,
-                                 std::size_t n) {
-  ShardTensors c = s.t;
+/// The update of elements [at, at + n) of piece `p`, with master and state in `slot`.
+inline ShardTensors slot_tensors(const StreamedTensors& s, const ShardTensors& p, int slot,
+                                 std::size_t at, std::size_t n) {
+  ShardTensors c = p;
   c.master = s.slot_master[slot];
-  c.state0 = s.t.state0 != nullptr ? s.slot_state0[slot] : nullptr;
-  c.state1 = s.t.state1 != nullptr ? s.slot_state1[slot] : nullptr;
-  c.grad = static_cast<const std::byte*>(s.t.grad) + at * dtype_size(s.t.grad_dtype);
-  c.param = static_cast<std::byte*>(s.t.param) + at * dtype_size(s.t.dtype);
+  c.state0 = p.state0 != nullptr ? s.slot_state0[slot] : nullptr;
+  c.state1 = p.state1 != nullptr ? s.slot_state1[slot] : nullptr;
+  c.grad = static_cast<const std::byte*>(p.grad) + at * dtype_size(p.grad_dtype);
+  c.param = static_cast<std::byte*>(p.param) + at * dtype_size(p.dtype);
   c.count = n;
   return c;
+}
+
+/// Calls f(piece, chunk index k, at, n) for chunk after chunk of every piece, k counting on
+/// across pieces: the walk both backends make.
+template <class F>
+void for_each_streamed_chunk(const StreamedTensors& s, F&& f) {
+  std::size_t k = 0;
+  for (const StreamedPiece& piece : s.pieces)
+    for (std::size_t at = 0; at < piece.t.count; at += s.chunk, ++k)
+      f(piece, k, at, std::min(s.chunk, piece.t.count - at));
 }
 
 }  // namespace shardswap::detail

@@ -169,9 +169,10 @@ bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs&
   return true;
 }
 
-bool check_streamed(const char* fn, const OptimizerConfig& config, const StepArgs& args,
-                    const StreamedTensors& s) {
-  if (!check_update(fn, config, args, s.t)) return false;
+bool check_streamed(const char* fn, const OptimizerConfig& config, const StreamedTensors& s) {
+  bool any = false;
+  for (const StreamedPiece& p : s.pieces) any |= check_update(fn, config, p.args, p.t);
+  if (!any) return false;
   if (s.chunk == 0) throw ConfigError(fmt::format("{}: chunk = 0 elements: must be >= 1", fn));
   for (int slot = 0; slot < 2; ++slot) {
     require_data(s.slot_master[slot], fn, "slot_master", s.chunk);

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "shardswap/dtype.h"
 #include "shardswap/optimizer_config.h"
@@ -35,12 +36,19 @@ struct ShardTensors {
   std::size_t count = 0;
 };
 
-/// A shard update whose fp32 master and state live in host memory (`t.master`, `t.state0`,
-/// `t.state1`) while the gradient and the bit16 param are in the backend's memory (`t.grad`,
-/// `t.param`): streamed through two slots in the backend's memory, `chunk` elements each (state
-/// slots null where the rule has fewer), a chunk at a time: up, the fused update, down.
-struct StreamedTensors {
+/// One stretch of a shard update whose fp32 master and state live in host memory (`t.master`,
+/// `t.state0`, `t.state1`) while the gradient and the bit16 param are in the backend's memory
+/// (`t.grad`, `t.param`), with its own step arguments (a group's step count, a weight decay).
+struct StreamedPiece {
+  StepArgs args;
   ShardTensors t;
+};
+
+/// Pieces streamed through two slots in the backend's memory, `chunk` elements each (state slots
+/// null where the rule has fewer), one chunk at a time: up, the fused update, down. The pieces
+/// form one pipeline: chunk k of all of them, in order, goes through slot k % 2.
+struct StreamedTensors {
+  std::vector<StreamedPiece> pieces;
   float* slot_master[2] = {nullptr, nullptr};
   float* slot_state0[2] = {nullptr, nullptr};
   float* slot_state1[2] = {nullptr, nullptr};
@@ -59,8 +67,7 @@ struct DeviceOps {
   /// update() of a shard streamed through slots (StreamedTensors), with the bits update() gives
   /// in place. Returns when the host's master and state hold the result; on CUDA the copies of
   /// one chunk overlap the update of the next (two copy streams, ordered by events).
-  void (*update_streamed)(const OptimizerConfig& config, const StepArgs& args,
-                          const StreamedTensors& s);
+  void (*update_streamed)(const OptimizerConfig& config, const StreamedTensors& s);
   /// sum over i of (double(data[i]) * scale)^2, data of any dtype; Inf/NaN make it non-finite.
   double (*sum_squares)(const void* data, DType dtype, std::size_t count, double scale);
   /// True if any of the `count` values (any dtype) is Inf or NaN.

@@ -247,21 +247,19 @@ void synchronize() {}
 
 // The CUDA backend's walk without its overlap: chunk k goes through slot k % 2, so a CPU test
 // covers the same chunk and slot arithmetic.
-void update_streamed(const OptimizerConfig& config, const StepArgs& args,
-                     const StreamedTensors& s) {
-  if (!detail::check_streamed("cpu_device_ops().update_streamed", config, args, s)) return;
-  const ShardTensors& t = s.t;
-  for (std::size_t at = 0, k = 0; at < t.count; at += s.chunk, ++k) {
-    const std::size_t n = std::min(s.chunk, t.count - at);
-    const ShardTensors c = detail::slot_tensors(s, static_cast<int>(k % 2), at, n);
-    const std::pair<float*, float*> tensors[] = {
-        {c.master, t.master}, {c.state0, t.state0}, {c.state1, t.state1}};
-    for (const auto& [slot, host] : tensors)
-      if (slot != nullptr) std::memcpy(slot, host + at, n * sizeof(float));
-    update(config, args, c);
-    for (const auto& [slot, host] : tensors)
-      if (slot != nullptr) std::memcpy(host + at, slot, n * sizeof(float));
-  }
+void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
+  if (!detail::check_streamed("cpu_device_ops().update_streamed", config, s)) return;
+  detail::for_each_streamed_chunk(
+      s, [&](const StreamedPiece& p, std::size_t k, std::size_t at, std::size_t n) {
+        const ShardTensors c = detail::slot_tensors(s, p.t, static_cast<int>(k % 2), at, n);
+        const std::pair<float*, float*> tensors[] = {
+            {c.master, p.t.master}, {c.state0, p.t.state0}, {c.state1, p.t.state1}};
+        for (const auto& [slot, host] : tensors)
+          if (slot != nullptr) std::memcpy(slot, host + at, n * sizeof(float));
+        update(config, p.args, c);
+        for (const auto& [slot, host] : tensors)
+          if (slot != nullptr) std::memcpy(host + at, slot, n * sizeof(float));
+      });
 }
 
 }  // namespace

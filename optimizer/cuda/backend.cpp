@@ -183,41 +183,38 @@ struct Event {
   Event& operator=(const Event&) = delete;
 };
 
-// Chunk k goes up on `up` into slot k % 2 once the chunk before it in that slot has come down;
-// the update runs on the calling thread's stream once it is up, and it comes down on `down`
-// once updated. So chunk k + 1 travels up while chunk k is updated and chunk k - 1 comes down.
-void update_streamed(const OptimizerConfig& config, const StepArgs& args,
-                     const StreamedTensors& s) {
-  if (!detail::check_streamed("cuda_device_ops().update_streamed", config, args, s)) return;
-  const ShardTensors& t = s.t;
+// Chunk k (counted over every piece) goes up on `up` into slot k % 2 once the chunk before it in
+// that slot has come down; the update runs on the calling thread's stream once it is up, and it
+// comes down on `down` once updated. So chunk k + 1 travels up while chunk k is updated and chunk
+// k - 1 comes down, across the pieces' boundaries.
+void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
+  if (!detail::check_streamed("cuda_device_ops().update_streamed", config, s)) return;
   CopyStream up, down;
   Event uploaded[2], updated[2], downloaded[2];
-  bool slot_used[2] = {false, false};
-  const auto copies = [&](const ShardTensors& c, std::size_t at, std::size_t n, bool to_slot,
-                          cudaStream_t stream) {
+  const auto copies = [&](const ShardTensors& host, const ShardTensors& c, std::size_t at,
+                          std::size_t n, bool to_slot, cudaStream_t stream) {
     const std::pair<float*, float*> tensors[] = {
-        {c.master, t.master}, {c.state0, t.state0}, {c.state1, t.state1}};
-    for (const auto& [slot, host] : tensors)
+        {c.master, host.master}, {c.state0, host.state0}, {c.state1, host.state1}};
+    for (const auto& [slot, h] : tensors)
       if (slot != nullptr)
-        SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(to_slot ? slot : host + at, to_slot ? host + at : slot,
+        SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(to_slot ? slot : h + at, to_slot ? h + at : slot,
                                              n * sizeof(float), cudaMemcpyDefault, stream));
   };
   try {
-    for (std::size_t at = 0, k = 0; at < t.count; at += s.chunk, ++k) {
-      const std::size_t n = std::min(s.chunk, t.count - at);
-      const int slot = static_cast<int>(k % 2);
-      const ShardTensors c = detail::slot_tensors(s, slot, at, n);
-      if (slot_used[slot]) SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(up.s, downloaded[slot].e, 0));
-      copies(c, at, n, true, up.s);
-      SHARDSWAP_CUDA_CHECK(cudaEventRecord(uploaded[slot].e, up.s));
-      SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, uploaded[slot].e, 0));
-      update(config, args, c);
-      SHARDSWAP_CUDA_CHECK(cudaEventRecord(updated[slot].e, cudaStreamPerThread));
-      SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(down.s, updated[slot].e, 0));
-      copies(c, at, n, false, down.s);
-      SHARDSWAP_CUDA_CHECK(cudaEventRecord(downloaded[slot].e, down.s));
-      slot_used[slot] = true;
-    }
+    detail::for_each_streamed_chunk(
+        s, [&](const StreamedPiece& p, std::size_t k, std::size_t at, std::size_t n) {
+          const int slot = static_cast<int>(k % 2);
+          const ShardTensors c = detail::slot_tensors(s, p.t, slot, at, n);
+          if (k >= 2) SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(up.s, downloaded[slot].e, 0));
+          copies(p.t, c, at, n, true, up.s);
+          SHARDSWAP_CUDA_CHECK(cudaEventRecord(uploaded[slot].e, up.s));
+          SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, uploaded[slot].e, 0));
+          update(config, p.args, c);
+          SHARDSWAP_CUDA_CHECK(cudaEventRecord(updated[slot].e, cudaStreamPerThread));
+          SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(down.s, updated[slot].e, 0));
+          copies(p.t, c, at, n, false, down.s);
+          SHARDSWAP_CUDA_CHECK(cudaEventRecord(downloaded[slot].e, down.s));
+        });
     SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(down.s));  // the host holds the result
   } catch (...) {
     // Nothing queued may outlive the streams and events it names.
