@@ -22,14 +22,10 @@
 using namespace shardswap;
 using test_support::Case;
 using test_support::declare_small_lisa_model;  // the seed's model
+using test_support::sine_init;
 using test_support::small_lisa_config;
 
 namespace {
-
-void init(const ParamInfo& p, std::span<float> v) {
-  for (std::size_t i = 0; i < v.size(); ++i)
-    v[i] = 0.5f * std::sin(0.37f * static_cast<float>(i) + static_cast<float>(p.numel % 7));
-}
 
 // Gradients of every active param, varied by rank and step.
 void backward(Engine& e, int rank, int step) {
@@ -72,7 +68,7 @@ TEST_CASE("the seed's LISA scenario keeps the head's step count and restarts bod
       MemorySpace space(rank, make_host_allocator());
       Engine e(small_lisa_config(stage), comm, space);
       declare_small_lisa_model(e);
-      e.build(init, std::vector<std::string>{"head", "layers.0"});
+      e.build(sine_init, std::vector<std::string>{"head", "layers.0"});
       require_stats_equal_plan(e);
       for (int step = 0; step < 30; ++step) {
         if (step == 10 || step == 20) {
@@ -123,7 +119,7 @@ TEST_CASE("keep_host 100 times between steps is bitwise the same as never deacti
       MemorySpace space(rank, make_host_allocator());
       Engine e(small_lisa_config(2), comm, space);
       declare_small_lisa_model(e);
-      e.build(init);
+      e.build(sine_init);
       for (int step = 0; step < 10; ++step) {
         if (cycle)
           for (int k = 0; k < 10; ++k) {  // 100 deactivations in all
@@ -153,7 +149,7 @@ TEST_CASE("1000 switches leave exactly the bytes in use after the first") {
     MemorySpace space(rank, make_host_allocator());
     Engine e(small_lisa_config(2), comm, space);
     declare_small_lisa_model(e);
-    e.build(init, std::vector<std::string>{"head", "layers.0", "layers.1"});
+    e.build(sine_init, std::vector<std::string>{"head", "layers.0", "layers.1"});
     const DeactivatePolicy policies[] = {DeactivatePolicy::drop, DeactivatePolicy::keep_host,
                                          DeactivatePolicy::keep_device};
     std::int64_t after_first = -1, views_after_first = -1;
@@ -215,7 +211,7 @@ TEST_CASE("the keep_host space goes once no group is kept on the host, and comes
         rank, std::make_unique<CountedStagingAllocator>(make_host_allocator(), live, false));
     Engine e(small_lisa_config(2), comm, space);
     declare_small_lisa_model(e);
-    e.build(init);
+    e.build(sine_init);
     // Both ranks reach each check before either changes the shared count again.
     const auto expect_live = [&](int n) {
       comm.barrier();
@@ -248,7 +244,7 @@ TEST_CASE("lifecycle calls that do not fit the group's state are typed errors ch
     MemorySpace space(rank, make_host_allocator());
     Engine e(small_lisa_config(2), comm, space);
     declare_small_lisa_model(e);
-    e.build(init, std::vector<std::string>{"head", "layers.0"});
+    e.build(sine_init, std::vector<std::string>{"head", "layers.0"});
     const auto before = space.stats().requested.current;
     REQUIRE(test::contains(test::message_of<StateError>([&] { e.activate("head"); }),
                            "'head' is already active"));
@@ -279,7 +275,7 @@ TEST_CASE("deactivating a pinned group fails naming the pin, or reports what the
     MemorySpace space(rank, make_host_allocator());
     Engine e(small_lisa_config(1), comm, space);
     declare_small_lisa_model(e);
-    e.build(init, std::vector<std::string>{"head", "layers.0"});
+    e.build(sine_init, std::vector<std::string>{"head", "layers.0"});
     const auto before = space.stats();
     Pin pin = e.master("layers.0").pin("trainer: EMA of layers.0");
     const auto msg =
@@ -303,7 +299,7 @@ TEST_CASE("a group built frozen holds only its bit16 weights until activated") {
     MemorySpace space(rank, make_host_allocator());
     Engine e(small_lisa_config(2), comm, space);
     declare_small_lisa_model(e);
-    e.build(init, std::vector<std::string>{"head"});
+    e.build(sine_init, std::vector<std::string>{"head"});
     require_stats_equal_plan(e);
     RANK_REQUIRE(e.active_groups() == std::vector<std::string>{"head"});
     RANK_REQUIRE(!report_mentions(e, "group layers.1 master"));
@@ -320,7 +316,7 @@ TEST_CASE("re-forming frozen groups moves weights on the device and rebinds ever
       MemorySpace space(rank, make_host_allocator());
       Engine e(small_lisa_config(stage), comm, space);
       declare_small_lisa_model(e);
-      e.build(init);
+      e.build(sine_init);
       for (int step = 0; step < 3; ++step) {
         backward(e, rank, step);
         e.step();
@@ -357,7 +353,7 @@ TEST_CASE("re-forming an active group is refused and changes nothing") {
     MemorySpace space(rank, make_host_allocator());
     Engine e(small_lisa_config(2), comm, space);
     declare_small_lisa_model(e);
-    e.build(init, std::vector<std::string>{"head", "layers.0"});
+    e.build(sine_init, std::vector<std::string>{"head", "layers.0"});
     const auto groups = e.groups();
     REQUIRE(test::contains(test::message_of<StateError>([&] {
                              e.reform({{"layers.0.norm", "norms"}});
@@ -377,7 +373,7 @@ TEST_CASE("a Pin on a weight of a group to re-form refuses the re-form and chang
     MemorySpace space(rank, make_host_allocator());
     Engine e(small_lisa_config(2), comm, space);
     declare_small_lisa_model(e);
-    e.build(init, std::vector<std::string>{"head"});
+    e.build(sine_init, std::vector<std::string>{"head"});
     const auto groups = e.groups();
     const auto stats = e.memory_stats();
     std::vector<std::vector<float>> before;
@@ -409,7 +405,7 @@ TEST_CASE("a stale View names its own group and the event after set_active hands
     MemorySpace space(rank, make_host_allocator());
     Engine e(small_lisa_config(2), comm, space);
     declare_small_lisa_model(e);
-    e.build(init, std::vector<std::string>{"head", "layers.0"});
+    e.build(sine_init, std::vector<std::string>{"head", "layers.0"});
     const View master = e.master("layers.0");
     // layers.1 has layers.0's shape: its master takes layers.0's block over.
     e.set_active({"head", "layers.1"}, DeactivatePolicy::drop);
