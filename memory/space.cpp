@@ -47,6 +47,8 @@ struct SpaceState {
   MemoryStats stats;
   std::uint64_t next_id = 1;
   std::map<std::uint64_t, Storage*> holding;  // blocks still holding memory, by id
+  std::int64_t limit = -1;                     // set_limit: requested bytes held at most
+  std::string limit_why;
 };
 
 struct Storage {
@@ -385,6 +387,17 @@ Buffer MemorySpace::allocate(std::size_t bytes, Tag tag, std::string label) {
   s->label = std::move(label);
   s->requested = bytes;
   std::unique_lock lock(state_->mu);
+  if (const std::int64_t held = state_->stats.requested.current;
+      state_->limit >= 0 && static_cast<std::int64_t>(bytes) > state_->limit - held) {
+    const std::string why = state_->limit_why;
+    const std::int64_t limit = state_->limit;
+    lock.unlock();  // report_text() takes the lock
+    throw OutOfMemory(fmt::format(
+        "MemorySpace::allocate: rank {}: '{}' ({} bytes, {}) would hold {} bytes, past the cap "
+        "of {} bytes ({}): nothing allocated\n{}",
+        state_->rank, s->label, bytes, tag_name(tag), held + static_cast<std::int64_t>(bytes),
+        limit, why, report_text()));
+  }
   if (bytes > 0) {
     try {
       s->block = state_->allocator->allocate(bytes);
@@ -408,6 +421,17 @@ Buffer MemorySpace::allocate(std::size_t bytes, Tag tag, std::string label) {
   ++stats.buffers;
   state_->holding[s->id] = s.get();
   return Buffer(std::move(s));
+}
+
+void MemorySpace::set_limit(std::int64_t bytes, std::string why) {
+  std::lock_guard lock(state_->mu);
+  state_->limit = bytes < 0 ? -1 : bytes;
+  state_->limit_why = std::move(why);
+}
+
+std::int64_t MemorySpace::limit() const {
+  std::lock_guard lock(state_->mu);
+  return state_->limit;
 }
 
 MemoryStats MemorySpace::stats() const {

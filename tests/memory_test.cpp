@@ -232,3 +232,34 @@ TEST_CASE("invalidating a buffer's views makes older views stale and leaves newe
   new_slot.data<float>()[0] = 2.0f;
   REQUIRE(static_cast<float*>(b.data())[0] == 2.0f);
 }
+
+TEST_CASE("a space's cap refuses the allocation that would pass it, naming it, and allocates "
+          "nothing") {
+  auto space = host_space(3);
+  REQUIRE(space.limit() == -1);
+  space.set_limit(1000, "a device budget of 1000 bytes");
+  REQUIRE(space.limit() == 1000);
+  Buffer a = space.allocate(600, Tag::grad, "gradient partition");
+  Buffer b = space.allocate(400, Tag::master32, "masters");  // exactly at the cap: allowed
+  const auto before = space.stats();
+  const std::string msg =
+      test::message_of<OutOfMemory>([&] { (void)space.allocate(1, Tag::optim_state, "adam m"); });
+  CAPTURE(msg);
+  for (const char* part : {"rank 3", "'adam m'", "1 bytes", "optim_state", "would hold 1001 bytes",
+                           "cap of 1000 bytes", "a device budget of 1000 bytes",
+                           "nothing allocated", "gradient partition"})
+    REQUIRE(msg.find(part) != std::string::npos);
+  const auto after = space.stats();
+  REQUIRE(after.requested.current == before.requested.current);
+  REQUIRE(after.buffers == before.buffers);
+  REQUIRE(after.tag(Tag::optim_state).buffers == 0);
+  // Freed bytes make room again; a zero-byte buffer always fits; no cap, no refusal.
+  a.release("test release");
+  Buffer c = space.allocate(600, Tag::optim_state, "adam m");
+  Buffer empty = space.allocate(0, Tag::other, "empty");
+  REQUIRE_THROWS_AS(space.allocate(1, Tag::other, "one more"), OutOfMemory);
+  space.set_limit(-5, "");
+  REQUIRE(space.limit() == -1);
+  Buffer d = space.allocate(4096, Tag::other, "uncapped");
+  REQUIRE(space.stats().requested.current == 400 + 600 + 4096);
+}

@@ -1,6 +1,7 @@
 // The shardswap command line. Exit codes: 0 success, 1 runtime failure, 2 bad input; a train
 // stopped by SIGINT, SIGTERM or SIGHUP (after its step, saved): 128 + the signal's number.
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -41,8 +42,9 @@ namespace {
 
 constexpr const char* kUsage = R"(usage:
   shardswap train --config FILE [--metrics FILE [--metrics-errors=fail|warn]]
-                  [--set key.path=value]... [--strict] [--memory-report]
-  shardswap plan --config FILE [--set key.path=value]... [--strict]
+                  [--set key.path=value]... [--strict] [--device-memory SIZE]
+                  [--memory-report]
+  shardswap plan --config FILE [--set key.path=value]... [--strict] [--device-memory SIZE]
   shardswap eval --config FILE [--checkpoint DIR] [--logits FILE.safetensors] [--set k.path=v]...
                  [--strict]
 
@@ -62,6 +64,10 @@ constexpr const char* kUsage = R"(usage:
                              warning is an error: unknown keys, DeepSpeed keys ShardSwap does
                              not implement, keys with no effect, resolved "auto" values; all
                              listed at once, exit 2, nothing written
+          --device-memory SIZE
+                             (train, plan; or shardswap.device_memory) a device budget such
+                             as 24GiB: the fastest arrangement that fits is chosen (state on
+                             the host, layers recomputed) and each rank is held to it
           --memory-report    prints rank 0's buffers and their holders after build
           SIGINT, SIGTERM, SIGHUP (alike): finishes the step, saves it if checkpoint.dir is
           set, says so and exits 128 + the signal (130, 143, 129); a second signal ends it at
@@ -140,6 +146,7 @@ struct ConfigArgs {
   std::string path;
   std::vector<std::string> overrides;
   bool strict = false;  ///< --strict: shardswap.strict = true, whatever the file and --set say
+  std::string device_memory;  ///< --device-memory SIZE: shardswap.device_memory, likewise
 
   /// Takes a flag's value (the next argument), refusing a flag given last without one.
   using TakeValue = std::function<const std::string&()>;
@@ -166,6 +173,8 @@ ConfigArgs ConfigArgs::parse(const std::vector<std::string>& args, const OtherFl
       parsed.overrides.push_back(value());
     else if (flag == "--strict")
       parsed.strict = true;
+    else if (flag == "--device-memory")  // shardswap.device_memory, after the file and --set
+      parsed.device_memory = value();
     else if (!other || !other(flag, value))
       throw BadUsage(fmt::format("unknown argument '{}'", flag));
   }
@@ -178,6 +187,8 @@ shardswap::TrainConfig load_config(const ConfigArgs& args,
   auto reader = shardswap::ConfigReader::from_file(args.path);
   for (const auto& o : args.overrides) reader.set(o);
   if (args.strict) reader.set("shardswap.strict=true");  // after --set: the flag wins
+  if (!args.device_memory.empty())
+    reader.set("shardswap.device_memory=" + nlohmann::json(args.device_memory).dump());
   // Started as one process per rank (mpirun, srun)? Then world_size is the job's.
   const auto launch = shardswap::process_launch_from_env();
   shardswap::apply_launch_world_size(reader, launch);

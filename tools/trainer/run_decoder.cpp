@@ -130,6 +130,16 @@ class DecoderRun final : public RunModel {
         make_decoder(config_.shape, micro, config_.seq_len, dtype, space, config_.recompute_layers),
         config_.shape.vocab);
   }
+  int recomputable_layers() const override { return config_.shape.layers; }
+  int recompute_layers() const override { return config_.recompute_layers; }
+  std::shared_ptr<const RunModel> with_recompute(int layers) const override {
+    if (layers < 0 || layers > config_.shape.layers)
+      throw ConfigError(fmt::format("model.recompute_layers = {}: must lie in [0, {}] (layers)",
+                                    layers, config_.shape.layers));
+    DecoderConfig config = config_;
+    config.recompute_layers = layers;
+    return std::make_shared<const DecoderRun>(std::move(config), seed_);
+  }
   std::int64_t tokens_per_sample() const override { return config_.seq_len; }
   double micro_flops(int micro) const override {
     return decoder_step_flops(config_.shape, std::int64_t{micro} * config_.seq_len,

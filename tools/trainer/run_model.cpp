@@ -6,6 +6,7 @@
 
 #include <utility>
 
+#include "shardswap/error.h"
 #include "support/quoted.h"
 
 namespace shardswap {
@@ -16,6 +17,13 @@ std::shared_ptr<const RunModel> read_decoder_run(ConfigReader& c, int seq_len, s
 void RunModel::declare(Engine& engine) const {
   for (auto& p : declarations())
     engine.add_param(std::move(p.name), std::move(p.shape), std::move(p.group));
+}
+
+std::shared_ptr<const RunModel> RunModel::with_recompute(int layers) const {
+  if (layers != 0)
+    throw ConfigError(fmt::format("model.recompute_layers = {}: the {} model recomputes no layer",
+                                  layers, type_name()));
+  return nullptr;  // unreachable for a model that keeps the default: asked only for layers > 0
 }
 
 std::string read_model_type(ConfigReader& c) {

@@ -93,6 +93,13 @@ class RunModel {
   virtual std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const = 0;
   virtual std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
                                                      MemorySpace& space) const = 0;
+  /// Layers that can run their forward again in backward instead of keeping their activations
+  /// (model.recompute_layers' range; 0: the model cannot), and how many this one recomputes.
+  virtual int recomputable_layers() const { return 0; }
+  virtual int recompute_layers() const { return 0; }
+  /// This model with `layers` of them recomputed (a device budget's choice): ConfigError outside
+  /// [0, recomputable_layers()].
+  virtual std::shared_ptr<const RunModel> with_recompute(int layers) const;
   /// Tokens whose loss one sample carries (the decoder: seq_len).
   virtual std::int64_t tokens_per_sample() const = 0;
   /// FLOPs of forward + backward over one micro-batch with every group active.

@@ -241,6 +241,9 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   } catch (const ConfigError& e) {
     c.rethrow_naming_file(e);  // "layer_switching.KEY = ...: what": add the file
   }
+  // Last, once the model, engine, batches, schedule and backend are known: what it changes
+  // (where the state lives, the layers recomputed) every later reader sees.
+  t.budget = apply_device_budget(c, t);
   reject_unknown_keys(c, kShardSwapSections);
   reject_unread_overrides(c);
   if (strict) refuse_warnings(c, config_warnings(c));
@@ -267,6 +270,8 @@ void print_plan(const TrainConfig& config, std::ostream& out) {
       model.type_name(), params, n, config.engine.stage, dtype_name(config.engine.dtype),
       optimizer_type_name(config.engine.optimizer.type), config.batches.micro_samples,
       config.backend.name);
+  if (config.budget)
+    for (const auto& line : config.budget->lines()) out << line << "\n";
   const int shown = std::min(n, 8);
   std::vector<PlannedMemory> plans;
   for (int r = 0; r < n; ++r) plans.push_back(plan_memory(config, model, r));
@@ -535,8 +540,11 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   // process gained since are set against the plans of the ranks on that GPU, and the rest is
   // what NCCL, cuBLAS's own state and the kernels' code keep outside the plan (docs/memory.md).
   run.rank0_device = config.comm == CommKind::nccl ? 0 : backend.device();
-  if (backend.kind() == DeviceKind::cuda)
-    run.device_free_before = static_cast<std::int64_t>(cuda_device_memory(run.rank0_device).free);
+  if (backend.kind() == DeviceKind::cuda) {
+    const DeviceMemory gpu = cuda_device_memory(run.rank0_device);
+    run.device_free_before = static_cast<std::int64_t>(gpu.free);
+    run.device_held_before = static_cast<std::int64_t>(gpu.total - gpu.free);
+  }
   start_ranks(run);
   return run.summary;
 }

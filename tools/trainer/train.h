@@ -24,6 +24,7 @@
 #include "shardswap/engine_config.h"
 #include "shardswap/schedule.h"
 #include "shardswap/lr_schedule.h"
+#include "trainer/device_budget.h"
 #include "trainer/process_launch.h"
 #include "trainer/run_data.h"
 #include "trainer/run_model.h"
@@ -108,6 +109,9 @@ struct TrainConfig {
   /// rank (mpirun, srun): train() then runs that rank alone; rank 0 writes the outputs.
   std::optional<ProcessLaunch> process;
   TensorBoardConfig tensorboard;  ///< DeepSpeed's tensorboard section (tools/trainer/tensorboard.h)
+  /// shardswap.device_memory: the budget and the arrangement chosen for it (already set in
+  /// engine and model); every rank's space is capped at budget->budget.per_rank().
+  std::optional<BudgetChoice> budget;
 };
 
 /// What a config is read for: a run (train, eval) opens its data; a plan opens none.

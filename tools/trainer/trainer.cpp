@@ -87,6 +87,21 @@ struct Trainer::Step {
   std::int64_t plan_on_gpu = 0;  // the plans of every rank on rank 0's GPU (first step, cuda)
 };
 
+MemorySpace& Trainer::capped(MemorySpace& space, const TrainConfig& config) {
+  // Under a device budget a rank holds no more than its share, as on a GPU of the budget's size:
+  // an allocation past it fails naming its tag before anything of the run is allocated.
+  if (config.budget) {
+    const DeviceBudget& b = config.budget->budget;
+    space.set_limit(b.per_rank(),
+                    fmt::format("shardswap.device_memory {} less {} outside the plan{}",
+                                b.memory_text, mib(b.reserve),
+                                b.ranks_per_device > 1
+                                    ? fmt::format(", shared by {} ranks", b.ranks_per_device)
+                                    : ""));
+  }
+  return space;
+}
+
 Trainer::Trainer(TrainRun& run, int rank, Communicator& comm, std::unique_ptr<Allocator> allocator)
     : run_(run),
       config_(run.config),
@@ -94,7 +109,7 @@ Trainer::Trainer(TrainRun& run, int rank, Communicator& comm, std::unique_ptr<Al
       world_(run.config.world_size),
       checkpoints_(checkpoints_of_rank0(run, comm)),
       space_(rank, std::move(allocator)),
-      engine_(config_.engine, comm, space_, run.backend),
+      engine_(config_.engine, comm, capped(space_, config_), run.backend),
       planned_(run.predicted_bytes) {
   run_.model.declare(engine_);
   if (!config_.decay_all_params)
@@ -164,6 +179,8 @@ void Trainer::open_log() {
     out.log << "documents apart: attention runs the decoder's own kernels, which take document "
                "boundaries (cuDNN's fused attention is not given them yet): about 9 times slower "
                "steps at Qwen2.5-0.5B (docs/data.md); data.documents = \"packed\" keeps cuDNN\n";
+  if (config_.budget)
+    for (const auto& line : config_.budget->lines()) out.log << line << "\n";
   const LayerSchedule& schedule = *config_.schedule;
   if (schedule.enabled())
     out.log << fmt::format("layer switching: {} every {} steps, policy {}; active now: {}\n",
@@ -425,6 +442,7 @@ void Trainer::report(std::int64_t step, const Step& s) {
             ? " of its " + std::to_string(world_) + " ranks"
             : "",
         mib(s.plan_on_gpu), mib(run_.summary.device_outside_plan_bytes)));
+    if (config_.budget) check_reserve(step, s.plan_on_gpu);
   }
   if (s.evaluating)
     progress_->message(fmt::format("validation loss after step {}: {:.4f}", step + 1, s.val));
@@ -434,6 +452,26 @@ void Trainer::report(std::int64_t step, const Step& s) {
                      .loss = s.no_targets ? std::nan("") : s.loss,
                      .throughput = tokens_per_s,
                      .memory_bytes = s.mem.requested.current});
+}
+
+void Trainer::check_reserve(std::int64_t step, std::int64_t plan_on_gpu) {
+  // What the GPU held before the run (its CUDA context; anything else there) and what the
+  // process took outside the plan since: on a GPU of the budget's size all of it counts.
+  const DeviceBudget& b = config_.budget->budget;
+  const std::int64_t outside = run_.device_held_before + run_.summary.device_outside_plan_bytes;
+  progress_->message(fmt::format(
+      "device budget {}: held outside the plan {} ({} before the run: the CUDA context and "
+      "anything else on the GPU; {} since), shardswap.device_reserve {}",
+      b.memory_text, mib(outside), mib(run_.device_held_before),
+      mib(run_.summary.device_outside_plan_bytes), mib(b.reserve)));
+  if (outside > b.reserve)
+    progress_->message(fmt::format(
+        "warning: after step {} the GPU holds {} outside the plan, more than the {} "
+        "shardswap.device_reserve counts: with the plan's {} that is {}, {} the budget of {}; "
+        "set shardswap.device_reserve to at least {} bytes so that the plan is made for what "
+        "a GPU of the budget's size has left",
+        step + 1, mib(outside), mib(b.reserve), mib(plan_on_gpu), mib(plan_on_gpu + outside),
+        plan_on_gpu + outside > b.memory ? "past" : "within", b.memory_text, outside));
 }
 
 nlohmann::json Trainer::metrics_line(std::int64_t step, const Step& s) const {

@@ -62,6 +62,9 @@ struct TrainRun {
   /// 1 what the process gained since is set against the plans of the ranks on that GPU.
   int rank0_device = 0;
   std::int64_t device_free_before = 0;
+  /// On cuda: what rank 0's GPU held then (its total less device_free_before): this process's
+  /// CUDA context and whatever else is on the GPU, counted against a device budget.
+  std::int64_t device_held_before = 0;
   std::mutex mu;
   TrainSummary summary;
 };
@@ -80,7 +83,12 @@ class Trainer {
  private:
   struct Step;  // what one step did, for the reports and the save after it
 
+  /// `space` with the device budget's cap set (shardswap.device_memory), if the config has one.
+  static MemorySpace& capped(MemorySpace& space, const TrainConfig& config);
   void open_log();
+  /// Under a device budget, on cuda after step 1: what the GPU holds outside the plan against
+  /// shardswap.device_reserve, said, with a warning when it is more.
+  void check_reserve(std::int64_t step, std::int64_t plan_on_gpu);
   void measure_cublas();
   void resume();
   void begin_training();

@@ -173,6 +173,14 @@ class MemorySpace {
   /// A new buffer of `bytes` (may be 0). Contents are unspecified. Throws OutOfMemory.
   Buffer allocate(std::size_t bytes, Tag tag, std::string label);
 
+  /// Caps the bytes requested and not yet released at `bytes`: an allocate() that would pass it
+  /// throws OutOfMemory naming its label, tag and size, the cap and `why` (what set it: a device
+  /// budget), and allocates nothing. What is held already is left as it is. Negative: no cap
+  /// (the default).
+  void set_limit(std::int64_t bytes, std::string why);
+  /// The cap set_limit() set; -1: none.
+  std::int64_t limit() const;
+
   MemoryStats stats() const;
   void reset_peaks();
   std::vector<BufferReport> report() const;

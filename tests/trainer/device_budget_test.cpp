@@ -1,0 +1,243 @@
+// A device budget (shardswap.device_memory, tools/trainer/device_budget.h): sizes as written,
+// the search over what the config leaves free against plans made independently, the refusal
+// naming the smallest budget that fits (and that budget fitting), and a run held to its share.
+#include <nlohmann/json.hpp>
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "shardswap/config_reader.h"
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
+#include "tests/catch_compat.h"
+#include "trainer/device_budget.h"
+#include "trainer/train.h"
+
+using namespace shardswap;
+
+namespace {
+
+// A small decoder on the cpu backend, 2 ranks: every plan here is made in milliseconds.
+nlohmann::json small_run() {
+  return nlohmann::json::parse(R"({
+    "world_size": 2, "steps": 4, "seed": 5, "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.005, "weight_decay": 0.01}},
+    "bf16": {"enabled": true}, "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5000},
+    "model": {"type": "decoder", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 64, "tie_word_embeddings": true},
+    "data": {"tokenizer": "bytes", "train": "/usr/share/common-licenses/GPL-3", "seq_len": 32},
+    "logging": {"interval": 2, "eval_interval": 100, "eval_batches": 2}
+  })");
+}
+
+TrainConfig load(const nlohmann::json& j, ConfigFor purpose = ConfigFor::plan) {
+  ConfigReader reader(j, "test.json");
+  return train_config_from_json(reader, purpose);
+}
+
+// The largest rank's device plan of `j` as written (no budget): made by plan_memory, the
+// trainer's own planner, independently of the search.
+std::int64_t largest_plan(const nlohmann::json& j) {
+  const TrainConfig t = load(j);
+  std::int64_t most = 0;
+  for (int r = 0; r < t.world_size; ++r) most = std::max(most, plan_memory(t, *t.model, r).total());
+  return most;
+}
+
+nlohmann::json with(nlohmann::json j, const char* placement, int recompute) {
+  j["zero_optimization"]["offload_optimizer"] = {{"device", placement}};
+  j["model"]["recompute_layers"] = recompute;
+  return j;
+}
+
+}  // namespace
+
+TEST_CASE("a budget's size is read in decimal and binary units, and anything else is refused") {
+  REQUIRE(parse_byte_size("24GiB", "k") == std::int64_t{24} << 30);
+  REQUIRE(parse_byte_size("24 GiB", "k") == std::int64_t{24} << 30);
+  REQUIRE(parse_byte_size("1.5GB", "k") == 1'500'000'000);
+  REQUIRE(parse_byte_size("512MiB", "k") == std::int64_t{512} << 20);
+  REQUIRE(parse_byte_size("80kB", "k") == 80'000);
+  REQUIRE(parse_byte_size("4096", "k") == 4096);
+  REQUIRE(parse_byte_size("4096B", "k") == 4096);
+  REQUIRE(parse_byte_size("2TiB", "k") == std::int64_t{2} << 40);
+  for (const char* bad : {"", "GiB", "24gb", "24 G", "-1GiB", "1.2.3GB", "0", "0.1", "1e9",
+                          "24GiB ", "99999999999TB"}) {
+    CAPTURE(bad);
+    const auto msg = test::message_of<ConfigError>([&] { parse_byte_size(bad, "shardswap.x"); });
+    REQUIRE(msg.find("shardswap.x") != std::string::npos);
+    REQUIRE(msg.find("24GiB") != std::string::npos);  // says what is expected
+  }
+}
+
+TEST_CASE("without a budget nothing changes; a budget the config fits keeps its arrangement") {
+  const auto j = small_run();
+  REQUIRE_FALSE(load(j).budget.has_value());
+  auto roomy = j;
+  roomy["shardswap"]["device_memory"] = "1GiB";
+  const TrainConfig t = load(roomy);
+  REQUIRE(t.budget.has_value());
+  REQUIRE(t.budget->budget.memory == std::int64_t{1} << 30);
+  REQUIRE(t.budget->budget.reserve == 0);  // the cpu backend holds nothing outside the plan
+  REQUIRE(t.budget->chosen.optimizer == Placement::device);
+  REQUIRE(t.budget->chosen.recompute_layers == 0);
+  REQUIRE(t.budget->chosen.plan_bytes == largest_plan(j));
+  REQUIRE(t.engine.optimizer_placement == Placement::device);
+  REQUIRE(t.model->recompute_layers() == 0);
+  // 2 placements x 5 recompute counts (0..4 layers), all within 1 GiB.
+  REQUIRE(t.budget->arrangements == 10);
+  REQUIRE(t.budget->fitting == 10);
+}
+
+TEST_CASE(
+    "under a budget the config does not fit, the search picks the fastest arrangement "
+    "that fits by its estimate, and the run is planned as that arrangement written out") {
+  const auto j = small_run();
+  const std::int64_t as_written = largest_plan(j);
+  // Every arrangement's plan, made independently: the budget's choice must fit, and no
+  // arrangement estimated faster may fit.
+  struct Option {
+    const char* placement;
+    int recompute;
+    std::int64_t bytes;
+  };
+  std::vector<Option> options;
+  for (const char* placement : {"none", "cpu"})
+    for (int r = 0; r <= 4; ++r)
+      options.push_back({placement, r, largest_plan(with(j, placement, r))});
+  REQUIRE(options.front().bytes == as_written);
+  for (const std::int64_t budget :
+       {as_written - 1, as_written - 4096, as_written * 3 / 4, as_written * 2 / 3}) {
+    auto b = j;
+    b["shardswap"]["device_memory"] = budget;
+    CAPTURE(budget);
+    const TrainConfig t = load(b);
+    const BudgetChoice& c = *t.budget;
+    REQUIRE(c.chosen.plan_bytes <= budget);
+    REQUIRE(c.configured.plan_bytes == as_written);
+    // The plan of the chosen arrangement, written out in the config, is the chosen plan; and
+    // the budgeted config plans exactly that.
+    const char* placement = c.chosen.optimizer == Placement::host ? "cpu" : "none";
+    REQUIRE(largest_plan(with(j, placement, c.chosen.recompute_layers)) == c.chosen.plan_bytes);
+    std::int64_t budgeted = 0;
+    for (int r = 0; r < t.world_size; ++r)
+      budgeted = std::max(budgeted, plan_memory(t, *t.model, r).total());
+    REQUIRE(budgeted == c.chosen.plan_bytes);
+    int fitting = 0;
+    for (const auto& o : options) fitting += o.bytes <= budget;
+    REQUIRE(c.fitting == fitting);
+    // Every arrangement that fits is estimated no faster than the choice.
+    for (const auto& o : options) {
+      if (o.bytes > budget) continue;
+      auto written = with(j, o.placement, o.recompute);
+      written["shardswap"]["device_memory"] = budget;
+      const TrainConfig fixed = load(written);  // nothing free: its own arrangement's estimate
+      REQUIRE(fixed.budget->arrangements == 1);
+      REQUIRE(fixed.budget->chosen.step_s() >= c.chosen.step_s());
+    }
+    const std::string text = fmt::format("{}", fmt::join(c.lines(), "\n"));
+    REQUIRE(text.find("does not fit") != std::string::npos);  // the config as written
+    REQUIRE(text.find("chosen (") != std::string::npos);
+  }
+}
+
+TEST_CASE("a budget no arrangement fits is refused naming the smallest budget, which fits") {
+  const auto j = small_run();
+  std::int64_t smallest = largest_plan(with(j, "cpu", 4));
+  auto tight = j;
+  tight["shardswap"]["device_memory"] = 4096;
+  const std::string msg = test::message_of<ConfigError>([&] { load(tight); });
+  CAPTURE(msg);
+  REQUIRE(test::config_shaped(msg, "test.json", "shardswap.device_memory"));
+  REQUIRE(msg.find("no arrangement fits") != std::string::npos);
+  REQUIRE(msg.find("state on the host, 4 of 4 layers recomputed") != std::string::npos);
+  REQUIRE(msg.find(fmt::format("at least {} bytes", smallest)) != std::string::npos);
+  REQUIRE(msg.find("refused before anything is allocated") != std::string::npos);
+  tight["shardswap"]["device_memory"] = smallest;
+  const TrainConfig t = load(tight);
+  REQUIRE(t.budget->chosen.plan_bytes == smallest);
+  REQUIRE(t.budget->fitting == 1);
+  tight["shardswap"]["device_memory"] = smallest - 1;
+  REQUIRE_THROWS_AS(load(tight), ConfigError);
+}
+
+TEST_CASE("what the config sets the search leaves alone, and the refusal says so") {
+  auto j = with(small_run(), "none", 0);
+  j["shardswap"]["device_memory"] = largest_plan(j) - 1;
+  const std::string msg = test::message_of<ConfigError>([&] { load(j); });
+  CAPTURE(msg);
+  REQUIRE(msg.find(fmt::format("at least {} bytes", largest_plan(with(small_run(), "none", 0)))) !=
+          std::string::npos);
+  REQUIRE(msg.find("leaving them out lets the search vary them") != std::string::npos);
+  // The placement fixed, the layers free: only recompute counts are searched.
+  auto placed = small_run();
+  placed["zero_optimization"]["offload_optimizer"] = {{"device", "none"}};
+  placed["shardswap"]["device_memory"] = largest_plan(placed) - 1;
+  const TrainConfig t = load(placed);
+  REQUIRE(t.budget->arrangements == 5);
+  REQUIRE(t.budget->chosen.optimizer == Placement::device);
+  REQUIRE(t.budget->chosen.recompute_layers > 0);
+}
+
+TEST_CASE("a budget's keys are checked, naming them") {
+  struct Bad {
+    const char* key;
+    nlohmann::json memory, reserve;
+    const char* says;
+  };
+  for (const auto& [key, memory, reserve, says] : std::vector<Bad>{
+           {"shardswap.device_memory", "lots", nullptr, "expected a size"},
+           {"shardswap.device_memory", -3, nullptr, "whole number of bytes"},
+           {"shardswap.device_memory", 1.5, nullptr, "whole number of bytes"},
+           {"shardswap.device_memory", true, nullptr, ""},
+           {"shardswap.device_reserve", nullptr, "1GiB", "give shardswap.device_memory too"},
+           {"shardswap.device_reserve", "1GiB", "12 gigs", "expected a size"},
+           {"shardswap.device_memory", "1GiB", "1GiB", "leaves nothing for the plan"},
+       }) {
+    auto j = small_run();
+    if (!memory.is_null()) j["shardswap"]["device_memory"] = memory;
+    if (!reserve.is_null()) j["shardswap"]["device_reserve"] = reserve;
+    const auto msg = test::message_of<ConfigError>([&] { load(j); });
+    CAPTURE(key, msg);
+    REQUIRE(test::config_shaped(msg, "test.json", key));
+    REQUIRE(msg.find(says) != std::string::npos);
+  }
+}
+
+TEST_CASE(
+    "a run under a budget is the run of the arrangement it chose, held to its plan to the "
+    "byte") {
+  const auto j = small_run();
+  auto b = j;
+  b["shardswap"]["device_memory"] = largest_plan(j) - 1;
+  b["shardswap"]["device_reserve"] = 0;
+  const TrainConfig budgeted = load(b, ConfigFor::run);
+  const BudgetChoice& c = *budgeted.budget;
+  REQUIRE(c.chosen.plan_bytes < largest_plan(j));
+  const char* placement = c.chosen.optimizer == Placement::host ? "cpu" : "none";
+  const TrainConfig written = load(with(j, placement, c.chosen.recompute_layers), ConfigFor::run);
+  std::ostringstream budget_log, written_log;
+  const TrainSummary s = train(budgeted, TrainOutput{budget_log});
+  const TrainSummary w = train(written, TrainOutput{written_log});
+  CAPTURE(budget_log.str());
+  REQUIRE(budget_log.str().find("device budget ") != std::string::npos);
+  REQUIRE(s.first_loss == w.first_loss);
+  REQUIRE(s.final_loss == w.final_loss);
+  REQUIRE(s.final_val_loss == w.final_val_loss);
+  REQUIRE(s.peak_bytes <= c.budget.per_rank());
+  REQUIRE(s.peak_bytes == w.peak_bytes);
+  // A budget of exactly the chosen plan runs: the plan is the peak, and the cap lets it be.
+  auto exact = with(j, placement, c.chosen.recompute_layers);
+  exact["shardswap"]["device_memory"] = c.chosen.plan_bytes;
+  std::ostringstream exact_log;
+  const TrainSummary e = train(load(exact, ConfigFor::run), TrainOutput{exact_log});
+  REQUIRE(e.final_loss == w.final_loss);
+  REQUIRE(e.peak_bytes == c.chosen.plan_bytes);
+}

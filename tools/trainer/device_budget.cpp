@@ -1,0 +1,255 @@
+#include "trainer/device_budget.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "shardswap/engine.h"
+#include "shardswap/error.h"
+#include "support/quoted.h"
+#include "trainer/run_model.h"
+#include "trainer/train.h"
+
+namespace shardswap {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// What a run on a GPU holds outside its plan when shardswap.device_reserve is not given: on an
+// NVIDIA H200 a CUDA context, one NCCL communicator and the libraries' state and kernel code came
+// to about 1.2 GiB (docs/memory.md, "Outside the plan"); rounded up. The run measures what it
+// really holds and fails after step 1 if that is more (Trainer).
+constexpr std::int64_t kCudaReserve = std::int64_t{1536} << 20;
+
+// The rates the search estimates step times by, an NVIDIA H200's as measured (docs/benchmarks.md):
+// the whole step's model FLOPs (MFU 0.42 of its 989 TFLOP/s in Qwen2.5 full fine-tunes), the
+// streamed update of state on the host (24 bytes a param, both directions of PCIe: 98 GB/s) and
+// the CPU update (2.2 Gparam/s over 16 cores). They order arrangements; the step times printed
+// beside them are estimates and say so.
+constexpr double kModelFlopsPerS = 4.0e14;
+constexpr double kStreamedBytesPerS = 98e9;
+constexpr double kStreamedBytesPerParam = 24.0;
+constexpr double kCpuParamsPerS = 2.2e9;
+
+std::string gib(std::int64_t bytes) {
+  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / kGiB);
+}
+
+// The budget's keys, or nothing when shardswap.device_memory is absent.
+std::optional<DeviceBudget> read_budget(ConfigReader& c, const TrainConfig& t) {
+  constexpr std::string_view kMemory = "shardswap.device_memory";
+  constexpr std::string_view kReserve = "shardswap.device_reserve";
+  // A size as text, or a whole number of bytes (the reserve may be 0).
+  const auto size_of = [&](std::string_view key, double least) -> std::int64_t {
+    const nlohmann::json::json_pointer at("/" + std::string(key.substr(0, key.find('.'))) + "/" +
+                                          std::string(key.substr(key.find('.') + 1)));
+    if (c.json().at(at).is_string()) {
+      const std::string text = c.string(key, "");
+      if (least == 0.0 && text == "0") return 0;
+      try {
+        return parse_byte_size(text, key);
+      } catch (const ConfigError& e) {
+        c.rethrow_naming_file(e);
+      }
+    }
+    const double bytes = c.number(key, 0.0);
+    if (!(bytes >= least && bytes <= 9.0e18) || bytes != std::floor(bytes))
+      c.fail(key, fmt::format("{}", bytes),
+             fmt::format("expected a whole number of bytes >= {}, or a size such as \"24GiB\"",
+                         least));
+    return static_cast<std::int64_t>(bytes);
+  };
+  if (!c.has(kMemory)) {
+    if (c.has(kReserve))
+      c.fail(kReserve, "is part of a device budget: give shardswap.device_memory too");
+    return std::nullopt;
+  }
+  DeviceBudget b;
+  b.memory = size_of(kMemory, 1.0);
+  b.memory_text = c.json().at(nlohmann::json::json_pointer("/shardswap/device_memory")).dump();
+  b.reserve = c.has(kReserve) ? size_of(kReserve, 0.0)
+                              : (t.backend.kind == DeviceKind::cuda ? kCudaReserve : 0);
+  // In-process ranks on a GPU share it (one process per rank, or NCCL's threads, have one each).
+  const bool shared_gpu = t.backend.kind == DeviceKind::cuda && t.comm == CommKind::in_process;
+  b.ranks_per_device = shared_gpu ? t.world_size : 1;
+  if (b.reserve >= b.memory)
+    c.fail(kMemory, b.memory_text,
+           fmt::format("the budget ({}) leaves nothing for the plan once the {} held outside it "
+                       "(shardswap.device_reserve) are counted",
+                       gib(b.memory), gib(b.reserve)));
+  return b;
+}
+
+// The largest device plan over ranks of `engine` with the model's activations.
+std::int64_t largest_engine_plan(const TrainConfig& t, const EngineConfig& engine,
+                                 std::int64_t* shard_elements) {
+  std::int64_t most = 0, shard = 0;
+  const auto declarations = t.model->declarations();
+  const auto active = t.schedule->active_at(0);
+  for (int r = 0; r < t.world_size; ++r) {
+    const MemoryPlan p = plan_memory(engine, t.world_size, r, declarations, active);
+    most = std::max(most, p.total());
+    shard = std::max(shard, (p.of(Tag::master32) + p.host_of(Tag::master32)) /
+                                static_cast<std::int64_t>(sizeof(float)));
+  }
+  if (shard_elements) *shard_elements = shard;
+  return most;
+}
+
+const char* placement_words(Placement p) {
+  return p == Placement::host ? "state on the host" : "state on the device";
+}
+
+std::string describe(const Arrangement& a, int layers) {
+  return fmt::format("{}, {} of {} layers recomputed", placement_words(a.optimizer),
+                     a.recompute_layers, layers);
+}
+
+}  // namespace
+
+std::int64_t parse_byte_size(std::string_view text, std::string_view key) {
+  const auto fail = [&]() -> std::int64_t {
+    throw ConfigError(fmt::format(
+        "{} = {}: expected a size such as \"24GiB\", \"1.5GB\" or \"512MiB\" (B, kB, MB, GB, TB "
+        "in powers of 1000; KiB, MiB, GiB, TiB in powers of 1024), or a whole number of bytes",
+        key, quote_value(text)));
+  };
+  std::size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))
+    ++i;
+  const std::string number(text.substr(0, i));
+  if (number.empty() || std::count(number.begin(), number.end(), '.') > 1 || number == ".")
+    return fail();
+  std::string_view unit = text.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.remove_prefix(1);
+  static constexpr std::pair<std::string_view, double> kUnits[] = {
+      {"", 1.0},          {"B", 1.0},    {"kB", 1e3},           {"KB", 1e3},
+      {"MB", 1e6},        {"GB", 1e9},   {"TB", 1e12},          {"KiB", 1024.0},
+      {"MiB", 1048576.0}, {"GiB", kGiB}, {"TiB", kGiB * 1024.0}};
+  const auto u = std::find_if(std::begin(kUnits), std::end(kUnits),
+                              [&](const auto& k) { return k.first == unit; });
+  if (u == std::end(kUnits)) return fail();
+  const double bytes = std::stod(number) * u->second;
+  if (!(bytes >= 1.0 && bytes <= 9.0e18)) return fail();
+  return static_cast<std::int64_t>(std::ceil(bytes));
+}
+
+std::vector<std::string> BudgetChoice::lines() const {
+  const auto& b = budget;
+  std::vector<std::string> out;
+  out.push_back(fmt::format(
+      "device budget {} (shardswap.device_memory {}): {} of it held outside the plan "
+      "(shardswap.device_reserve: CUDA context, NCCL, libraries), {} for the plan of each rank "
+      "({} rank{} a GPU)",
+      gib(b.memory), b.memory_text, gib(b.reserve), gib(b.per_rank()), b.ranks_per_device,
+      b.ranks_per_device == 1 ? "" : "s"));
+  const auto row = [&](const char* what, const Arrangement& a) {
+    return fmt::format("  {} ({}): plan {} bytes ({}), {}; estimated step {:.3f} s", what,
+                       describe(a, recomputable), a.plan_bytes, gib(a.plan_bytes),
+                       a.plan_bytes <= b.per_rank() ? "fits" : "does not fit", a.step_s());
+  };
+  out.push_back(row("as configured", configured));
+  out.push_back(row("chosen", chosen));
+  std::vector<std::string> searched;
+  if (placement_free) searched.emplace_back("where the master and optimizer state live");
+  if (recompute_free) searched.emplace_back("how many layers are recomputed");
+  out.push_back(fmt::format(
+      "  searched: {} ({} arrangements, {} within the budget); chosen as the fastest by "
+      "estimate: forward and backward at {:.0f} TFLOP/s, a recomputed layer's forward again "
+      "in backward, state on the host streamed at {:.0f} GB/s ({:.0f} bytes a param) or updated "
+      "on the CPU at {:.1f} Gparam/s (an NVIDIA H200's measured rates)",
+      searched.empty() ? std::string("nothing (the config sets every choice)")
+                       : fmt::format("{}", fmt::join(searched, " and ")),
+      arrangements, fitting, kModelFlopsPerS / 1e12, kStreamedBytesPerS / 1e9,
+      kStreamedBytesPerParam, kCpuParamsPerS / 1e9));
+  return out;
+}
+
+std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t) {
+  const std::optional<DeviceBudget> budget = read_budget(c, t);
+  if (!budget) return std::nullopt;
+  BudgetChoice choice;
+  choice.budget = *budget;
+  choice.placement_free = !c.has("zero_optimization.offload_optimizer");
+  choice.recompute_free = !c.has("model.recompute_layers") && t.model->recomputable_layers() > 0;
+  choice.recomputable = t.model->recomputable_layers();
+
+  std::vector<Placement> placements{t.engine.optimizer_placement};
+  if (choice.placement_free) placements = {Placement::device, Placement::host};
+  std::vector<int> recomputes{t.model->recompute_layers()};
+  if (choice.recompute_free) {
+    recomputes.clear();
+    for (int r = 0; r <= choice.recomputable; ++r) recomputes.push_back(r);
+  }
+  const int micro = t.batches.micro_samples;
+  const double micro_steps = t.batches.gradient_accumulation_steps;
+  const double compute_s = micro_steps * t.model->micro_flops(micro) / kModelFlopsPerS;
+  const double layers = std::max(1, choice.recomputable);
+
+  std::vector<Arrangement> all;
+  for (const Placement placement : placements) {
+    EngineConfig engine = t.engine;
+    engine.optimizer_placement = placement;
+    std::int64_t shard = 0;
+    const std::int64_t engine_bytes = largest_engine_plan(t, engine, &shard);
+    double update_s = 0.0;
+    if (placement == Placement::host)
+      update_s = engine.offload_update == OffloadUpdate::cpu
+                     ? static_cast<double>(shard) / kCpuParamsPerS
+                     : static_cast<double>(shard) * kStreamedBytesPerParam / kStreamedBytesPerS;
+    for (const int r : recomputes) {
+      Arrangement a;
+      a.optimizer = placement;
+      a.recompute_layers = r;
+      const auto model = r == t.model->recompute_layers() ? t.model : t.model->with_recompute(r);
+      a.plan_bytes = engine_bytes + model->activation_bytes(micro, t.engine.dtype, t.backend.kind);
+      // A recomputed layer runs its forward twice: a third more of its forward and backward.
+      a.compute_s = compute_s * (1.0 + r / (3.0 * layers));
+      a.update_s = update_s;
+      all.push_back(a);
+    }
+  }
+  choice.arrangements = static_cast<int>(all.size());
+  for (const auto& a : all)
+    if (a.optimizer == t.engine.optimizer_placement &&
+        a.recompute_layers == t.model->recompute_layers())
+      choice.configured = a;
+
+  const Arrangement* best = nullptr;
+  const Arrangement* smallest = &all.front();
+  for (const auto& a : all) {
+    if (a.plan_bytes < smallest->plan_bytes) smallest = &a;
+    if (a.plan_bytes > budget->per_rank()) continue;
+    ++choice.fitting;
+    if (!best || a.step_s() < best->step_s() ||
+        (a.step_s() == best->step_s() && a.plan_bytes < best->plan_bytes))
+      best = &a;
+  }
+  if (!best) {
+    const std::int64_t needed = smallest->plan_bytes * budget->ranks_per_device + budget->reserve;
+    c.fail(
+        "shardswap.device_memory", budget->memory_text,
+        fmt::format("no arrangement fits: the smallest, {}, plans {} bytes ({}) a rank; with "
+                    "the {} held outside the plan it needs a budget of at least {} bytes "
+                    "({}){}: refused before anything is allocated",
+                    describe(*smallest, choice.recomputable), smallest->plan_bytes,
+                    gib(smallest->plan_bytes), gib(budget->reserve), needed, gib(needed),
+                    choice.placement_free && choice.recompute_free
+                        ? ""
+                        : " (the config fixes zero_optimization.offload_optimizer or "
+                          "model.recompute_layers: leaving them out lets the search vary them)"));
+  }
+  choice.chosen = *best;
+  t.engine.optimizer_placement = best->optimizer;
+  if (best->recompute_layers != t.model->recompute_layers())
+    t.model = t.model->with_recompute(best->recompute_layers);
+  return choice;
+}
+
+}  // namespace shardswap

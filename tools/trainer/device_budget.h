@@ -1,0 +1,69 @@
+// A device budget (shardswap.device_memory): the bytes of a GPU a run may take, as if it ran on a
+// card of that size. Before anything is allocated, the planner picks the arrangement the budget
+// holds that it estimates fastest among what the config leaves free (where the fp32 master and
+// optimizer state live, how many layers run their forward again in backward), or refuses the
+// config naming the smallest budget any arrangement fits; then every rank's space is capped at
+// its share, so an allocation past the plan fails naming its tag (docs/memory.md, "A device
+// budget").
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardswap/config_reader.h"
+#include "shardswap/engine_config.h"
+
+namespace shardswap {
+
+struct TrainConfig;
+
+/// "24GiB", "24 GiB", "1.5GB", "512MiB", "4096" (bytes) or a JSON number of bytes: bytes, > 0.
+/// Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
+/// Throws ConfigError naming `key` for anything else.
+std::int64_t parse_byte_size(std::string_view text, std::string_view key);
+
+struct DeviceBudget {
+  std::int64_t memory = 0;  ///< shardswap.device_memory: the GPU's bytes the run may take
+  /// shardswap.device_reserve: what the process holds on the GPU outside the plan (its CUDA
+  /// context, NCCL's buffers, the libraries' state and kernel code), counted into the budget.
+  std::int64_t reserve = 0;
+  int ranks_per_device = 1;  ///< ranks whose plans share one GPU (in-process ranks on one)
+  std::string memory_text;   ///< as the config wrote it
+  /// What each rank's plan may hold: its share of the budget less the reserve.
+  std::int64_t per_rank() const { return (memory - reserve) / ranks_per_device; }
+};
+
+/// One way to lay the run out, with its largest plan over ranks and its estimated step time.
+struct Arrangement {
+  Placement optimizer = Placement::device;  ///< the fp32 master and optimizer state
+  int recompute_layers = 0;
+  std::int64_t plan_bytes = 0;  ///< the largest rank's device plan (engine + activations)
+  double compute_s = 0.0;       ///< estimated forward and backward of a step
+  double update_s = 0.0;        ///< estimated update of a step beyond the device's own
+  double step_s() const { return compute_s + update_s; }
+};
+
+/// What the search saw and chose; printed by `shardswap plan` and at the start of a run.
+struct BudgetChoice {
+  DeviceBudget budget;
+  Arrangement configured;  ///< the config's own arrangement
+  Arrangement chosen;
+  bool placement_free = false;  ///< zero_optimization.offload_optimizer not given
+  bool recompute_free = false;  ///< model.recompute_layers not given
+  int recomputable = 0;         ///< the model's layers
+  int arrangements = 0;         ///< searched
+  int fitting = 0;              ///< of them, within the budget
+  std::vector<std::string> lines() const;
+};
+
+/// Reads shardswap.device_memory and shardswap.device_reserve of a config whose model, engine,
+/// batches, schedule and backend are read; without a budget returns nothing. With one, searches,
+/// sets the chosen arrangement in `t` (engine.optimizer_placement, model) and returns what it
+/// did; throws ConfigError naming shardswap.device_memory and the smallest budget that would fit
+/// when no arrangement does, or when the reserve leaves nothing for the plan.
+std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t);
+
+}  // namespace shardswap
