@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A device budget (shardswap.device_memory) on a machine with an NVIDIA GPU: builds with preset
-# cuda and trains a Qwen2.5-shaped full fine-tune (tools/bench/train_bench.py, seq 2048, from
+# cuda and trains a Qwen2.5-shaped full fine-tune or LISA run (tools/bench/train_bench.py, seq 2048, from
 # scratch on real text) twice in one run: as configured, with every byte on the GPU, and under the
 # budget, where the planner chooses where the optimizer state lives and how many layers are
 # recomputed. Prints what the planner chose, both rows, the budgeted run's tokens/s over the
 # unbudgeted one's, and what the GPU held outside the plan against shardswap.device_reserve.
 # Logs and JSON go under $OUT (default build/gpu-out).
-#   usage: OUT=DIR [SHAPE=7b] [MICRO=3] [BUDGET=48GiB] [ACCUMULATION=8] [STEPS=8] [WARMUP=3]
+#   usage: OUT=DIR [SHAPE=7b] [MODE=full|lisa] [MICRO=3] [BUDGET=48GiB] [ACCUMULATION=8] [STEPS=8] [WARMUP=3]
 #          [SKIP_UNBUDGETED=1] bash tools/checks/gpu-budget-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,6 +14,9 @@ export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-$PWD/build/gpu-out}
 SHAPE=${SHAPE:-7b}
 MICRO=${MICRO:-3}
+MODE=${MODE:-full}
+config="configs/qwen2.5-$SHAPE.json"
+[ "$MODE" = lisa ] && config="configs/qwen2.5-$SHAPE-lisa.json"
 BUDGET=${BUDGET:-48GiB}
 ACCUMULATION=${ACCUMULATION:-8}
 STEPS=${STEPS:-8}
@@ -34,8 +37,8 @@ cmake --preset cuda > "$OUT/build.log" 2>&1 &&
 if [ $? -ne 0 ]; then tail -60 "$OUT/build.log"; exit 1; fi
 bin=build/cuda/tools/shardswap
 
-step "the plan under a budget of $BUDGET ($SHAPE, micro $MICRO, accumulation $ACCUMULATION)"
-"$bin" plan --config "configs/qwen2.5-$SHAPE.json" --set data.seq_len=2048 \
+step "the plan under a budget of $BUDGET ($SHAPE $MODE, micro $MICRO, accumulation $ACCUMULATION)"
+"$bin" plan --config "$config" --set data.seq_len=2048 \
   --set train_micro_batch_size_per_gpu="$MICRO" --set gradient_accumulation_steps="$ACCUMULATION" \
   --device-memory "$BUDGET" \
   2>&1 | tee "$OUT/plan.txt" || status=1
@@ -47,7 +50,7 @@ for run in $runs; do
   dir="$OUT/train-$run"
   extra=()
   [ "$run" = budget ] && extra=(--set "shardswap.device_memory=$BUDGET")
-  python3 tools/bench/train_bench.py --bin "$bin" --out "$dir" --shapes "$SHAPE" --modes full \
+  python3 tools/bench/train_bench.py --bin "$bin" --out "$dir" --shapes "$SHAPE" --modes "$MODE" \
     --micro "$SHAPE=$MICRO" \
     --steps "$STEPS" --warmup "$WARMUP" --set gradient_accumulation_steps="$ACCUMULATION" \
     "${extra[@]}" > "$dir.txt" 2>&1 || status=1
