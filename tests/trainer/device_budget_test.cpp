@@ -241,3 +241,49 @@ TEST_CASE(
   REQUIRE(e.final_loss == w.final_loss);
   REQUIRE(e.peak_bytes == c.chosen.plan_bytes);
 }
+
+TEST_CASE("a budget holds every active set a schedule can switch to, not only step 0's") {
+  auto j = with(small_run(), "none", 0);
+  j["steps"] = 4;
+  j["layer_switching"] = nlohmann::json::parse(R"({"type": "explicit", "schedule": [
+      {"step": 0, "active": ["embed", "layers.0"]},
+      {"step": 2, "active": ["embed", "layers.0", "layers.1", "layers.2", "head"]}]})");
+  auto later = j;
+  later["layer_switching"]["schedule"] = nlohmann::json::parse(
+      R"([{"step": 0, "active": ["embed", "layers.0", "layers.1", "layers.2", "head"]}])");
+  const std::int64_t first = largest_plan(j), largest = largest_plan(later);
+  REQUIRE(first < largest);  // largest_plan is step 0's
+  j["shardswap"]["device_memory"] = largest - 1;
+  const std::string msg = test::message_of<ConfigError>([&] { load(j); });
+  CAPTURE(msg);
+  REQUIRE(msg.find(fmt::format("at least {} bytes", largest)) != std::string::npos);
+  // At exactly that bound the run trains through the switch to the larger set, under its cap.
+  j["shardswap"]["device_memory"] = largest;
+  std::ostringstream log;
+  const TrainSummary s = train(load(j, ConfigFor::run), TrainOutput{log});
+  CAPTURE(log.str());
+  REQUIRE(s.switches == 1);
+  REQUIRE(s.peak_bytes <= largest);
+}
+
+TEST_CASE("under keep_device the budget counts the state every switchable group leaves behind") {
+  auto j = with(small_run(), "none", 0);
+  j["layer_switching"] = nlohmann::json::parse(
+      R"({"type": "badam", "interval": 1, "layers": ["layers.0", "layers.1", "layers.2",
+          "layers.3"], "always_active": ["embed", "head"], "policy": "keep_device"})");
+  j["steps"] = 5;  // every block visited, and the first again
+  auto drop = j;
+  drop["layer_switching"]["policy"] = "drop";
+  drop["shardswap"]["device_memory"] = 1 << 30;
+  j["shardswap"]["device_memory"] = 1 << 30;
+  const std::int64_t dropping = load(drop).budget->chosen.plan_bytes;
+  const std::int64_t keeping = load(j).budget->chosen.plan_bytes;
+  REQUIRE(keeping > dropping);
+  // The bound holds the run: capped at it, it visits every block.
+  j["shardswap"]["device_memory"] = keeping;
+  std::ostringstream log;
+  const TrainSummary s = train(load(j, ConfigFor::run), TrainOutput{log});
+  CAPTURE(log.str());
+  REQUIRE(s.switches == 4);
+  REQUIRE(s.peak_bytes <= keeping);
+}

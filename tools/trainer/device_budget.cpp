@@ -7,10 +7,12 @@
 #include <cctype>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <utility>
 
 #include "shardswap/engine.h"
 #include "shardswap/error.h"
+#include "shardswap/schedule.h"
 #include "support/quoted.h"
 #include "trainer/run_model.h"
 #include "trainer/train.h"
@@ -86,17 +88,67 @@ std::optional<DeviceBudget> read_budget(ConfigReader& c, const TrainConfig& t) {
   return b;
 }
 
-// The largest device plan over ranks of `engine` with the model's activations.
+// The active sets whose plans bound every step's: step 0's and, with layer switching, the
+// largest each switch can make: LISA's always-active groups with its gamma largest layers,
+// BAdam's with each block, every entry of an explicit schedule. In declaration order.
+std::vector<std::vector<std::string>> bounding_active_sets(
+    const TrainConfig& t, const std::vector<ParamDeclaration>& ps) {
+  const LayerSchedule& schedule = *t.schedule;
+  std::vector<std::vector<std::string>> sets{schedule.active_at(0)};
+  if (!schedule.enabled()) return sets;
+  const LayerSwitchingConfig& c = schedule.config();
+  const std::vector<std::string> groups = t.model->groups();
+  const auto in_order = [&](std::vector<std::string> chosen) {
+    chosen.insert(chosen.end(), c.always_active.begin(), c.always_active.end());
+    std::vector<std::string> out;
+    for (const auto& g : groups)
+      if (std::find(chosen.begin(), chosen.end(), g) != chosen.end()) out.push_back(g);
+    return out;
+  };
+  if (c.type == SwitchingType::lisa) {
+    std::map<std::string, std::int64_t> elements;
+    for (const auto& p : ps) {
+      std::int64_t n = 1;
+      for (const auto d : p.shape) n *= d;
+      elements[p.group] += n;
+    }
+    std::vector<std::string> layers = c.layers;
+    std::stable_sort(layers.begin(), layers.end(),
+                     [&](const auto& a, const auto& b) { return elements[a] > elements[b]; });
+    layers.resize(static_cast<std::size_t>(c.gamma));
+    sets.push_back(in_order(layers));
+  } else if (c.type == SwitchingType::badam) {
+    for (const auto& block : c.layers) sets.push_back(in_order({block}));
+  } else if (c.type == SwitchingType::explicit_list) {
+    for (const auto& [step, active] : c.steps) sets.push_back(in_order(active));
+  }
+  return sets;
+}
+
+// The largest device plan of `engine` over ranks and bounding active sets. Under keep_device a
+// group's state stays on the device once it has been active: counted for every group the
+// schedule can activate (an upper bound). `shard_elements`: the largest shard a step updates.
 std::int64_t largest_engine_plan(const TrainConfig& t, const EngineConfig& engine,
                                  std::int64_t* shard_elements) {
   std::int64_t most = 0, shard = 0;
   const auto declarations = t.model->declarations();
-  const auto active = t.schedule->active_at(0);
+  const auto sets = bounding_active_sets(t, declarations);
+  const bool keeps_on_device = t.schedule->enabled() &&
+                               t.schedule->policy() == DeactivatePolicy::keep_device &&
+                               engine.optimizer_placement == Placement::device;
   for (int r = 0; r < t.world_size; ++r) {
-    const MemoryPlan p = plan_memory(engine, t.world_size, r, declarations, active);
-    most = std::max(most, p.total());
-    shard = std::max(shard, (p.of(Tag::master32) + p.host_of(Tag::master32)) /
-                                static_cast<std::int64_t>(sizeof(float)));
+    std::int64_t every_state = 0;
+    if (keeps_on_device) {
+      const MemoryPlan all = plan_memory(engine, t.world_size, r, declarations);
+      every_state = all.of(Tag::master32) + all.of(Tag::optim_state);
+    }
+    for (const auto& active : sets) {
+      const MemoryPlan p = plan_memory(engine, t.world_size, r, declarations, active);
+      const std::int64_t state = p.of(Tag::master32) + p.of(Tag::optim_state);
+      most = std::max(most, p.total() + (keeps_on_device ? every_state - state : 0));
+      shard = std::max(shard, (p.of(Tag::master32) + p.host_of(Tag::master32)) /
+                                  static_cast<std::int64_t>(sizeof(float)));
+    }
   }
   if (shard_elements) *shard_elements = shard;
   return most;
