@@ -1,5 +1,5 @@
-// One process per rank (tools/trainer/process_launch.h): the launcher's environment, the config's world
-// size against it, and the run of this process's rank with a failure ending the whole job.
+// One process per rank (tools/trainer/process_launch.h): the launcher's environment, the config's
+// world size against it, and the run of this process's rank with a failure ending the whole job.
 #include "trainer/process_launch.h"
 
 #include <fmt/format.h>
@@ -54,7 +54,14 @@ std::optional<ProcessLaunch> process_launch_from_env() {
                                     size_var, *size, rank_var,
                                     rank ? std::to_string(*rank) : std::string("unset")));
     if (*size == 1) return std::nullopt;  // a job of one process runs its ranks as threads
-    return ProcessLaunch{*rank, *size, fmt::format("{}={}", size_var, *size)};
+    ProcessLaunch launch{*rank, *size, 1, fmt::format("{}={}", size_var, *size)};
+    for (const char* local :
+         {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"})
+      if (const auto n = env_int(local); n && *n >= 1 && *n <= *size) {
+        launch.local_size = static_cast<int>(*n);
+        break;
+      }
+    return launch;
   }
   return std::nullopt;
 }
@@ -82,6 +89,15 @@ void attach_process_launch(TrainConfig& config, const std::optional<ProcessLaunc
         "backend's ranks need \"nccl\" (in-process ranks share one process's memory)",
         launch->source, config.backend.name));
   config.process = launch;
+  // The host update's threads, unless set: this machine's cores shared by the job's processes
+  // on it (train_config_from_json shared them between in-process ranks).
+  if (!config.offload_threads_given)
+    config.engine.offload_threads = share_of_cores(launch->local_size);
+}
+
+unsigned share_of_cores(int ranks_on_machine) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return std::max(1u, cores / static_cast<unsigned>(std::max(1, ranks_on_machine)));
 }
 
 void run_process_rank(const ProcessLaunch& launch, const Backend& backend, bool nccl,

@@ -22,6 +22,9 @@ struct TrainConfig;  // tools/trainer/train.h
 struct ProcessLaunch {
   int rank = 0;
   int world_size = 1;
+  /// Processes of the job on this machine (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS,
+  /// SLURM_NTASKS_PER_NODE), 1 when the launcher does not say: they share its cores.
+  int local_size = 1;
   /// The launcher's environment that said so, for messages: "OMPI_COMM_WORLD_SIZE=4".
   std::string source;
 };
@@ -39,10 +42,16 @@ std::optional<ProcessLaunch> process_launch_from_env();
 /// launch it changes nothing ("auto" is then read as the config reader reads it).
 void apply_launch_world_size(ConfigReader& reader, const std::optional<ProcessLaunch>& launch);
 
+/// Threads for each of `ranks_on_machine` ranks' host updates: the machine's cores shared
+/// evenly, at least 1.
+unsigned share_of_cores(int ranks_on_machine);
+
 /// After the config is read: records the launch in config.process (train() then runs this
 /// process's rank only) and refuses what one process per rank cannot run: the cuda backend with
 /// shardswap.communicator "in_process" (ranks of other processes share no memory; "nccl" is
-/// the one for GPUs). Throws ConfigError naming the key.
+/// the one for GPUs). Unless the config sets shardswap.offload_threads, the host update's threads
+/// become the machine's cores shared by the job's processes on it (local_size). Throws
+/// ConfigError naming the key.
 void attach_process_launch(TrainConfig& config, const std::optional<ProcessLaunch>& launch);
 
 /// What train() runs for this process's rank.

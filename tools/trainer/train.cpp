@@ -182,6 +182,10 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   // The data's one opening in a run, checked before any later key as it always was.
   if (purpose == ConfigFor::run) t.data = open_run_data(c, t);
   t.engine = engine_config_from_json(c, t.batches, t.model->hidden_size());
+  // In-process ranks share this machine's cores (attach_process_launch shares them between the
+  // processes of a launch instead).
+  t.offload_threads_given = c.has("shardswap.offload_threads");
+  if (!t.offload_threads_given) t.engine.offload_threads = share_of_cores(t.world_size);
   try {
     // A dtype or shape no checkpoint's export could hold is refused now, not at the first save.
     (void)t.model->checkpoint_extra(t.engine.dtype);
