@@ -287,3 +287,29 @@ TEST_CASE("under keep_device the budget counts the state every switchable group 
   REQUIRE(s.switches == 4);
   REQUIRE(s.peak_bytes <= keeping);
 }
+
+TEST_CASE(
+    "the Qwen2.5 configs under the budgets issue 31 names: 7B full and 14B LISA fit 48GiB "
+    "with the state on the host; 7B full under 24GiB and 14B full under 48GiB are refused") {
+  const auto plan = [](const char* config, const char* budget) {
+    auto reader = ConfigReader::from_file(std::string(SHARDSWAP_TEST_DIR "/../configs/") + config);
+    for (const char* set :
+         {"data.seq_len=2048", "train_micro_batch_size_per_gpu=3", "gradient_accumulation_steps=8"})
+      reader.set(set);
+    reader.set(std::string("shardswap.device_memory=\"") + budget + "\"");
+    return train_config_from_json(reader, ConfigFor::plan);
+  };
+  for (const char* config : {"qwen2.5-7b.json", "qwen2.5-14b-lisa.json"}) {
+    CAPTURE(config);
+    const TrainConfig t = plan(config, "48GiB");
+    REQUIRE(t.budget->chosen.optimizer == Placement::host);
+    REQUIRE(t.budget->chosen.plan_bytes <= t.budget->budget.per_rank());
+    REQUIRE(t.budget->configured.plan_bytes > t.budget->budget.per_rank());
+  }
+  for (const auto& [config, budget] :
+       {std::pair{"qwen2.5-7b.json", "24GiB"}, std::pair{"qwen2.5-14b.json", "48GiB"}}) {
+    CAPTURE(config);
+    const auto msg = test::message_of<ConfigError>([&] { plan(config, budget); });
+    REQUIRE(msg.find("no arrangement fits") != std::string::npos);
+  }
+}
