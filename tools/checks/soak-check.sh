@@ -5,9 +5,10 @@
 #    every logging.interval steps) at the last sample is not more than TOLERANCE below the first;
 #  - engine: rank 0's requested bytes (memory_bytes.total) are the same every time the same
 #    active set comes back (from the step where every group of the run has been active once:
-#    keep_device may grow until then);
-#  - plan: every "predicted ... measured peak" line of the log (after step 1 and each switch)
-#    within 2%.
+#    keep_device may grow until then); and so are the engine's host bytes
+#    (host_memory_bytes.total), where it holds any (state on the host, or kept there);
+#  - plan: every "predicted ... measured peak" line of the log (after step 1 and each switch), the
+#    device's and the host's, within 2%.
 # On the cpu backend there is no device figure: engine and plan only, and it says so.
 #   usage: soak-check.sh CONFIG [--set k=v]... [--tolerance-mib N] [--bin SHARDSWAP] [--out DIR]
 #          soak-check.sh --metrics FILE [--tolerance-mib N]      (checks a metrics file only)
@@ -109,29 +110,40 @@ for i, m in enumerate(lines):
     if seen == every_group:
         settled = i
         break
-reference, mismatches, revisits, stretch, previous = {}, [], 0, 0, None
-for m in lines[settled:]:
-    key = tuple(sorted(m["active_groups"]))
-    total = m["memory_bytes"]["total"]
-    if key != previous:
-        stretch += 1
-        if key in reference:
-            revisits += 1
-    reference.setdefault(key, (m["step"], total))
-    if total != reference[key][1]:
-        mismatches.append((stretch, m["step"], key, total, *reference[key]))
-    previous = key
-if switches and not revisits:
-    failures.append("engine: no active set came back after a switch once every group had been "
-                    "active: nothing to compare (run more steps)")
-if mismatches:
-    stretches = sorted({x[0] for x in mismatches})
-    failures.append(f"engine: requested bytes differ from the first time the same set was active "
-                    f"at {len(mismatches)} steps, in {len(stretches)} stretches between switches")
-    for s in stretches[:3]:
-        _, step, key, total, first_step, first_total = next(x for x in mismatches if x[0] == s)
-        failures.append(f"engine: after step {step} active [{', '.join(key)}]: {total:,} bytes, "
-                        f"{total - first_total:+,} against step {first_step}")
+def same_bytes_per_set(name, field):
+    """Requested bytes of `field` (the device's memory_bytes, the host's host_memory_bytes) as a
+    function of the active set, from `settled` on: (sets, revisits compared)."""
+    reference, mismatches, revisits, stretch, previous = {}, [], 0, 0, None
+    for m in lines[settled:]:
+        key = tuple(sorted(m["active_groups"]))
+        total = m.get(field, {}).get("total", 0)
+        if key != previous:
+            stretch += 1
+            if key in reference:
+                revisits += 1
+        reference.setdefault(key, (m["step"], total))
+        if total != reference[key][1]:
+            mismatches.append((stretch, m["step"], key, total, *reference[key]))
+        previous = key
+    if switches and not revisits:
+        failures.append(f"{name}: no active set came back after a switch once every group had "
+                        "been active: nothing to compare (run more steps)")
+    if mismatches:
+        stretches = sorted({x[0] for x in mismatches})
+        failures.append(f"{name}: requested bytes differ from the first time the same set was "
+                        f"active at {len(mismatches)} steps, in {len(stretches)} stretches "
+                        "between switches")
+        for s in stretches[:3]:
+            _, step, key, total, first_step, first_total = next(x for x in mismatches if x[0] == s)
+            failures.append(f"{name}: after step {step} active [{', '.join(key)}]: {total:,} "
+                            f"bytes, {total - first_total:+,} against step {first_step}")
+    return len(reference), revisits
+
+sets_seen, revisits = same_bytes_per_set("engine", "memory_bytes")
+# The engine's host memory (state placed on the host, or kept there), where it holds any.
+has_host = any("host_memory_bytes" in m for m in lines)
+if has_host:
+    same_bytes_per_set("host", "host_memory_bytes")
 
 # Device: the driver's free memory, first sample against last.
 samples = [(m["step"], m["device_free_bytes"]) for m in lines if "device_free_bytes" in m]
@@ -164,8 +176,12 @@ rows = [("steps", f"{steps[0]}..{steps[-1]} ({len(steps)})"),
         ("engine total, first / last step (bytes)",
          f"{lines[0]['memory_bytes']['total']:,} / {lines[-1]['memory_bytes']['total']:,}"),
         ("engine: active sets / revisits compared",
-         f"{len(reference)} / {revisits} (from step {lines[settled]['step']})"
+         f"{sets_seen} / {revisits} (from step {lines[settled]['step']})"
          if settled < len(lines) else "none")]
+if has_host:
+    rows.append(("host total, first / last step (bytes)",
+                 f"{lines[0].get('host_memory_bytes', {}).get('total', 0):,} / "
+                 f"{lines[-1].get('host_memory_bytes', {}).get('total', 0):,}"))
 if samples:
     frees = [b for _, b in samples]
     total = next(m["device_total_bytes"] for m in lines if "device_free_bytes" in m)
@@ -183,7 +199,8 @@ for name, value in rows:
     print(f"  {name:<{width}}  {value}")
 if not samples:
     print("soak-check: no device_free_bytes in the metrics (cpu backend): engine totals" +
-          (" and the plan" if log_path else "") + " checked only")
+          (", host totals" if has_host else "") + (" and the plan" if log_path else "") +
+          " checked only")
 if not log_path:
     print("soak-check: metrics file only: the plan against the measured peak is not checked")
 for failure in failures:
