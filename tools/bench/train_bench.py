@@ -40,7 +40,7 @@ PEAK_TFLOPS = 989.0
 # The peers' anchors' micro-batches; 7B: 3, the most that fits on a 141 GB GPU without
 # recomputation (`shardswap plan` at seq 2048: 145,374,479,112 bytes at micro 3,
 # 152,996,864,776 at 4; 129,415,111,432 at 4 with model.recompute_layers = 28).
-MICRO = {"0.5b": 8, "1.5b": 4, "3b": 4, "7b": 3}
+MICRO = {"0.5b": 8, "1.5b": 4, "3b": 4, "7b": 3, "14b": 3}
 PHASES = ["forward", "forward MLP", "attention forward", "head and loss", "backward MLP",
           "backward", "attention backward", "engine.step()", "host and gaps"]
 
@@ -163,7 +163,7 @@ def main():
     p.add_argument("--modes", default="full,lisa")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--micro", default="", help="shape=N,... (default: 0.5b=8, 1.5b=4, 3b=4, 7b=3)")
+    p.add_argument("--micro", default="", help="shape=N,... (default: 0.5b=8, 1.5b=4, 3b=4, 7b=3, 14b=3)")
     p.add_argument("--text", default="", help="a text file whose bytes are the tokens")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
