@@ -240,6 +240,9 @@ TEST_CASE(
   const TrainSummary e = train(load(exact, ConfigFor::run), TrainOutput{exact_log});
   REQUIRE(e.final_loss == w.final_loss);
   REQUIRE(e.peak_bytes == c.chosen.plan_bytes);
+  // eval holds its ranks to the same cap, and its plan fits it too.
+  const TrainConfig exact_config = load(exact, ConfigFor::run);
+  REQUIRE(evaluate(exact_config, {}).val_loss == evaluate(written, {}).val_loss);
 }
 
 TEST_CASE("a budget holds every active set a schedule can switch to, not only step 0's") {

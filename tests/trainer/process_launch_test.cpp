@@ -68,8 +68,13 @@ TEST_CASE("a launch's processes on this machine are read from the launcher's env
     REQUIRE(process_launch_from_env()->local_size == 2);
   }
   {
-    // Unsaid, or more than the job: every core is this process's.
+    // Unsaid, more than the job, or not a plain count: every core is this process's.
     LaunchEnv env({{"PMI_RANK", "0"}, {"PMI_SIZE", "2"}, {"MPI_LOCALNRANKS", "9"}});
+    REQUIRE(process_launch_from_env()->local_size == 1);
+  }
+  {
+    LaunchEnv env({{"SLURM_PROCID", "1"}, {"SLURM_STEP_NUM_TASKS", "6"},
+                   {"SLURM_NTASKS_PER_NODE", "2(x3)"}});
     REQUIRE(process_launch_from_env()->local_size == 1);
   }
 }

@@ -46,7 +46,7 @@ constexpr const char* kUsage = R"(usage:
                   [--memory-report]
   shardswap plan --config FILE [--set key.path=value]... [--strict] [--device-memory SIZE]
   shardswap eval --config FILE [--checkpoint DIR] [--logits FILE.safetensors] [--set k.path=v]...
-                 [--strict]
+                 [--strict] [--device-memory SIZE]
 
   shardswap bench optimizer [--backend cpu|cuda] [--sizes 64M,256M,1G] [--iters N] [--json FILE]
   shardswap bench offload [--backend cpu|cuda] [--params 256M] [--threads N] [--iters 10]
@@ -65,7 +65,7 @@ constexpr const char* kUsage = R"(usage:
                              not implement, keys with no effect, resolved "auto" values; all
                              listed at once, exit 2, nothing written
           --device-memory SIZE
-                             (train, plan; or shardswap.device_memory) a device budget such
+                             (train, plan, eval; or shardswap.device_memory) a budget such
                              as 24GiB: the fastest arrangement that fits is chosen (state on
                              the host, layers recomputed) and each rank is held to it
           --memory-report    prints rank 0's buffers and their holders after build

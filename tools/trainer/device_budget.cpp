@@ -304,4 +304,16 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   return choice;
 }
 
+MemorySpace& cap_to_budget(MemorySpace& space, const std::optional<BudgetChoice>& budget) {
+  if (budget) {
+    const DeviceBudget& b = budget->budget;
+    space.set_limit(
+        b.per_rank(),
+        fmt::format(
+            "shardswap.device_memory {} less {} outside the plan{}", b.memory_text, gib(b.reserve),
+            b.ranks_per_device > 1 ? fmt::format(", shared by {} ranks", b.ranks_per_device) : ""));
+  }
+  return space;
+}
+
 }  // namespace shardswap

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardswap/buffer.h"
 #include "shardswap/config_reader.h"
 #include "shardswap/engine_config.h"
 
@@ -65,5 +66,9 @@ struct BudgetChoice {
 /// did; throws ConfigError naming shardswap.device_memory and the smallest budget that would fit
 /// when no arrangement does, or when the reserve leaves nothing for the plan.
 std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t);
+
+/// Caps `space` (a rank's device memory) at the budget's share of a rank, if there is a budget:
+/// an allocation past it fails naming its tag, as on a GPU of the budget's size. Returns `space`.
+MemorySpace& cap_to_budget(MemorySpace& space, const std::optional<BudgetChoice>& budget);
 
 }  // namespace shardswap

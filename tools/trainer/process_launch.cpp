@@ -55,12 +55,18 @@ std::optional<ProcessLaunch> process_launch_from_env() {
                                     rank ? std::to_string(*rank) : std::string("unset")));
     if (*size == 1) return std::nullopt;  // a job of one process runs its ranks as threads
     ProcessLaunch launch{*rank, *size, 1, fmt::format("{}={}", size_var, *size)};
+    // A hint only (how many of the job's processes share this machine's cores): a value that is
+    // not a plain count (Slurm's "2(x3)") is passed over, not refused.
     for (const char* local :
-         {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"})
-      if (const auto n = env_int(local); n && *n >= 1 && *n <= *size) {
-        launch.local_size = static_cast<int>(*n);
+         {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
+      const char* text = std::getenv(local);
+      char* end = nullptr;
+      const long n = text ? std::strtol(text, &end, 10) : 0;
+      if (text && *text != '\0' && *end == '\0' && n >= 1 && n <= *size) {
+        launch.local_size = static_cast<int>(n);
         break;
       }
+    }
     return launch;
   }
   return std::nullopt;

@@ -329,7 +329,7 @@ EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& che
   // evaluation moves no gradients, and a checkpoint loads at any world size.
   run_in_process_ranks(config, backend, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, backend.make_allocator(rank));
-    Engine engine(config.engine, comm, space, backend);
+    Engine engine(config.engine, comm, cap_to_budget(space, config.budget), backend);
     run.declare(engine);
     // Rank 0's values are broadcast to every rank by build: the others need not draw them.
     const WeightInit none = [](const ParamInfo&, std::span<float>) {};

@@ -87,21 +87,6 @@ struct Trainer::Step {
   std::int64_t plan_on_gpu = 0;  // the plans of every rank on rank 0's GPU (first step, cuda)
 };
 
-MemorySpace& Trainer::capped(MemorySpace& space, const TrainConfig& config) {
-  // Under a device budget a rank holds no more than its share, as on a GPU of the budget's size:
-  // an allocation past it fails naming its tag before anything of the run is allocated.
-  if (config.budget) {
-    const DeviceBudget& b = config.budget->budget;
-    space.set_limit(b.per_rank(),
-                    fmt::format("shardswap.device_memory {} less {} outside the plan{}",
-                                b.memory_text, mib(b.reserve),
-                                b.ranks_per_device > 1
-                                    ? fmt::format(", shared by {} ranks", b.ranks_per_device)
-                                    : ""));
-  }
-  return space;
-}
-
 Trainer::Trainer(TrainRun& run, int rank, Communicator& comm, std::unique_ptr<Allocator> allocator)
     : run_(run),
       config_(run.config),
@@ -109,7 +94,9 @@ Trainer::Trainer(TrainRun& run, int rank, Communicator& comm, std::unique_ptr<Al
       world_(run.config.world_size),
       checkpoints_(checkpoints_of_rank0(run, comm)),
       space_(rank, std::move(allocator)),
-      engine_(config_.engine, comm, capped(space_, config_), run.backend),
+      // Under a device budget a rank holds no more than its share, as on a GPU of the budget's
+      // size: capped before the engine allocates anything.
+      engine_(config_.engine, comm, cap_to_budget(space_, config_.budget), run.backend),
       planned_(run.predicted_bytes) {
   run_.model.declare(engine_);
   if (!config_.decay_all_params)

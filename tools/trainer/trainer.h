@@ -83,8 +83,6 @@ class Trainer {
  private:
   struct Step;  // what one step did, for the reports and the save after it
 
-  /// `space` with the device budget's cap set (shardswap.device_memory), if the config has one.
-  static MemorySpace& capped(MemorySpace& space, const TrainConfig& config);
   void open_log();
   /// Under a device budget, on cuda after step 1: what the GPU holds outside the plan against
   /// shardswap.device_reserve, said, with a warning when it is more.
