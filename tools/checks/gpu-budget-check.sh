@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A device budget (shardswap.device_memory) on a machine with an NVIDIA GPU: builds with preset
-# cuda and trains a Qwen2.5-shaped full fine-tune or LISA run (tools/bench/train_bench.py, seq 2048, from
-# scratch on real text) twice in one run: as configured, with every byte on the GPU, and under the
-# budget, where the planner chooses where the optimizer state lives and how many layers are
+# cuda, runs the GPU tests of the budget (tests/gpu/budget_gpu_test.cpp) and trains a
+# Qwen2.5-shaped full fine-tune or LISA run (tools/bench/train_bench.py, seq 2048, from scratch on
+# real text) twice in one run: as configured, with every byte on the GPU, and under the budget,
+# where the planner chooses where the optimizer state lives and how many layers are
 # recomputed. Prints what the planner chose, both rows, the budgeted run's tokens/s over the
 # unbudgeted one's, and what the GPU held outside the plan against shardswap.device_reserve.
 # Logs and JSON go under $OUT (default build/gpu-out).
@@ -33,9 +34,15 @@ step "machine"
 
 step "configure and build"
 cmake --preset cuda > "$OUT/build.log" 2>&1 &&
-  cmake --build --preset cuda -j "$(nproc)" --target shardswap_cli >> "$OUT/build.log" 2>&1
+  cmake --build --preset cuda -j "$(nproc)" --target shardswap_cli shardswap_gpu_tests \
+    >> "$OUT/build.log" 2>&1
 if [ $? -ne 0 ]; then tail -60 "$OUT/build.log"; exit 1; fi
 bin=build/cuda/tools/shardswap
+
+step "GPU tests: a budgeted run against its arrangement written out, the cap"
+build/cuda/tests/gpu/shardswap_gpu_tests "cuda: a run under a budget*,cuda: an allocation past*" \
+  > "$OUT/gpu-budget-tests.log" 2>&1 || status=1
+grep -E "FAILED|passed|failed" "$OUT/gpu-budget-tests.log" | tail -4
 
 step "the plan under a budget of $BUDGET ($SHAPE $MODE, micro $MICRO, accumulation $ACCUMULATION)"
 "$bin" plan --config "$config" --set data.seq_len=2048 \
