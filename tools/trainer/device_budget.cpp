@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <limits>
 #include <map>
 #include <utility>
 
@@ -24,9 +23,10 @@ namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 // What a run on a GPU holds outside its plan when shardswap.device_reserve is not given: on an
-// NVIDIA H200 a CUDA context, one NCCL communicator and the libraries' state and kernel code came
-// to about 1.2 GiB (docs/memory.md, "Outside the plan"); rounded up. The run measures what it
-// really holds and fails after step 1 if that is more (Trainer).
+// NVIDIA H200 the CUDA context (526.8 MiB) and what one NCCL communicator, the libraries' state
+// and kernel code took by step 1 (691-848 MiB) came to 1.19-1.34 GiB in the Qwen2.5 7B and 14B
+// runs of docs/benchmarks.md; rounded up. The run measures what it really holds after step 1
+// and warns if it is more (Trainer::check_reserve).
 constexpr std::int64_t kCudaReserve = std::int64_t{1536} << 20;
 
 // The rates the search estimates step times by, an NVIDIA H200's as measured (docs/benchmarks.md):
