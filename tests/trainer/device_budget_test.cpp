@@ -145,6 +145,21 @@ TEST_CASE(
     const std::string text = fmt::format("{}", fmt::join(c.lines(), "\n"));
     REQUIRE(text.find("does not fit") != std::string::npos);  // the config as written
     REQUIRE(text.find("chosen (") != std::string::npos);
+    // What the choice was weighed against: the fastest with the state placed the other way,
+    // when one of those fits.
+    bool other_fits = false;
+    for (const auto& o : options)
+      other_fits |= o.bytes <= budget &&
+                    (std::string(o.placement) == "cpu") != (c.chosen.optimizer == Placement::host);
+    REQUIRE(c.other_placement.has_value() == other_fits);
+    if (c.other_placement) {
+      REQUIRE(c.other_placement->optimizer != c.chosen.optimizer);
+      REQUIRE(c.other_placement->plan_bytes <= budget);
+      REQUIRE(c.other_placement->step_s() >= c.chosen.step_s());
+      REQUIRE(text.find("the fastest with the state placed otherwise") != std::string::npos);
+    } else {
+      REQUIRE(text.find("no arrangement fits") != std::string::npos);
+    }
   }
 }
 

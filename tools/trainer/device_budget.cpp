@@ -208,6 +208,13 @@ std::vector<std::string> BudgetChoice::lines() const {
   };
   out.push_back(row("as configured", configured));
   out.push_back(row("chosen", chosen));
+  if (other_placement)
+    out.push_back(row("the fastest with the state placed otherwise", *other_placement));
+  else if (placement_free)
+    out.push_back(fmt::format("  with the {} no arrangement fits",
+                              placement_words(chosen.optimizer == Placement::host
+                                                  ? Placement::device
+                                                  : Placement::host)));
   std::vector<std::string> searched;
   if (placement_free) searched.emplace_back("where the master and optimizer state live");
   if (recompute_free) searched.emplace_back("how many layers are recomputed");
@@ -273,15 +280,22 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
         a.recompute_layers == t.model->recompute_layers())
       choice.configured = a;
 
+  // The fastest by estimate that fits, the smaller plan among equals; and the same among those
+  // of each placement.
+  const auto faster = [](const Arrangement* best, const Arrangement& a) {
+    return !best || a.step_s() < best->step_s() ||
+           (a.step_s() == best->step_s() && a.plan_bytes < best->plan_bytes);
+  };
   const Arrangement* best = nullptr;
+  const Arrangement* best_of[2] = {nullptr, nullptr};  // by Placement
   const Arrangement* smallest = &all.front();
   for (const auto& a : all) {
     if (a.plan_bytes < smallest->plan_bytes) smallest = &a;
     if (a.plan_bytes > budget->per_rank()) continue;
     ++choice.fitting;
-    if (!best || a.step_s() < best->step_s() ||
-        (a.step_s() == best->step_s() && a.plan_bytes < best->plan_bytes))
-      best = &a;
+    if (faster(best, a)) best = &a;
+    const auto at = a.optimizer == Placement::host ? 1 : 0;
+    if (faster(best_of[at], a)) best_of[at] = &a;
   }
   if (!best) {
     const std::int64_t needed = smallest->plan_bytes * budget->ranks_per_device + budget->reserve;
@@ -298,6 +312,8 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
                           "model.recompute_layers: leaving them out lets the search vary them)"));
   }
   choice.chosen = *best;
+  if (const Arrangement* other = best_of[best->optimizer == Placement::host ? 0 : 1])
+    choice.other_placement = *other;
   t.engine.optimizer_placement = best->optimizer;
   if (best->recompute_layers != t.model->recompute_layers())
     t.model = t.model->with_recompute(best->recompute_layers);

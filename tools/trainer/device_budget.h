@@ -52,6 +52,9 @@ struct BudgetChoice {
   DeviceBudget budget;
   Arrangement configured;  ///< the config's own arrangement
   Arrangement chosen;
+  /// The fastest arrangement that fits with the state placed otherwise than the chosen one's, if
+  /// the placement was searched and one fits: what the choice was weighed against.
+  std::optional<Arrangement> other_placement;
   bool placement_free = false;  ///< zero_optimization.offload_optimizer not given
   bool recompute_free = false;  ///< model.recompute_layers not given
   int recomputable = 0;         ///< the model's layers
