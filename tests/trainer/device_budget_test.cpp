@@ -77,7 +77,7 @@ TEST_CASE("a budget's size is read in decimal and binary units, and anything els
   }
 }
 
-TEST_CASE("without a budget nothing changes; a budget the config fits keeps its arrangement") {
+TEST_CASE("without a budget nothing changes, and a budget the config fits keeps its arrangement") {
   const auto j = small_run();
   REQUIRE_FALSE(load(j).budget.has_value());
   auto roomy = j;
@@ -308,7 +308,7 @@ TEST_CASE("under keep_device the budget counts the state every switchable group 
 
 TEST_CASE(
     "the Qwen2.5 configs under the budgets issue 31 names: 7B full and 14B LISA fit 48GiB "
-    "with the state on the host; 7B full under 24GiB and 14B full under 48GiB are refused") {
+    "with the state on the host, while 7B full under 24GiB and 14B full under 48GiB are refused") {
   const auto plan = [](const char* config, const char* budget) {
     auto reader = ConfigReader::from_file(std::string(SHARDSWAP_TEST_DIR "/../configs/") + config);
     for (const char* set :
