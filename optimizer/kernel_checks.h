@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 
 #include "optimizer/optimizer.h"
@@ -34,6 +35,26 @@ inline ShardTensors slot_tensors(const StreamedTensors& s, const ShardTensors& p
   c.param = static_cast<std::byte*>(p.param) + at * dtype_size(p.dtype);
   c.count = n;
   return c;
+}
+
+/// One copy between a chunk's slot and its place in the piece's host memory.
+struct ChunkCopy {
+  void* slot = nullptr;  ///< null: the rule has no such tensor
+  void* host = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// The copies of elements [at, at + n) of piece `p` (host memory) and its slot tensors `c`: the
+/// master, then each state slot in the piece's state dtype.
+inline std::array<ChunkCopy, 3> chunk_copies(const ShardTensors& p, const ShardTensors& c,
+                                             std::size_t at, std::size_t n) {
+  const std::size_t state = dtype_size(p.state_dtype);
+  const auto host_state = [&](void* h) {
+    return h == nullptr ? nullptr : static_cast<void*>(static_cast<std::byte*>(h) + at * state);
+  };
+  return {ChunkCopy{c.master, p.master + at, n * sizeof(float)},
+          ChunkCopy{c.state0, host_state(p.state0), n * state},
+          ChunkCopy{c.state1, host_state(p.state1), n * state}};
 }
 
 /// Calls f(piece, chunk index k, at, n) for chunk after chunk of every piece, k counting on

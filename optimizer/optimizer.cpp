@@ -154,6 +154,9 @@ bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs&
         fmt::format("{}: grad dtype {} does not go with param dtype {}: gradients "
                     "are {} or fp32",
                     fn, dtype_name(t.grad_dtype), dtype_name(t.dtype), dtype_name(t.dtype)));
+  if (t.state_dtype != DType::f32 && t.state_dtype != DType::bf16)
+    throw ConfigError(fmt::format("{}: state dtype {} is not fp32 or bf16", fn,
+                                  dtype_name(t.state_dtype)));
   if (t.count == 0) return false;
   if (args.step < 1)
     throw ConfigError(
@@ -171,7 +174,14 @@ bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs&
 
 bool check_streamed(const char* fn, const OptimizerConfig& config, const StreamedTensors& s) {
   bool any = false;
-  for (const StreamedPiece& p : s.pieces) any |= check_update(fn, config, p.args, p.t);
+  for (const StreamedPiece& p : s.pieces) {
+    any |= check_update(fn, config, p.args, p.t);
+    // The slots hold one state dtype: every piece must have it.
+    if (p.t.state_dtype != s.pieces.front().t.state_dtype)
+      throw ConfigError(fmt::format("{}: pieces of state dtypes {} and {}: the slots hold one", fn,
+                                    dtype_name(s.pieces.front().t.state_dtype),
+                                    dtype_name(p.t.state_dtype)));
+  }
   if (!any) return false;
   if (s.chunk == 0) throw ConfigError(fmt::format("{}: chunk = 0 elements: must be >= 1", fn));
   for (int slot = 0; slot < 2; ++slot) {

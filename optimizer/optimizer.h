@@ -23,17 +23,21 @@ struct StepArgs {
 };
 
 /// The tensors of one shard update, `count` elements each. `state0`/`state1` are the optimizer
-/// state slots (nullptr when the rule has fewer). `param` is bit16 of `dtype`; `grad` is of
-/// `grad_dtype`: the same bit16 type, or fp32 when gradients are accumulated in fp32.
+/// state slots (nullptr when the rule has fewer), of `state_dtype`: fp32, or bf16 (read into fp32,
+/// updated in fp32 and stored rounded to nearest even; the master update uses the fp32 values of
+/// this step, so from the same inputs it gives the fp32 state's master and param bits). `param` is
+/// bit16 of `dtype`; `grad` is of `grad_dtype`: the same bit16 type, or fp32 when gradients are
+/// accumulated in fp32.
 struct ShardTensors {
   float* master = nullptr;
-  float* state0 = nullptr;
-  float* state1 = nullptr;
+  void* state0 = nullptr;
+  void* state1 = nullptr;
   const void* grad = nullptr;
   void* param = nullptr;
   DType dtype = DType::bf16;
   DType grad_dtype = DType::bf16;
   std::size_t count = 0;
+  DType state_dtype = DType::f32;
 };
 
 /// One stretch of a shard update whose fp32 master and state live in host memory (`t.master`,
@@ -50,8 +54,8 @@ struct StreamedPiece {
 struct StreamedTensors {
   std::vector<StreamedPiece> pieces;
   float* slot_master[2] = {nullptr, nullptr};
-  float* slot_state0[2] = {nullptr, nullptr};
-  float* slot_state1[2] = {nullptr, nullptr};
+  void* slot_state0[2] = {nullptr, nullptr};  ///< of the pieces' state_dtype (one for all)
+  void* slot_state1[2] = {nullptr, nullptr};
   std::size_t chunk = 0;
 };
 

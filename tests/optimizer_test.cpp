@@ -1126,3 +1126,190 @@ TEST_CASE("LossScaleConfig::validate accepts the defaults and names each bad key
   bad_window.window = 0;
   CHECK_THROWS_AS(LossScaler(bad_window), ConfigError);
 }
+
+// --- optimizer state in bf16 (ShardTensors::state_dtype) -----------------------------------
+
+namespace {
+
+// The state as bf16 bits, of values drawn like HostShard's (m signed, v positive).
+std::vector<std::uint16_t> bf16_state(std::mt19937& rng, std::size_t n, float lo, float hi,
+                                      bool positive) {
+  std::vector<std::uint16_t> out;
+  for (float x : random_values(rng, n, lo, hi))
+    out.push_back(round_bf16(positive ? std::abs(x) : x));
+  return out;
+}
+
+std::vector<float> widened(const std::vector<std::uint16_t>& bf16) {
+  std::vector<float> out;
+  for (auto b : bf16) out.push_back(static_cast<float>(decode_bf16(b)));
+  return out;
+}
+
+// Adam, AdamW, SGD with momentum and dampening, Nesterov SGD: every rule with state.
+const OptimizerConfig& nth_rule(int i) {
+  static const OptimizerConfig rules[] = {make(OptimizerType::adam), make(OptimizerType::adamw),
+                                          sgd(0.9, 0.1, false), sgd(0.9, 0.0, true)};
+  return rules[i];
+}
+
+}  // namespace
+
+TEST_CASE("bf16 state: each step gives the per-element reference's bits with m and v read "
+          "from bf16 and stored rounded to nearest even") {
+  for (int r = 0; r < 4; ++r) {
+    const OptimizerConfig& config = nth_rule(r);
+    const int slots = config.state_slots();
+    for (DType dtype : bit16_types)
+      for (DType grad_dtype : {dtype, DType::f32})
+        for (std::size_t n : {1, 17, 513, 1031}) {
+          INFO(optimizer_type_name(config.type) << " (rule " << r << "), param "
+                                                << dtype_name(dtype) << ", grad "
+                                                << dtype_name(grad_dtype) << ", " << n);
+          std::mt19937 rng(77);
+          std::vector<float> master = random_values(rng, n, 0.05f, 1.0f);
+          std::vector<std::uint16_t> m = bf16_state(rng, n, 1e-4f, 1e-2f, false);
+          std::vector<std::uint16_t> v = bf16_state(rng, n, 1e-6f, 1e-4f, true);
+          std::vector<std::uint16_t> param(n, 0);
+          std::vector<float> ref_master = master;
+          std::vector<std::uint16_t> ref_m = m, ref_v = v;
+          for (std::int64_t step = 1; step <= 5; ++step) {
+            INFO("step " << step);
+            const Data grad = random_typed(rng, grad_dtype, n, 0.01f, 2.0f);
+            const StepArgs args{step, 1e-2, 0.1, 0.37f};
+            ShardTensors t{master.data(), slots >= 1 ? m.data() : nullptr,
+                           slots >= 2 ? v.data() : nullptr, grad.data(), param.data(), dtype,
+                           grad_dtype, n};
+            t.state_dtype = DType::bf16;
+            cpu_device_ops().update(config, args, t);
+            for (std::size_t i = 0; i < n; ++i) {
+              const auto g = static_cast<float>(grad.value(i));
+              float m_i = static_cast<float>(decode_bf16(ref_m[i]));
+              float v_i = static_cast<float>(decode_bf16(ref_v[i]));
+              if (config.type == OptimizerType::sgd) {
+                sgd_element(sgd_scalars(config, args), g, ref_master[i], m_i);
+              } else {
+                adam_element(adam_scalars(config, args), g, ref_master[i], m_i, v_i);
+              }
+              if (slots >= 1) ref_m[i] = round_bf16(m_i);
+              if (slots >= 2) ref_v[i] = round_bf16(v_i);
+            }
+            CHECK(bit_mismatches(master, ref_master) == 0);
+            if (slots >= 1) CHECK(m == ref_m);
+            if (slots >= 2) CHECK(v == ref_v);
+            std::size_t misrounded = 0;
+            for (std::size_t i = 0; i < n; ++i)
+              misrounded += param[i] != round_to(dtype, ref_master[i]);
+            CHECK(misrounded == 0);
+          }
+        }
+  }
+}
+
+TEST_CASE("bf16 state: one step from the same values gives the fp32 state's master and param, "
+          "and its m and v rounded") {
+  for (int r = 0; r < 4; ++r) {
+    const OptimizerConfig& config = nth_rule(r);
+    const int slots = config.state_slots();
+    INFO("rule " << r);
+    constexpr std::size_t n = 4099;
+    std::mt19937 rng(5);
+    const std::vector<float> master = random_values(rng, n, 0.05f, 1.0f);
+    const std::vector<std::uint16_t> m = bf16_state(rng, n, 1e-4f, 1e-2f, false);
+    const std::vector<std::uint16_t> v = bf16_state(rng, n, 1e-6f, 1e-4f, true);
+    const Data grad = random_typed(rng, DType::bf16, n, 0.01f, 2.0f);
+    const StepArgs args{3, 1e-2, 0.1, 0.37f};  // not the first step: SGD reads its buffer
+    std::vector<float> master32 = master, m32 = widened(m), v32 = widened(v);
+    std::vector<std::uint16_t> param32(n), param16(n);
+    cpu_device_ops().update(config, args,
+                            ShardTensors{master32.data(), m32.data(), v32.data(), grad.data(),
+                                         param32.data(), DType::bf16, DType::bf16, n});
+    std::vector<float> master16 = master;
+    std::vector<std::uint16_t> m16 = m, v16 = v;
+    ShardTensors t{master16.data(), m16.data(), v16.data(), grad.data(), param16.data(),
+                   DType::bf16, DType::bf16, n};
+    t.state_dtype = DType::bf16;
+    cpu_device_ops().update(config, args, t);
+    CHECK(bit_mismatches(master16, master32) == 0);
+    CHECK(param16 == param32);
+    std::size_t state_off = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (slots >= 1) state_off += m16[i] != round_bf16(m32[i]);
+      if (slots >= 2) state_off += v16[i] != round_bf16(v32[i]);
+    }
+    CHECK(state_off == 0);
+  }
+}
+
+TEST_CASE("bf16 state: HostUpdater's threads and the streamed chunks give one update's bits") {
+  const OptimizerConfig& config = nth_rule(1);  // AdamW: two slots
+  constexpr std::size_t n = 100003;
+  std::mt19937 rng(8);
+  const std::vector<float> master = random_values(rng, n, 0.05f, 1.0f);
+  const std::vector<std::uint16_t> m = bf16_state(rng, n, 1e-4f, 1e-2f, false);
+  const std::vector<std::uint16_t> v = bf16_state(rng, n, 1e-6f, 1e-4f, true);
+  const Data grad = random_typed(rng, DType::bf16, n, 0.01f, 2.0f);
+  struct Run {
+    std::vector<float> master;
+    std::vector<std::uint16_t> m, v, param;
+    ShardTensors t;
+  };
+  const auto fresh = [&] {
+    Run run{master, m, v, std::vector<std::uint16_t>(n)};
+    run.t = ShardTensors{run.master.data(), run.m.data(), run.v.data(), grad.data(),
+                         run.param.data(), DType::bf16, DType::bf16, n};
+    run.t.state_dtype = DType::bf16;
+    return run;
+  };
+  const StepArgs args{2, 1e-2, 0.1, 0.37f};
+  Run one = fresh();
+  cpu_device_ops().update(config, args, one.t);
+  const auto same = [&](const Run& got) {
+    return bit_mismatches(got.master, one.master) == 0 && got.m == one.m && got.v == one.v &&
+           got.param == one.param;
+  };
+  for (unsigned threads : {2u, 3u}) {
+    INFO(threads << " threads");
+    Run split = fresh();
+    HostUpdater(threads).update(config, args, split.t);
+    CHECK(same(split));
+  }
+  // Streamed through two slots of 1000 elements, in two pieces: the slots hold bf16 state.
+  Run streamed = fresh();
+  std::vector<float> slot_master(2 * 1000);
+  std::vector<std::uint16_t> slot_state(2 * 2 * 1000);
+  StreamedTensors s;
+  ShardTensors first = streamed.t, second = streamed.t;
+  first.count = 40000;
+  second.master += 40000;
+  second.state0 = streamed.m.data() + 40000;
+  second.state1 = streamed.v.data() + 40000;
+  second.grad = static_cast<const std::uint16_t*>(grad.data()) + 40000;
+  second.param = streamed.param.data() + 40000;
+  second.count = n - 40000;
+  s.pieces = {{args, first}, {args, second}};
+  for (int k = 0; k < 2; ++k) {
+    s.slot_master[k] = slot_master.data() + k * 1000;
+    s.slot_state0[k] = slot_state.data() + (2 * k) * 1000;
+    s.slot_state1[k] = slot_state.data() + (2 * k + 1) * 1000;
+  }
+  s.chunk = 1000;
+  cpu_device_ops().update_streamed(config, s);
+  CHECK(same(streamed));
+  // Pieces of two state dtypes cannot share the slots.
+  s.pieces[1].t.state_dtype = DType::f32;
+  const auto msg =
+      test::message_of<ConfigError>([&] { cpu_device_ops().update_streamed(config, s); });
+  CHECK(msg.find("state dtypes bf16 and fp32") != std::string::npos);
+}
+
+TEST_CASE("a state dtype other than fp32 or bf16 is refused, naming it") {
+  std::vector<float> master(8, 1.0f), m(8), v(8);
+  std::vector<std::uint16_t> grad(8), param(8);
+  ShardTensors t{master.data(), m.data(), v.data(), grad.data(), param.data(), DType::bf16,
+                 DType::bf16, 8};
+  t.state_dtype = DType::f16;
+  const auto msg = test::message_of<ConfigError>(
+      [&] { cpu_device_ops().update(make(OptimizerType::adamw), StepArgs{}, t); });
+  CHECK(msg.find("state dtype fp16 is not fp32 or bf16") != std::string::npos);
+}

@@ -87,7 +87,9 @@ ShardTensors range_of(const ShardTensors& t, unsigned part, unsigned parts) {
   const std::size_t begin = blocks * part / parts * HostUpdater::kBlock;
   const std::size_t end = std::min(t.count, blocks * (part + 1) / parts * HostUpdater::kBlock);
   // An absent state slot (SGD's) stays null: no arithmetic on a null pointer.
-  const auto state = [&](float* p) { return p == nullptr ? p : p + begin; };
+  const auto state = [&](void* p) {
+    return p == nullptr ? p : static_cast<std::byte*>(p) + begin * dtype_size(t.state_dtype);
+  };
   ShardTensors r = t;
   r.master = t.master + begin;
   r.state0 = state(t.state0);

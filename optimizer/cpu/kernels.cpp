@@ -96,25 +96,31 @@ void for_each_chunk(std::size_t count, F&& f) {
   }
 }
 
-// Adam and AdamW with param type T and gradient type G (formulas in update_scalars.h).
-template <class T, class G>
+// Adam and AdamW with param type T, gradient type G and state type S (float, or bf16_t: read
+// into fp32, stored rounded; formulas in update_scalars.h).
+template <class T, class G, class S>
 void adam(const AdamScalars& s, const ShardTensors& t) {
   for_each_chunk(t.count, [&](std::size_t at, Eigen::Index n) {
-    MapF p(t.master + at, n), m(t.state0 + at, n), v(t.state1 + at, n);
+    MapF p(t.master + at, n);
+    MapT<S> m_stored(static_cast<S*>(t.state0) + at, n);
+    MapT<S> v_stored(static_cast<S*>(t.state1) + at, n);
     const ChunkF g =
         ConstMapT<G>(static_cast<const G*>(t.grad) + at, n).template cast<float>() * s.grad_scale +
         s.l2 * p;
     p -= s.lr_wd * p;
-    m = s.beta1 * m + s.one_minus_beta1 * g;
-    v = s.beta2 * v + s.one_minus_beta2 * g * g;
+    const ChunkF m = s.beta1 * m_stored.template cast<float>() + s.one_minus_beta1 * g;
+    const ChunkF v = s.beta2 * v_stored.template cast<float>() + s.one_minus_beta2 * g * g;
     p -= s.step_size * m / (v.sqrt() * s.inv_sqrt_bc2 + s.eps);
     // Eigen's float -> bf16/fp16 conversion rounds to nearest even.
+    m_stored = m.template cast<S>();
+    v_stored = v.template cast<S>();
     MapT<T>(static_cast<T*>(t.param) + at, n) = p.template cast<T>();
   });
 }
 
-// SGD with param type T and gradient type G (formulas in update_scalars.h).
-template <class T, class G>
+// SGD with param type T, gradient type G and momentum buffer type S (formulas in
+// update_scalars.h).
+template <class T, class G, class S>
 void sgd(const SgdScalars& s, const ShardTensors& t) {
   for_each_chunk(t.count, [&](std::size_t at, Eigen::Index n) {
     MapF p(t.master + at, n);
@@ -124,29 +130,28 @@ void sgd(const SgdScalars& s, const ShardTensors& t) {
     if (!s.has_momentum) {
       p -= s.lr * g;
     } else {
-      MapF buf(t.state0 + at, n);
-      if (s.first) {
-        buf = g;
-      } else {
-        buf = s.momentum * buf + s.one_minus_dampening * g;
-      }
+      MapT<S> buf_stored(static_cast<S*>(t.state0) + at, n);
+      const ChunkF buf =
+          s.first ? g : ChunkF(s.momentum * buf_stored.template cast<float>() +
+                               s.one_minus_dampening * g);
       if (s.nesterov) {
         p -= s.lr * (g + s.momentum * buf);
       } else {
         p -= s.lr * buf;
       }
+      buf_stored = buf.template cast<S>();
     }
     MapT<T>(static_cast<T*>(t.param) + at, n) = p.template cast<T>();
   });
 }
 
-// Param type T, gradient type G.
-template <class T, class G>
+// Param type T, gradient type G, state type S.
+template <class T, class G, class S>
 void update_shard(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
   if (config.type == OptimizerType::sgd) {
-    sgd<T, G>(sgd_scalars(config, args), t);
+    sgd<T, G, S>(sgd_scalars(config, args), t);
   } else {
-    adam<T, G>(adam_scalars(config, args), t);
+    adam<T, G, S>(adam_scalars(config, args), t);
   }
 }
 
@@ -156,8 +161,13 @@ void update(const OptimizerConfig& config, const StepArgs& args, const ShardTens
     with_any(t.grad_dtype, "update", [&](auto grad_tag) {
       using T = decltype(param_tag);
       using G = decltype(grad_tag);
-      if constexpr (std::is_same_v<G, T> || std::is_same_v<G, float>)
-        update_shard<T, G>(config, args, t);
+      if constexpr (std::is_same_v<G, T> || std::is_same_v<G, float>) {
+        // check_update admits fp32 and bf16 state only.
+        if (t.state_dtype == DType::bf16)
+          update_shard<T, G, bf16_t>(config, args, t);
+        else
+          update_shard<T, G, float>(config, args, t);
+      }
     });
   });
 }
@@ -252,13 +262,12 @@ void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
   detail::for_each_streamed_chunk(
       s, [&](const StreamedPiece& p, std::size_t k, std::size_t at, std::size_t n) {
         const ShardTensors c = detail::slot_tensors(s, p.t, static_cast<int>(k % 2), at, n);
-        const std::pair<float*, float*> tensors[] = {
-            {c.master, p.t.master}, {c.state0, p.t.state0}, {c.state1, p.t.state1}};
-        for (const auto& [slot, host] : tensors)
-          if (slot != nullptr) std::memcpy(slot, host + at, n * sizeof(float));
+        const auto copies = detail::chunk_copies(p.t, c, at, n);
+        for (const auto& x : copies)
+          if (x.slot != nullptr) std::memcpy(x.slot, x.host, x.bytes);
         update(config, p.args, c);
-        for (const auto& [slot, host] : tensors)
-          if (slot != nullptr) std::memcpy(host + at, slot, n * sizeof(float));
+        for (const auto& x : copies)
+          if (x.slot != nullptr) std::memcpy(x.host, x.slot, x.bytes);
       });
 }
 

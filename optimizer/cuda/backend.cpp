@@ -90,7 +90,8 @@ void update(const OptimizerConfig& config, const StepArgs& args, const ShardTens
                                     t.param,
                                     bit16_elem_of(t.dtype, "update"),
                                     elem_of(t.grad_dtype, "update"),
-                                    t.count};
+                                    t.count,
+                                    elem_of(t.state_dtype, "update")};
   if (config.type == OptimizerType::sgd) {
     detail::launch_sgd(sgd_scalars(config, args), launch);
   } else {
@@ -193,12 +194,10 @@ void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
   Event uploaded[2], updated[2], downloaded[2];
   const auto copies = [&](const ShardTensors& host, const ShardTensors& c, std::size_t at,
                           std::size_t n, bool to_slot, cudaStream_t stream) {
-    const std::pair<float*, float*> tensors[] = {
-        {c.master, host.master}, {c.state0, host.state0}, {c.state1, host.state1}};
-    for (const auto& [slot, h] : tensors)
-      if (slot != nullptr)
-        SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(to_slot ? slot : h + at, to_slot ? h + at : slot,
-                                             n * sizeof(float), cudaMemcpyDefault, stream));
+    for (const auto& x : detail::chunk_copies(host, c, at, n))
+      if (x.slot != nullptr)
+        SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(to_slot ? x.slot : x.host, to_slot ? x.host : x.slot,
+                                             x.bytes, cudaMemcpyDefault, stream));
   };
   try {
     detail::for_each_streamed_chunk(

@@ -1,5 +1,6 @@
 // The CUDA optimizer kernels: one grid-stride pass per call, reading and writing 4 elements per
-// thread with 16-byte (fp32) and 8-byte (bit16) loads and stores where every pointer is 16-byte
+// thread with 16-byte (fp32) and 8-byte (bit16: params, gradients, bf16 optimizer state) loads and
+// stores where every pointer is 16-byte
 // aligned (the engine's flat shards are 256-byte aligned), and one element at a time for the tail
 // and for unaligned pointers. Arithmetic is fp32, in the order of the CPU backend and without
 // contraction into fused multiply-adds (the __f*_rn intrinsics), so the update gives the CPU
@@ -128,39 +129,40 @@ __device__ __forceinline__ std::size_t grid_threads() {
   return static_cast<std::size_t>(gridDim.x) * blockDim.x;
 }
 
-template <class P, class G>
+// S: the state's element type (F32, or BF16: read into fp32, stored rounded to nearest even).
+template <class P, class G, class S>
 __global__ void __launch_bounds__(kThreads)
-    adam_kernel(AdamScalars s, float* __restrict__ master, float* __restrict__ m,
-                float* __restrict__ v, const typename G::Storage* __restrict__ grad,
+    adam_kernel(AdamScalars s, float* __restrict__ master, typename S::Storage* __restrict__ m,
+                typename S::Storage* __restrict__ v, const typename G::Storage* __restrict__ grad,
                 typename P::Storage* __restrict__ param, std::size_t count, std::size_t vec_units) {
   const std::size_t stride = grid_threads();
   for (std::size_t u = thread_index(); u < vec_units; u += stride) {
     const std::size_t i = u * kVec;
     float p[kVec], mu[kVec], nu[kVec], g[kVec];
     F32::load_vec(master, i, p);
-    F32::load_vec(m, i, mu);
-    F32::load_vec(v, i, nu);
+    S::load_vec(m, i, mu);
+    S::load_vec(v, i, nu);
     G::load_vec(grad, i, g);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) adam_element(s, g[k], p[k], mu[k], nu[k]);
     F32::store_vec(master, i, p);
-    F32::store_vec(m, i, mu);
-    F32::store_vec(v, i, nu);
+    S::store_vec(m, i, mu);
+    S::store_vec(v, i, nu);
     P::store_vec(param, i, p);
   }
   for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
-    float p = master[i], mu = m[i], nu = v[i];
+    float p = master[i], mu = S::load(m, i), nu = S::load(v, i);
     adam_element(s, G::load(grad, i), p, mu, nu);
     master[i] = p;
-    m[i] = mu;
-    v[i] = nu;
+    S::store(m, i, mu);
+    S::store(v, i, nu);
     P::store(param, i, p);
   }
 }
 
-template <class P, class G>
+template <class P, class G, class S>
 __global__ void __launch_bounds__(kThreads)
-    sgd_kernel(SgdScalars s, float* __restrict__ master, float* __restrict__ buf,
+    sgd_kernel(SgdScalars s, float* __restrict__ master, typename S::Storage* __restrict__ buf,
                const typename G::Storage* __restrict__ grad,
                typename P::Storage* __restrict__ param, std::size_t count, std::size_t vec_units) {
   const bool read_buf = s.has_momentum && !s.first;
@@ -169,20 +171,20 @@ __global__ void __launch_bounds__(kThreads)
     const std::size_t i = u * kVec;
     float p[kVec], b[kVec] = {}, g[kVec];
     F32::load_vec(master, i, p);
-    if (read_buf) F32::load_vec(buf, i, b);
+    if (read_buf) S::load_vec(buf, i, b);
     G::load_vec(grad, i, g);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) sgd_element(s, g[k], p[k], b[k]);
     F32::store_vec(master, i, p);
-    if (s.has_momentum) F32::store_vec(buf, i, b);
+    if (s.has_momentum) S::store_vec(buf, i, b);
     P::store_vec(param, i, p);
   }
   for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
     float p = master[i];
-    float b = read_buf ? buf[i] : 0.0f;
+    float b = read_buf ? S::load(buf, i) : 0.0f;
     sgd_element(s, G::load(grad, i), p, b);
     master[i] = p;
-    if (s.has_momentum) buf[i] = b;
+    if (s.has_momentum) S::store(buf, i, b);
     P::store(param, i, p);
   }
 }
@@ -322,15 +324,22 @@ void with_elem(Elem e, F&& f) {
       return;
   }
 }
-// Calls f(P{}, G{}) with the param type and the gradient type of an update: the param's bit16
-// type or fp32 (backend.cpp rejects other pairs).
+// Calls f(P{}, G{}, S{}) with the param type, the gradient type (the param's bit16 type or
+// fp32) and the state type (fp32 or bf16) of an update (backend.cpp rejects other choices).
 template <class F>
 void with_update_types(const UpdateLaunch& t, F&& f) {
+  const auto with_state = [&](auto param_type, auto grad_type) {
+    if (t.state_elem == Elem::bf16) {
+      f(param_type, grad_type, BF16{});
+    } else {
+      f(param_type, grad_type, F32{});
+    }
+  };
   const auto with_grad = [&](auto param_type) {
     if (t.grad_elem == Elem::f32) {
-      f(param_type, F32{});
+      with_state(param_type, F32{});
     } else {
-      f(param_type, param_type);
+      with_state(param_type, param_type);
     }
   };
   if (t.param_elem == Elem::bf16) {
@@ -343,25 +352,30 @@ void with_update_types(const UpdateLaunch& t, F&& f) {
 }  // namespace
 
 void launch_adam(const AdamScalars& s, const UpdateLaunch& t) {
-  with_update_types(t, [&](auto param_type, auto grad_type) {
+  with_update_types(t, [&](auto param_type, auto grad_type, auto state_type) {
     using P = decltype(param_type);
     using G = decltype(grad_type);
+    using S = decltype(state_type);
     const std::size_t units =
         vector_units(t.count, {t.master, t.state0, t.state1, t.grad, t.param});
-    adam_kernel<P, G><<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
-        s, t.master, t.state0, t.state1, static_cast<const typename G::Storage*>(t.grad),
-        static_cast<typename P::Storage*>(t.param), t.count, units);
+    adam_kernel<P, G, S>
+        <<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+            s, t.master, static_cast<typename S::Storage*>(t.state0),
+            static_cast<typename S::Storage*>(t.state1),
+            static_cast<const typename G::Storage*>(t.grad),
+            static_cast<typename P::Storage*>(t.param), t.count, units);
     SHARDSWAP_CUDA_CHECK(cudaGetLastError());
   });
 }
 
 void launch_sgd(const SgdScalars& s, const UpdateLaunch& t) {
-  with_update_types(t, [&](auto param_type, auto grad_type) {
+  with_update_types(t, [&](auto param_type, auto grad_type, auto state_type) {
     using P = decltype(param_type);
     using G = decltype(grad_type);
-    float* buf = s.has_momentum ? t.state0 : nullptr;
+    using S = decltype(state_type);
+    auto* buf = static_cast<typename S::Storage*>(s.has_momentum ? t.state0 : nullptr);
     const std::size_t units = vector_units(t.count, {t.master, buf, t.grad, t.param});
-    sgd_kernel<P, G><<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+    sgd_kernel<P, G, S><<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
         s, t.master, buf, static_cast<const typename G::Storage*>(t.grad),
         static_cast<typename P::Storage*>(t.param), t.count, units);
     SHARDSWAP_CUDA_CHECK(cudaGetLastError());

@@ -13,17 +13,19 @@ namespace shardswap::detail {
 /// The element types the kernels read and write (DType without fp64).
 enum class Elem { f32, bf16, f16 };
 
-/// One shard update: `param` is bf16 or fp16, `grad` of the same type or fp32; `state0` is null
-/// for SGD without momentum (and then never touched).
+/// One shard update: `param` is bf16 or fp16, `grad` of the same type or fp32; the state fp32 or
+/// bf16 (read into fp32, stored rounded to nearest even); `state0` is null for SGD without
+/// momentum (and then never touched).
 struct UpdateLaunch {
   float* master;
-  float* state0;
-  float* state1;
+  void* state0;
+  void* state1;
   const void* grad;
   void* param;
   Elem param_elem;
   Elem grad_elem;
   std::size_t count;  ///< > 0
+  Elem state_elem;
 };
 
 void launch_adam(const AdamScalars& s, const UpdateLaunch& t);

@@ -174,17 +174,19 @@ OptimizerConfig sgd(double momentum, double dampening, bool nesterov) {
 // correctly rounded sqrt (optimizer/cpu/kernels.cpp: EIGEN_FAST_MATH 0, -ffp-contract=off), so
 // no rule, SGD included, has a reason to differ by even one ulp.
 void check_update_agrees(const OptimizerConfig& config, double lr, double wd, DType dtype,
-                         DType grad_dtype, const Shape& shape, int steps) {
+                         DType grad_dtype, const Shape& shape, int steps,
+                         DType state_dtype = DType::f32) {
   config.validate();
-  INFO("param dtype " << dtype_name(dtype) << ", grad dtype " << dtype_name(grad_dtype) << ", "
-                      << shape.n << " elements, " << shape.what);
+  INFO("param dtype " << dtype_name(dtype) << ", grad dtype " << dtype_name(grad_dtype)
+                      << ", state dtype " << dtype_name(state_dtype) << ", " << shape.n
+                      << " elements, " << shape.what);
   const std::size_t n = shape.n;
   const int slots = config.state_slots();
   constexpr float grad_scale = 0.37f;
   std::mt19937 rng(1234);
 
   Host master = random_host(rng, DType::f32, n, 0.05f, 1.0f);
-  Host state0(DType::f32, n), state1(DType::f32, n), param(dtype, n);  // zeros
+  Host state0(state_dtype, n), state1(state_dtype, n), param(dtype, n);  // zeros
   const Device d_master(master, shape.offset), d_state0(state0, shape.offset),
       d_state1(state1, shape.offset), d_param(param, shape.offset);
   const Device d_grad(grad_dtype, n, shape.offset);
@@ -194,14 +196,15 @@ void check_update_agrees(const OptimizerConfig& config, double lr, double wd, DT
     Host grad = random_host(rng, grad_dtype, n, 0.01f, 2.0f);
     d_grad.upload(grad);
     const StepArgs args{step, lr, wd, grad_scale};
-    cpu_device_ops().update(config, args,
-                         ShardTensors{master.f32(), slots >= 1 ? state0.f32() : nullptr,
-                                      slots >= 2 ? state1.f32() : nullptr, grad.data(),
-                                      param.data(), dtype, grad_dtype, n});
-    cuda_device_ops().update(config, args,
-                          ShardTensors{d_master.f32(), slots >= 1 ? d_state0.f32() : nullptr,
-                                       slots >= 2 ? d_state1.f32() : nullptr, d_grad.get(),
-                                       d_param.get(), dtype, grad_dtype, n});
+    ShardTensors on_cpu{master.f32(), slots >= 1 ? state0.data() : nullptr,
+                        slots >= 2 ? state1.data() : nullptr, grad.data(), param.data(), dtype,
+                        grad_dtype, n};
+    ShardTensors on_gpu{d_master.f32(), slots >= 1 ? d_state0.get() : nullptr,
+                        slots >= 2 ? d_state1.get() : nullptr, d_grad.get(), d_param.get(), dtype,
+                        grad_dtype, n};
+    on_cpu.state_dtype = on_gpu.state_dtype = state_dtype;
+    cpu_device_ops().update(config, args, on_cpu);
+    cuda_device_ops().update(config, args, on_gpu);
 
     CHECK(mismatches(d_master.download(), master) == 0);
     if (slots >= 1) CHECK(mismatches(d_state0.download(), state0) == 0);
@@ -210,11 +213,15 @@ void check_update_agrees(const OptimizerConfig& config, double lr, double wd, DT
   }
 }
 
+// Every param, gradient and state type (fp32, and bf16 where the rule has state).
 void check_rule(const OptimizerConfig& config, double lr, double wd) {
   for (DType dtype : bit16_types)
     for (DType grad_dtype : {dtype, DType::f32})
-      for (const Shape& shape : shapes)
-        check_update_agrees(config, lr, wd, dtype, grad_dtype, shape, 20);
+      for (DType state_dtype : {DType::f32, DType::bf16}) {
+        if (state_dtype == DType::bf16 && config.state_slots() == 0) continue;
+        for (const Shape& shape : shapes)
+          check_update_agrees(config, lr, wd, dtype, grad_dtype, shape, 20, state_dtype);
+      }
 }
 
 }  // namespace
