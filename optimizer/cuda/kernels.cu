@@ -1,8 +1,7 @@
 // The CUDA optimizer kernels: one grid-stride pass per call, reading and writing 4 elements per
 // thread with 16-byte (fp32) and 8-byte (bit16: params, gradients, bf16 optimizer state) loads and
-// stores where every pointer is 16-byte
-// aligned (the engine's flat shards are 256-byte aligned), and one element at a time for the tail
-// and for unaligned pointers. Arithmetic is fp32, in the order of the CPU backend and without
+// stores where every pointer is 16-byte aligned (the engine's flat shards are 256-byte aligned),
+// and one element at a time for the tail and for unaligned pointers. Arithmetic is fp32, in the order of the CPU backend and without
 // contraction into fused multiply-adds (the __f*_rn intrinsics), so the update gives the CPU
 // backend's bits (which rounds alike: optimizer/cpu/kernels.cpp).
 #include <cuda_bf16.h>
