@@ -266,6 +266,11 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   c.resolve_auto(key("weight_decay"), 0.0, trainer_default("weight_decay"));
   auto& o = cfg.optimizer;
   o.type = optimizer_type_from_name(c.string("optimizer.type", "AdamW"), "optimizer.type");
+  constexpr std::string_view kStateDtype = "shardswap.optimizer_state_dtype";
+  const std::string state_dtype = c.string(kStateDtype, "fp32");
+  if (state_dtype != "fp32" && state_dtype != "bf16")
+    c.fail_value(kStateDtype, "expected \"fp32\" or \"bf16\" (Adam's m and v, SGD's momentum)");
+  o.state_dtype = state_dtype == "bf16" ? DType::bf16 : DType::f32;
   o.lr = c.number(key("lr"), 1e-3);
   o.weight_decay = c.number(key("weight_decay"), 0.0);
   // Parameters of the other rule are not silently dropped: each gets a warning.

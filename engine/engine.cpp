@@ -307,6 +307,7 @@ MemoryPlan plan_of(const PlanSource& in,
   const auto psize = static_cast<std::int64_t>(dtype_size(in.config.dtype));
   const auto gsize = static_cast<std::int64_t>(dtype_size(in.config.grad_type()));
   const auto slots = in.config.optimizer.state_slots();
+  const auto state_bytes = static_cast<std::int64_t>(in.config.optimizer.state_bytes());
   const bool in_place = accumulates_in_place(in.config, in.world_size);
   const bool state_on_host = in.config.optimizer_placement == Placement::host;
   MemoryPlan plan;
@@ -329,14 +330,14 @@ MemoryPlan plan_of(const PlanSource& in,
           state_on_host || (kept && now->kept->policy == DeactivatePolicy::keep_host);
       auto& where = on_host ? plan.host : plan.bytes;
       add_to(where, Tag::master32, g.shard.numel() * 4);
-      add_to(where, Tag::optim_state, g.shard.numel() * 4 * slots);
+      add_to(where, Tag::optim_state, g.shard.numel() * state_bytes * slots);
     }
   }
   if (state_on_host) {  // the update's two slots on the device, or two staging buffers
     const std::int64_t chunk = in.built ? in.chunk : offload_chunk(in.config, planned);
     if (in.config.offload_update == OffloadUpdate::streamed) {
       add(Tag::master32, 2 * chunk * 4);
-      add(Tag::optim_state, 2 * chunk * 4 * slots);
+      add(Tag::optim_state, 2 * chunk * state_bytes * slots);
     } else {
       add_host(Tag::grad, chunk * gsize);
       add_host(Tag::param16, chunk * psize);
@@ -715,7 +716,6 @@ StepResult Engine::step() {
     impl_->streaming.clear();  // nothing left from a step that failed part-way
     for (auto& g : groups) {
       if (!g.active) continue;
-      const auto shard = static_cast<std::size_t>(g.shard.numel());
       args.step = ++g.step;
       const std::size_t gsize = dtype_size(grad_dtype);
       for (const DecaySpan& span : decay_spans(g, impl_->params, impl_->param_weight_decay)) {
@@ -726,14 +726,16 @@ StepResult Engine::step() {
           continue;
         }
         ShardTensors t;
+        const std::size_t state_bytes = impl_->config.optimizer.state_bytes();
         t.master = g.master.as<float>() + at;
-        t.state0 = slots >= 1 ? g.state.as<float>() + at : nullptr;
-        t.state1 = slots >= 2 ? g.state.as<float>() + shard + at : nullptr;
+        t.state0 = g.state_at(0, slots, at, state_bytes);
+        t.state1 = g.state_at(1, slots, at, state_bytes);
         t.grad = reducer.partition(g) + at * gsize;
         t.param = g.param16_at(g.shard.begin + span.begin, psize);
         t.dtype = dtype;
         t.grad_dtype = grad_dtype;
         t.count = static_cast<std::size_t>(span.count);
+        t.state_dtype = impl_->config.optimizer.state_dtype;
         impl_->ops.update(impl_->config.optimizer, args, t);
       }
     }

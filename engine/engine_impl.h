@@ -164,6 +164,9 @@ struct Engine::Impl {
     MemorySpace* to = nullptr;   // where the restored master and state go; null: none
     bool reuse_grad = false, reuse_state = false;
     std::vector<const Buffer*> freed;
+    /// The state's values in the engine's state dtype, when it is not fp32 (rounded here, where a
+    /// failure changes nothing); empty: the TrainingState's fp32 values are uploaded as they are.
+    std::vector<std::byte> state_values;
   };
   struct RestorePlan {
     std::vector<GroupRestore> groups;  // as `groups`

@@ -41,7 +41,7 @@ struct Group {
   Buffer param16;  // full flat bit16 weights, every rank
   Buffer grad;     // stage 1: full flat bit16 gradients; stage 2: this rank's partition
   Buffer master;   // fp32, this rank's shard
-  Buffer state;    // fp32 optimizer state, state_slots x shard
+  Buffer state;    // optimizer state (OptimizerConfig::state_dtype), state_slots x shard
   std::int64_t step = 0;
   bool active = false;
   /// Gradients handed over since the last step or zero_grad (the GradientReducer sets and
@@ -51,6 +51,13 @@ struct Group {
 
   std::byte* param16_at(std::int64_t element, std::size_t elem_bytes) const {
     return param16.as<std::byte>() + element * static_cast<std::int64_t>(elem_bytes);
+  }
+  /// Element `element` of state slot `slot` (slots of shard.numel() values of `value_bytes`),
+  /// or null for a slot the rule does not have (`slot` >= `slots`).
+  void* state_at(int slot, int slots, std::size_t element, std::size_t value_bytes) const {
+    if (slot >= slots) return nullptr;
+    const auto n = static_cast<std::size_t>(shard.numel());
+    return state.as<std::byte>() + (static_cast<std::size_t>(slot) * n + element) * value_bytes;
   }
 };
 

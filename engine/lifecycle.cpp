@@ -78,7 +78,8 @@ KeptState Engine::Impl::kept_on_host(MemorySpace& host, const Group& g,
   const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
   KeptState k{DeactivatePolicy::keep_host, {}, {}, step};
   k.master = host.allocate(shard * 4, Tag::master32, master_label(g, true));
-  k.state = host.allocate(slots * shard * 4, Tag::optim_state, state_label(g, true));
+  k.state = host.allocate(slots * shard * config.optimizer.state_bytes(), Tag::optim_state,
+                          state_label(g, true));
   return k;
 }
 
@@ -162,7 +163,8 @@ void Engine::Impl::allocate_active_state(Group& g) {
   const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
   if (!in_place) {
     master = take_state(where, shard * 4, Tag::master32, master_label(g));
-    state = take_state(where, slots * shard * 4, Tag::optim_state, state_label(g));
+    state = take_state(where, slots * shard * config.optimizer.state_bytes(), Tag::optim_state,
+                       state_label(g));
     if (g.kept) {  // keep_host with the state on the device: exact copies back
       space.upload(master.data(), g.kept->master.data(), master.bytes());
       space.upload(state.data(), g.kept->state.data(), state.bytes());
@@ -437,7 +439,15 @@ TrainingState Engine::training_state(bool with_weights) const {
       s.master.resize(shard);
       s.state.resize(slots * shard);
       from->download(s.master.data(), master->data(), shard * sizeof(float));
-      if (!s.state.empty()) from->download(s.state.data(), state->data(), s.state.size() * 4);
+      const DType state_dtype = impl_->config.optimizer.state_dtype;
+      if (!s.state.empty() && state_dtype == DType::f32) {
+        from->download(s.state.data(), state->data(), s.state.size() * 4);
+      } else if (!s.state.empty()) {  // widened to fp32 (exact)
+        std::vector<std::byte> stored(state->bytes());
+        from->download(stored.data(), state->data(), stored.size());
+        cpu_device_ops().cast(s.state.data(), DType::f32, stored.data(), state_dtype,
+                              s.state.size());
+      }
     }
     out.groups.push_back(std::move(s));
   }
@@ -526,8 +536,13 @@ Engine::Impl::RestorePlan Engine::Impl::plan_restore(const TrainingState& state)
     if (p.to != nullptr && !p.reuse_state) {
       const bool kept_on_host = !s.active && wants_host;
       p.master = take_state(*p.to, shard * 4, Tag::master32, master_label(g, kept_on_host));
-      p.state = take_state(*p.to, slots * shard * 4, Tag::optim_state,
-                           state_label(g, kept_on_host));
+      p.state = take_state(*p.to, slots * shard * config.optimizer.state_bytes(),
+                           Tag::optim_state, state_label(g, kept_on_host));
+    }
+    if (p.to != nullptr && config.optimizer.state_dtype != DType::f32 && !s.state.empty()) {
+      p.state_values.resize(s.state.size() * config.optimizer.state_bytes());
+      cpu_device_ops().cast(p.state_values.data(), config.optimizer.state_dtype, s.state.data(),
+                            DType::f32, s.state.size());
     }
     if (g.active && !p.reuse_grad) p.freed.push_back(&g.grad);
     if (now != nullptr && !p.reuse_state) {
@@ -567,7 +582,10 @@ void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan)
     g.kept.reset();
     if (p.to != nullptr) {
       p.to->upload(master.data(), s.master.data(), s.master.size() * 4);
-      if (!s.state.empty()) p.to->upload(sstate.data(), s.state.data(), s.state.size() * 4);
+      if (!p.state_values.empty())
+        p.to->upload(sstate.data(), p.state_values.data(), p.state_values.size());
+      else if (!s.state.empty())
+        p.to->upload(sstate.data(), s.state.data(), s.state.size() * 4);
     }
     if (s.active) {
       ops.fill_zero(grad.data(), grad.bytes());

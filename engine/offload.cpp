@@ -21,7 +21,8 @@ void Engine::Impl::allocate_staging(const std::vector<Group>& planned) {
   if (streamed()) {
     const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
     slot_master = space.allocate(2 * n * 4, Tag::master32, "offload master slots");
-    slot_state = space.allocate(2 * slots * n * 4, Tag::optim_state, "offload state slots");
+    slot_state = space.allocate(2 * slots * n * config.optimizer.state_bytes(), Tag::optim_state,
+                                "offload state slots");
     return;
   }
   MemorySpace& h = host_space();
@@ -59,14 +60,16 @@ void Engine::Impl::update_on_host(Group& g, const StepArgs& args, std::int64_t a
 namespace {
 
 // The master and state of elements [at, at + count) of a group's shard, in host memory.
-ShardTensors host_state(const Group& g, int slots, std::int64_t at, std::int64_t count) {
-  const auto shard = static_cast<std::size_t>(g.shard.numel());
+ShardTensors host_state(const Group& g, const OptimizerConfig& optimizer, std::int64_t at,
+                        std::int64_t count) {
+  const int slots = optimizer.state_slots();
   const auto i = static_cast<std::size_t>(at);
   ShardTensors t;
   t.master = g.master.as<float>() + i;
-  t.state0 = slots >= 1 ? g.state.as<float>() + i : nullptr;
-  t.state1 = slots >= 2 ? g.state.as<float>() + shard + i : nullptr;
+  t.state0 = g.state_at(0, slots, i, optimizer.state_bytes());
+  t.state1 = g.state_at(1, slots, i, optimizer.state_bytes());
   t.count = static_cast<std::size_t>(count);
+  t.state_dtype = optimizer.state_dtype;
   return t;
 }
 
@@ -75,7 +78,7 @@ ShardTensors host_state(const Group& g, int slots, std::int64_t at, std::int64_t
 void Engine::Impl::update_streamed(Group& g, const StepArgs& args, std::int64_t at,
                                    std::int64_t count) {
   const DType dtype = config.dtype, grad_dtype = config.grad_type();
-  StreamedPiece p{args, host_state(g, config.optimizer.state_slots(), at, count)};
+  StreamedPiece p{args, host_state(g, config.optimizer, at, count)};
   p.t.grad = reducer->partition(g) + static_cast<std::size_t>(at) * dtype_size(grad_dtype);
   p.t.param = g.param16_at(g.shard.begin + at, dtype_size(dtype));
   p.t.dtype = dtype;
@@ -92,8 +95,10 @@ void Engine::Impl::flush_host_updates() {
   streaming.clear();
   for (std::size_t k = 0; k < 2; ++k) {
     s.slot_master[k] = slot_master.as<float>() + k * n;
-    if (slots >= 1) s.slot_state0[k] = slot_state.as<float>() + k * slots * n;
-    if (slots >= 2) s.slot_state1[k] = slot_state.as<float>() + (k * slots + 1) * n;
+    const std::size_t state_bytes = config.optimizer.state_bytes();
+    std::byte* slot = slot_state.as<std::byte>();
+    if (slots >= 1) s.slot_state0[k] = slot + k * slots * n * state_bytes;
+    if (slots >= 2) s.slot_state1[k] = slot + (k * slots + 1) * n * state_bytes;
   }
   s.chunk = n;
   ops.update_streamed(config.optimizer, s);
@@ -103,13 +108,12 @@ void Engine::Impl::update_on_cpu(Group& g, const StepArgs& args, std::int64_t at
                                  std::int64_t count) {
   const DType dtype = config.dtype, grad_dtype = config.grad_type();
   const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
-  const int slots = config.optimizer.state_slots();
   const std::byte* grads = reducer->partition(g);
   for (std::int64_t done = 0; done < count; done += chunk) {
     const std::int64_t n = std::min(chunk, count - done);
     const auto i = static_cast<std::size_t>(at + done);
     space.download(staging_grad.data(), grads + i * gsize, static_cast<std::size_t>(n) * gsize);
-    ShardTensors t = host_state(g, slots, at + done, n);
+    ShardTensors t = host_state(g, config.optimizer, at + done, n);
     t.grad = staging_grad.data();
     t.param = staging_param.data();
     t.dtype = dtype;

@@ -71,6 +71,9 @@ void validate_optimizer_config(const OptimizerConfig& c, const ConfigNames& name
   require(c.momentum >= 0, name("momentum", "momentum"), c.momentum, ">= 0");
   require(c.dampening >= 0 && c.dampening <= 1, name("dampening", "dampening"), c.dampening,
           "in [0, 1]");
+  if (c.state_dtype != DType::f32 && c.state_dtype != DType::bf16)
+    throw ConfigError(fmt::format("{} = {}: must be fp32 or bf16",
+                                  name("state_dtype", "state_dtype"), dtype_name(c.state_dtype)));
   if (c.nesterov && !(c.momentum > 0 && c.dampening == 0)) {
     throw ConfigError(fmt::format("{} = true: needs {} > 0 (got {}) and {} = 0 (got {})",
                                   name("nesterov", "nesterov"), name("momentum", "momentum"),

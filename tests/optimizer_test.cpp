@@ -1255,7 +1255,7 @@ TEST_CASE("bf16 state: HostUpdater's threads and the streamed chunks give one up
     ShardTensors t;
   };
   const auto fresh = [&] {
-    Run run{master, m, v, std::vector<std::uint16_t>(n)};
+    Run run{master, m, v, std::vector<std::uint16_t>(n), {}};
     run.t = ShardTensors{run.master.data(), run.m.data(), run.v.data(), grad.data(),
                          run.param.data(), DType::bf16, DType::bf16, n};
     run.t.state_dtype = DType::bf16;

@@ -31,12 +31,11 @@ constexpr std::int64_t kCudaReserve = std::int64_t{1536} << 20;
 
 // The rates the search estimates step times by, an NVIDIA H200's as measured (docs/benchmarks.md):
 // the whole step's model FLOPs (MFU 0.42 of its 989 TFLOP/s in Qwen2.5 full fine-tunes), the
-// streamed update of state on the host (24 bytes a param, both directions of PCIe: 98 GB/s) and
-// the CPU update (2.2 Gparam/s over 16 cores). They order arrangements; the step times printed
-// beside them are estimates and say so.
+// streamed update of state on the host (master and state up and down, both directions of PCIe:
+// 98 GB/s) and the CPU update (2.2 Gparam/s over 16 cores). They order arrangements; the step
+// times printed beside them are estimates and say so.
 constexpr double kModelFlopsPerS = 4.0e14;
 constexpr double kStreamedBytesPerS = 98e9;
-constexpr double kStreamedBytesPerParam = 24.0;
 constexpr double kCpuParamsPerS = 2.2e9;
 
 std::string gib(std::int64_t bytes) {
@@ -226,7 +225,7 @@ std::vector<std::string> BudgetChoice::lines() const {
       searched.empty() ? std::string("nothing (the config sets every choice)")
                        : fmt::format("{}", fmt::join(searched, " and ")),
       arrangements, fitting, kModelFlopsPerS / 1e12, kStreamedBytesPerS / 1e9,
-      kStreamedBytesPerParam, kCpuParamsPerS / 1e9));
+      streamed_bytes_per_param, kCpuParamsPerS / 1e9));
   return out;
 }
 
@@ -238,6 +237,10 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   choice.placement_free = !c.has("zero_optimization.offload_optimizer");
   choice.recompute_free = !c.has("model.recompute_layers") && t.model->recomputable_layers() > 0;
   choice.recomputable = t.model->recomputable_layers();
+  // Up and down: the fp32 master and each state slot (24 bytes for AdamW's fp32 m and v).
+  choice.streamed_bytes_per_param =
+      2.0 * (4.0 + t.engine.optimizer.state_slots() *
+                       static_cast<double>(t.engine.optimizer.state_bytes()));
 
   std::vector<Placement> placements{t.engine.optimizer_placement};
   if (choice.placement_free) placements = {Placement::device, Placement::host};
@@ -261,7 +264,8 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
     if (placement == Placement::host)
       update_s = engine.offload_update == OffloadUpdate::cpu
                      ? static_cast<double>(shard) / kCpuParamsPerS
-                     : static_cast<double>(shard) * kStreamedBytesPerParam / kStreamedBytesPerS;
+                     : static_cast<double>(shard) * choice.streamed_bytes_per_param /
+                           kStreamedBytesPerS;
     for (const int r : recomputes) {
       Arrangement a;
       a.optimizer = placement;

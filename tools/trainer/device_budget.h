@@ -59,6 +59,7 @@ struct BudgetChoice {
   bool recompute_free = false;  ///< model.recompute_layers not given
   int recomputable = 0;         ///< the model's layers
   int arrangements = 0;         ///< searched
+  double streamed_bytes_per_param = 24.0;  ///< over PCIe a step, state on the host, streamed
   int fitting = 0;              ///< of them, within the budget
   std::vector<std::string> lines() const;
 };
