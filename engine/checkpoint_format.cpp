@@ -5,6 +5,7 @@
 
 #include <bit>
 #include <optional>
+#include <system_error>
 
 namespace shardswap {
 
@@ -246,11 +247,16 @@ void check_reader_fields(const json& meta, const fs::path& file) {
 
 json read_checkpoint_metadata(const fs::path& dir) {
   const fs::path file = dir / kMetadataName;
-  if (!fs::is_directory(dir))
-    throw ConfigError(fmt::format("checkpoint '{}' is not a directory", dir.string()));
-  if (!fs::exists(fs::symlink_status(file)))
-    throw ConfigError(fmt::format("'{}' is not a ShardSwap checkpoint: '{}' is missing",
-                                  dir.string(), file.string()));
+  // The non-throwing forms: a path the system refuses (too long, not searchable) is bad input,
+  // said as such, not a filesystem_error.
+  std::error_code error;
+  if (!fs::is_directory(dir, error))
+    throw ConfigError(fmt::format("checkpoint '{}' is not a directory{}", dir.string(),
+                                  error ? fmt::format(" ({})", error.message()) : ""));
+  if (!fs::exists(fs::symlink_status(file, error)))
+    throw ConfigError(fmt::format("'{}' is not a ShardSwap checkpoint: '{}' is missing{}",
+                                  dir.string(), file.string(),
+                                  error ? fmt::format(" ({})", error.message()) : ""));
   const InputFile in(file);
   if (in.size() > kMaxMetadataBytes)
     throw ConfigError(

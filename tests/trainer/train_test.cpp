@@ -680,3 +680,12 @@ TEST_CASE("the loss is the mean over the global batch's counted targets at world
       CHECK(std::abs(first - packed_loss) > 1e-4);  // 100 times the splits' spread
   }
 }
+
+TEST_CASE("a checkpoint.load path longer than the system allows is a config error naming the key") {
+  auto j = small_run();
+  j["checkpoint"]["load"] = "/tmp/" + std::string(5000, 'c');
+  const std::string msg = config_error(j);
+  CAPTURE(msg.substr(0, 200));
+  REQUIRE(test::config_shaped(msg, "test.json", "checkpoint.load"));
+  REQUIRE(msg.find("is not a directory") != std::string::npos);
+}
