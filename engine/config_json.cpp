@@ -271,6 +271,12 @@ void read_optimizer(ConfigReader& c, EngineConfig& cfg) {
   if (state_dtype != "fp32" && state_dtype != "bf16")
     c.fail_value(kStateDtype, "expected \"fp32\" or \"bf16\" (Adam's m and v, SGD's momentum)");
   o.state_dtype = state_dtype == "bf16" ? DType::bf16 : DType::f32;
+  constexpr std::string_view kMaster = "shardswap.master_weights";
+  const std::string master = c.string(kMaster, "fp32");
+  if (master != "fp32" && master != "bf16_remainder")
+    c.fail_value(kMaster, "expected \"fp32\" or \"bf16_remainder\" (the fp32 master as the bf16 "
+                          "weight and its low 16 bits)");
+  o.master = master == "bf16_remainder" ? MasterStorage::bf16_remainder : MasterStorage::fp32;
   o.lr = c.number(key("lr"), 1e-3);
   o.weight_decay = c.number(key("weight_decay"), 0.0);
   // Parameters of the other rule are not silently dropped: each gets a warning.

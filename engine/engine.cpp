@@ -308,6 +308,7 @@ MemoryPlan plan_of(const PlanSource& in,
   const auto gsize = static_cast<std::int64_t>(dtype_size(in.config.grad_type()));
   const auto slots = in.config.optimizer.state_slots();
   const auto state_bytes = static_cast<std::int64_t>(in.config.optimizer.state_bytes());
+  const auto master_bytes = static_cast<std::int64_t>(in.config.optimizer.master_bytes());
   const bool in_place = accumulates_in_place(in.config, in.world_size);
   const bool state_on_host = in.config.optimizer_placement == Placement::host;
   MemoryPlan plan;
@@ -329,14 +330,14 @@ MemoryPlan plan_of(const PlanSource& in,
       const bool on_host =
           state_on_host || (kept && now->kept->policy == DeactivatePolicy::keep_host);
       auto& where = on_host ? plan.host : plan.bytes;
-      add_to(where, Tag::master32, g.shard.numel() * 4);
+      add_to(where, Tag::master32, g.shard.numel() * master_bytes);
       add_to(where, Tag::optim_state, g.shard.numel() * state_bytes * slots);
     }
   }
   if (state_on_host) {  // the update's two slots on the device, or two staging buffers
     const std::int64_t chunk = in.built ? in.chunk : offload_chunk(in.config, planned);
     if (in.config.offload_update == OffloadUpdate::streamed) {
-      add(Tag::master32, 2 * chunk * 4);
+      add(Tag::master32, 2 * chunk * master_bytes);
       add(Tag::optim_state, 2 * chunk * state_bytes * slots);
     } else {
       add_host(Tag::grad, chunk * gsize);
@@ -727,7 +728,7 @@ StepResult Engine::step() {
         }
         ShardTensors t;
         const std::size_t state_bytes = impl_->config.optimizer.state_bytes();
-        t.master = g.master.as<float>() + at;
+        set_master(t, impl_->config.optimizer, g.master, at);
         t.state0 = g.state_at(0, slots, at, state_bytes);
         t.state1 = g.state_at(1, slots, at, state_bytes);
         t.grad = reducer.partition(g) + at * gsize;
@@ -838,14 +839,10 @@ std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {
   const Group& g = impl_->groups[p.group];
   std::vector<MasterPiece> pieces;
   if (!g.active) return pieces;  // a frozen group has no master
-  const float* master = g.master.as<float>();
-  const MemorySpace& from = *impl_->state_space(g);
   for (const auto& f : g.shard.fragments)
-    if (f.param == p.index_in_group) {
-      MasterPiece piece{f.param_offset, std::vector<float>(static_cast<std::size_t>(f.count))};
-      from.download(piece.values.data(), master + f.shard_offset, f.count * sizeof(float));
-      pieces.push_back(std::move(piece));
-    }
+    if (f.param == p.index_in_group)
+      pieces.push_back(MasterPiece{f.param_offset,
+                                   impl_->master_values(g, g.master, f.shard_offset, f.count)});
   return pieces;
 }
 

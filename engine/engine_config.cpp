@@ -88,6 +88,11 @@ void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {
   if (c.offload_chunk_elements == 0)
     fail("shardswap.offload_chunk_elements", "offload_chunk_elements", "0", "must be >= 1");
   validate_optimizer_config(c.optimizer, name.nested("optimizer.params", "optimizer"));
+  // The weight is the master's high half: the master can only be split beside bf16 weights.
+  if (c.optimizer.master == MasterStorage::bf16_remainder && c.dtype != DType::bf16)
+    fail("shardswap.master_weights", "optimizer.master", quote_value("bf16_remainder"),
+         fmt::format("the master's high half is the bf16 weight: needs bf16 params, not {}",
+                     dtype_name(c.dtype)));
   if (c.dtype == DType::f16)
     validate_loss_scale_config(c.loss_scale, name.nested("fp16", "loss_scale"));
 }

@@ -167,6 +167,9 @@ struct Engine::Impl {
     /// The state's values in the engine's state dtype, when it is not fp32 (rounded here, where a
     /// failure changes nothing); empty: the TrainingState's fp32 values are uploaded as they are.
     std::vector<std::byte> state_values;
+    /// MasterStorage::bf16_remainder: the TrainingState's masters split into the low halves (the
+    /// master buffer's bytes) and the bf16 weights of the shard (written over the param's).
+    std::vector<std::uint16_t> master_low, master_weight;
   };
   struct RestorePlan {
     std::vector<GroupRestore> groups;  // as `groups`
@@ -174,12 +177,27 @@ struct Engine::Impl {
   };
   /// Throws ConfigError "<fn>: ..." unless `state` fits this engine; changes nothing.
   void check_restorable(const TrainingState& state, const char* fn) const;
+  /// The fp32 master values of shard elements [at, at + count) of group `g`, whose master (its
+  /// active one, or the one it keeps) is `master`: as stored, or joined from the low halves and
+  /// the bf16 weights (MasterStorage::bf16_remainder).
+  std::vector<float> master_values(const Group& g, const Buffer& master, std::int64_t at,
+                                   std::int64_t count) const;
   /// Allocates what `state` needs that the groups do not hold already; changes nothing of the
   /// engine (a failure, or dropping the plan, frees what it took).
   RestorePlan plan_restore(const TrainingState& state);
   /// Moves the plan's buffers in, copies `state` into them and gives back what they replace.
   void commit_restore(const TrainingState& state, RestorePlan& plan);
 };
+
+/// Points `t` at the master of shard element `at` on in `master` (a group's master buffer): fp32
+/// values, or their low halves under MasterStorage::bf16_remainder.
+inline void set_master(ShardTensors& t, const OptimizerConfig& optimizer, const Buffer& master,
+                       std::size_t at) {
+  if (optimizer.master == MasterStorage::bf16_remainder)
+    t.master_low = master.as<std::uint16_t>() + at;
+  else
+    t.master = master.as<float>() + at;
+}
 
 /// Elements per chunk of an update with the state on the host: the configured chunk, capped at
 /// the largest shard of `groups` (at least 1).

@@ -5,11 +5,13 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <set>
 
 #include "engine/engine_impl.h"
+#include "optimizer/master_split.h"
 #include "support/quoted.h"
 
 namespace shardswap {
@@ -77,7 +79,8 @@ KeptState Engine::Impl::kept_on_host(MemorySpace& host, const Group& g,
   const auto shard = static_cast<std::size_t>(g.shard.numel());
   const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
   KeptState k{DeactivatePolicy::keep_host, {}, {}, step};
-  k.master = host.allocate(shard * 4, Tag::master32, master_label(g, true));
+  k.master =
+      host.allocate(shard * config.optimizer.master_bytes(), Tag::master32, master_label(g, true));
   k.state = host.allocate(slots * shard * config.optimizer.state_bytes(), Tag::optim_state,
                           state_label(g, true));
   return k;
@@ -162,13 +165,19 @@ void Engine::Impl::allocate_active_state(Group& g) {
   std::int64_t step = 0;
   const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
   if (!in_place) {
-    master = take_state(where, shard * 4, Tag::master32, master_label(g));
+    master = take_state(where, shard * config.optimizer.master_bytes(), Tag::master32,
+                        master_label(g));
     state = take_state(where, slots * shard * config.optimizer.state_bytes(), Tag::optim_state,
                        state_label(g));
     if (g.kept) {  // keep_host with the state on the device: exact copies back
       space.upload(master.data(), g.kept->master.data(), master.bytes());
       space.upload(state.data(), g.kept->state.data(), state.bytes());
       step = g.kept->step;
+    } else if (config.optimizer.master == MasterStorage::bf16_remainder) {
+      // The master is the bf16 weight exactly: low halves of zero.
+      const DeviceOps& at = &where == &space ? ops : cpu_device_ops();
+      at.fill_zero(master.data(), master.bytes());
+      at.fill_zero(state.data(), state.bytes());
     } else if (&where == &space) {
       ops.cast(master.data(), DType::f32, g.param16_at(g.shard.begin, psize), dtype, shard);
       ops.fill_zero(state.data(), state.bytes());
@@ -415,6 +424,23 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
 
 // ---- checkpoints ----
 
+std::vector<float> Engine::Impl::master_values(const Group& g, const Buffer& master,
+                                               std::int64_t at, std::int64_t count) const {
+  const MemorySpace& from = *state_space(g);
+  const auto n = static_cast<std::size_t>(count);
+  std::vector<float> out(n);
+  if (config.optimizer.master == MasterStorage::fp32) {
+    from.download(out.data(), master.as<float>() + at, n * sizeof(float));
+    return out;
+  }
+  std::vector<std::uint16_t> low(n), weight(n);
+  from.download(low.data(), master.as<std::uint16_t>() + at, n * 2);
+  space.download(weight.data(), g.param16_at(g.shard.begin + at, 2), n * 2);
+  for (std::size_t e = 0; e < n; ++e)
+    out[e] = std::bit_cast<float>(detail::join_master(weight[e], low[e]));
+  return out;
+}
+
 TrainingState Engine::training_state(bool with_weights) const {
   impl_->require_built("training_state");
   impl_->require_none_pending("Engine::training_state");
@@ -436,9 +462,8 @@ TrainingState Engine::training_state(bool with_weights) const {
     }
     if (master != nullptr) {
       const auto shard = static_cast<std::size_t>(g.shard.numel());
-      s.master.resize(shard);
+      s.master = impl_->master_values(g, *master, 0, static_cast<std::int64_t>(shard));
       s.state.resize(slots * shard);
-      from->download(s.master.data(), master->data(), shard * sizeof(float));
       const DType state_dtype = impl_->config.optimizer.state_dtype;
       if (!s.state.empty() && state_dtype == DType::f32) {
         from->download(s.state.data(), state->data(), s.state.size() * 4);
@@ -535,9 +560,20 @@ Engine::Impl::RestorePlan Engine::Impl::plan_restore(const TrainingState& state)
                     reducer->grad_label(g));
     if (p.to != nullptr && !p.reuse_state) {
       const bool kept_on_host = !s.active && wants_host;
-      p.master = take_state(*p.to, shard * 4, Tag::master32, master_label(g, kept_on_host));
+      p.master = take_state(*p.to, shard * config.optimizer.master_bytes(), Tag::master32,
+                            master_label(g, kept_on_host));
       p.state = take_state(*p.to, slots * shard * config.optimizer.state_bytes(),
                            Tag::optim_state, state_label(g, kept_on_host));
+    }
+    if (p.to != nullptr && config.optimizer.master == MasterStorage::bf16_remainder) {
+      p.master_low.resize(s.master.size());
+      p.master_weight.resize(s.master.size());
+      for (std::size_t e = 0; e < s.master.size(); ++e) {
+        const detail::MasterHalves h =
+            detail::split_master(std::bit_cast<std::uint32_t>(s.master[e]));
+        p.master_low[e] = h.low;
+        p.master_weight[e] = h.weight;
+      }
     }
     if (p.to != nullptr && config.optimizer.state_dtype != DType::f32 && !s.state.empty()) {
       p.state_values.resize(s.state.size() * config.optimizer.state_bytes());
@@ -580,8 +616,11 @@ void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan)
     for (Buffer* b : {&g.master, &g.state})
       if (b->valid()) give_up_state(*b, event, ReleasePolicy::fail_if_pinned);
     g.kept.reset();
-    if (p.to != nullptr) {
+    if (!p.master_low.empty())
+      p.to->upload(master.data(), p.master_low.data(), p.master_low.size() * 2);
+    else if (p.to != nullptr)
       p.to->upload(master.data(), s.master.data(), s.master.size() * 4);
+    if (p.to != nullptr) {
       if (!p.state_values.empty())
         p.to->upload(sstate.data(), p.state_values.data(), p.state_values.size());
       else if (!s.state.empty())
@@ -601,6 +640,13 @@ void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan)
   }
   for (std::size_t i = 0; i < params.size(); ++i)
     space.upload(params[i].weight.raw(), state.weights[i].data(), state.weights[i].size());
+  // A master kept as low halves is the bf16 weight's too: the shard's weights are the masters'
+  // high halves (the same as the weights saved beside them unless saved under fp32 masters,
+  // where a tie rounded to even differs), written after the weights.
+  for (std::size_t i = 0; i < groups.size(); ++i)
+    if (!plan.groups[i].master_weight.empty())
+      space.upload(groups[i].param16_at(groups[i].shard.begin, 2), plan.groups[i].master_weight.data(),
+                   plan.groups[i].master_weight.size() * 2);
   scaler.restore(state.scaler);
   config.optimizer.lr = state.lr;
   release_idle_host();
@@ -622,6 +668,12 @@ void Engine::restore_training_state(const TrainingState& state) {
 
 View Engine::master(const std::string& group) const {
   Group& g = impl_->group_named(group, "master");
+  if (impl_->config.optimizer.master == MasterStorage::bf16_remainder)
+    throw StateError(fmt::format(
+        "Engine::master: group '{}': the master is kept as the bf16 weights and their low 16 bits "
+        "(shardswap.master_weights = bf16_remainder), not as fp32 values: read it with "
+        "master_pieces()",
+        group));
   if (!g.active)
     throw StateError(fmt::format("Engine::master: group '{}' is frozen: it has no master", group));
   return g.master.view(0, static_cast<std::size_t>(g.shard.numel()), DType::f32,

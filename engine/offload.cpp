@@ -20,7 +20,8 @@ void Engine::Impl::allocate_staging(const std::vector<Group>& planned) {
   const auto n = static_cast<std::size_t>(chunk);
   if (streamed()) {
     const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
-    slot_master = space.allocate(2 * n * 4, Tag::master32, "offload master slots");
+    slot_master = space.allocate(2 * n * config.optimizer.master_bytes(), Tag::master32,
+                                 "offload master slots");
     slot_state = space.allocate(2 * slots * n * config.optimizer.state_bytes(), Tag::optim_state,
                                 "offload state slots");
     return;
@@ -65,7 +66,7 @@ ShardTensors host_state(const Group& g, const OptimizerConfig& optimizer, std::i
   const int slots = optimizer.state_slots();
   const auto i = static_cast<std::size_t>(at);
   ShardTensors t;
-  t.master = g.master.as<float>() + i;
+  set_master(t, optimizer, g.master, i);
   t.state0 = g.state_at(0, slots, i, optimizer.state_bytes());
   t.state1 = g.state_at(1, slots, i, optimizer.state_bytes());
   t.count = static_cast<std::size_t>(count);
@@ -94,7 +95,7 @@ void Engine::Impl::flush_host_updates() {
   s.pieces = std::move(streaming);
   streaming.clear();
   for (std::size_t k = 0; k < 2; ++k) {
-    s.slot_master[k] = slot_master.as<float>() + k * n;
+    s.slot_master[k] = slot_master.as<std::byte>() + k * n * config.optimizer.master_bytes();
     const std::size_t state_bytes = config.optimizer.state_bytes();
     std::byte* slot = slot_state.as<std::byte>();
     if (slots >= 1) s.slot_state0[k] = slot + k * slots * n * state_bytes;
@@ -113,6 +114,10 @@ void Engine::Impl::update_on_cpu(Group& g, const StepArgs& args, std::int64_t at
     const std::int64_t n = std::min(chunk, count - done);
     const auto i = static_cast<std::size_t>(at + done);
     space.download(staging_grad.data(), grads + i * gsize, static_cast<std::size_t>(n) * gsize);
+    // A master kept as low halves is joined with the bf16 weights, which come down too.
+    if (config.optimizer.master == MasterStorage::bf16_remainder)
+      space.download(staging_param.data(), g.param16_at(g.shard.begin + at + done, psize),
+                     static_cast<std::size_t>(n) * psize);
     ShardTensors t = host_state(g, config.optimizer, at + done, n);
     t.grad = staging_grad.data();
     t.param = staging_param.data();

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdint>
 
 #include "optimizer/optimizer.h"
 
@@ -28,7 +29,10 @@ bool check_streamed(const char* fn, const OptimizerConfig& config, const Streame
 inline ShardTensors slot_tensors(const StreamedTensors& s, const ShardTensors& p, int slot,
                                  std::size_t at, std::size_t n) {
   ShardTensors c = p;
-  c.master = s.slot_master[slot];
+  if (p.master_low != nullptr)
+    c.master_low = static_cast<std::uint16_t*>(s.slot_master[slot]);
+  else
+    c.master = static_cast<float*>(s.slot_master[slot]);
   c.state0 = p.state0 != nullptr ? s.slot_state0[slot] : nullptr;
   c.state1 = p.state1 != nullptr ? s.slot_state1[slot] : nullptr;
   c.grad = static_cast<const std::byte*>(p.grad) + at * dtype_size(p.grad_dtype);
@@ -45,14 +49,18 @@ struct ChunkCopy {
 };
 
 /// The copies of elements [at, at + n) of piece `p` (host memory) and its slot tensors `c`: the
-/// master, then each state slot in the piece's state dtype.
+/// master (fp32, or its low halves), then each state slot in the piece's state dtype.
 inline std::array<ChunkCopy, 3> chunk_copies(const ShardTensors& p, const ShardTensors& c,
                                              std::size_t at, std::size_t n) {
   const std::size_t state = dtype_size(p.state_dtype);
   const auto host_state = [&](void* h) {
     return h == nullptr ? nullptr : static_cast<void*>(static_cast<std::byte*>(h) + at * state);
   };
-  return {ChunkCopy{c.master, p.master + at, n * sizeof(float)},
+  const ChunkCopy master =
+      p.master_low != nullptr
+          ? ChunkCopy{c.master_low, p.master_low + at, n * sizeof(std::uint16_t)}
+          : ChunkCopy{c.master, p.master + at, n * sizeof(float)};
+  return {master,
           ChunkCopy{c.state0, host_state(p.state0), n * state},
           ChunkCopy{c.state1, host_state(p.state1), n * state}};
 }

@@ -55,6 +55,10 @@ const char* optimizer_type_name(OptimizerType type) {
   return "?";
 }
 
+const char* master_storage_name(MasterStorage storage) {
+  return storage == MasterStorage::fp32 ? "fp32" : "bf16_remainder";
+}
+
 // Keys follow the DeepSpeed / torch.optim JSON spelling: "betas" is a pair, so beta1 and beta2
 // are named "betas[0]" and "betas[1]" (fields: beta1, beta2).
 void validate_optimizer_config(const OptimizerConfig& c, const ConfigNames& name) {
@@ -160,6 +164,10 @@ bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs&
   if (t.state_dtype != DType::f32 && t.state_dtype != DType::bf16)
     throw ConfigError(fmt::format("{}: state dtype {} is not fp32 or bf16", fn,
                                   dtype_name(t.state_dtype)));
+  const bool low = config.master == MasterStorage::bf16_remainder;
+  if (low && t.dtype != DType::bf16)
+    throw ConfigError(fmt::format("{}: master kept as bf16_remainder needs bf16 params, not {}", fn,
+                                  dtype_name(t.dtype)));
   if (t.count == 0) return false;
   if (args.step < 1)
     throw ConfigError(
@@ -167,7 +175,10 @@ bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs&
   const auto shard = [&](const void* p, const char* name) {
     require_data(p, fn, name, t.count, "elements of a shard");
   };
-  shard(t.master, "master");
+  if (low)
+    shard(t.master_low, "master_low");
+  else
+    shard(t.master, "master");
   shard(t.grad, "grad");
   shard(t.param, "param");
   if (config.state_slots() >= 1) shard(t.state0, "state0");

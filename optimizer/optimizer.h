@@ -27,7 +27,9 @@ struct StepArgs {
 /// updated in fp32 and stored rounded to nearest even; the master update uses the fp32 values of
 /// this step, so from the same inputs it gives the fp32 state's master and param bits). `param` is
 /// bit16 of `dtype`; `grad` is of `grad_dtype`: the same bit16 type, or fp32 when gradients are
-/// accumulated in fp32.
+/// accumulated in fp32. The master is `master` (fp32 values) or, when the config's master is
+/// MasterStorage::bf16_remainder, `master_low`: the low 16 bits of each fp32 master value, whose
+/// high bits are the bf16 `param`'s (master_split.h); the update reads both and writes both.
 struct ShardTensors {
   float* master = nullptr;
   void* state0 = nullptr;
@@ -38,6 +40,7 @@ struct ShardTensors {
   DType grad_dtype = DType::bf16;
   std::size_t count = 0;
   DType state_dtype = DType::f32;
+  std::uint16_t* master_low = nullptr;  ///< last: positional initializers end before it
 };
 
 /// One stretch of a shard update whose fp32 master and state live in host memory (`t.master`,
@@ -53,7 +56,7 @@ struct StreamedPiece {
 /// form one pipeline: chunk k of all of them, in order, goes through slot k % 2.
 struct StreamedTensors {
   std::vector<StreamedPiece> pieces;
-  float* slot_master[2] = {nullptr, nullptr};
+  void* slot_master[2] = {nullptr, nullptr};  ///< fp32 masters, or their low halves
   void* slot_state0[2] = {nullptr, nullptr};  ///< of the pieces' state_dtype (one for all)
   void* slot_state1[2] = {nullptr, nullptr};
   std::size_t chunk = 0;

@@ -3,7 +3,9 @@
 // through switches and checkpoints, host bytes planned = measured, and the JSON keys.
 #include <fmt/format.h>
 
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -44,11 +46,13 @@ constexpr OffloadUpdate kWays[] = {OffloadUpdate::streamed, OffloadUpdate::cpu};
 
 EngineConfig config_at(Placement placement, int stage,
                        OffloadUpdate way = OffloadUpdate::streamed,
-                       DType state_dtype = DType::f32) {
+                       DType state_dtype = DType::f32,
+                       MasterStorage master = MasterStorage::fp32) {
   EngineConfig cfg = test_support::small_lisa_config(stage);
   cfg.optimizer_placement = placement;
   cfg.offload_update = way;
   cfg.optimizer.state_dtype = state_dtype;
+  cfg.optimizer.master = master;
   cfg.offload_chunk_elements = 97;  // chunks end inside params and decay spans
   return cfg;
 }
@@ -57,12 +61,13 @@ EngineConfig config_at(Placement placement, int stage,
 // (several decay spans per shard), 20 steps. Returns rank 0's training state with weights.
 TrainingState lisa_run(Placement placement, int stage, DeactivatePolicy policy,
                        OffloadUpdate way = OffloadUpdate::streamed,
-                       DType state_dtype = DType::f32) {
+                       DType state_dtype = DType::f32,
+                       MasterStorage master = MasterStorage::fp32) {
   TrainingState out;
   std::mutex mu;
   run_ranks(2, [&](int rank, Communicator& comm) {
     MemorySpace space(rank, make_host_allocator());
-    Engine e(config_at(placement, stage, way, state_dtype), comm, space);
+    Engine e(config_at(placement, stage, way, state_dtype, master), comm, space);
     test_support::declare_small_lisa_model(e);
     e.set_param_weight_decay("layers.1.norm", 0.0);
     e.set_param_weight_decay("head.weight", 0.3);
@@ -378,4 +383,192 @@ TEST_CASE("shardswap.optimizer_state_dtype reads fp32 or bf16 and refuses anythi
   bad.state_dtype = DType::f16;
   REQUIRE(test::contains(test::message_of<ConfigError>([&] { bad.validate(); }),
                          "OptimizerConfig.state_dtype = fp16: must be fp32 or bf16"));
+}
+
+// --- the master as the bf16 weight and its low half (shardswap.master_weights) ---------------
+
+namespace {
+
+constexpr MasterStorage kLow = MasterStorage::bf16_remainder;
+
+// Elements whose weights differ between `a` (fp32 masters) and `b` (low halves), other than
+// where a's master is a tie that rounds to even (b rounds it away from zero).
+std::size_t weights_off_but_ties(const TrainingState& a, const TrainingState& b) {
+  std::size_t off = 0;
+  for (std::size_t p = 0; p < a.weights.size(); ++p)
+    for (std::size_t i = 0; i + 1 < a.weights[p].size(); i += 2)
+      off += std::memcmp(a.weights[p].data() + i, b.weights[p].data() + i, 2) != 0;
+  std::size_t ties = 0;  // every differing weight must be one of these
+  for (const auto& g : a.groups)
+    for (float x : g.master) {
+      const auto bits = std::bit_cast<std::uint32_t>(x);
+      ties += (bits & 0xFFFFu) == 0x8000u && ((bits >> 16) & 1u) == 0;
+    }
+  return off > ties ? off - ties : 0;
+}
+
+}  // namespace
+
+TEST_CASE("bf16_remainder matches the float64 reference under every policy, stage and placement") {
+  for (DeactivatePolicy policy :
+       {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
+    for (int stage : {1, 2})
+      for (Placement placement : {Placement::device, Placement::host}) {
+        Case c{4, stage, DType::bf16, OptimizerType::adamw};
+        c.switches = test_support::switching_schedule();
+        c.policy = policy;
+        c.optimizer_placement = placement;
+        c.master = kLow;
+        CAPTURE(deactivate_policy_name(policy), stage, placement_name(placement));
+        test_support::check_against_reference(c, cpu_backend());
+      }
+  for (OptimizerType rule : {OptimizerType::adam, OptimizerType::sgd}) {
+    Case c{2, 2, DType::bf16, rule};
+    c.master = kLow;
+    c.state_dtype = DType::bf16;
+    CAPTURE(optimizer_type_name(rule));
+    test_support::check_against_reference(c, cpu_backend());
+  }
+}
+
+TEST_CASE("bf16_remainder keeps the fp32 masters' bits in 2 bytes a param, on the device and on "
+          "the host both ways, through switches") {
+  for (DeactivatePolicy policy :
+       {DeactivatePolicy::drop, DeactivatePolicy::keep_host, DeactivatePolicy::keep_device})
+    for (DType state_dtype : {DType::f32, DType::bf16}) {
+      CAPTURE(deactivate_policy_name(policy), dtype_name(state_dtype));
+      const TrainingState device =
+          lisa_run(Placement::device, 2, policy, OffloadUpdate::streamed, state_dtype, kLow);
+      for (OffloadUpdate way : kWays) {
+        CAPTURE(offload_update_name(way));
+        require_same_bits(device,
+                          lisa_run(Placement::host, 2, policy, way, state_dtype, kLow));
+      }
+      // The gradients do not depend on the weights here, so the masters are the fp32 masters'
+      // bits at the end, and the weights theirs but at ties.
+      const TrainingState f32 =
+          lisa_run(Placement::device, 2, policy, OffloadUpdate::streamed, state_dtype);
+      for (std::size_t i = 0; i < f32.groups.size(); ++i) {
+        CAPTURE(f32.groups[i].group);
+        REQUIRE(f32.groups[i].master == device.groups[i].master);
+        REQUIRE(f32.groups[i].state == device.groups[i].state);
+      }
+      REQUIRE(weights_off_but_ties(f32, device) == 0);
+    }
+  // The plan: the master's bytes halve, on the device and on the host (lisa_run checks that the
+  // engine holds what its plan says at every step).
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    for (Placement placement : {Placement::device, Placement::host}) {
+      MemorySpace space(rank, make_host_allocator());
+      const auto decls = [&] {
+        Engine probe(config_at(placement, 2), comm, space);
+        test_support::declare_small_lisa_model(probe);
+        std::vector<ParamDeclaration> out;
+        for (const auto& p : probe.params()) out.push_back({p.name, p.shape, p.group});
+        return out;
+      }();
+      const MemoryPlan f32 = plan_memory(config_at(placement, 2), 1, 0, decls);
+      const MemoryPlan low = plan_memory(
+          config_at(placement, 2, OffloadUpdate::streamed, DType::f32, kLow), 1, 0, decls);
+      RANK_REQUIRE(f32.of(Tag::master32) + f32.host_of(Tag::master32) ==
+                   2 * (low.of(Tag::master32) + low.host_of(Tag::master32)));
+      RANK_REQUIRE(low.of(Tag::master32) + low.host_of(Tag::master32) > 0);
+      RANK_REQUIRE(f32.of(Tag::optim_state) == low.of(Tag::optim_state));
+    }
+  });
+}
+
+TEST_CASE("bf16_remainder: a training state moves to fp32 masters and back, and between "
+          "placements, bit for bit") {
+  // Ten steps under one storage and placement, the state handed to an engine of the other,
+  // ten more there; the masters are fp32 values in the TrainingState either way.
+  auto run = [&](MasterStorage first, Placement first_at, MasterStorage second,
+                 Placement second_at) {
+    TrainingState out;
+    std::mutex mu;
+    run_ranks(2, [&](int rank, Communicator& comm) {
+      TrainingState half;
+      {
+        MemorySpace space(rank, make_host_allocator());
+        Engine e(config_at(first_at, 2, OffloadUpdate::streamed, DType::f32, first), comm,
+                 space);
+        test_support::declare_small_lisa_model(e);
+        e.build(sine_init);
+        for (int step = 0; step < 10; ++step) {
+          if (step == 5) e.deactivate("layers.3", DeactivatePolicy::keep_host);
+          add_cosine_grads(e, rank, step);
+          e.step();
+        }
+        half = e.training_state(true);
+      }
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(config_at(second_at, 2, OffloadUpdate::streamed, DType::f32, second), comm,
+               space);
+      test_support::declare_small_lisa_model(e);
+      e.build(sine_init, std::vector<std::string>{"embed"});
+      e.restore_training_state(half);
+      require_plan_held(e, "after the restore");
+      {
+        // Restored: the masters are the state's, exactly.
+        const TrainingState back = e.training_state(true);
+        for (std::size_t i = 0; i < half.groups.size(); ++i)
+          RANK_REQUIRE(back.groups[i].master == half.groups[i].master);
+      }
+      for (int step = 10; step < 20; ++step) {
+        if (step == 15) e.activate("layers.3");
+        add_cosine_grads(e, rank, step);
+        e.step();
+      }
+      TrainingState s = e.training_state(true);
+      std::lock_guard lock(mu);
+      if (rank == 0) out = std::move(s);
+    });
+    return out;
+  };
+  constexpr MasterStorage kF32 = MasterStorage::fp32;
+  const TrainingState low = run(kLow, Placement::device, kLow, Placement::device);
+  require_same_bits(low, run(kLow, Placement::host, kLow, Placement::device));
+  require_same_bits(low, run(kLow, Placement::device, kLow, Placement::host));
+  const TrainingState f32 = run(kF32, Placement::device, kF32, Placement::device);
+  for (const TrainingState& mixed : {run(kF32, Placement::device, kLow, Placement::host),
+                                     run(kLow, Placement::host, kF32, Placement::device)}) {
+    for (std::size_t i = 0; i < f32.groups.size(); ++i)
+      REQUIRE(mixed.groups[i].master == f32.groups[i].master);
+    REQUIRE(weights_off_but_ties(f32, mixed) == 0);
+  }
+}
+
+TEST_CASE("shardswap.master_weights reads fp32 or bf16_remainder; fp16 params, a bad value and "
+          "Engine::master are refused, naming them") {
+  auto read = [](const nlohmann::json& master, bool bf16 = true) {
+    nlohmann::json j = {{"train_micro_batch_size_per_gpu", 1},
+                        {bf16 ? "bf16" : "fp16", {{"enabled", true}}},
+                        {"shardswap", {{"master_weights", master}}}};
+    ConfigReader reader(j, "test.json");
+    return engine_config_from_json(reader, BatchSizes{});
+  };
+  REQUIRE(read("bf16_remainder").optimizer.master == kLow);
+  REQUIRE(read("fp32").optimizer.master == MasterStorage::fp32);
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { read("bf16"); }),
+                         "test.json: shardswap.master_weights = \"bf16\": expected"));
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { read("bf16_remainder", false); }),
+                         "shardswap.master_weights = \"bf16_remainder\": the master's high half "
+                         "is the bf16 weight: needs bf16 params, not fp16"));
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(config_at(Placement::device, 2, OffloadUpdate::streamed, DType::f32, kLow), comm,
+             space);
+    test_support::declare_small_lisa_model(e);
+    e.build(sine_init);
+    RANK_REQUIRE(test::contains(test::message_of<StateError>([&] { e.master("embed"); }),
+                                "Engine::master: group 'embed': the master is kept as the bf16 "
+                                "weights and their low 16 bits"));
+    // master_pieces joins the halves: the build's masters are the weights exactly.
+    for (const auto& p : e.params()) {
+      const std::vector<float> w = e.read_weight(p.name);
+      for (const auto& piece : e.master_pieces(p.name))
+        for (std::size_t k = 0; k < piece.values.size(); ++k)
+          RANK_REQUIRE(piece.values[k] == w[static_cast<std::size_t>(piece.param_offset) + k]);
+    }
+  });
 }

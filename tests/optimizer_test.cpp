@@ -19,6 +19,7 @@
 #include "shardswap/error.h"
 #include "shardswap/loss_scaler.h"
 #include "optimizer/host_updater.h"
+#include "optimizer/master_split.h"
 #include "optimizer/optimizer.h"
 #include "optimizer/update_scalars.h"
 #include "tests/catch_compat.h"
@@ -1312,4 +1313,196 @@ TEST_CASE("a state dtype other than fp32 or bf16 is refused, naming it") {
   const auto msg = test::message_of<ConfigError>(
       [&] { cpu_device_ops().update(make(OptimizerType::adamw), StepArgs{}, t); });
   CHECK(msg.find("state dtype fp16 is not fp32 or bf16") != std::string::npos);
+}
+
+// --- the master as the bf16 weight and its low half (MasterStorage::bf16_remainder) ---------
+
+TEST_CASE("bf16_remainder: a master splits into a bf16 weight and a low half that join to its "
+          "bits, the weight its nearest bf16 with ties away from zero") {
+  std::mt19937 rng(3);
+  std::size_t not_joined = 0, off_nearest = 0, ties = 0, tie_not_away = 0, nan_not_canonical = 0;
+  for (std::uint32_t high = 0; high < 0x10000u; ++high)
+    for (std::uint32_t low : {0u, 1u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu,
+                              static_cast<std::uint32_t>(rng() & 0xFFFFu)}) {
+      const std::uint32_t bits = (high << 16) | low;
+      const float x = std::bit_cast<float>(bits);
+      const detail::MasterHalves h = detail::split_master(bits);
+      if (std::isnan(x)) {
+        nan_not_canonical += h.weight != 0x7FC0 || h.low != 0;
+        continue;
+      }
+      not_joined += detail::join_master(h.weight, h.low) != bits;
+      if (low == 0x8000u && (high & 1u) == 0) {  // a tie ties-to-even would round down
+        ++ties;
+        tie_not_away += h.weight != high + 1;
+      } else {
+        off_nearest += h.weight != round_bf16(x);
+      }
+    }
+  CHECK(not_joined == 0);
+  CHECK(off_nearest == 0);
+  CHECK(ties > 30000);
+  CHECK(tie_not_away == 0);
+  CHECK(nan_not_canonical == 0);
+}
+
+namespace {
+
+// Every rule: the stateful ones and plain SGD.
+const OptimizerConfig& rule_with_master(int i, MasterStorage master) {
+  static OptimizerConfig rules[2][5];
+  OptimizerConfig& c = rules[master == MasterStorage::fp32 ? 0 : 1][i];
+  c = i < 4 ? nth_rule(i) : make(OptimizerType::sgd);
+  c.master = master;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("bf16_remainder: every step's master joined from weight and low half has the fp32 "
+          "master's bits, the weight its high half") {
+  for (int r = 0; r < 5; ++r)
+    for (DType state_dtype : {DType::f32, DType::bf16})
+      for (DType grad_dtype : {DType::bf16, DType::f32})
+        for (std::size_t n : {1, 17, 513, 4099}) {
+          const OptimizerConfig& f32 = rule_with_master(r, MasterStorage::fp32);
+          const OptimizerConfig& low = rule_with_master(r, MasterStorage::bf16_remainder);
+          const int slots = f32.state_slots();
+          INFO("rule " << r << ", state " << dtype_name(state_dtype) << ", grad "
+                       << dtype_name(grad_dtype) << ", " << n);
+          std::mt19937 rng(11);
+          std::vector<float> master = random_values(rng, n, 0.05f, 1.0f);
+          std::vector<std::uint16_t> weight(n), low_half(n), param32(n);
+          for (std::size_t i = 0; i < n; ++i) {
+            const auto h = detail::split_master(std::bit_cast<std::uint32_t>(master[i]));
+            weight[i] = h.weight;
+            low_half[i] = h.low;
+          }
+          const std::size_t state_bytes = dtype_size(state_dtype);
+          std::vector<std::byte> state(2 * n * state_bytes);
+          {
+            std::vector<float> s = random_values(rng, 2 * n, 1e-6f, 1e-2f);
+            for (std::size_t i = n; i < 2 * n; ++i) s[i] = std::abs(s[i]);  // v >= 0
+            for (std::size_t i = 0; i < 2 * n; ++i) {
+              if (state_dtype == DType::f32) {
+                std::memcpy(state.data() + 4 * i, &s[i], 4);
+              } else {
+                const std::uint16_t b = round_bf16(s[i]);
+                std::memcpy(state.data() + 2 * i, &b, 2);
+              }
+            }
+          }
+          std::vector<std::byte> state32 = state;
+          std::size_t ties_seen = 0;
+          for (std::int64_t step = 1; step <= 5; ++step) {
+            INFO("step " << step);
+            const Data grad = random_typed(rng, grad_dtype, n, 0.01f, 2.0f);
+            const StepArgs args{step, 1e-2, 0.1, 0.37f};
+            ShardTensors a{master.data(), slots >= 1 ? state32.data() : nullptr,
+                           slots >= 2 ? state32.data() + n * state_bytes : nullptr, grad.data(),
+                           param32.data(), DType::bf16, grad_dtype, n};
+            a.state_dtype = state_dtype;
+            cpu_device_ops().update(f32, args, a);
+            ShardTensors b{nullptr, slots >= 1 ? state.data() : nullptr,
+                           slots >= 2 ? state.data() + n * state_bytes : nullptr, grad.data(),
+                           weight.data(), DType::bf16, grad_dtype, n};
+            b.state_dtype = state_dtype;
+            b.master_low = low_half.data();
+            cpu_device_ops().update(low, args, b);
+            std::size_t not_joined = 0, not_high = 0, off_param = 0;
+            for (std::size_t i = 0; i < n; ++i) {
+              const auto bits = std::bit_cast<std::uint32_t>(master[i]);
+              not_joined += detail::join_master(weight[i], low_half[i]) != bits;
+              not_high += weight[i] != detail::split_master(bits).weight;
+              const bool tie = (bits & 0xFFFFu) == 0x8000u && ((bits >> 16) & 1u) == 0;
+              ties_seen += tie;
+              off_param += !tie && weight[i] != param32[i];
+            }
+            CHECK(not_joined == 0);
+            CHECK(not_high == 0);
+            CHECK(off_param == 0);
+            CHECK(state == state32);
+          }
+          CAPTURE(ties_seen);  // ties are rare: the equality above is the test's content
+        }
+}
+
+TEST_CASE("bf16_remainder: HostUpdater's threads and the streamed chunks give one update's bits") {
+  const OptimizerConfig& config = rule_with_master(1, MasterStorage::bf16_remainder);  // AdamW
+  constexpr std::size_t n = 100003;
+  std::mt19937 rng(9);
+  const std::vector<float> master = random_values(rng, n, 0.05f, 1.0f);
+  const std::vector<float> m = random_values(rng, n, 1e-4f, 1e-2f);
+  std::vector<float> v = random_values(rng, n, 1e-6f, 1e-4f);
+  for (float& x : v) x = std::abs(x);
+  const Data grad = random_typed(rng, DType::bf16, n, 0.01f, 2.0f);
+  struct Run {
+    std::vector<std::uint16_t> weight, low;
+    std::vector<float> m, v;
+    ShardTensors t;
+  };
+  const auto fresh = [&] {
+    Run run{std::vector<std::uint16_t>(n), std::vector<std::uint16_t>(n), m, v, {}};
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto h = detail::split_master(std::bit_cast<std::uint32_t>(master[i]));
+      run.weight[i] = h.weight;
+      run.low[i] = h.low;
+    }
+    run.t = ShardTensors{nullptr, run.m.data(), run.v.data(), grad.data(), run.weight.data(),
+                         DType::bf16, DType::bf16, n};
+    run.t.master_low = run.low.data();
+    return run;
+  };
+  const StepArgs args{2, 1e-2, 0.1, 0.37f};
+  Run one = fresh();
+  cpu_device_ops().update(config, args, one.t);
+  const auto same = [&](const Run& got) {
+    return got.weight == one.weight && got.low == one.low &&
+           bit_mismatches(got.m, one.m) == 0 && bit_mismatches(got.v, one.v) == 0;
+  };
+  REQUIRE(!same(fresh()));  // the update changed something
+  for (unsigned threads : {2u, 3u}) {
+    INFO(threads << " threads");
+    Run split = fresh();
+    HostUpdater(threads).update(config, args, split.t);
+    CHECK(same(split));
+  }
+  // Streamed through two slots of 1000 elements in two pieces: the master slots hold low halves.
+  Run streamed = fresh();
+  std::vector<std::uint16_t> slot_low(2 * 1000);
+  std::vector<float> slot_state(2 * 2 * 1000);
+  StreamedTensors s;
+  ShardTensors first = streamed.t, second = streamed.t;
+  first.count = 40000;
+  second.master_low += 40000;
+  second.state0 = streamed.m.data() + 40000;
+  second.state1 = streamed.v.data() + 40000;
+  second.grad = static_cast<const std::uint16_t*>(grad.data()) + 40000;
+  second.param = streamed.weight.data() + 40000;
+  second.count = n - 40000;
+  s.pieces = {{args, first}, {args, second}};
+  for (int k = 0; k < 2; ++k) {
+    s.slot_master[k] = slot_low.data() + k * 1000;
+    s.slot_state0[k] = slot_state.data() + (2 * k) * 1000;
+    s.slot_state1[k] = slot_state.data() + (2 * k + 1) * 1000;
+  }
+  s.chunk = 1000;
+  cpu_device_ops().update_streamed(config, s);
+  CHECK(same(streamed));
+}
+
+TEST_CASE("bf16_remainder: fp16 params and a missing low half are refused, naming them") {
+  std::vector<float> m(8), v(8);
+  std::vector<std::uint16_t> grad(8), param(8), low(8);
+  const OptimizerConfig& config = rule_with_master(1, MasterStorage::bf16_remainder);
+  ShardTensors t{nullptr, m.data(), v.data(), grad.data(), param.data(), DType::f16, DType::f16, 8};
+  t.master_low = low.data();
+  CHECK(test::message_of<ConfigError>([&] { cpu_device_ops().update(config, StepArgs{}, t); })
+            .find("master kept as bf16_remainder needs bf16 params, not fp16") !=
+        std::string::npos);
+  t.dtype = t.grad_dtype = DType::bf16;
+  t.master_low = nullptr;
+  CHECK(test::message_of<ConfigError>([&] { cpu_device_ops().update(config, StepArgs{}, t); })
+            .find("master_low is null for 8 elements") != std::string::npos);
+  CHECK(std::string(master_storage_name(MasterStorage::bf16_remainder)) == "bf16_remainder");
 }

@@ -91,7 +91,9 @@ ShardTensors range_of(const ShardTensors& t, unsigned part, unsigned parts) {
     return p == nullptr ? p : static_cast<std::byte*>(p) + begin * dtype_size(t.state_dtype);
   };
   ShardTensors r = t;
-  r.master = t.master + begin;
+  // The master is fp32 values or their low halves: whichever is given moves.
+  if (t.master != nullptr) r.master = t.master + begin;
+  if (t.master_low != nullptr) r.master_low = t.master_low + begin;
   r.state0 = state(t.state0);
   r.state1 = state(t.state1);
   r.grad = static_cast<const unsigned char*>(t.grad) + begin * dtype_size(t.grad_dtype);

@@ -26,6 +26,7 @@
 #include "shardswap/error.h"
 #include "memory/host_types.h"
 #include "optimizer/kernel_checks.h"
+#include "optimizer/master_split.h"
 #include "optimizer/optimizer.h"
 #include "optimizer/update_scalars.h"
 
@@ -96,12 +97,47 @@ void for_each_chunk(std::size_t count, F&& f) {
   }
 }
 
-// Adam and AdamW with param type T, gradient type G and state type S (float, or bf16_t: read
-// into fp32, stored rounded; formulas in update_scalars.h).
-template <class T, class G, class S>
+// The fp32 masters of elements [at, at + n): stored as they are, or (Low: MasterStorage::
+// bf16_remainder) joined from the bf16 weight and the low halves (master_split.h).
+template <bool Low>
+ChunkF load_master(const ShardTensors& t, std::size_t at, Eigen::Index n) {
+  if constexpr (Low) {
+    ChunkF p(n);
+    const auto* weight = static_cast<const std::uint16_t*>(t.param) + at;
+    const std::uint16_t* low = t.master_low + at;
+    for (Eigen::Index i = 0; i < n; ++i)
+      p[i] = std::bit_cast<float>(detail::join_master(weight[i], low[i]));
+    return p;
+  } else {
+    return MapF(t.master + at, n);
+  }
+}
+
+// Writes the updated masters of elements [at, at + n) and the param of type T: the master and
+// the param rounded to nearest even, or (Low) the two halves the master splits into.
+template <bool Low, class T>
+void store_master(const ShardTensors& t, std::size_t at, Eigen::Index n, const ChunkF& p) {
+  if constexpr (Low) {
+    auto* weight = static_cast<std::uint16_t*>(t.param) + at;
+    std::uint16_t* low = t.master_low + at;
+    for (Eigen::Index i = 0; i < n; ++i) {
+      const detail::MasterHalves h = detail::split_master(std::bit_cast<std::uint32_t>(p[i]));
+      weight[i] = h.weight;
+      low[i] = h.low;
+    }
+  } else {
+    MapF(t.master + at, n) = p;
+    // Eigen's float -> bf16/fp16 conversion rounds to nearest even.
+    MapT<T>(static_cast<T*>(t.param) + at, n) = p.template cast<T>();
+  }
+}
+
+// Adam and AdamW with param type T, gradient type G, state type S (float, or bf16_t: read into
+// fp32, stored rounded; formulas in update_scalars.h) and the master as fp32 or (Low) halves.
+template <class T, class G, class S, bool Low>
 void adam(const AdamScalars& s, const ShardTensors& t) {
   for_each_chunk(t.count, [&](std::size_t at, Eigen::Index n) {
-    MapF p(t.master + at, n);
+    ChunkF p = load_master<Low>(t, at, n);
     MapT<S> m_stored(static_cast<S*>(t.state0) + at, n);
     MapT<S> v_stored(static_cast<S*>(t.state1) + at, n);
     const ChunkF g =
@@ -111,19 +147,18 @@ void adam(const AdamScalars& s, const ShardTensors& t) {
     const ChunkF m = s.beta1 * m_stored.template cast<float>() + s.one_minus_beta1 * g;
     const ChunkF v = s.beta2 * v_stored.template cast<float>() + s.one_minus_beta2 * g * g;
     p -= s.step_size * m / (v.sqrt() * s.inv_sqrt_bc2 + s.eps);
-    // Eigen's float -> bf16/fp16 conversion rounds to nearest even.
     m_stored = m.template cast<S>();
     v_stored = v.template cast<S>();
-    MapT<T>(static_cast<T*>(t.param) + at, n) = p.template cast<T>();
+    store_master<Low, T>(t, at, n, p);
   });
 }
 
-// SGD with param type T, gradient type G and momentum buffer type S (formulas in
-// update_scalars.h).
-template <class T, class G, class S>
+// SGD with param type T, gradient type G, momentum buffer type S and master storage Low
+// (formulas in update_scalars.h).
+template <class T, class G, class S, bool Low>
 void sgd(const SgdScalars& s, const ShardTensors& t) {
   for_each_chunk(t.count, [&](std::size_t at, Eigen::Index n) {
-    MapF p(t.master + at, n);
+    ChunkF p = load_master<Low>(t, at, n);
     const ChunkF g =
         ConstMapT<G>(static_cast<const G*>(t.grad) + at, n).template cast<float>() * s.grad_scale +
         s.wd * p;
@@ -141,18 +176,28 @@ void sgd(const SgdScalars& s, const ShardTensors& t) {
       }
       buf_stored = buf.template cast<S>();
     }
-    MapT<T>(static_cast<T*>(t.param) + at, n) = p.template cast<T>();
+    store_master<Low, T>(t, at, n, p);
   });
 }
 
-// Param type T, gradient type G, state type S.
+// Param type T, gradient type G, state type S, master storage Low.
+template <class T, class G, class S, bool Low>
+void update_rule(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
+  if (config.type == OptimizerType::sgd) {
+    sgd<T, G, S, Low>(sgd_scalars(config, args), t);
+  } else {
+    adam<T, G, S, Low>(adam_scalars(config, args), t);
+  }
+}
+
 template <class T, class G, class S>
 void update_shard(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
-  if (config.type == OptimizerType::sgd) {
-    sgd<T, G, S>(sgd_scalars(config, args), t);
-  } else {
-    adam<T, G, S>(adam_scalars(config, args), t);
+  // check_update admits bf16_remainder with bf16 params only.
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    if (config.master == MasterStorage::bf16_remainder)
+      return update_rule<T, G, S, true>(config, args, t);
   }
+  update_rule<T, G, S, false>(config, args, t);
 }
 
 void update(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {

@@ -83,7 +83,8 @@ HostScratch& scratch() {
 
 void update(const OptimizerConfig& config, const StepArgs& args, const ShardTensors& t) {
   if (!detail::check_update("cuda_device_ops().update", config, args, t)) return;
-  const detail::UpdateLaunch launch{t.master,
+  const bool low = config.master == MasterStorage::bf16_remainder;
+  const detail::UpdateLaunch launch{low ? static_cast<void*>(t.master_low) : t.master,
                                     t.state0,
                                     t.state1,
                                     t.grad,
@@ -91,7 +92,8 @@ void update(const OptimizerConfig& config, const StepArgs& args, const ShardTens
                                     bit16_elem_of(t.dtype, "update"),
                                     elem_of(t.grad_dtype, "update"),
                                     t.count,
-                                    elem_of(t.state_dtype, "update")};
+                                    elem_of(t.state_dtype, "update"),
+                                    low};
   if (config.type == OptimizerType::sgd) {
     detail::launch_sgd(sgd_scalars(config, args), launch);
   } else {

@@ -12,8 +12,10 @@
 #include <cstdint>
 #include <limits>
 #include <initializer_list>
+#include <type_traits>
 
 #include "optimizer/cuda/kernels.h"
+#include "optimizer/master_split.h"
 #include "support/cuda_check.h"
 
 namespace shardswap::detail {
@@ -95,6 +97,79 @@ struct F16Conv {
 using BF16 = Bit16<Bf16Conv>;
 using F16 = Bit16<F16Conv>;
 
+// --- the master: fp32 values, or low halves beside the bf16 params (master_split.h) ----------
+
+// Read as fp32; written with the param P rounded to nearest even.
+struct MasterF32 {
+  using Storage = float;
+  template <class P>
+  __device__ static void load_vec(const float* master, const typename P::Storage*, std::size_t i,
+                                  float (&x)[kVec]) {
+    F32::load_vec(master, i, x);
+  }
+  template <class P>
+  __device__ static float load(const float* master, const typename P::Storage*, std::size_t i) {
+    return master[i];
+  }
+  template <class P>
+  __device__ static void store_vec(float* master, typename P::Storage* param, std::size_t i,
+                                   const float (&x)[kVec]) {
+    F32::store_vec(master, i, x);
+    P::store_vec(param, i, x);
+  }
+  template <class P>
+  __device__ static void store(float* master, typename P::Storage* param, std::size_t i, float x) {
+    master[i] = x;
+    P::store(param, i, x);
+  }
+};
+
+// Joined from the bf16 param and the low half on the way in, split into both on the way out
+// (P is BF16: with_update_types instantiates nothing else).
+struct MasterLow {
+  using Storage = unsigned short;
+  template <class P>
+  __device__ static void load_vec(const unsigned short* low, const unsigned short* param,
+                                  std::size_t i, float (&x)[kVec]) {
+    const uint2 w = __ldcs(reinterpret_cast<const uint2*>(param + i));
+    const uint2 l = __ldcs(reinterpret_cast<const uint2*>(low + i));
+    const unsigned int ws[2] = {w.x, w.y}, ls[2] = {l.x, l.y};
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      x[2 * k] = __uint_as_float(join_master(static_cast<std::uint16_t>(ws[k] & 0xFFFFu),
+                                             static_cast<std::uint16_t>(ls[k] & 0xFFFFu)));
+      x[2 * k + 1] = __uint_as_float(
+          join_master(static_cast<std::uint16_t>(ws[k] >> 16), static_cast<std::uint16_t>(ls[k] >> 16)));
+    }
+  }
+  template <class P>
+  __device__ static float load(const unsigned short* low, const unsigned short* param,
+                               std::size_t i) {
+    return __uint_as_float(join_master(param[i], low[i]));
+  }
+  template <class P>
+  __device__ static void store_vec(unsigned short* low, unsigned short* param, std::size_t i,
+                                   const float (&x)[kVec]) {
+    unsigned int w[2], l[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const MasterHalves a = split_master(__float_as_uint(x[2 * k]));
+      const MasterHalves b = split_master(__float_as_uint(x[2 * k + 1]));
+      w[k] = static_cast<unsigned int>(a.weight) | (static_cast<unsigned int>(b.weight) << 16);
+      l[k] = static_cast<unsigned int>(a.low) | (static_cast<unsigned int>(b.low) << 16);
+    }
+    __stcs(reinterpret_cast<uint2*>(param + i), make_uint2(w[0], w[1]));
+    __stcs(reinterpret_cast<uint2*>(low + i), make_uint2(l[0], l[1]));
+  }
+  template <class P>
+  __device__ static void store(unsigned short* low, unsigned short* param, std::size_t i,
+                               float x) {
+    const MasterHalves h = split_master(__float_as_uint(x));
+    param[i] = h.weight;
+    low[i] = h.low;
+  }
+};
+
 // --- the update rules on one element (formulas and order: update_scalars.h, cpu/kernels.cpp) -
 
 __device__ __forceinline__ void adam_element(const AdamScalars& s, float grad, float& p, float& m,
@@ -128,40 +203,41 @@ __device__ __forceinline__ std::size_t grid_threads() {
   return static_cast<std::size_t>(gridDim.x) * blockDim.x;
 }
 
-// S: the state's element type (F32, or BF16: read into fp32, stored rounded to nearest even).
-template <class P, class G, class S>
+// S: the state's element type (F32, or BF16: read into fp32, stored rounded to nearest even);
+// M: how the master is stored (MasterF32, MasterLow).
+template <class P, class G, class S, class M>
 __global__ void __launch_bounds__(kThreads)
-    adam_kernel(AdamScalars s, float* __restrict__ master, typename S::Storage* __restrict__ m,
+    adam_kernel(AdamScalars s, typename M::Storage* __restrict__ master,
+                typename S::Storage* __restrict__ m,
                 typename S::Storage* __restrict__ v, const typename G::Storage* __restrict__ grad,
                 typename P::Storage* __restrict__ param, std::size_t count, std::size_t vec_units) {
   const std::size_t stride = grid_threads();
   for (std::size_t u = thread_index(); u < vec_units; u += stride) {
     const std::size_t i = u * kVec;
     float p[kVec], mu[kVec], nu[kVec], g[kVec];
-    F32::load_vec(master, i, p);
+    M::template load_vec<P>(master, param, i, p);
     S::load_vec(m, i, mu);
     S::load_vec(v, i, nu);
     G::load_vec(grad, i, g);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) adam_element(s, g[k], p[k], mu[k], nu[k]);
-    F32::store_vec(master, i, p);
+    M::template store_vec<P>(master, param, i, p);
     S::store_vec(m, i, mu);
     S::store_vec(v, i, nu);
-    P::store_vec(param, i, p);
   }
   for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
-    float p = master[i], mu = S::load(m, i), nu = S::load(v, i);
+    float p = M::template load<P>(master, param, i), mu = S::load(m, i), nu = S::load(v, i);
     adam_element(s, G::load(grad, i), p, mu, nu);
-    master[i] = p;
+    M::template store<P>(master, param, i, p);
     S::store(m, i, mu);
     S::store(v, i, nu);
-    P::store(param, i, p);
   }
 }
 
-template <class P, class G, class S>
+template <class P, class G, class S, class M>
 __global__ void __launch_bounds__(kThreads)
-    sgd_kernel(SgdScalars s, float* __restrict__ master, typename S::Storage* __restrict__ buf,
+    sgd_kernel(SgdScalars s, typename M::Storage* __restrict__ master,
+               typename S::Storage* __restrict__ buf,
                const typename G::Storage* __restrict__ grad,
                typename P::Storage* __restrict__ param, std::size_t count, std::size_t vec_units) {
   const bool read_buf = s.has_momentum && !s.first;
@@ -169,22 +245,20 @@ __global__ void __launch_bounds__(kThreads)
   for (std::size_t u = thread_index(); u < vec_units; u += stride) {
     const std::size_t i = u * kVec;
     float p[kVec], b[kVec] = {}, g[kVec];
-    F32::load_vec(master, i, p);
+    M::template load_vec<P>(master, param, i, p);
     if (read_buf) S::load_vec(buf, i, b);
     G::load_vec(grad, i, g);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) sgd_element(s, g[k], p[k], b[k]);
-    F32::store_vec(master, i, p);
+    M::template store_vec<P>(master, param, i, p);
     if (s.has_momentum) S::store_vec(buf, i, b);
-    P::store_vec(param, i, p);
   }
   for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
-    float p = master[i];
+    float p = M::template load<P>(master, param, i);
     float b = read_buf ? S::load(buf, i) : 0.0f;
     sgd_element(s, G::load(grad, i), p, b);
-    master[i] = p;
+    M::template store<P>(master, param, i, p);
     if (s.has_momentum) S::store(buf, i, b);
-    P::store(param, i, p);
   }
 }
 
@@ -323,15 +397,22 @@ void with_elem(Elem e, F&& f) {
       return;
   }
 }
-// Calls f(P{}, G{}, S{}) with the param type, the gradient type (the param's bit16 type or
-// fp32) and the state type (fp32 or bf16) of an update (backend.cpp rejects other choices).
+// Calls f(P{}, G{}, S{}, M{}) with the param type, the gradient type (the param's bit16 type or
+// fp32), the state type (fp32 or bf16) and the master's storage (low halves with bf16 params
+// only) of an update (backend.cpp rejects other choices).
 template <class F>
 void with_update_types(const UpdateLaunch& t, F&& f) {
+  const auto with_master = [&](auto param_type, auto grad_type, auto state_type) {
+    if constexpr (std::is_same_v<decltype(param_type), BF16>) {
+      if (t.master_low) return f(param_type, grad_type, state_type, MasterLow{});
+    }
+    f(param_type, grad_type, state_type, MasterF32{});
+  };
   const auto with_state = [&](auto param_type, auto grad_type) {
     if (t.state_elem == Elem::bf16) {
-      f(param_type, grad_type, BF16{});
+      with_master(param_type, grad_type, BF16{});
     } else {
-      f(param_type, grad_type, F32{});
+      with_master(param_type, grad_type, F32{});
     }
   };
   const auto with_grad = [&](auto param_type) {
@@ -351,15 +432,17 @@ void with_update_types(const UpdateLaunch& t, F&& f) {
 }  // namespace
 
 void launch_adam(const AdamScalars& s, const UpdateLaunch& t) {
-  with_update_types(t, [&](auto param_type, auto grad_type, auto state_type) {
+  with_update_types(t, [&](auto param_type, auto grad_type, auto state_type, auto master_type) {
     using P = decltype(param_type);
     using G = decltype(grad_type);
     using S = decltype(state_type);
+    using M = decltype(master_type);
     const std::size_t units =
         vector_units(t.count, {t.master, t.state0, t.state1, t.grad, t.param});
-    adam_kernel<P, G, S>
+    adam_kernel<P, G, S, M>
         <<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
-            s, t.master, static_cast<typename S::Storage*>(t.state0),
+            s, static_cast<typename M::Storage*>(t.master),
+            static_cast<typename S::Storage*>(t.state0),
             static_cast<typename S::Storage*>(t.state1),
             static_cast<const typename G::Storage*>(t.grad),
             static_cast<typename P::Storage*>(t.param), t.count, units);
@@ -368,14 +451,16 @@ void launch_adam(const AdamScalars& s, const UpdateLaunch& t) {
 }
 
 void launch_sgd(const SgdScalars& s, const UpdateLaunch& t) {
-  with_update_types(t, [&](auto param_type, auto grad_type, auto state_type) {
+  with_update_types(t, [&](auto param_type, auto grad_type, auto state_type, auto master_type) {
     using P = decltype(param_type);
     using G = decltype(grad_type);
     using S = decltype(state_type);
+    using M = decltype(master_type);
     auto* buf = static_cast<typename S::Storage*>(s.has_momentum ? t.state0 : nullptr);
     const std::size_t units = vector_units(t.count, {t.master, buf, t.grad, t.param});
-    sgd_kernel<P, G, S><<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
-        s, t.master, buf, static_cast<const typename G::Storage*>(t.grad),
+    sgd_kernel<P, G, S, M>
+        <<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+        s, static_cast<typename M::Storage*>(t.master), buf, static_cast<const typename G::Storage*>(t.grad),
         static_cast<typename P::Storage*>(t.param), t.count, units);
     SHARDSWAP_CUDA_CHECK(cudaGetLastError());
   });

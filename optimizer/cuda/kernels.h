@@ -15,9 +15,11 @@ enum class Elem { f32, bf16, f16 };
 
 /// One shard update: `param` is bf16 or fp16, `grad` of the same type or fp32; the state fp32 or
 /// bf16 (read into fp32, stored rounded to nearest even); `state0` is null for SGD without
-/// momentum (and then never touched).
+/// momentum (and then never touched). `master` holds fp32 values, or with `master_low` (bf16
+/// params only) the low halves of the fp32 masters whose high halves are the params
+/// (optimizer/master_split.h).
 struct UpdateLaunch {
-  float* master;
+  void* master;
   void* state0;
   void* state1;
   const void* grad;
@@ -26,6 +28,7 @@ struct UpdateLaunch {
   Elem grad_elem;
   std::size_t count;  ///< > 0
   Elem state_elem;
+  bool master_low;
 };
 
 void launch_adam(const AdamScalars& s, const UpdateLaunch& t);

@@ -5,7 +5,9 @@
 // host bytes planned = held, in pinned or pageable memory.
 #include <fmt/format.h>
 
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <utility>
 #include <string>
@@ -40,7 +42,8 @@ void require_plan_held(const Engine& e) {
 // Two ranks on GPU 0, groups of 1.2M elements (shards of 600K: past HostUpdater's split, so the
 // update runs over several threads and chunks of 256K), switches under `policy`, 12 steps.
 TrainingState run(Placement placement, DeactivatePolicy policy, bool pinned,
-                  OffloadUpdate way = OffloadUpdate::streamed) {
+                  OffloadUpdate way = OffloadUpdate::streamed,
+                  MasterStorage master = MasterStorage::fp32, DType state_dtype = DType::f32) {
   TrainingState out;
   std::mutex mu;
   run_ranks(
@@ -54,6 +57,8 @@ TrainingState run(Placement placement, DeactivatePolicy policy, bool pinned,
         cfg.pin_host_memory = pinned;
         cfg.offload_update = way;
         cfg.offload_chunk_elements = 1 << 18;
+        cfg.optimizer.master = master;
+        cfg.optimizer.state_dtype = state_dtype;
         Engine e(cfg, comm, space, cuda_backend());
         for (int l = 0; l < 4; ++l) {
           e.add_param(fmt::format("layers.{}.w", l), {1000, 1200}, fmt::format("layers.{}", l));
@@ -120,5 +125,42 @@ TEST_CASE("cuda: state on the host gives the bits of the state on the device, pi
       }
       REQUIRE(host.weights == device.weights);
     }
+  }
+}
+
+TEST_CASE("cuda: the master as bf16 weights and low halves keeps the fp32 masters' bits, on the "
+          "device and on the host both ways") {
+  for (DType state_dtype : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(state_dtype));
+    const TrainingState f32 = run(Placement::device, DeactivatePolicy::keep_host, true,
+                                  OffloadUpdate::streamed, MasterStorage::fp32, state_dtype);
+    const TrainingState device = run(Placement::device, DeactivatePolicy::keep_host, true,
+                                     OffloadUpdate::streamed, MasterStorage::bf16_remainder,
+                                     state_dtype);
+    for (OffloadUpdate way : {OffloadUpdate::streamed, OffloadUpdate::cpu}) {
+      CAPTURE(offload_update_name(way));
+      const TrainingState host = run(Placement::host, DeactivatePolicy::keep_host, true, way,
+                                     MasterStorage::bf16_remainder, state_dtype);
+      for (std::size_t i = 0; i < host.groups.size(); ++i) {
+        REQUIRE(host.groups[i].master == device.groups[i].master);
+        REQUIRE(host.groups[i].state == device.groups[i].state);
+      }
+      REQUIRE(host.weights == device.weights);
+    }
+    // The gradients here do not depend on the weights: the masters stay the fp32 masters' bits,
+    // and a weight differs only where its master is a tie rounded to even.
+    std::size_t ties = 0, differ = 0;
+    for (std::size_t i = 0; i < f32.groups.size(); ++i) {
+      REQUIRE(f32.groups[i].master == device.groups[i].master);
+      for (float x : f32.groups[i].master) {
+        const auto bits = std::bit_cast<std::uint32_t>(x);
+        ties += (bits & 0xFFFFu) == 0x8000u && ((bits >> 16) & 1u) == 0;
+      }
+    }
+    for (std::size_t p = 0; p < f32.weights.size(); ++p)
+      for (std::size_t b = 0; b + 1 < f32.weights[p].size(); b += 2)
+        differ += std::memcmp(f32.weights[p].data() + b, device.weights[p].data() + b, 2) != 0;
+    CAPTURE(ties, differ);
+    REQUIRE(differ <= ties);
   }
 }

@@ -18,6 +18,7 @@
 #include "shardswap/allocator.h"
 #include "shardswap/error.h"
 #include "memory/host_types.h"
+#include "optimizer/master_split.h"
 #include "optimizer/optimizer.h"
 #include "tests/catch_compat.h"
 #include "tests/gpu/device_memory_guard.h"
@@ -173,13 +174,20 @@ OptimizerConfig sgd(double momentum, double dampening, bool nesterov) {
 // both). Both round every operation to float in the same order, with no fused multiply-add and a
 // correctly rounded sqrt (optimizer/cpu/kernels.cpp: EIGEN_FAST_MATH 0, -ffp-contract=off), so
 // no rule, SGD included, has a reason to differ by even one ulp.
-void check_update_agrees(const OptimizerConfig& config, double lr, double wd, DType dtype,
+// With MasterStorage::bf16_remainder (bf16 params) the master is the param and low halves on
+// both, split from the same random fp32 values.
+void check_update_agrees(const OptimizerConfig& rule, double lr, double wd, DType dtype,
                          DType grad_dtype, const Shape& shape, int steps,
-                         DType state_dtype = DType::f32) {
+                         DType state_dtype = DType::f32,
+                         MasterStorage storage = MasterStorage::fp32) {
+  OptimizerConfig config = rule;
+  config.master = storage;
   config.validate();
+  const bool low = storage == MasterStorage::bf16_remainder;
   INFO("param dtype " << dtype_name(dtype) << ", grad dtype " << dtype_name(grad_dtype)
-                      << ", state dtype " << dtype_name(state_dtype) << ", " << shape.n
-                      << " elements, " << shape.what);
+                      << ", state dtype " << dtype_name(state_dtype) << ", master "
+                      << master_storage_name(storage) << ", " << shape.n << " elements, "
+                      << shape.what);
   const std::size_t n = shape.n;
   const int slots = config.state_slots();
   constexpr float grad_scale = 0.37f;
@@ -187,8 +195,16 @@ void check_update_agrees(const OptimizerConfig& config, double lr, double wd, DT
 
   Host master = random_host(rng, DType::f32, n, 0.05f, 1.0f);
   Host state0(state_dtype, n), state1(state_dtype, n), param(dtype, n);  // zeros
+  Host low_half(DType::bf16, n);  // 16-bit words
+  if (low)
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto h = detail::split_master(master.bits(i));
+      param.set_bits(i, h.weight);
+      low_half.set_bits(i, h.low);
+    }
   const Device d_master(master, shape.offset), d_state0(state0, shape.offset),
-      d_state1(state1, shape.offset), d_param(param, shape.offset);
+      d_state1(state1, shape.offset), d_param(param, shape.offset),
+      d_low(low_half, shape.offset);
   const Device d_grad(grad_dtype, n, shape.offset);
 
   for (std::int64_t step = 1; step <= steps; ++step) {
@@ -203,25 +219,37 @@ void check_update_agrees(const OptimizerConfig& config, double lr, double wd, DT
                         slots >= 2 ? d_state1.get() : nullptr, d_grad.get(), d_param.get(), dtype,
                         grad_dtype, n};
     on_cpu.state_dtype = on_gpu.state_dtype = state_dtype;
+    if (low) {
+      on_cpu.master = on_gpu.master = nullptr;
+      on_cpu.master_low = static_cast<std::uint16_t*>(low_half.data());
+      on_gpu.master_low = static_cast<std::uint16_t*>(d_low.get());
+    }
     cpu_device_ops().update(config, args, on_cpu);
     cuda_device_ops().update(config, args, on_gpu);
 
-    CHECK(mismatches(d_master.download(), master) == 0);
+    if (low)  // raw words: a low half is no number, so no NaN may pass as equal
+      CHECK(std::memcmp(d_low.download().data(), low_half.data(), low_half.bytes()) == 0);
+    else
+      CHECK(mismatches(d_master.download(), master) == 0);
     if (slots >= 1) CHECK(mismatches(d_state0.download(), state0) == 0);
     if (slots >= 2) CHECK(mismatches(d_state1.download(), state1) == 0);
     CHECK(mismatches(d_param.download(), param) == 0);
   }
 }
 
-// Every param, gradient and state type (fp32, and bf16 where the rule has state).
+// Every param, gradient and state type (fp32, and bf16 where the rule has state), and with bf16
+// params the master as fp32 values and as low halves.
 void check_rule(const OptimizerConfig& config, double lr, double wd) {
   for (DType dtype : bit16_types)
     for (DType grad_dtype : {dtype, DType::f32})
-      for (DType state_dtype : {DType::f32, DType::bf16}) {
-        if (state_dtype == DType::bf16 && config.state_slots() == 0) continue;
-        for (const Shape& shape : shapes)
-          check_update_agrees(config, lr, wd, dtype, grad_dtype, shape, 20, state_dtype);
-      }
+      for (DType state_dtype : {DType::f32, DType::bf16})
+        for (MasterStorage storage : {MasterStorage::fp32, MasterStorage::bf16_remainder}) {
+          if (state_dtype == DType::bf16 && config.state_slots() == 0) continue;
+          if (storage == MasterStorage::bf16_remainder && dtype != DType::bf16) continue;
+          for (const Shape& shape : shapes)
+            check_update_agrees(config, lr, wd, dtype, grad_dtype, shape, 20, state_dtype,
+                                storage);
+        }
 }
 
 }  // namespace
@@ -266,6 +294,8 @@ TEST_CASE("cuda: an update longer than one grid-stride pass gives the CPU kernel
                       3);
   check_update_agrees(make(OptimizerType::adam), 1e-2, 0.0, DType::f16, DType::f32, grid_stride, 3);
   check_update_agrees(sgd(0.9, 0.0, true), 0.05, 0.01, DType::bf16, DType::f32, grid_stride, 3);
+  check_update_agrees(make(OptimizerType::adamw), 1e-2, 0.1, DType::bf16, DType::bf16, grid_stride,
+                      3, DType::bf16, MasterStorage::bf16_remainder);
 }
 
 TEST_CASE("cuda: update rejects what the CPU kernels reject, before touching the device") {

@@ -1,6 +1,7 @@
 // The sharded engine against an unsharded float64 reference written here, independently of
 // optimizer/ and partition/, on any backend: 20 steps with global-norm clipping that triggers.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -9,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "optimizer/master_split.h"
 #include "optimizer/optimizer.h"
 #include "shardswap/nccl.h"
 #include "shardswap/engine.h"
@@ -111,6 +113,7 @@ EngineConfig make_config(const Case& c) {
   cfg.offload_update = c.offload_update;
   cfg.offload_chunk_elements = c.offload_chunk_elements;
   cfg.optimizer.state_dtype = c.state_dtype;
+  cfg.optimizer.master = c.master;
   return cfg;
 }
 
@@ -326,8 +329,14 @@ EngineRun run_engine(const Case& c, const Backend& backend) {
           const auto i = static_cast<std::size_t>(piece.param_offset) + k;
           out.master[p][i] = piece.values[k];
           ++out.covered[p][i];
-          if (static_cast<double>(values[i]) != round16(piece.values[k], c.dtype))
-            out.weights_are_rounded_master = false;
+          const double rounded =
+              c.master == MasterStorage::fp32
+                  ? round16(piece.values[k], c.dtype)
+                  : static_cast<double>(std::bit_cast<float>(
+                        std::uint32_t{detail::split_master(std::bit_cast<std::uint32_t>(
+                                          piece.values[k])).weight}
+                        << 16));
+          if (static_cast<double>(values[i]) != rounded) out.weights_are_rounded_master = false;
         }
       weights.push_back(std::move(values));
     }

@@ -40,6 +40,10 @@ struct Case {
   /// reference (it has teeth). tests/optimizer_test.cpp holds the kernels to the bits of a
   /// per-element float reference.
   DType state_dtype = DType::f32;
+  /// OptimizerConfig::master: bf16_remainder keeps the same fp32 masters (the reference's
+  /// tolerance); the weights are then checked against the masters' high halves (ties rounded
+  /// away from zero) instead of rounding to nearest even.
+  MasterStorage master = MasterStorage::fp32;
 };
 
 /// A schedule over the reference model's groups that drops, brings back and finally reactivates

@@ -331,3 +331,22 @@ TEST_CASE(
     REQUIRE(msg.find("no arrangement fits") != std::string::npos);
   }
 }
+
+TEST_CASE("the budget's streamed estimate counts the master's and the state's bytes as stored") {
+  const auto bytes = [](const char* state, const char* master) {
+    auto j = small_run();
+    j["shardswap"]["device_memory"] = largest_plan(small_run()) - 1;
+    j["shardswap"]["optimizer_state_dtype"] = state;
+    j["shardswap"]["master_weights"] = master;
+    const TrainConfig t = load(j);
+    const std::string text = fmt::format("{}", fmt::join(t.budget->lines(), "\n"));
+    REQUIRE(text.find(fmt::format("({} bytes a param)", t.budget->streamed_bytes_per_param)) !=
+            std::string::npos);
+    return t.budget->streamed_bytes_per_param;
+  };
+  // Up and down, AdamW: master + m + v.
+  REQUIRE(bytes("fp32", "fp32") == 24.0);
+  REQUIRE(bytes("bf16", "fp32") == 16.0);
+  REQUIRE(bytes("fp32", "bf16_remainder") == 20.0);
+  REQUIRE(bytes("bf16", "bf16_remainder") == 12.0);
+}

@@ -237,10 +237,12 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   choice.placement_free = !c.has("zero_optimization.offload_optimizer");
   choice.recompute_free = !c.has("model.recompute_layers") && t.model->recomputable_layers() > 0;
   choice.recomputable = t.model->recomputable_layers();
-  // Up and down: the fp32 master and each state slot (24 bytes for AdamW's fp32 m and v).
+  // Up and down: the master as stored and each state slot (24 bytes for AdamW's fp32 master, m
+  // and v; 12 with bf16 m and v and the master as its low halves).
   choice.streamed_bytes_per_param =
-      2.0 * (4.0 + t.engine.optimizer.state_slots() *
-                       static_cast<double>(t.engine.optimizer.state_bytes()));
+      2.0 * (static_cast<double>(t.engine.optimizer.master_bytes()) +
+             t.engine.optimizer.state_slots() *
+                 static_cast<double>(t.engine.optimizer.state_bytes()));
 
   std::vector<Placement> placements{t.engine.optimizer_placement};
   if (choice.placement_free) placements = {Placement::device, Placement::host};

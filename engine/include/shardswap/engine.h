@@ -227,7 +227,9 @@ class Engine {
   std::int64_t group_step(const std::string& group) const;
   std::vector<MasterPiece> master_pieces(const std::string& name) const;
   /// This rank's fp32 master shard of an active group (registered as "group G master shard"), in
-  /// host memory when config().optimizer_placement is host. Throws StateError for a frozen group.
+  /// host memory when config().optimizer_placement is host. Throws StateError for a frozen group,
+  /// and when the master is kept as low halves (MasterStorage::bf16_remainder: master_pieces()
+  /// joins them).
   View master(const std::string& group) const;
   /// The param's bit16 weights, copied to the host as floats.
   std::vector<float> read_weight(const std::string& name) const;

@@ -11,6 +11,15 @@ namespace shardswap {
 
 enum class OptimizerType { adam, adamw, sgd };
 
+/// How the fp32 master weights are stored. fp32: as fp32 values (4 bytes a param). bf16_remainder
+/// (bf16 params only): as the low 16 bits of each fp32 value beside the bf16 weight, which is the
+/// fp32 value rounded to nearest with ties away from zero: the same fp32 master in 2 bytes a
+/// param instead of 4 (the weight differs from a ties-to-even rounding only at exact ties, one
+/// value in 65,536). shardswap.master_weights.
+enum class MasterStorage { fp32, bf16_remainder };
+/// "fp32", "bf16_remainder".
+const char* master_storage_name(MasterStorage storage);
+
 /// "Adam", "AdamW", "SGD" (case-insensitive). Throws ConfigError "KEY = \"NAME\": ..." otherwise.
 OptimizerType optimizer_type_from_name(std::string_view name, std::string_view key);
 const char* optimizer_type_name(OptimizerType type);
@@ -29,6 +38,9 @@ struct OptimizerConfig {
   /// bytes; read into fp32, updated in fp32, stored rounded to nearest even), the master fp32
   /// either way. shardswap.optimizer_state_dtype.
   DType state_dtype = DType::f32;
+  /// How the master is stored (MasterStorage); bf16_remainder needs bf16 params (the engine
+  /// checks).
+  MasterStorage master = MasterStorage::fp32;
 
   /// Throws ConfigError "NAME = VALUE: must be ...", NAME the field ("OptimizerConfig.lr",
   /// "OptimizerConfig.beta1"), for: lr < 0 or not finite, betas outside [0, 1), eps <= 0,
@@ -44,6 +56,8 @@ struct OptimizerConfig {
   int state_slots() const;
   /// Bytes of one state value (of state_dtype).
   std::size_t state_bytes() const { return dtype_size(state_dtype); }
+  /// Bytes of one master value as stored: 4, or 2 (its low half) for bf16_remainder.
+  std::size_t master_bytes() const { return master == MasterStorage::fp32 ? 4 : 2; }
 };
 
 }  // namespace shardswap
