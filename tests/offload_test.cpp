@@ -391,20 +391,19 @@ namespace {
 
 constexpr MasterStorage kLow = MasterStorage::bf16_remainder;
 
-// Elements whose weights differ between `a` (fp32 masters) and `b` (low halves), other than
-// where a's master is a tie that rounds to even (b rounds it away from zero).
+// Weights that differ between `a` (fp32 masters) and `b` (low halves) other than as a tie does:
+// a's weight even (ties go to even) and b's one bf16 ulp further from zero (ties away from zero).
+// The TrainingStates hold one rank's masters but every weight, so the weights tell it alone.
 std::size_t weights_off_but_ties(const TrainingState& a, const TrainingState& b) {
   std::size_t off = 0;
   for (std::size_t p = 0; p < a.weights.size(); ++p)
-    for (std::size_t i = 0; i + 1 < a.weights[p].size(); i += 2)
-      off += std::memcmp(a.weights[p].data() + i, b.weights[p].data() + i, 2) != 0;
-  std::size_t ties = 0;  // every differing weight must be one of these
-  for (const auto& g : a.groups)
-    for (float x : g.master) {
-      const auto bits = std::bit_cast<std::uint32_t>(x);
-      ties += (bits & 0xFFFFu) == 0x8000u && ((bits >> 16) & 1u) == 0;
+    for (std::size_t i = 0; i + 1 < a.weights[p].size(); i += 2) {
+      std::uint16_t x = 0, y = 0;
+      std::memcpy(&x, a.weights[p].data() + i, 2);
+      std::memcpy(&y, b.weights[p].data() + i, 2);
+      off += x != y && !((x & 1u) == 0 && y == x + 1 && (x & 0x7F80u) != 0x7F80u);
     }
-  return off > ties ? off - ties : 0;
+  return off;
 }
 
 }  // namespace
