@@ -5,7 +5,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -349,4 +351,95 @@ TEST_CASE("the budget's streamed estimate counts the master's and the state's by
   REQUIRE(bytes("bf16", "fp32") == 16.0);
   REQUIRE(bytes("fp32", "bf16_remainder") == 20.0);
   REQUIRE(bytes("bf16", "bf16_remainder") == 12.0);
+}
+
+namespace {
+
+// small_run with its global batch given alone (16 samples on 2 ranks: micro 8, accumulation 1,
+// as DeepSpeed derives them), or with the micro-batch and accumulation written out.
+nlohmann::json global_batch_run(int micro = 0, int accumulation = 0) {
+  auto j = small_run();
+  j.erase("train_micro_batch_size_per_gpu");
+  j.erase("gradient_accumulation_steps");
+  if (micro > 0) {
+    j["train_micro_batch_size_per_gpu"] = micro;
+    j["gradient_accumulation_steps"] = accumulation;
+  } else {
+    j["train_batch_size"] = 16;
+  }
+  return j;
+}
+
+// The smallest plan of any arrangement at one micro-batch, made independently.
+std::int64_t smallest_plan(const nlohmann::json& j) {
+  std::int64_t least = std::numeric_limits<std::int64_t>::max();
+  for (const char* placement : {"none", "cpu"})
+    for (int r = 0; r <= 4; ++r) least = std::min(least, largest_plan(with(j, placement, r)));
+  return least;
+}
+
+}  // namespace
+
+TEST_CASE("with only the global batch given, a budget no arrangement of its micro-batch fits "
+          "takes the largest smaller micro-batch that fits, the same global batch, and runs as "
+          "it written out") {
+  const std::int64_t at8 = smallest_plan(global_batch_run(8, 1));
+  const std::int64_t at4 = smallest_plan(global_batch_run(4, 2));
+  REQUIRE(at4 < at8);
+  auto j = global_batch_run();
+  j["shardswap"]["device_memory"] = at8 - 1;  // nothing at micro 8 fits; micro 4 does
+  j["shardswap"]["device_reserve"] = 0;
+  const TrainConfig t = load(j, ConfigFor::run);
+  const BudgetChoice& c = *t.budget;
+  REQUIRE(c.micro_free);
+  REQUIRE(c.configured.micro == 8);
+  REQUIRE(c.chosen.micro == 4);
+  REQUIRE(c.chosen.accumulation == 2);
+  REQUIRE(t.batches.micro_samples == 4);
+  REQUIRE(t.batches.gradient_accumulation_steps == 2);
+  REQUIRE(t.engine.gradient_accumulation_steps == 2);
+  REQUIRE(t.batches.train_samples == 16);
+  REQUIRE(c.chosen.plan_bytes <= at8 - 1);
+  const std::string text = fmt::format("{}", fmt::join(c.lines(), "\n"));
+  CAPTURE(text);
+  REQUIRE(text.find("chosen (micro-batch 4 x 2 accumulated, ") != std::string::npos);
+  REQUIRE(text.find("the micro-batch (the same global batch") != std::string::npos);
+  // The choice is the fastest at micro 4, planned as that arrangement written out; it runs as
+  // that config does, loss for loss and byte for byte.
+  const char* placement = c.chosen.optimizer == Placement::host ? "cpu" : "none";
+  const auto written_json = with(global_batch_run(4, 2), placement, c.chosen.recompute_layers);
+  REQUIRE(largest_plan(written_json) == c.chosen.plan_bytes);
+  std::ostringstream budget_log, written_log;
+  const TrainSummary s = train(t, TrainOutput{budget_log});
+  const TrainSummary w = train(load(written_json, ConfigFor::run), TrainOutput{written_log});
+  REQUIRE(s.first_loss == w.first_loss);
+  REQUIRE(s.final_loss == w.final_loss);
+  REQUIRE(s.final_val_loss == w.final_val_loss);
+  REQUIRE(s.peak_bytes == w.peak_bytes);
+  // With micro 8 fitting, micro 8 is kept.
+  j["shardswap"]["device_memory"] = at8;
+  REQUIRE(load(j).budget->chosen.micro == 8);
+  // Below every micro-batch's smallest, the refusal names the smallest at micro 1.
+  j["shardswap"]["device_memory"] = 4096;
+  const std::string msg = test::message_of<ConfigError>([&] { load(j); });
+  CAPTURE(msg);
+  REQUIRE(msg.find("micro-batch 1 x 8 accumulated, state on the host, 4 of 4 layers "
+                   "recomputed") != std::string::npos);
+  REQUIRE(msg.find(fmt::format("at least {} bytes", smallest_plan(global_batch_run(1, 8)))) !=
+          std::string::npos);
+}
+
+TEST_CASE("with the micro-batch given, a budget only a smaller one fits is refused, naming the "
+          "micro-batch and accumulation that would fit") {
+  const std::int64_t at4 = smallest_plan(global_batch_run(4, 2));
+  REQUIRE(smallest_plan(global_batch_run(2, 4)) < at4);
+  auto j = global_batch_run(4, 2);
+  j["shardswap"]["device_memory"] = at4 - 1;
+  const std::string msg = test::message_of<ConfigError>([&] { load(j); });
+  CAPTURE(msg);
+  REQUIRE(test::config_shaped(msg, "test.json", "shardswap.device_memory"));
+  REQUIRE(msg.find(fmt::format("at least {} bytes", at4)) != std::string::npos);
+  REQUIRE(msg.find("at train_micro_batch_size_per_gpu = 2 with gradient_accumulation_steps = 4 "
+                   "(the same global batch)") != std::string::npos);
+  REQUIRE(msg.find("give train_batch_size alone") != std::string::npos);
 }

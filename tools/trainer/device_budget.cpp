@@ -146,7 +146,7 @@ std::int64_t largest_engine_plan(const TrainConfig& t, const EngineConfig& engin
       const std::int64_t state = p.of(Tag::master32) + p.of(Tag::optim_state);
       most = std::max(most, p.total() + (keeps_on_device ? every_state - state : 0));
       shard = std::max(shard, (p.of(Tag::master32) + p.host_of(Tag::master32)) /
-                                  static_cast<std::int64_t>(sizeof(float)));
+                                  static_cast<std::int64_t>(engine.optimizer.master_bytes()));
     }
   }
   if (shard_elements) *shard_elements = shard;
@@ -157,9 +157,13 @@ const char* placement_words(Placement p) {
   return p == Placement::host ? "state on the host" : "state on the device";
 }
 
-std::string describe(const Arrangement& a, int layers) {
-  return fmt::format("{}, {} of {} layers recomputed", placement_words(a.optimizer),
-                     a.recompute_layers, layers);
+// `micro`: the config's micro-batch; another is named with its accumulation.
+std::string describe(const Arrangement& a, int layers, int micro) {
+  return fmt::format("{}{}, {} of {} layers recomputed",
+                     a.micro == micro ? ""
+                                      : fmt::format("micro-batch {} x {} accumulated, ", a.micro,
+                                                    a.accumulation),
+                     placement_words(a.optimizer), a.recompute_layers, layers);
 }
 
 }  // namespace
@@ -202,7 +206,7 @@ std::vector<std::string> BudgetChoice::lines() const {
       b.ranks_per_device == 1 ? "" : "s"));
   const auto row = [&](const char* what, const Arrangement& a) {
     return fmt::format("  {} ({}): plan {} bytes ({}), {}; estimated step {:.3f} s", what,
-                       describe(a, recomputable), a.plan_bytes, gib(a.plan_bytes),
+                       describe(a, recomputable, configured.micro), a.plan_bytes, gib(a.plan_bytes),
                        a.plan_bytes <= b.per_rank() ? "fits" : "does not fit", a.step_s());
   };
   out.push_back(row("as configured", configured));
@@ -217,6 +221,10 @@ std::vector<std::string> BudgetChoice::lines() const {
   std::vector<std::string> searched;
   if (placement_free) searched.emplace_back("where the master and optimizer state live");
   if (recompute_free) searched.emplace_back("how many layers are recomputed");
+  if (micro_free && chosen.micro != configured.micro)
+    searched.emplace_back("the micro-batch (the same global batch; a smaller one only when no "
+                          "arrangement at a larger one fits: the estimate does not count a smaller "
+                          "one's slower GEMMs)");
   out.push_back(fmt::format(
       "  searched: {} ({} arrangements, {} within the budget); chosen as the fastest by "
       "estimate: forward and backward at {:.0f} TFLOP/s, a recomputed layer's forward again "
@@ -244,6 +252,9 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
              t.engine.optimizer.state_slots() *
                  static_cast<double>(t.engine.optimizer.state_bytes()));
 
+  choice.micro_free = c.has("train_batch_size") && !c.has("train_micro_batch_size_per_gpu") &&
+                      !c.has("gradient_accumulation_steps");
+
   std::vector<Placement> placements{t.engine.optimizer_placement};
   if (choice.placement_free) placements = {Placement::device, Placement::host};
   std::vector<int> recomputes{t.model->recompute_layers()};
@@ -251,76 +262,119 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
     recomputes.clear();
     for (int r = 0; r <= choice.recomputable; ++r) recomputes.push_back(r);
   }
-  const int micro = t.batches.micro_samples;
-  const double micro_steps = t.batches.gradient_accumulation_steps;
-  const double compute_s = micro_steps * t.model->micro_flops(micro) / kModelFlopsPerS;
   const double layers = std::max(1, choice.recomputable);
-
-  std::vector<Arrangement> all;
-  for (const Placement placement : placements) {
-    EngineConfig engine = t.engine;
-    engine.optimizer_placement = placement;
-    std::int64_t shard = 0;
-    const std::int64_t engine_bytes = largest_engine_plan(t, engine, &shard);
-    double update_s = 0.0;
-    if (placement == Placement::host)
-      update_s = engine.offload_update == OffloadUpdate::cpu
-                     ? static_cast<double>(shard) / kCpuParamsPerS
-                     : static_cast<double>(shard) * choice.streamed_bytes_per_param /
-                           kStreamedBytesPerS;
-    for (const int r : recomputes) {
-      Arrangement a;
-      a.optimizer = placement;
-      a.recompute_layers = r;
-      const auto model = r == t.model->recompute_layers() ? t.model : t.model->with_recompute(r);
-      a.plan_bytes = engine_bytes + model->activation_bytes(micro, t.engine.dtype, t.backend.kind);
-      // A recomputed layer runs its forward twice: a third more of its forward and backward.
-      a.compute_s = compute_s * (1.0 + r / (3.0 * layers));
-      a.update_s = update_s;
-      all.push_back(a);
+  // Every arrangement at one micro-batch, the global batch kept.
+  const auto arrangements_at = [&](int micro, int accumulation) {
+    const double compute_s = accumulation * t.model->micro_flops(micro) / kModelFlopsPerS;
+    std::vector<Arrangement> all;
+    for (const Placement placement : placements) {
+      EngineConfig engine = t.engine;
+      engine.optimizer_placement = placement;
+      std::int64_t shard = 0;
+      const std::int64_t engine_bytes = largest_engine_plan(t, engine, &shard);
+      double update_s = 0.0;
+      if (placement == Placement::host)
+        update_s = engine.offload_update == OffloadUpdate::cpu
+                       ? static_cast<double>(shard) / kCpuParamsPerS
+                       : static_cast<double>(shard) * choice.streamed_bytes_per_param /
+                             kStreamedBytesPerS;
+      for (const int r : recomputes) {
+        Arrangement a;
+        a.optimizer = placement;
+        a.recompute_layers = r;
+        a.micro = micro;
+        a.accumulation = accumulation;
+        const auto model =
+            r == t.model->recompute_layers() ? t.model : t.model->with_recompute(r);
+        a.plan_bytes =
+            engine_bytes + model->activation_bytes(micro, t.engine.dtype, t.backend.kind);
+        // A recomputed layer runs its forward twice: a third more of its forward and backward.
+        a.compute_s = compute_s * (1.0 + r / (3.0 * layers));
+        a.update_s = update_s;
+        all.push_back(a);
+      }
     }
-  }
-  choice.arrangements = static_cast<int>(all.size());
-  for (const auto& a : all)
-    if (a.optimizer == t.engine.optimizer_placement &&
-        a.recompute_layers == t.model->recompute_layers())
-      choice.configured = a;
+    return all;
+  };
+  // The micro-batches that keep the global batch, the config's first, then smaller ones.
+  const int micro = t.batches.micro_samples;
+  const std::int64_t per_rank_samples =
+      std::int64_t{micro} * t.batches.gradient_accumulation_steps;
+  std::vector<std::pair<int, int>> micros{{micro, t.batches.gradient_accumulation_steps}};
+  for (int m = micro - 1; m >= 1; --m)
+    if (per_rank_samples % m == 0) micros.emplace_back(m, static_cast<int>(per_rank_samples / m));
 
-  // The fastest by estimate that fits, the smaller plan among equals; and the same among those
-  // of each placement.
   const auto faster = [](const Arrangement* best, const Arrangement& a) {
     return !best || a.step_s() < best->step_s() ||
            (a.step_s() == best->step_s() && a.plan_bytes < best->plan_bytes);
   };
+  // Each micro-batch's arrangements, kept whole (reserved: pointers into them stay valid).
+  std::vector<std::vector<Arrangement>> at_micro;
+  at_micro.reserve(micros.size());
+  at_micro.push_back(arrangements_at(micros.front().first, micros.front().second));
+  const Arrangement* smallest = &at_micro.front().front();
+  for (const auto& a : at_micro.front()) {
+    if (a.optimizer == t.engine.optimizer_placement &&
+        a.recompute_layers == t.model->recompute_layers())
+      choice.configured = a;
+    if (a.plan_bytes < smallest->plan_bytes) smallest = &a;
+  }
+  // The fastest by estimate that fits, the smaller plan among equals; and the same among those
+  // of each placement. A smaller micro-batch only when none at a larger one fits; when the
+  // config fixes the micro-batch, the largest smaller one that fits is only named.
   const Arrangement* best = nullptr;
   const Arrangement* best_of[2] = {nullptr, nullptr};  // by Placement
-  const Arrangement* smallest = &all.front();
-  for (const auto& a : all) {
-    if (a.plan_bytes < smallest->plan_bytes) smallest = &a;
-    if (a.plan_bytes > budget->per_rank()) continue;
-    ++choice.fitting;
-    if (faster(best, a)) best = &a;
-    const auto at = a.optimizer == Placement::host ? 1 : 0;
-    if (faster(best_of[at], a)) best_of[at] = &a;
+  std::optional<Arrangement> fits_smaller;
+  for (std::size_t i = 0; i < micros.size() && !best && !fits_smaller; ++i) {
+    if (i > 0) at_micro.push_back(arrangements_at(micros[i].first, micros[i].second));
+    for (const auto& a : at_micro.back()) {
+      if (a.plan_bytes > budget->per_rank()) continue;
+      if (i > 0 && !choice.micro_free) {
+        if (!fits_smaller || faster(&*fits_smaller, a)) fits_smaller = a;
+        continue;
+      }
+      ++choice.fitting;
+      if (faster(best, a)) best = &a;
+      const auto at = a.optimizer == Placement::host ? 1 : 0;
+      if (faster(best_of[at], a)) best_of[at] = &a;
+    }
+    if (i == 0 || choice.micro_free)
+      choice.arrangements += static_cast<int>(at_micro.back().size());
   }
+  if (!best && choice.micro_free)  // the smallest at the smallest micro-batch searched
+    for (const auto& a : at_micro.back())
+      if (a.plan_bytes < smallest->plan_bytes || smallest->micro != a.micro) smallest = &a;
   if (!best) {
     const std::int64_t needed = smallest->plan_bytes * budget->ranks_per_device + budget->reserve;
     c.fail(
         "shardswap.device_memory", budget->memory_text,
         fmt::format("no arrangement fits: the smallest, {}, plans {} bytes ({}) a rank; with "
                     "the {} held outside the plan it needs a budget of at least {} bytes "
-                    "({}){}: refused before anything is allocated",
-                    describe(*smallest, choice.recomputable), smallest->plan_bytes,
+                    "({}){}{}: refused before anything is allocated",
+                    describe(*smallest, choice.recomputable, micro), smallest->plan_bytes,
                     gib(smallest->plan_bytes), gib(budget->reserve), needed, gib(needed),
                     choice.placement_free && choice.recompute_free
                         ? ""
                         : " (the config fixes zero_optimization.offload_optimizer or "
-                          "model.recompute_layers: leaving them out lets the search vary them)"));
+                          "model.recompute_layers: leaving them out lets the search vary them)",
+                    fits_smaller
+                        ? fmt::format(
+                              "; at train_micro_batch_size_per_gpu = {} with "
+                              "gradient_accumulation_steps = {} (the same global batch) {} "
+                              "plans {} bytes ({}) and fits: give train_batch_size alone to "
+                              "let the search choose the micro-batch",
+                              fits_smaller->micro, fits_smaller->accumulation,
+                              describe(*fits_smaller, choice.recomputable, 0),
+                              fits_smaller->plan_bytes, gib(fits_smaller->plan_bytes))
+                        : std::string()));
   }
   choice.chosen = *best;
   if (const Arrangement* other = best_of[best->optimizer == Placement::host ? 0 : 1])
     choice.other_placement = *other;
   t.engine.optimizer_placement = best->optimizer;
+  t.batches.micro_samples = best->micro;
+  t.batches.gradient_accumulation_steps = best->accumulation;
+  t.engine.gradient_accumulation_steps = best->accumulation;
   if (best->recompute_layers != t.model->recompute_layers())
     t.model = t.model->with_recompute(best->recompute_layers);
   return choice;

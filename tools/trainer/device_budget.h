@@ -41,6 +41,9 @@ struct DeviceBudget {
 struct Arrangement {
   Placement optimizer = Placement::device;  ///< the fp32 master and optimizer state
   int recompute_layers = 0;
+  int micro = 0;         ///< train_micro_batch_size_per_gpu
+  int accumulation = 0;  ///< gradient_accumulation_steps (micro x accumulation x ranks: the
+                         ///< config's global batch, whichever micro-batch)
   std::int64_t plan_bytes = 0;  ///< the largest rank's device plan (engine + activations)
   double compute_s = 0.0;       ///< estimated forward and backward of a step
   double update_s = 0.0;        ///< estimated update of a step beyond the device's own
@@ -57,6 +60,9 @@ struct BudgetChoice {
   std::optional<Arrangement> other_placement;
   bool placement_free = false;  ///< zero_optimization.offload_optimizer not given
   bool recompute_free = false;  ///< model.recompute_layers not given
+  /// train_batch_size given, the micro-batch and the accumulation not: a smaller micro-batch
+  /// (the same global batch) is searched when none of the config's fits.
+  bool micro_free = false;
   int recomputable = 0;         ///< the model's layers
   int arrangements = 0;         ///< searched
   double streamed_bytes_per_param = 24.0;  ///< over PCIe a step, state on the host, streamed
@@ -66,9 +72,12 @@ struct BudgetChoice {
 
 /// Reads shardswap.device_memory and shardswap.device_reserve of a config whose model, engine,
 /// batches, schedule and backend are read; without a budget returns nothing. With one, searches,
-/// sets the chosen arrangement in `t` (engine.optimizer_placement, model) and returns what it
-/// did; throws ConfigError naming shardswap.device_memory and the smallest budget that would fit
-/// when no arrangement does, or when the reserve leaves nothing for the plan.
+/// sets the chosen arrangement in `t` (engine.optimizer_placement, model, and with micro_free
+/// batches and engine.gradient_accumulation_steps) and returns what it did; throws ConfigError
+/// naming shardswap.device_memory and the smallest budget that would fit when no arrangement
+/// does (and the largest smaller micro-batch that would, when the config fixes it), or when the
+/// reserve leaves nothing for the plan. A caller whose data was opened for the config's
+/// micro-batch opens it again when chosen.micro differs.
 std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t);
 
 /// Caps `space` (a rank's device memory) at the budget's share of a rank, if there is a budget:

@@ -248,6 +248,12 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   // Last, once the model, engine, batches, schedule and backend are known: what it changes
   // (where the state lives, the layers recomputed) every later reader sees.
   t.budget = apply_device_budget(c, t);
+  if (t.budget && t.budget->chosen.micro != t.budget->configured.micro) {
+    // The search chose a smaller micro-batch: the data's batches and the evaluation's count
+    // follow it.
+    if (purpose == ConfigFor::run) t.data = open_run_data(c, t);
+    t.eval_batches = read_eval_batches(c, t, positive);
+  }
   reject_unknown_keys(c, kShardSwapSections);
   reject_unread_overrides(c);
   if (strict) refuse_warnings(c, config_warnings(c));
