@@ -73,6 +73,9 @@ struct Setup {
   std::optional<DType> grad_dtype;
   DeactivatePolicy policy = DeactivatePolicy::keep_host;
   double clip = 0.5;  // triggers: the norm and its reduction are part of what must resume
+  /// Lighter state: bf16 m and v, and the master as the bf16 weight and its low half.
+  bool light_state = false;
+  Placement placement = Placement::device;
 };
 
 EngineConfig config_of(const Setup& s, int world) {
@@ -93,6 +96,12 @@ EngineConfig config_of(const Setup& s, int world) {
   cfg.loss_scale.initial_scale = 8192.0;
   cfg.loss_scale.window = 3;
   cfg.loss_scale.hysteresis = 2;
+  if (s.light_state) {
+    cfg.optimizer.state_dtype = DType::bf16;
+    cfg.optimizer.master = MasterStorage::bf16_remainder;
+  }
+  cfg.optimizer_placement = s.placement;
+  cfg.offload_chunk_elements = 97;
   return cfg;
 }
 
@@ -254,8 +263,9 @@ RunOutput load_and_continue(const Setup& s, int world, const fs::path& dir, int 
 }
 
 std::string setup_name(const Setup& s) {
-  return fmt::format("stage{}-{}-{}", s.stage, dtype_name(s.dtype),
-                     deactivate_policy_name(s.policy));
+  return fmt::format("stage{}-{}-{}{}{}", s.stage, dtype_name(s.dtype),
+                     deactivate_policy_name(s.policy), s.light_state ? "-light" : "",
+                     s.placement == Placement::host ? "-host" : "");
 }
 
 void check_exact_resume(const Setup& s, int world) {
@@ -312,6 +322,19 @@ TEST_CASE("a run resumed from a checkpoint equals the straight run bit for bit, 
       Setup s;
       s.stage = stage;
       s.dtype = DType::f16;
+      s.policy = policy;
+      INFO(setup_name(s));
+      check_exact_resume(s, 2);
+    }
+}
+
+TEST_CASE("a run resumed from a checkpoint equals the straight run bit for bit, with bf16 m and v "
+          "and the master as low halves, on the device and on the host") {
+  for (Placement placement : {Placement::device, Placement::host})
+    for (auto policy : {DeactivatePolicy::drop, DeactivatePolicy::keep_host}) {
+      Setup s;
+      s.light_state = true;
+      s.placement = placement;
       s.policy = policy;
       INFO(setup_name(s));
       check_exact_resume(s, 2);
