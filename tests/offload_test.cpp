@@ -91,6 +91,16 @@ TrainingState lisa_run(Placement placement, int stage, DeactivatePolicy policy,
   return out;
 }
 
+// The small LISA model's params, as plan_memory takes them (declared on a probe engine).
+std::vector<ParamDeclaration> small_lisa_declarations(int rank, Communicator& comm) {
+  MemorySpace space(rank, make_host_allocator());
+  Engine probe(config_at(Placement::device, 2), comm, space);
+  test_support::declare_small_lisa_model(probe);
+  std::vector<ParamDeclaration> out;
+  for (const auto& p : probe.params()) out.push_back({p.name, p.shape, p.group});
+  return out;
+}
+
 void require_same_bits(const TrainingState& a, const TrainingState& b) {
   REQUIRE(a.groups.size() == b.groups.size());
   for (std::size_t i = 0; i < a.groups.size(); ++i) {
@@ -348,14 +358,7 @@ TEST_CASE("bf16 state has the same bits on the device and on the host, both ways
   // engine holds what its plan says at every step).
   run_ranks(1, [&](int rank, Communicator& comm) {
     for (Placement placement : {Placement::device, Placement::host}) {
-      MemorySpace space(rank, make_host_allocator());
-      const auto decls = [&] {
-        Engine probe(config_at(placement, 2), comm, space);
-        test_support::declare_small_lisa_model(probe);
-        std::vector<ParamDeclaration> out;
-        for (const auto& p : probe.params()) out.push_back({p.name, p.shape, p.group});
-        return out;
-      }();
+      const auto decls = small_lisa_declarations(rank, comm);
       const MemoryPlan f32 = plan_memory(config_at(placement, 2), 1, 0, decls);
       const MemoryPlan b16 =
           plan_memory(config_at(placement, 2, OffloadUpdate::streamed, DType::bf16), 1, 0, decls);
@@ -458,14 +461,7 @@ TEST_CASE("bf16_remainder keeps the fp32 masters' bits in 2 bytes a param, on th
   // engine holds what its plan says at every step).
   run_ranks(1, [&](int rank, Communicator& comm) {
     for (Placement placement : {Placement::device, Placement::host}) {
-      MemorySpace space(rank, make_host_allocator());
-      const auto decls = [&] {
-        Engine probe(config_at(placement, 2), comm, space);
-        test_support::declare_small_lisa_model(probe);
-        std::vector<ParamDeclaration> out;
-        for (const auto& p : probe.params()) out.push_back({p.name, p.shape, p.group});
-        return out;
-      }();
+      const auto decls = small_lisa_declarations(rank, comm);
       const MemoryPlan f32 = plan_memory(config_at(placement, 2), 1, 0, decls);
       const MemoryPlan low = plan_memory(
           config_at(placement, 2, OffloadUpdate::streamed, DType::f32, kLow), 1, 0, decls);

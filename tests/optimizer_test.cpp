@@ -1147,6 +1147,36 @@ std::vector<float> widened(const std::vector<std::uint16_t>& bf16) {
   return out;
 }
 
+// AdamW's update of `t` (bf16 params and gradients) streamed in two pieces, split at element
+// 40000, through two slots of 1000 elements in `slots`: per slot the master (`master_bytes` an
+// element: fp32 values or low halves) and two state slots of t.state_dtype.
+StreamedTensors two_pieces(const ShardTensors& t, const StepArgs& args,
+                           std::vector<std::byte>& slots, std::size_t master_bytes) {
+  constexpr std::size_t at = 40000, chunk = 1000;
+  const std::size_t state_bytes = dtype_size(t.state_dtype);
+  ShardTensors first = t, second = t;
+  first.count = at;
+  if (second.master != nullptr) second.master += at;
+  if (second.master_low != nullptr) second.master_low += at;
+  second.state0 = static_cast<std::byte*>(t.state0) + at * state_bytes;
+  second.state1 = static_cast<std::byte*>(t.state1) + at * state_bytes;
+  second.grad = static_cast<const std::uint16_t*>(t.grad) + at;
+  second.param = static_cast<std::uint16_t*>(t.param) + at;
+  second.count = t.count - at;
+  StreamedTensors s;
+  s.pieces = {{args, first}, {args, second}};
+  const std::size_t per_slot = chunk * (master_bytes + 2 * state_bytes);
+  slots.assign(2 * per_slot, std::byte{0});
+  for (std::size_t k = 0; k < 2; ++k) {
+    std::byte* slot = slots.data() + k * per_slot;
+    s.slot_master[k] = slot;
+    s.slot_state0[k] = slot + chunk * master_bytes;
+    s.slot_state1[k] = slot + chunk * (master_bytes + state_bytes);
+  }
+  s.chunk = chunk;
+  return s;
+}
+
 // Adam, AdamW, SGD with momentum and dampening, Nesterov SGD: every rule with state.
 const OptimizerConfig& nth_rule(int i) {
   static const OptimizerConfig rules[] = {make(OptimizerType::adam), make(OptimizerType::adamw),
@@ -1277,24 +1307,8 @@ TEST_CASE("bf16 state: HostUpdater's threads and the streamed chunks give one up
   }
   // Streamed through two slots of 1000 elements, in two pieces: the slots hold bf16 state.
   Run streamed = fresh();
-  std::vector<float> slot_master(2 * 1000);
-  std::vector<std::uint16_t> slot_state(2 * 2 * 1000);
-  StreamedTensors s;
-  ShardTensors first = streamed.t, second = streamed.t;
-  first.count = 40000;
-  second.master += 40000;
-  second.state0 = streamed.m.data() + 40000;
-  second.state1 = streamed.v.data() + 40000;
-  second.grad = static_cast<const std::uint16_t*>(grad.data()) + 40000;
-  second.param = streamed.param.data() + 40000;
-  second.count = n - 40000;
-  s.pieces = {{args, first}, {args, second}};
-  for (int k = 0; k < 2; ++k) {
-    s.slot_master[k] = slot_master.data() + k * 1000;
-    s.slot_state0[k] = slot_state.data() + (2 * k) * 1000;
-    s.slot_state1[k] = slot_state.data() + (2 * k + 1) * 1000;
-  }
-  s.chunk = 1000;
+  std::vector<std::byte> slots;
+  StreamedTensors s = two_pieces(streamed.t, args, slots, sizeof(float));
   cpu_device_ops().update_streamed(config, s);
   CHECK(same(streamed));
   // Pieces of two state dtypes cannot share the slots.
@@ -1469,25 +1483,8 @@ TEST_CASE("bf16_remainder: HostUpdater's threads and the streamed chunks give on
   }
   // Streamed through two slots of 1000 elements in two pieces: the master slots hold low halves.
   Run streamed = fresh();
-  std::vector<std::uint16_t> slot_low(2 * 1000);
-  std::vector<float> slot_state(2 * 2 * 1000);
-  StreamedTensors s;
-  ShardTensors first = streamed.t, second = streamed.t;
-  first.count = 40000;
-  second.master_low += 40000;
-  second.state0 = streamed.m.data() + 40000;
-  second.state1 = streamed.v.data() + 40000;
-  second.grad = static_cast<const std::uint16_t*>(grad.data()) + 40000;
-  second.param = streamed.weight.data() + 40000;
-  second.count = n - 40000;
-  s.pieces = {{args, first}, {args, second}};
-  for (int k = 0; k < 2; ++k) {
-    s.slot_master[k] = slot_low.data() + k * 1000;
-    s.slot_state0[k] = slot_state.data() + (2 * k) * 1000;
-    s.slot_state1[k] = slot_state.data() + (2 * k + 1) * 1000;
-  }
-  s.chunk = 1000;
-  cpu_device_ops().update_streamed(config, s);
+  std::vector<std::byte> slots;
+  cpu_device_ops().update_streamed(config, two_pieces(streamed.t, args, slots, 2));
   CHECK(same(streamed));
 }
 
