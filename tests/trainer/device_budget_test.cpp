@@ -311,12 +311,16 @@ TEST_CASE("under keep_device the budget counts the state every switchable group 
 TEST_CASE(
     "the Qwen2.5 configs under the budgets issue 31 names: 7B full and 14B LISA fit 48GiB "
     "with the state on the host, while 7B full under 24GiB and 14B full under 48GiB are refused") {
-  const auto plan = [](const char* config, const char* budget) {
+  const auto plan = [](const char* config, const char* budget, const char* host = "125GiB",
+                       std::vector<std::string> extra = {}) {
     auto reader = ConfigReader::from_file(std::string(SHARDSWAP_TEST_DIR "/../configs/") + config);
     for (const char* set :
          {"data.seq_len=2048", "train_micro_batch_size_per_gpu=3", "gradient_accumulation_steps=8"})
       reader.set(set);
     reader.set(std::string("shardswap.device_memory=\"") + budget + "\"");
+    // The H200 machine's host memory, not the one running the test.
+    reader.set(std::string("shardswap.host_memory=\"") + host + "\"");
+    for (const auto& set : extra) reader.set(set);
     return train_config_from_json(reader, ConfigFor::plan);
   };
   for (const char* config : {"qwen2.5-7b.json", "qwen2.5-14b-lisa.json"}) {
@@ -332,6 +336,16 @@ TEST_CASE(
     const auto msg = test::message_of<ConfigError>([&] { plan(config, budget); });
     REQUIRE(msg.find("no arrangement fits") != std::string::npos);
   }
+  // On a host of 64GiB the 7B's fp32 master, m and v (85 GiB) do not fit, bf16 m and v with the
+  // master as low halves (12 bytes a param) do.
+  const auto msg = test::message_of<ConfigError>([&] { plan("qwen2.5-7b.json", "48GiB", "64GiB"); });
+  REQUIRE(msg.find("no arrangement fits this host") != std::string::npos);
+  const TrainConfig light =
+      plan("qwen2.5-7b.json", "48GiB", "64GiB",
+           {"shardswap.optimizer_state_dtype=\"bf16\"",
+            "shardswap.master_weights=\"bf16_remainder\""});
+  REQUIRE(light.budget->chosen.optimizer == Placement::host);
+  REQUIRE(light.budget->chosen.machine_bytes <= std::int64_t{64} << 30);
 }
 
 TEST_CASE("the budget's streamed estimate counts the master's and the state's bytes as stored") {
@@ -442,4 +456,78 @@ TEST_CASE("with the micro-batch given, a budget only a smaller one fits is refus
   REQUIRE(msg.find("at train_micro_batch_size_per_gpu = 2 with gradient_accumulation_steps = 4 "
                    "(the same global batch)") != std::string::npos);
   REQUIRE(msg.find("give train_batch_size alone") != std::string::npos);
+}
+
+namespace {
+
+// What the in-process ranks of `j` (the cpu backend: device plans are host memory too) take of
+// this machine's memory together, planned independently.
+std::int64_t machine_need(const nlohmann::json& j) {
+  const TrainConfig t = load(j);
+  std::int64_t most = 0;
+  for (int r = 0; r < t.world_size; ++r) {
+    const PlannedMemory p = plan_memory(t, *t.model, r);
+    most = std::max(most, p.total() + p.host_total());
+  }
+  return most * t.world_size;
+}
+
+}  // namespace
+
+TEST_CASE("the budget leaves out arrangements the host's memory cannot hold, and says so") {
+  const auto j = small_run();
+  const std::int64_t budget = largest_plan(j) - 1;
+  auto b = j;
+  b["shardswap"]["device_memory"] = budget;
+  const BudgetChoice free = *load(b).budget;
+  REQUIRE(free.host_excluded == 0);
+  // The host just too small for the unconstrained choice.
+  const char* placement = free.chosen.optimizer == Placement::host ? "cpu" : "none";
+  const std::int64_t chosen_need = machine_need(with(j, placement, free.chosen.recompute_layers));
+  REQUIRE(free.chosen.machine_bytes == chosen_need);
+  b["shardswap"]["host_memory"] = chosen_need - 1;
+  int excluded = 0, fitting = 0;
+  for (const char* where : {"none", "cpu"})
+    for (int r = 0; r <= 4; ++r) {
+      const auto w = with(j, where, r);
+      if (largest_plan(w) > budget) continue;
+      (machine_need(w) > chosen_need - 1 ? excluded : fitting) += 1;
+    }
+  REQUIRE(excluded >= 1);
+  if (fitting > 0) {
+    const BudgetChoice c = *load(b).budget;
+    REQUIRE(c.host_excluded == excluded);
+    REQUIRE(c.fitting == fitting);
+    REQUIRE(c.chosen.machine_bytes <= chosen_need - 1);
+    REQUIRE(c.chosen.plan_bytes <= budget);
+    const std::string text = fmt::format("{}", fmt::join(c.lines(), "\n"));
+    REQUIRE(text.find(fmt::format("left out: {} arrangement", excluded)) != std::string::npos);
+  }
+  // A host that holds none: refused, saying what the host lacks.
+  b["shardswap"]["host_memory"] = "1KiB";
+  const std::string msg = test::message_of<ConfigError>([&] { load(b); });
+  CAPTURE(msg);
+  REQUIRE(test::config_shaped(msg, "test.json", "shardswap.device_memory"));
+  REQUIRE(msg.find("no arrangement fits this host: ") != std::string::npos);
+  REQUIRE(msg.find("within the device budget need more host memory than the 0.00 GiB its 2 "
+                   "ranks may take (shardswap.host_memory") != std::string::npos);
+  // And its key is checked.
+  b["shardswap"]["host_memory"] = "plenty";
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { load(b); }),
+                         "test.json: shardswap.host_memory = \"plenty\": expected a size"));
+}
+
+TEST_CASE("a run whose plan needs more host memory than shardswap.host_memory is refused before "
+          "anything is allocated, naming the key") {
+  auto j = small_run();
+  j["shardswap"]["host_memory"] = machine_need(j) - 1;
+  std::ostringstream log;
+  const TrainConfig t = load(j, ConfigFor::run);
+  REQUIRE(t.host_memory == machine_need(j) - 1);
+  const std::string msg = test::message_of<Error>([&] { train(t, TrainOutput{log}); });
+  CAPTURE(msg);
+  REQUIRE(msg.find("it may take (shardswap.host_memory): refused before anything is "
+                   "allocated") != std::string::npos);
+  j["shardswap"]["host_memory"] = machine_need(j);
+  REQUIRE_NOTHROW(train(load(j, ConfigFor::run), TrainOutput{log}));
 }

@@ -6,13 +6,17 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <utility>
+
+#include <unistd.h>
 
 #include "shardswap/engine.h"
 #include "shardswap/error.h"
 #include "shardswap/schedule.h"
 #include "support/quoted.h"
+#include "trainer/process_launch.h"
 #include "trainer/run_model.h"
 #include "trainer/train.h"
 
@@ -79,6 +83,10 @@ std::optional<DeviceBudget> read_budget(ConfigReader& c, const TrainConfig& t) {
   // In-process ranks on a GPU share it (one process per rank, or NCCL's threads, have one each).
   const bool shared_gpu = t.backend.kind == DeviceKind::cuda && t.comm == CommKind::in_process;
   b.ranks_per_device = shared_gpu ? t.world_size : 1;
+  b.host_memory = t.host_memory;
+  // The processes of a launch on this machine share its memory, as do in-process ranks.
+  const std::optional<ProcessLaunch> launch = process_launch_from_env();
+  b.ranks_on_machine = launch ? std::max(1, launch->local_size) : t.world_size;
   if (b.reserve >= b.memory)
     c.fail(kMemory, b.memory_text,
            fmt::format("the budget ({}) leaves nothing for the plan once the {} held outside it "
@@ -126,30 +134,36 @@ std::vector<std::vector<std::string>> bounding_active_sets(
 
 // The largest device plan of `engine` over ranks and bounding active sets. Under keep_device a
 // group's state stays on the device once it has been active: counted for every group the
-// schedule can activate (an upper bound). `shard_elements`: the largest shard a step updates.
+// schedule can activate (an upper bound); kept state on the host (keep_host, or any keep policy
+// with the state on the host) bounds the host plan alike. `shard_elements`: the largest shard a
+// step updates; `host_bytes`: the largest host plan.
 std::int64_t largest_engine_plan(const TrainConfig& t, const EngineConfig& engine,
-                                 std::int64_t* shard_elements) {
-  std::int64_t most = 0, shard = 0;
+                                 std::int64_t* shard_elements, std::int64_t* host_bytes) {
+  std::int64_t most = 0, shard = 0, host = 0;
   const auto declarations = t.model->declarations();
   const auto sets = bounding_active_sets(t, declarations);
-  const bool keeps_on_device = t.schedule->enabled() &&
-                               t.schedule->policy() == DeactivatePolicy::keep_device &&
+  const bool keeps = t.schedule->enabled() && t.schedule->policy() != DeactivatePolicy::drop;
+  const bool keeps_on_device = keeps && t.schedule->policy() == DeactivatePolicy::keep_device &&
                                engine.optimizer_placement == Placement::device;
+  const bool keeps_on_host = keeps && !keeps_on_device;
   for (int r = 0; r < t.world_size; ++r) {
     std::int64_t every_state = 0;
-    if (keeps_on_device) {
+    if (keeps_on_device || keeps_on_host) {
       const MemoryPlan all = plan_memory(engine, t.world_size, r, declarations);
       every_state = all.of(Tag::master32) + all.of(Tag::optim_state);
+      if (keeps_on_host) host = std::max(host, all.host_total());
     }
     for (const auto& active : sets) {
       const MemoryPlan p = plan_memory(engine, t.world_size, r, declarations, active);
       const std::int64_t state = p.of(Tag::master32) + p.of(Tag::optim_state);
       most = std::max(most, p.total() + (keeps_on_device ? every_state - state : 0));
+      host = std::max(host, p.host_total());
       shard = std::max(shard, (p.of(Tag::master32) + p.host_of(Tag::master32)) /
                                   static_cast<std::int64_t>(engine.optimizer.master_bytes()));
     }
   }
   if (shard_elements) *shard_elements = shard;
+  if (host_bytes) *host_bytes = host;
   return most;
 }
 
@@ -195,6 +209,32 @@ std::int64_t parse_byte_size(std::string_view text, std::string_view key) {
   return static_cast<std::int64_t>(std::ceil(bytes));
 }
 
+std::int64_t machine_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  std::int64_t bytes = pages > 0 && page > 0 ? std::int64_t{pages} * page : 0;
+  std::ifstream limit("/sys/fs/cgroup/memory.max");
+  std::int64_t cgroup = 0;
+  if (limit >> cgroup && cgroup > 0 && (bytes == 0 || cgroup < bytes)) bytes = cgroup;
+  return bytes;
+}
+
+std::int64_t read_host_memory(ConfigReader& c) {
+  constexpr std::string_view kHost = "shardswap.host_memory";
+  if (!c.has(kHost)) return machine_memory_bytes();
+  if (c.json().at(nlohmann::json::json_pointer("/shardswap/host_memory")).is_string()) {
+    try {
+      return parse_byte_size(c.string(kHost, ""), kHost);
+    } catch (const ConfigError& e) {
+      c.rethrow_naming_file(e);
+    }
+  }
+  const double bytes = c.number(kHost, 0.0);
+  if (!(bytes >= 1.0 && bytes <= 9.0e18) || bytes != std::floor(bytes))
+    c.fail(kHost, fmt::format("{}", bytes),
+           "expected a whole number of bytes >= 1, or a size such as \"64GiB\"");
+  return static_cast<std::int64_t>(bytes);
+}
+
 std::vector<std::string> BudgetChoice::lines() const {
   const auto& b = budget;
   std::vector<std::string> out;
@@ -218,6 +258,11 @@ std::vector<std::string> BudgetChoice::lines() const {
                               placement_words(chosen.optimizer == Placement::host
                                                   ? Placement::device
                                                   : Placement::host)));
+  if (host_excluded > 0)
+    out.push_back(fmt::format(
+        "  left out: {} arrangement{} within the device budget whose host memory ({} ranks on "
+        "this machine) the host's {} cannot hold (shardswap.host_memory)",
+        host_excluded, host_excluded == 1 ? "" : "s", b.ranks_on_machine, gib(b.host_memory)));
   std::vector<std::string> searched;
   if (placement_free) searched.emplace_back("where the master and optimizer state live");
   if (recompute_free) searched.emplace_back("how many layers are recomputed");
@@ -270,8 +315,8 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
     for (const Placement placement : placements) {
       EngineConfig engine = t.engine;
       engine.optimizer_placement = placement;
-      std::int64_t shard = 0;
-      const std::int64_t engine_bytes = largest_engine_plan(t, engine, &shard);
+      std::int64_t shard = 0, host = 0;
+      const std::int64_t engine_bytes = largest_engine_plan(t, engine, &shard, &host);
       double update_s = 0.0;
       if (placement == Placement::host)
         update_s = engine.offload_update == OffloadUpdate::cpu
@@ -288,6 +333,9 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
             r == t.model->recompute_layers() ? t.model : t.model->with_recompute(r);
         a.plan_bytes =
             engine_bytes + model->activation_bytes(micro, t.engine.dtype, t.backend.kind);
+        a.machine_bytes =
+            (host + (t.backend.kind == DeviceKind::host ? a.plan_bytes : 0)) *
+            budget->ranks_on_machine;
         // A recomputed layer runs its forward twice: a third more of its forward and backward.
         a.compute_s = compute_s * (1.0 + r / (3.0 * layers));
         a.update_s = update_s;
@@ -325,10 +373,18 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   const Arrangement* best = nullptr;
   const Arrangement* best_of[2] = {nullptr, nullptr};  // by Placement
   std::optional<Arrangement> fits_smaller;
+  std::optional<Arrangement> host_smallest;  // within the device budget, not the host's memory
   for (std::size_t i = 0; i < micros.size() && !best && !fits_smaller; ++i) {
     if (i > 0) at_micro.push_back(arrangements_at(micros[i].first, micros[i].second));
+    const bool searched = i == 0 || choice.micro_free;
     for (const auto& a : at_micro.back()) {
       if (a.plan_bytes > budget->per_rank()) continue;
+      if (budget->host_memory > 0 && a.machine_bytes > budget->host_memory) {
+        if (searched) ++choice.host_excluded;
+        if (searched && (!host_smallest || a.machine_bytes < host_smallest->machine_bytes))
+          host_smallest = a;
+        continue;
+      }
       if (i > 0 && !choice.micro_free) {
         if (!fits_smaller || faster(&*fits_smaller, a)) fits_smaller = a;
         continue;
@@ -338,12 +394,22 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
       const auto at = a.optimizer == Placement::host ? 1 : 0;
       if (faster(best_of[at], a)) best_of[at] = &a;
     }
-    if (i == 0 || choice.micro_free)
-      choice.arrangements += static_cast<int>(at_micro.back().size());
+    if (searched) choice.arrangements += static_cast<int>(at_micro.back().size());
   }
   if (!best && choice.micro_free)  // the smallest at the smallest micro-batch searched
     for (const auto& a : at_micro.back())
       if (a.plan_bytes < smallest->plan_bytes || smallest->micro != a.micro) smallest = &a;
+  if (!best && host_smallest)  // the device budget holds some: the host is what lacks
+    c.fail("shardswap.device_memory", budget->memory_text,
+           fmt::format("no arrangement fits this host: {} arrangement{} within the device budget "
+                       "need{} more host memory than the {} its {} rank{} may take "
+                       "(shardswap.host_memory; the machine's memory unless given): the least, "
+                       "{}, needs {}: refused before anything is allocated",
+                       choice.host_excluded, choice.host_excluded == 1 ? "" : "s",
+                       choice.host_excluded == 1 ? "s" : "", gib(budget->host_memory),
+                       budget->ranks_on_machine, budget->ranks_on_machine == 1 ? "" : "s",
+                       describe(*host_smallest, choice.recomputable, micro),
+                       gib(host_smallest->machine_bytes)));
   if (!best) {
     const std::int64_t needed = smallest->plan_bytes * budget->ranks_per_device + budget->reserve;
     c.fail(

@@ -26,12 +26,26 @@ struct TrainConfig;
 /// Throws ConfigError naming `key` for anything else.
 std::int64_t parse_byte_size(std::string_view text, std::string_view key);
 
+/// The memory this process may use: the machine's, or its cgroup's limit where lower (a
+/// container's). 0 when neither can be read.
+std::int64_t machine_memory_bytes();
+
+/// shardswap.host_memory (a size as parse_byte_size reads it, or bytes): the host memory a run's
+/// ranks on this machine may take together; absent, machine_memory_bytes(). ConfigError naming
+/// the key for anything else.
+std::int64_t read_host_memory(ConfigReader& c);
+
 struct DeviceBudget {
   std::int64_t memory = 0;  ///< shardswap.device_memory: the GPU's bytes the run may take
   /// shardswap.device_reserve: what the process holds on the GPU outside the plan (its CUDA
   /// context, NCCL's buffers, the libraries' state and kernel code), counted into the budget.
   std::int64_t reserve = 0;
   int ranks_per_device = 1;  ///< ranks whose plans share one GPU (in-process ranks on one)
+  /// The host memory the ranks on this machine may take together (TrainConfig::host_memory; 0:
+  /// unknown, not checked), and how many ranks that is (a launch's local size, or the
+  /// in-process ranks).
+  std::int64_t host_memory = 0;
+  int ranks_on_machine = 1;
   std::string memory_text;   ///< as the config wrote it
   /// What each rank's plan may hold: its share of the budget less the reserve.
   std::int64_t per_rank() const { return (memory - reserve) / ranks_per_device; }
@@ -45,6 +59,9 @@ struct Arrangement {
   int accumulation = 0;  ///< gradient_accumulation_steps (micro x accumulation x ranks: the
                          ///< config's global batch, whichever micro-batch)
   std::int64_t plan_bytes = 0;  ///< the largest rank's device plan (engine + activations)
+  /// What the ranks on this machine take of its host memory together: the largest rank's host
+  /// plan (on the cpu backend its device plan too, which is host memory there) x those ranks.
+  std::int64_t machine_bytes = 0;
   double compute_s = 0.0;       ///< estimated forward and backward of a step
   double update_s = 0.0;        ///< estimated update of a step beyond the device's own
   double step_s() const { return compute_s + update_s; }
@@ -67,6 +84,9 @@ struct BudgetChoice {
   int arrangements = 0;         ///< searched
   double streamed_bytes_per_param = 24.0;  ///< over PCIe a step, state on the host, streamed
   int fitting = 0;              ///< of them, within the budget
+  /// Arrangements within the device budget left out because the host's memory cannot hold them
+  /// (DeviceBudget::host_memory).
+  int host_excluded = 0;
   std::vector<std::string> lines() const;
 };
 

@@ -10,14 +10,12 @@
 #include <csignal>
 #include <cstdint>
 #include <exception>
-#include <fstream>
 #include <iostream>
 #include <mutex>
 #include <optional>
 #include <string_view>
 #include <thread>
 
-#include <unistd.h>
 
 #include "shardswap/backend.h"
 #include "shardswap/checkpoint.h"
@@ -67,17 +65,6 @@ void read_devices(ConfigReader& c, TrainConfig& t) {
   t.comm_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(timeout_s * 1e3)));
 }
 
-// The memory this process may use: the machine's, or its cgroup's limit where lower (a
-// container's). 0 when neither can be read.
-std::int64_t host_memory_bytes() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  std::int64_t bytes = pages > 0 && page > 0 ? std::int64_t{pages} * page : 0;
-  std::ifstream limit("/sys/fs/cgroup/memory.max");
-  std::int64_t cgroup = 0;
-  if (limit >> cgroup && cgroup > 0 && (bytes == 0 || cgroup < bytes)) bytes = cgroup;
-  return bytes;
-}
-
 }  // namespace
 
 void check_plan_fits(const TrainConfig& config, const PlannedMemory& rank0) {
@@ -86,17 +73,19 @@ void check_plan_fits(const TrainConfig& config, const PlannedMemory& rank0) {
   const std::int64_t per_rank =
       rank0.host_total() + (config.backend.kind == DeviceKind::host ? rank0.total() : 0);
   if (per_rank == 0) return;
-  const std::int64_t memory = host_memory_bytes();
+  const bool given = config.host_memory > 0;
+  const std::int64_t memory = given ? config.host_memory : machine_memory_bytes();
   const int ranks = config.process ? 1 : config.world_size;
   // Ranks hold near-equal shares; in doubles, so that no product overflows.
   const double needed = static_cast<double>(per_rank) * ranks;
   if (memory <= 0 || needed <= static_cast<double>(memory)) return;
   throw Error(fmt::format(
       "the plan needs {:.1f} GiB of host memory ({} on rank 0 x {} rank{} in this process; "
-      "`shardswap plan` lists it by tag), more than the {:.1f} GiB this machine has: refused "
+      "`shardswap plan` lists it by tag), more than the {:.1f} GiB {}: refused "
       "before anything is allocated",
       needed / 1073741824.0, mib(per_rank), ranks, ranks == 1 ? "" : "s",
-      static_cast<double>(memory) / 1073741824.0));
+      static_cast<double>(memory) / 1073741824.0,
+      given ? "it may take (shardswap.host_memory)" : "this machine has"));
 }
 
 namespace {
@@ -247,6 +236,7 @@ TrainConfig train_config_from_json(ConfigReader& c, ConfigFor purpose) {
   }
   // Last, once the model, engine, batches, schedule and backend are known: what it changes
   // (where the state lives, the layers recomputed) every later reader sees.
+  t.host_memory = read_host_memory(c);
   t.budget = apply_device_budget(c, t);
   if (t.budget && t.budget->chosen.micro != t.budget->configured.micro) {
     // The search chose a smaller micro-batch: the data's batches and the evaluation's count

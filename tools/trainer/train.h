@@ -112,6 +112,9 @@ struct TrainConfig {
   /// shardswap.device_memory: the budget and the arrangement chosen for it (already set in
   /// engine and model); every rank's space is capped at budget->budget.per_rank().
   std::optional<BudgetChoice> budget;
+  /// shardswap.host_memory: the host memory this machine's ranks may take together (absent, the
+  /// machine's or its cgroup's); 0 in a config built in code: the machine's.
+  std::int64_t host_memory = 0;
   /// shardswap.offload_threads was given; else engine.offload_threads is this machine's cores
   /// shared by the ranks on it (share_of_cores).
   bool offload_threads_given = false;
