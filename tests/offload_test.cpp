@@ -533,7 +533,7 @@ TEST_CASE("bf16_remainder: a training state moves to fp32 masters and back, and 
   }
 }
 
-TEST_CASE("shardswap.master_weights reads fp32 or bf16_remainder; fp16 params, a bad value and "
+TEST_CASE("shardswap.master_weights reads fp32 or bf16_remainder, and fp16 params, a bad value and "
           "Engine::master are refused, naming them") {
   auto read = [](const nlohmann::json& master, bool bf16 = true) {
     nlohmann::json j = {{"train_micro_batch_size_per_gpu", 1},
