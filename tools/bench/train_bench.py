@@ -22,7 +22,7 @@ first step's.
 
     python3 tools/bench/train_bench.py --bin build/cuda/tools/shardswap --out DIR \\
         [--shapes 0.5b,1.5b] [--modes full,lisa] [--steps 30] [--warmup 5] [--micro 0.5b=8,1.5b=4]
-        [--set KEY=VALUE ...]
+        [--global-batch N] [--set KEY=VALUE ...]
 Writes DIR/train-bench.json and each run's log and metrics; prints the table.
 """
 import argparse
@@ -86,13 +86,24 @@ def run(args, shape, mode, text):
     log = os.path.join(args.out, f"train-bench-{name}.log")
     micro = args.micro.get(shape, MICRO[shape])
     sets = {"steps": args.steps, "data.seq_len": 2048, "data.train": text,
-            "train_micro_batch_size_per_gpu": micro, "logging.timing": "true",
-            "logging.eval_interval": 100000, "logging.eval_batches": 1,
+            "logging.timing": "true", "logging.eval_interval": 100000, "logging.eval_batches": 1,
             "logging.interval": args.steps}
+    if micro > 0:  # 0: the config's batch keys as they are (--global-batch)
+        sets["train_micro_batch_size_per_gpu"] = micro
     config = f"configs/qwen2.5-{shape}.json"
     if mode == "lisa":
         config = f"configs/qwen2.5-{shape}-lisa.json"
         sets.update({"layer_switching.gamma": 2, "layer_switching.interval": 100000})
+    if args.global_batch:
+        # The global batch alone: the config copied without its micro-batch and accumulation,
+        # so that a device budget may choose the micro-batch (docs/memory.md).
+        source = json.load(open(config))
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            source.pop(key, None)
+        source["train_batch_size"] = args.global_batch
+        config = os.path.join(args.out, f"config-{name}.json")
+        json.dump(source, open(config, "w"), indent=1)
+        sets.pop("train_micro_batch_size_per_gpu", None)
     cmd = [args.bin, "train", "--config", config, "--metrics", metrics]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
@@ -120,6 +131,9 @@ def run(args, shape, mode, text):
         row["void"] = "loss not finite or not falling"
     row["split_ms"] = {p: 1e3 * statistics.median(l["phase_seconds"].get(p, 0.0) for l in timed)
                        for p in PHASES if timed and "phase_seconds" in timed[0]}
+    m = re.search(r"micro-batch (\d+)", text_log)
+    if args.global_batch and m:  # what the run chose
+        row["micro"] = int(m.group(1))
     m = re.search(r"rank 0 peak ([\d.]+) MiB, predicted ([\d.]+) MiB", text_log)
     if m:
         row["peak_mib"], row["plan_mib"] = float(m.group(1)), float(m.group(2))
@@ -165,6 +179,9 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--micro", default="", help="shape=N,... (default: 0.5b=8, 1.5b=4, 3b=4, 7b=3, 14b=3)")
     p.add_argument("--text", default="", help="a text file whose bytes are the tokens")
+    p.add_argument("--global-batch", type=int, default=0,
+                   help="give the configs train_batch_size N alone (no micro-batch or "
+                        "accumulation), e.g. for a device budget to choose the micro-batch")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every run (e.g. gradient_accumulation_steps=4)")

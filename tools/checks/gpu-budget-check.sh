@@ -6,9 +6,12 @@
 # where the planner chooses where the optimizer state lives and how many layers are
 # recomputed. Prints what the planner chose, both rows, the budgeted run's tokens/s over the
 # unbudgeted one's, and what the GPU held outside the plan against shardswap.device_reserve.
+# GLOBAL=1 gives the budgeted run's config train_batch_size MICRO x ACCUMULATION alone (no
+# micro-batch or accumulation), so that the budget may choose a smaller micro-batch for the same
+# global batch as the unbudgeted run's.
 # Logs and JSON go under $OUT (default build/gpu-out).
 #   usage: OUT=DIR [SHAPE=7b] [MODE=full|lisa] [MICRO=3] [BUDGET=48GiB] [ACCUMULATION=8] [STEPS=8] [WARMUP=3]
-#          [SKIP_UNBUDGETED=1] bash tools/checks/gpu-budget-check.sh
+#          [SKIP_UNBUDGETED=1] [GLOBAL=1] bash tools/checks/gpu-budget-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
@@ -44,9 +47,23 @@ build/cuda/tests/gpu/shardswap_gpu_tests "cuda: a run under a budget*,cuda: an a
   > "$OUT/gpu-budget-tests.log" 2>&1 || status=1
 grep -E "FAILED|passed|failed" "$OUT/gpu-budget-tests.log" | tail -4
 
-step "the plan under a budget of $BUDGET ($SHAPE $MODE, micro $MICRO, accumulation $ACCUMULATION)"
-"$bin" plan --config "$config" --set data.seq_len=2048 \
-  --set train_micro_batch_size_per_gpu="$MICRO" --set gradient_accumulation_steps="$ACCUMULATION" \
+batch=(--set train_micro_batch_size_per_gpu="$MICRO" --set gradient_accumulation_steps="$ACCUMULATION")
+GLOBAL_BATCH=
+[ "${GLOBAL:-0}" = 1 ] && GLOBAL_BATCH=$((MICRO * ACCUMULATION))
+if [ -n "$GLOBAL_BATCH" ]; then  # the config without its micro-batch and accumulation
+  python3 - "$config" "$OUT/config-global.json" "$GLOBAL_BATCH" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+    c.pop(key, None)
+c["train_batch_size"] = int(sys.argv[3])
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+PY
+  config="$OUT/config-global.json"
+  batch=()
+fi
+step "the plan under a budget of $BUDGET ($SHAPE $MODE, micro $MICRO, accumulation $ACCUMULATION${GLOBAL_BATCH:+: the global batch $GLOBAL_BATCH alone})"
+"$bin" plan --config "$config" --set data.seq_len=2048 "${batch[@]}" \
   --device-memory "$BUDGET" \
   2>&1 | tee "$OUT/plan.txt" || status=1
 
@@ -55,12 +72,14 @@ runs="budget"
 for run in $runs; do
   step "training, $run"
   dir="$OUT/train-$run"
-  extra=()
-  [ "$run" = budget ] && extra=(--set "shardswap.device_memory=$BUDGET")
+  extra=(--set gradient_accumulation_steps="$ACCUMULATION")
+  [ "$run" = budget ] && extra+=(--set "shardswap.device_memory=$BUDGET")
+  # Under GLOBAL=1 the budgeted run gives the global batch alone.
+  [ "$run" = budget ] && [ -n "$GLOBAL_BATCH" ] &&
+    extra=(--set "shardswap.device_memory=$BUDGET" --global-batch "$GLOBAL_BATCH")
   python3 tools/bench/train_bench.py --bin "$bin" --out "$dir" --shapes "$SHAPE" --modes "$MODE" \
-    --micro "$SHAPE=$MICRO" \
-    --steps "$STEPS" --warmup "$WARMUP" --set gradient_accumulation_steps="$ACCUMULATION" \
-    "${extra[@]}" > "$dir.txt" 2>&1 || status=1
+    --micro "$SHAPE=$MICRO" --steps "$STEPS" --warmup "$WARMUP" "${extra[@]}" \
+    > "$dir.txt" 2>&1 || status=1
   tail -3 "$dir.txt"
   grep -hE "device budget|chosen|held outside|outside it|host memory of rank 0|warning" \
     "$dir"/*.log | head -12
