@@ -101,6 +101,48 @@ std::vector<ParamDeclaration> small_lisa_declarations(int rank, Communicator& co
   return out;
 }
 
+// Ten steps of the small LISA model on two ranks under `first` (layers.3 kept on the host from
+// step 5), the training state handed to an engine under `second` (which must hold its plan and
+// give back the same masters), ten more steps there (layers.3 active again from step 15).
+// Returns rank 0's final training state with weights.
+TrainingState moved_run(const EngineConfig& first, const EngineConfig& second) {
+  TrainingState out;
+  std::mutex mu;
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    TrainingState half;
+    {
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(first, comm, space);
+      test_support::declare_small_lisa_model(e);
+      e.build(sine_init);
+      for (int step = 0; step < 10; ++step) {
+        if (step == 5) e.deactivate("layers.3", DeactivatePolicy::keep_host);
+        add_cosine_grads(e, rank, step);
+        e.step();
+      }
+      half = e.training_state(true);
+    }
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(second, comm, space);
+    test_support::declare_small_lisa_model(e);
+    e.build(sine_init, std::vector<std::string>{"embed"});
+    e.restore_training_state(half);
+    require_plan_held(e, "after the restore");
+    const TrainingState back = e.training_state(true);  // restored: the state's masters exactly
+    for (std::size_t i = 0; i < half.groups.size(); ++i)
+      RANK_REQUIRE(back.groups[i].master == half.groups[i].master);
+    for (int step = 10; step < 20; ++step) {
+      if (step == 15) e.activate("layers.3");
+      add_cosine_grads(e, rank, step);
+      e.step();
+    }
+    TrainingState s = e.training_state(true);
+    std::lock_guard lock(mu);
+    if (rank == 0) out = std::move(s);
+  });
+  return out;
+}
+
 void require_same_bits(const TrainingState& a, const TrainingState& b) {
   REQUIRE(a.groups.size() == b.groups.size());
   for (std::size_t i = 0; i < a.groups.size(); ++i) {
@@ -227,38 +269,8 @@ TEST_CASE("a training state moves between the host and the device placements bit
   for (DType state_dtype : {DType::f32, DType::bf16}) {
   CAPTURE(dtype_name(state_dtype));
   auto run = [&](Placement first, Placement second) {
-    TrainingState out;
-    std::mutex mu;
-    run_ranks(2, [&](int rank, Communicator& comm) {
-      TrainingState half;
-      {
-        MemorySpace space(rank, make_host_allocator());
-        Engine e(config_at(first, 2, OffloadUpdate::streamed, state_dtype), comm, space);
-        test_support::declare_small_lisa_model(e);
-        e.build(sine_init);
-        for (int step = 0; step < 10; ++step) {
-          if (step == 5) e.deactivate("layers.3", DeactivatePolicy::keep_host);
-          add_cosine_grads(e, rank, step);
-          e.step();
-        }
-        half = e.training_state(true);
-      }
-      MemorySpace space(rank, make_host_allocator());
-      Engine e(config_at(second, 2, OffloadUpdate::streamed, state_dtype), comm, space);
-      test_support::declare_small_lisa_model(e);
-      e.build(sine_init, std::vector<std::string>{"embed"});
-      e.restore_training_state(half);
-      require_plan_held(e, "after the restore");
-      for (int step = 10; step < 20; ++step) {
-        if (step == 15) e.activate("layers.3");
-        add_cosine_grads(e, rank, step);
-        e.step();
-      }
-      TrainingState s = e.training_state(true);
-      std::lock_guard lock(mu);
-      if (rank == 0) out = std::move(s);
-    });
-    return out;
+    return moved_run(config_at(first, 2, OffloadUpdate::streamed, state_dtype),
+                     config_at(second, 2, OffloadUpdate::streamed, state_dtype));
   };
   const TrainingState device = run(Placement::device, Placement::device);
   require_same_bits(device, run(Placement::host, Placement::device));
@@ -479,46 +491,8 @@ TEST_CASE("bf16_remainder: a training state moves to fp32 masters and back, and 
   // ten more there; the masters are fp32 values in the TrainingState either way.
   auto run = [&](MasterStorage first, Placement first_at, MasterStorage second,
                  Placement second_at) {
-    TrainingState out;
-    std::mutex mu;
-    run_ranks(2, [&](int rank, Communicator& comm) {
-      TrainingState half;
-      {
-        MemorySpace space(rank, make_host_allocator());
-        Engine e(config_at(first_at, 2, OffloadUpdate::streamed, DType::f32, first), comm,
-                 space);
-        test_support::declare_small_lisa_model(e);
-        e.build(sine_init);
-        for (int step = 0; step < 10; ++step) {
-          if (step == 5) e.deactivate("layers.3", DeactivatePolicy::keep_host);
-          add_cosine_grads(e, rank, step);
-          e.step();
-        }
-        half = e.training_state(true);
-      }
-      MemorySpace space(rank, make_host_allocator());
-      Engine e(config_at(second_at, 2, OffloadUpdate::streamed, DType::f32, second), comm,
-               space);
-      test_support::declare_small_lisa_model(e);
-      e.build(sine_init, std::vector<std::string>{"embed"});
-      e.restore_training_state(half);
-      require_plan_held(e, "after the restore");
-      {
-        // Restored: the masters are the state's, exactly.
-        const TrainingState back = e.training_state(true);
-        for (std::size_t i = 0; i < half.groups.size(); ++i)
-          RANK_REQUIRE(back.groups[i].master == half.groups[i].master);
-      }
-      for (int step = 10; step < 20; ++step) {
-        if (step == 15) e.activate("layers.3");
-        add_cosine_grads(e, rank, step);
-        e.step();
-      }
-      TrainingState s = e.training_state(true);
-      std::lock_guard lock(mu);
-      if (rank == 0) out = std::move(s);
-    });
-    return out;
+    return moved_run(config_at(first_at, 2, OffloadUpdate::streamed, DType::f32, first),
+                     config_at(second_at, 2, OffloadUpdate::streamed, DType::f32, second));
   };
   constexpr MasterStorage kF32 = MasterStorage::fp32;
   const TrainingState low = run(kLow, Placement::device, kLow, Placement::device);
