@@ -2,16 +2,18 @@
 # Lighter optimizer state on a machine with an NVIDIA GPU (shardswap.optimizer_state_dtype bf16,
 # shardswap.master_weights bf16_remainder): builds with preset cuda, runs the GPU suite (the
 # update kernels give the CPU kernels' bits with every state and master storage), then
-#  1. with BIG=1 first, Qwen2.5-7B full (micro 3, accumulation 8) unbudgeted and under a 48GiB
-#     budget with each of OPTIONS, in one run: tokens/s and their ratio to the unbudgeted run;
+#  1. with BIG=1 first, Qwen2.5-7B full (micro 3, accumulation BIG_ACCUMULATION, BIG_STEPS steps)
+#     unbudgeted and under a 48GiB budget with each of OPTIONS, in one run: tokens/s and their
+#     ratio to the unbudgeted run;
 #  2. Qwen2.5-shaped full fine-tunes (tools/bench/train_bench.py, from scratch on real text) with
 #     each of OPTIONS, the state on the device (PLACEMENTS=none) and on the host streamed (cpu):
-#     tokens/s, the plans, and the loss every 5 steps of each option against fp32's.
+#     tokens/s, the plans, and the loss every 5 steps of each option against fp32's (none with
+#     PLACEMENTS="").
 # OPTIONS: fp32 (the default), bf16 (bf16 m and v), bf16-remainder (bf16 m and v, the master as
 # its low 16 bits beside the bf16 weight), remainder (fp32 m and v, the master so).
 # Logs and JSON go under $OUT (default build/gpu-out).
 #   usage: OUT=DIR [SHAPES=0.5b] [STEPS=60] [ACCUMULATION=8] [OPTIONS="fp32 bf16 bf16-remainder"]
-#          [PLACEMENTS="none cpu"] [BIG=0] [SUITE=1] bash tools/checks/gpu-light-state-check.sh
+#          [PLACEMENTS="none cpu"] [BIG=0] [BIG_ACCUMULATION=8] [BIG_STEPS=6] [SUITE=1] bash tools/checks/gpu-light-state-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
@@ -20,7 +22,9 @@ SHAPES=${SHAPES:-0.5b}
 STEPS=${STEPS:-60}
 ACCUMULATION=${ACCUMULATION:-8}
 OPTIONS=${OPTIONS:-fp32 bf16 bf16-remainder}
-PLACEMENTS=${PLACEMENTS:-none cpu}
+PLACEMENTS=${PLACEMENTS-none cpu}
+BIG_ACCUMULATION=${BIG_ACCUMULATION:-8}
+BIG_STEPS=${BIG_STEPS:-6}
 mkdir -p "$OUT"
 status=0
 step() { echo; echo "=== $* ==="; }
@@ -48,12 +52,13 @@ if [ $? -ne 0 ]; then tail -60 "$OUT/build.log"; exit 1; fi
 bin=build/cuda/tools/shardswap
 
 if [ "${BIG:-0}" = 1 ]; then
-  step "Qwen2.5-7B full, micro 3, accumulation 8: unbudgeted, and under 48GiB with: $OPTIONS"
+  step "Qwen2.5-7B full, micro 3, accumulation $BIG_ACCUMULATION: unbudgeted, and under 48GiB with: $OPTIONS"
   for run in unbudgeted $OPTIONS; do
     extra=()
     [ "$run" = unbudgeted ] || extra=(--set shardswap.device_memory=48GiB $(sets_of "$run"))
     python3 tools/bench/train_bench.py --bin "$bin" --out "$OUT/7b-$run" --shapes 7b --modes full \
-      --steps 6 --warmup 2 --set gradient_accumulation_steps=8 "${extra[@]}" \
+      --steps "$BIG_STEPS" --warmup 2 --set gradient_accumulation_steps="$BIG_ACCUMULATION" \
+      "${extra[@]}" \
       > "$OUT/7b-$run.txt" 2>&1 || status=1
     echo "--- $run"
     tail -1 "$OUT/7b-$run.txt"
@@ -80,6 +85,7 @@ if [ "${SUITE:-1}" = 1 ]; then
   grep -E "FAILED|passed|failed" "$OUT/gpu-tests.log" | tail -8
 fi
 
+[ -n "$PLACEMENTS" ] || exit $status
 step "training: $OPTIONS ($SHAPES, accumulation $ACCUMULATION, $STEPS steps)"
 for placement in $PLACEMENTS; do
   for option in $OPTIONS; do
