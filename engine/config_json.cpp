@@ -351,6 +351,11 @@ void read_offload(ConfigReader& c, EngineConfig& cfg) {
     c.fail("shardswap.offload_threads", fmt::format("{}", threads),
            "must lie in [0, 4096] (0: every core)");
   cfg.offload_threads = static_cast<unsigned>(threads);
+  const std::string grads = c.string("shardswap.gradient_placement", "device");
+  if (grads == "host")
+    cfg.gradient_placement = Placement::host;
+  else if (grads != "device")
+    c.fail_value("shardswap.gradient_placement", "expected \"device\" or \"host\"");
 }
 
 void read_zero(ConfigReader& c, EngineConfig& cfg, std::optional<std::int64_t> hidden_size) {

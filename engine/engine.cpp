@@ -262,10 +262,13 @@ static std::int64_t bucket_capacity(const EngineConfig& config, const std::vecto
         largest = params[i].info.numel;
         largest_name = params[i].info.name;
       }
-  if (!accumulates_in_place(config, world_size) && largest > capacity) {
+  // A bucket, or a window of gradients on the host, holds a whole param.
+  const bool windows = config.gradient_placement == Placement::host;
+  if ((windows || !accumulates_in_place(config, world_size)) && largest > capacity) {
     if (warn)
-      spdlog::warn("Engine: reduce bucket grown from {} to {} bytes to hold param '{}'",
-                   capacity * gsize, largest * gsize, largest_name);
+      spdlog::warn("Engine: {} grown from {} to {} bytes to hold param '{}'",
+                   windows ? "gradient window" : "reduce bucket", capacity * gsize,
+                   largest * gsize, largest_name);
     capacity = largest;
   }
   return std::max<std::int64_t>(capacity, world_size);
@@ -309,8 +312,10 @@ MemoryPlan plan_of(const PlanSource& in,
   const auto slots = in.config.optimizer.state_slots();
   const auto state_bytes = static_cast<std::int64_t>(in.config.optimizer.state_bytes());
   const auto master_bytes = static_cast<std::int64_t>(in.config.optimizer.master_bytes());
+  require_gradient_placement(in.config, in.world_size);
   const bool in_place = accumulates_in_place(in.config, in.world_size);
   const bool state_on_host = in.config.optimizer_placement == Placement::host;
+  const bool grads_on_host = in.config.gradient_placement == Placement::host;
   MemoryPlan plan;
   auto add_to = [](std::array<std::int64_t, kTagCount>& where, Tag t, std::int64_t bytes) {
     where[static_cast<std::size_t>(t)] += bytes;
@@ -325,7 +330,9 @@ MemoryPlan plan_of(const PlanSource& in,
     const bool active =
         now != nullptr ? now->active : !active_at_build || assumed.count(in.group_names[i]);
     const bool kept = now != nullptr && now->kept;
-    if (active) add(Tag::grad, (in_place ? g.layout.total_numel() : g.shard.numel()) * gsize);
+    if (active)
+      add_to(grads_on_host ? plan.host : plan.bytes, Tag::grad,
+             (in_place ? g.layout.total_numel() : g.shard.numel()) * gsize);
     if (active || kept) {
       const bool on_host =
           state_on_host || (kept && now->kept->policy == DeactivatePolicy::keep_host);
@@ -336,18 +343,19 @@ MemoryPlan plan_of(const PlanSource& in,
   }
   if (state_on_host) {  // the update's two slots on the device, or two staging buffers
     const std::int64_t chunk = in.built ? in.chunk : offload_chunk(in.config, planned);
+    if (grads_on_host) add(Tag::grad, 2 * chunk * gsize);  // the gradients' slots
     if (in.config.offload_update == OffloadUpdate::streamed) {
       add(Tag::master32, 2 * chunk * master_bytes);
       add(Tag::optim_state, 2 * chunk * state_bytes * slots);
     } else {
-      add_host(Tag::grad, chunk * gsize);
+      if (!grads_on_host) add_host(Tag::grad, chunk * gsize);  // else read where they are
       add_host(Tag::param16, chunk * psize);
     }
   }
   // After build the buckets exist: their size stays what build chose, whatever reform does.
   const auto capacity =
       in.built ? in.capacity : bucket_capacity(in.config, planned, params, in.world_size, false);
-  if (!in_place) add(Tag::grad, 2 * capacity * gsize);
+  if (!in_place || grads_on_host) add(Tag::grad, 2 * capacity * gsize);  // buckets or windows
   add(Tag::comm, kScalarBytes);
   if (in.config.compressed())
     add(Tag::comm, capacity * static_cast<std::int64_t>(dtype_size(in.config.comm_type())));
@@ -456,6 +464,7 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
     std::swap(impl_->reducer, reducer);
     impl_->slot_master = Buffer();
     impl_->slot_state = Buffer();
+    impl_->slot_grad = Buffer();
     impl_->staging_grad = Buffer();
     impl_->staging_param = Buffer();
     impl_->updater.reset();
@@ -687,9 +696,7 @@ StepResult Engine::step() {
       1.0 / (result.loss_scale * impl_->comm.world_size() * impl_->config.gradient_accumulation_steps);
   double squares = 0.0;
   for (auto& g : groups)
-    if (g.active)
-      squares += impl_->ops.sum_squares(reducer.partition(g), grad_dtype,
-                                      static_cast<std::size_t>(g.shard.numel()), unscale);
+    if (g.active) squares += impl_->partition_squares(g, unscale);
   // One all-reduce gives both the norm and the overflow flag: Inf/NaN anywhere poisons the sum.
   squares = sum_across_ranks(squares);
   result.grad_norm = std::sqrt(squares);

@@ -87,6 +87,13 @@ void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {
          "signal, and the step is always skipped");
   if (c.offload_chunk_elements == 0)
     fail("shardswap.offload_chunk_elements", "offload_chunk_elements", "0", "must be >= 1");
+  // The step reads host gradients through the update's device slots, which only an update of
+  // state on the host has.
+  if (c.gradient_placement == Placement::host && c.optimizer_placement != Placement::host)
+    fail("shardswap.gradient_placement", "gradient_placement", quote_value("host"),
+         fmt::format("gradients on the host need the optimizer state there too ({} = {})",
+                     name("zero_optimization.offload_optimizer.device", "optimizer_placement"),
+                     name.json ? quote_value("cpu") : quote_value("host")));
   validate_optimizer_config(c.optimizer, name.nested("optimizer.params", "optimizer"));
   // The weight is the master's high half: the master can only be split beside bf16 weights.
   if (c.optimizer.master == MasterStorage::bf16_remainder && c.dtype != DType::bf16)

@@ -51,8 +51,12 @@ struct Engine::Impl {
   std::unique_ptr<MemorySpace> host;
   // ---- state on the host ----
   bool streamed() const { return config.offload_update == OffloadUpdate::streamed; }
+  bool grads_on_host() const { return config.gradient_placement == Placement::host; }
   // streamed: the device slots of two chunks (master, and the state's slots one after another)
   Buffer slot_master, slot_state;
+  // gradients on the host: two chunks of them on the device, for the norm and (streamed) the
+  // update
+  Buffer slot_grad;
   // cpu: host staging
   Buffer staging_grad;   // one chunk of a gradient partition, brought down for the update
   Buffer staging_param;  // one chunk of updated bit16 weights, on their way up
@@ -133,6 +137,13 @@ struct Engine::Impl {
   Buffer take_state(MemorySpace& where, std::size_t bytes, Tag tag, std::string label);
   /// Gives a master or state buffer up: give_up() on the device, released on the host.
   std::size_t give_up_state(Buffer& b, const std::string& event, ReleasePolicy pins);
+  /// A group's gradient buffer, not zeroed: take() on the device; with gradients on the host a
+  /// fresh host block (the reducer reads it as zeros until a window writes it).
+  Buffer take_grad(const Group& g);
+  /// Zeroes a device gradient buffer; host ones are zero to the reducer once attached.
+  void zero_grad_buffer(Buffer& grad);
+  /// Gives a gradient buffer up: give_up() on the device, released on the host.
+  std::size_t give_up_grad(Buffer& b, const std::string& event, ReleasePolicy pins);
   /// The slots (streamed) or staging buffers (cpu) of the update of state on the host, for
   /// `planned` groups: allocated by build(), kept for the engine's life.
   void allocate_staging(const std::vector<Group>& planned);
@@ -147,6 +158,10 @@ struct Engine::Impl {
   /// pipeline (chunks of one group's shard travel while another's are updated).
   void update_streamed(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
   void flush_host_updates();
+  /// The sum of (scale * gradient)^2 over the group's partition, in pieces of
+  /// offload_chunk_elements summed in order: the same pieces wherever the gradients live, so
+  /// the norm has the same bits; gradients on the host go up a piece at a time into a slot.
+  double partition_squares(const Group& g, double scale);
   std::vector<StreamedPiece> streaming;  // the step's queued pieces
   void update_on_cpu(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
   /// Host buffers for a group's state kept under keep_host (labelled "... (kept on host)").

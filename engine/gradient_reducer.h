@@ -39,6 +39,9 @@ class GradientReducer {
   /// to compare across ranks before it uses their results.
   const std::vector<HandOver>& hand_overs() const { return hand_overs_; }
 
+  /// Whether the Engine allocates the groups' gradient buffers in host memory (the windows on
+  /// the device are the reducer's own).
+  virtual bool grads_on_host() const { return false; }
   /// Elements of an active group's gradient buffer (stage 1: the full flat buffer; stage 2:
   /// this rank's partition), and the label it is allocated under.
   virtual std::int64_t grad_numel(const Group& g) const = 0;
@@ -81,9 +84,13 @@ inline bool accumulates_in_place(const EngineConfig& config, int world_size) {
   return config.stage == 1 || world_size == 1;
 }
 
-/// Stage 1's reducer where accumulates_in_place, else stage 2's. `capacity` is the bucket
-/// (stage 2) or compressed chunk (stage 1) size in elements; buffers are allocated from `space`
-/// (tags grad and comm).
+/// ConfigError naming shardswap.gradient_placement when it is host at a world size above 1.
+void require_gradient_placement(const EngineConfig& config, int world_size);
+
+/// The host reducer under gradient_placement = host (ConfigError naming the key at a world size
+/// above 1); else stage 1's reducer where accumulates_in_place, else stage 2's. `capacity` is
+/// the bucket (stage 2), window (host) or compressed chunk (stage 1) size in elements; buffers
+/// are allocated from `space` (tags grad and comm).
 std::unique_ptr<GradientReducer> make_gradient_reducer(const EngineConfig& config,
                                                        Communicator& comm, MemorySpace& space,
                                                        const DeviceOps& ops,

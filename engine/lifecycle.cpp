@@ -119,6 +119,22 @@ std::size_t Engine::Impl::give_up_state(Buffer& b, const std::string& event, Rel
   return give_up(b, event, pins);
 }
 
+Buffer Engine::Impl::take_grad(const Group& g) {
+  const auto bytes =
+      static_cast<std::size_t>(reducer->grad_numel(g)) * dtype_size(config.grad_type());
+  if (reducer->grads_on_host()) return host_space().allocate(bytes, Tag::grad, reducer->grad_label(g));
+  return take(bytes, Tag::grad, reducer->grad_label(g));
+}
+
+void Engine::Impl::zero_grad_buffer(Buffer& grad) {
+  if (!reducer->grads_on_host()) ops.fill_zero(grad.data(), grad.bytes());
+}
+
+std::size_t Engine::Impl::give_up_grad(Buffer& b, const std::string& event, ReleasePolicy pins) {
+  if (reducer->grads_on_host()) return b.release(event, pins);  // host blocks are not recycled
+  return give_up(b, event, pins);
+}
+
 std::string Engine::Impl::master_label(const Group& g, bool kept_on_host) const {
   return fmt::format("group {} master{}", g.name, kept_on_host ? " (kept on host)" : "");
 }
@@ -151,12 +167,11 @@ std::size_t Engine::Impl::give_up(Buffer& b, const std::string& event, ReleasePo
 }
 
 void Engine::Impl::allocate_active_state(Group& g) {
-  const DType dtype = config.dtype, grad_dtype = config.grad_type();
-  const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
+  const DType dtype = config.dtype;
+  const auto psize = dtype_size(dtype);
   const auto shard = static_cast<std::size_t>(g.shard.numel());
-  Buffer grad = take(static_cast<std::size_t>(reducer->grad_numel(g)) * gsize, Tag::grad,
-                     reducer->grad_label(g));
-  ops.fill_zero(grad.data(), grad.bytes());
+  Buffer grad = take_grad(g);
+  zero_grad_buffer(grad);
   MemorySpace& where = *state_space(true, std::nullopt);
   // Kept state that lives where an active group's does (keep_device; anything kept with the
   // state on the host) is handed back: no copy, and nothing can fail past this point.
@@ -255,7 +270,7 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
   const auto event = fmt::format("deactivate({}, {})", group, deactivate_policy_name(policy));
   std::size_t held = 0;
   impl_->reducer->detach(g);
-  held += impl_->give_up(g.grad, event, pins);
+  held += impl_->give_up_grad(g.grad, event, pins);
   if (in_place) {
     const bool on_host = to != &impl_->space;
     g.master.relabel(impl_->master_label(g, on_host));
@@ -535,7 +550,6 @@ void Engine::Impl::check_restorable(const TrainingState& state, const char* fn) 
 // anything else is allocated here, into the plan, so that a failure changes nothing.
 Engine::Impl::RestorePlan Engine::Impl::plan_restore(const TrainingState& state) {
   const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
-  const auto gsize = dtype_size(config.grad_type());
   RestorePlan plan;
   plan.groups.resize(groups.size());
   MemorySpace* host_now = host.get();
@@ -556,8 +570,7 @@ Engine::Impl::RestorePlan Engine::Impl::plan_restore(const TrainingState& state)
     p.reuse_grad = g.active && s.active;
     p.reuse_state = p.to != nullptr && now == p.to;
     if (s.active && !p.reuse_grad)
-      p.grad = take(static_cast<std::size_t>(reducer->grad_numel(g)) * gsize, Tag::grad,
-                    reducer->grad_label(g));
+      p.grad = take_grad(g);
     if (p.to != nullptr && !p.reuse_state) {
       const bool kept_on_host = !s.active && wants_host;
       p.master = take_state(*p.to, shard * config.optimizer.master_bytes(), Tag::master32,
@@ -612,7 +625,7 @@ void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan)
     else grad = std::move(p.grad);
     if (g.active) reducer->detach(g);
     // What is left in the group now is given back.
-    if (g.grad.valid()) give_up(g.grad, event, ReleasePolicy::fail_if_pinned);  // checked above
+    if (g.grad.valid()) give_up_grad(g.grad, event, ReleasePolicy::fail_if_pinned);  // checked above
     for (Buffer* b : {&g.master, &g.state})
       if (b->valid()) give_up_state(*b, event, ReleasePolicy::fail_if_pinned);
     g.kept.reset();
@@ -627,7 +640,7 @@ void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan)
         p.to->upload(sstate.data(), s.state.data(), s.state.size() * 4);
     }
     if (s.active) {
-      ops.fill_zero(grad.data(), grad.bytes());
+      zero_grad_buffer(grad);
       g.grad = std::move(grad);
       g.master = std::move(master);
       g.state = std::move(sstate);

@@ -18,6 +18,9 @@ std::int64_t offload_chunk(const EngineConfig& config, const std::vector<Group>&
 void Engine::Impl::allocate_staging(const std::vector<Group>& planned) {
   chunk = offload_chunk(config, planned);
   const auto n = static_cast<std::size_t>(chunk);
+  if (grads_on_host())
+    slot_grad = space.allocate(2 * n * dtype_size(config.grad_type()), Tag::grad,
+                               "offload gradient slots");
   if (streamed()) {
     const auto slots = static_cast<std::size_t>(config.optimizer.state_slots());
     slot_master = space.allocate(2 * n * config.optimizer.master_bytes(), Tag::master32,
@@ -27,8 +30,9 @@ void Engine::Impl::allocate_staging(const std::vector<Group>& planned) {
     return;
   }
   MemorySpace& h = host_space();
-  staging_grad =
-      h.allocate(n * dtype_size(config.grad_type()), Tag::grad, "offload gradient staging");
+  if (!grads_on_host())  // else the update reads them where they are
+    staging_grad =
+        h.allocate(n * dtype_size(config.grad_type()), Tag::grad, "offload gradient staging");
   staging_param = h.allocate(n * dtype_size(config.dtype), Tag::param16, "offload param staging");
   updater = std::make_unique<HostUpdater>(config.offload_threads);
 }
@@ -101,8 +105,30 @@ void Engine::Impl::flush_host_updates() {
     if (slots >= 1) s.slot_state0[k] = slot + k * slots * n * state_bytes;
     if (slots >= 2) s.slot_state1[k] = slot + (k * slots + 1) * n * state_bytes;
   }
+  if (grads_on_host())
+    for (std::size_t k = 0; k < 2; ++k)
+      s.slot_grad[k] = slot_grad.as<std::byte>() + k * n * dtype_size(config.grad_type());
   s.chunk = n;
   ops.update_streamed(config.optimizer, s);
+}
+
+double Engine::Impl::partition_squares(const Group& g, double scale) {
+  const DType grad_dtype = config.grad_type();
+  const auto gsize = dtype_size(grad_dtype);
+  const std::byte* grads = reducer->partition(g);
+  const auto n = static_cast<std::size_t>(g.shard.numel());
+  const std::size_t piece = config.offload_chunk_elements;  // <= chunk, the slots' size
+  double squares = 0.0;
+  for (std::size_t at = 0; at < n; at += piece) {
+    const std::size_t count = std::min(piece, n - at);
+    const std::byte* data = grads + at * gsize;
+    if (grads_on_host()) {
+      space.upload(slot_grad.data(), data, count * gsize);
+      data = slot_grad.as<std::byte>();
+    }
+    squares += ops.sum_squares(data, grad_dtype, count, scale);
+  }
+  return squares;
 }
 
 void Engine::Impl::update_on_cpu(Group& g, const StepArgs& args, std::int64_t at,
@@ -113,13 +139,17 @@ void Engine::Impl::update_on_cpu(Group& g, const StepArgs& args, std::int64_t at
   for (std::int64_t done = 0; done < count; done += chunk) {
     const std::int64_t n = std::min(chunk, count - done);
     const auto i = static_cast<std::size_t>(at + done);
-    space.download(staging_grad.data(), grads + i * gsize, static_cast<std::size_t>(n) * gsize);
+    const std::byte* grad = grads + i * gsize;
+    if (!grads_on_host()) {
+      space.download(staging_grad.data(), grad, static_cast<std::size_t>(n) * gsize);
+      grad = staging_grad.as<std::byte>();
+    }
     // A master kept as low halves is joined with the bf16 weights, which come down too.
     if (config.optimizer.master == MasterStorage::bf16_remainder)
       space.download(staging_param.data(), g.param16_at(g.shard.begin + at + done, psize),
                      static_cast<std::size_t>(n) * psize);
     ShardTensors t = host_state(g, config.optimizer, at + done, n);
-    t.grad = staging_grad.data();
+    t.grad = grad;
     t.param = staging_param.data();
     t.dtype = dtype;
     t.grad_dtype = grad_dtype;

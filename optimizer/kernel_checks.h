@@ -35,7 +35,9 @@ inline ShardTensors slot_tensors(const StreamedTensors& s, const ShardTensors& p
     c.master = static_cast<float*>(s.slot_master[slot]);
   c.state0 = p.state0 != nullptr ? s.slot_state0[slot] : nullptr;
   c.state1 = p.state1 != nullptr ? s.slot_state1[slot] : nullptr;
-  c.grad = static_cast<const std::byte*>(p.grad) + at * dtype_size(p.grad_dtype);
+  c.grad = s.slot_grad[slot] != nullptr
+               ? s.slot_grad[slot]
+               : static_cast<const std::byte*>(p.grad) + at * dtype_size(p.grad_dtype);
   c.param = static_cast<std::byte*>(p.param) + at * dtype_size(p.dtype);
   c.count = n;
   return c;
@@ -46,12 +48,15 @@ struct ChunkCopy {
   void* slot = nullptr;  ///< null: the rule has no such tensor
   void* host = nullptr;
   std::size_t bytes = 0;
+  bool up_only = false;  ///< read by the update, not written: it does not come back down
 };
 
 /// The copies of elements [at, at + n) of piece `p` (host memory) and its slot tensors `c`: the
-/// master (fp32, or its low halves), then each state slot in the piece's state dtype.
-inline std::array<ChunkCopy, 3> chunk_copies(const ShardTensors& p, const ShardTensors& c,
-                                             std::size_t at, std::size_t n) {
+/// master (fp32, or its low halves), each state slot in the piece's state dtype, and the gradient
+/// when it is on the host too (s.slot_grad set), up only.
+inline std::array<ChunkCopy, 4> chunk_copies(const StreamedTensors& s, const ShardTensors& p,
+                                             const ShardTensors& c, std::size_t at,
+                                             std::size_t n) {
   const std::size_t state = dtype_size(p.state_dtype);
   const auto host_state = [&](void* h) {
     return h == nullptr ? nullptr : static_cast<void*>(static_cast<std::byte*>(h) + at * state);
@@ -60,9 +65,15 @@ inline std::array<ChunkCopy, 3> chunk_copies(const ShardTensors& p, const ShardT
       p.master_low != nullptr
           ? ChunkCopy{c.master_low, p.master_low + at, n * sizeof(std::uint16_t)}
           : ChunkCopy{c.master, p.master + at, n * sizeof(float)};
-  return {master,
-          ChunkCopy{c.state0, host_state(p.state0), n * state},
-          ChunkCopy{c.state1, host_state(p.state1), n * state}};
+  const std::size_t grad = dtype_size(p.grad_dtype);
+  const ChunkCopy gradient =
+      s.slot_grad[0] == nullptr
+          ? ChunkCopy{}
+          : ChunkCopy{const_cast<void*>(c.grad),
+                      const_cast<std::byte*>(static_cast<const std::byte*>(p.grad)) + at * grad,
+                      n * grad, true};
+  return {master, ChunkCopy{c.state0, host_state(p.state0), n * state},
+          ChunkCopy{c.state1, host_state(p.state1), n * state}, gradient};
 }
 
 /// Calls f(piece, chunk index k, at, n) for chunk after chunk of every piece, k counting on

@@ -202,6 +202,8 @@ bool check_streamed(const char* fn, const OptimizerConfig& config, const Streame
     require_data(s.slot_master[slot], fn, "slot_master", s.chunk);
     if (config.state_slots() >= 1) require_data(s.slot_state0[slot], fn, "slot_state0", s.chunk);
     if (config.state_slots() >= 2) require_data(s.slot_state1[slot], fn, "slot_state1", s.chunk);
+    if (s.slot_grad[0] != nullptr || s.slot_grad[1] != nullptr)
+      require_data(s.slot_grad[slot], fn, "slot_grad", s.chunk);
   }
   return true;
 }

@@ -46,6 +46,7 @@ struct ShardTensors {
 /// One stretch of a shard update whose fp32 master and state live in host memory (`t.master`,
 /// `t.state0`, `t.state1`) while the gradient and the bit16 param are in the backend's memory
 /// (`t.grad`, `t.param`), with its own step arguments (a group's step count, a weight decay).
+/// With StreamedTensors::slot_grad set, `t.grad` is in host memory too and goes up with them.
 struct StreamedPiece {
   StepArgs args;
   ShardTensors t;
@@ -59,6 +60,9 @@ struct StreamedTensors {
   void* slot_master[2] = {nullptr, nullptr};  ///< fp32 masters, or their low halves
   void* slot_state0[2] = {nullptr, nullptr};  ///< of the pieces' state_dtype (one for all)
   void* slot_state1[2] = {nullptr, nullptr};
+  /// Null: the pieces' gradients are in the backend's memory. Set: they are in host memory and
+  /// go up into these (of the pieces' grad_dtype), never down.
+  void* slot_grad[2] = {nullptr, nullptr};
   std::size_t chunk = 0;
 };
 

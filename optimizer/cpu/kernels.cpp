@@ -307,12 +307,12 @@ void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
   detail::for_each_streamed_chunk(
       s, [&](const StreamedPiece& p, std::size_t k, std::size_t at, std::size_t n) {
         const ShardTensors c = detail::slot_tensors(s, p.t, static_cast<int>(k % 2), at, n);
-        const auto copies = detail::chunk_copies(p.t, c, at, n);
+        const auto copies = detail::chunk_copies(s, p.t, c, at, n);
         for (const auto& x : copies)
           if (x.slot != nullptr) std::memcpy(x.slot, x.host, x.bytes);
         update(config, p.args, c);
         for (const auto& x : copies)
-          if (x.slot != nullptr) std::memcpy(x.host, x.slot, x.bytes);
+          if (x.slot != nullptr && !x.up_only) std::memcpy(x.host, x.slot, x.bytes);
       });
 }
 

@@ -196,8 +196,8 @@ void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
   Event uploaded[2], updated[2], downloaded[2];
   const auto copies = [&](const ShardTensors& host, const ShardTensors& c, std::size_t at,
                           std::size_t n, bool to_slot, cudaStream_t stream) {
-    for (const auto& x : detail::chunk_copies(host, c, at, n))
-      if (x.slot != nullptr)
+    for (const auto& x : detail::chunk_copies(s, host, c, at, n))
+      if (x.slot != nullptr && (to_slot || !x.up_only))
         SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(to_slot ? x.slot : x.host, to_slot ? x.host : x.slot,
                                              x.bytes, cudaMemcpyDefault, stream));
   };

@@ -81,6 +81,12 @@ struct EngineConfig {
   /// partition comes down and the updated bit16 shard goes up through two host staging buffers,
   /// the CPU updating in between over offload_threads threads.
   OffloadUpdate offload_update = OffloadUpdate::streamed;
+  /// Where the active groups' gradient buffers live (shardswap.gradient_placement). host: in host
+  /// memory (pinned as pin_host_memory says), the device holding two windows of them that grad
+  /// slots point into, each filled from the host when it opens and written back when it moves,
+  /// so the sums are the device's, bit for bit; the step reads them through the update's device
+  /// slots. Needs optimizer_placement = host and one rank.
+  Placement gradient_placement = Placement::device;
   /// Host memory of the engine's state (offloaded, or kept under keep_host) is page-locked
   /// (offload_optimizer.pin_memory): copies to and from the GPU run at full PCIe bandwidth. False:
   /// pageable memory, which the system may swap; CUDA copies through its own bounce buffer.

@@ -1,0 +1,238 @@
+#include "engine/host_gradient_reducer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "shardswap/error.h"
+
+namespace shardswap {
+
+HostGradientReducer::HostGradientReducer(MemorySpace& space, const DeviceOps& ops,
+                                         DType grad_dtype, std::int64_t window,
+                                         std::size_t param_count)
+    : space_(space), ops_(ops), dtype_(grad_dtype), capacity_(window), slots_(param_count) {
+  for (int i = 0; i < 2; ++i)
+    windows_[i].buffer =
+        space.allocate(static_cast<std::size_t>(window) * dtype_size(grad_dtype), Tag::grad,
+                       fmt::format("grad window {}", i));
+}
+
+std::string HostGradientReducer::grad_label(const Group& g) const {
+  return fmt::format("group {} grads (host)", g.name);
+}
+
+std::vector<HostGradientReducer::Range>& HostGradientReducer::written(std::size_t index) {
+  if (written_.size() <= index) written_.resize(index + 1);
+  return written_[index];
+}
+
+void HostGradientReducer::attach(Group& g, const std::vector<Param>& params) {
+  for (auto i : g.params) {
+    const Param& p = params[i];
+    const auto& entry = g.layout.entry_of(p.index_in_group);
+    slots_[i] = Slot{p.info.name, entry.offset, entry.offset + entry.numel};
+  }
+  written(g.index).clear();  // a fresh buffer: nothing in it is gradient yet
+}
+
+void HostGradientReducer::detach(Group& g) {
+  for (int w = 0; w < 2; ++w)
+    if (windows_[w].group == &g) discard(w, fmt::format("group '{}' deactivated", g.name));
+  for (auto i : g.params) slots_[i] = Slot{};
+  written(g.index).clear();
+  if (last_group_ == &g) last_group_ = nullptr;
+}
+
+std::string HostGradientReducer::unready(int w) const {
+  std::string names;
+  for (const auto& s : slots_)
+    if (s.out && !s.ready && s.window == w)
+      names += fmt::format("{}'{}'", names.empty() ? "" : ", ", s.name);
+  return names;
+}
+
+void HostGradientReducer::mark_written(std::size_t index, Range r) {
+  auto& ranges = written(index);
+  ranges.push_back(r);
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<Range> merged;
+  for (const Range& x : ranges)
+    if (!merged.empty() && x.first <= merged.back().second)
+      merged.back().second = std::max(merged.back().second, x.second);
+    else
+      merged.push_back(x);
+  ranges = std::move(merged);
+}
+
+void HostGradientReducer::close(int w) {
+  Window& win = windows_[w];
+  if (win.group == nullptr) return;
+  const std::string missing = unready(w);
+  if (!missing.empty())
+    throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
+                            missing));
+  const auto esize = dtype_size(dtype_);
+  space_.download(win.group->grad.as<std::byte>() + static_cast<std::size_t>(win.begin) * esize,
+                  win.buffer.data(), static_cast<std::size_t>(win.end - win.begin) * esize);
+  mark_written(win.group->index, {win.begin, win.end});
+  discard(w, "grad window written back to the host");
+}
+
+void HostGradientReducer::discard(int w, const std::string& event) {
+  Window& win = windows_[w];
+  win.buffer.invalidate_views(event);
+  win.group = nullptr;
+  for (auto& s : slots_)
+    if (s.window == w) s.window = -1;
+}
+
+void HostGradientReducer::open(int w, Group& g, std::int64_t begin, std::int64_t end) {
+  Window& win = windows_[w];
+  const auto esize = dtype_size(dtype_);
+  auto* to = win.buffer.as<std::byte>();
+  const auto* from = g.grad.as<std::byte>();
+  // What the host holds for [begin, end): gradient where a window wrote since the last clear(),
+  // zeros elsewhere.
+  std::int64_t at = begin;
+  const auto zero = [&](std::int64_t a, std::int64_t b) {
+    if (b > a)
+      ops_.fill_zero(to + static_cast<std::size_t>(a - begin) * esize,
+                     static_cast<std::size_t>(b - a) * esize);
+  };
+  for (const Range& r : written(g.index)) {
+    const std::int64_t a = std::max(r.first, begin), b = std::min(r.second, end);
+    if (a >= b) continue;
+    zero(at, a);
+    space_.upload(to + static_cast<std::size_t>(a - begin) * esize,
+                  from + static_cast<std::size_t>(a) * esize,
+                  static_cast<std::size_t>(b - a) * esize);
+    at = b;
+  }
+  zero(at, end);
+  win.group = &g;
+  win.begin = begin;
+  win.end = end;
+}
+
+View HostGradientReducer::slot(Group& g, std::size_t index, const Param& p) {
+  Slot& s = slots_[index];
+  int w = -1;
+  for (int i = 0; i < 2; ++i)
+    if (windows_[i].group == &g && windows_[i].begin <= s.begin && s.end <= windows_[i].end) w = i;
+  if (w < 0) {
+    // A window of this group overlapping the param must go first (the host would get two
+    // copies of its range); otherwise the one without open slots used longest ago.
+    int other = -1;
+    for (int i = 0; i < 2; ++i)
+      if (windows_[i].group == &g && windows_[i].begin < s.end && s.begin < windows_[i].end)
+        w = i;
+    if (w < 0) {
+      const bool busy0 = !unready(0).empty(), busy1 = !unready(1).empty();
+      if (busy0 != busy1)
+        w = busy0 ? 1 : 0;
+      else
+        w = windows_[0].used <= windows_[1].used ? 0 : 1;
+    }
+    close(w);  // Error if it still has slots out
+    other = 1 - w;
+    // The range: the param, extended in the fill direction up to the window's capacity,
+    // within the group and clear of the other window's range.
+    std::int64_t lo = 0, hi = g.layout.total_numel();
+    const Window& o = windows_[other];
+    if (o.group == &g) {
+      if (o.end <= s.begin) lo = std::max(lo, o.end);
+      if (o.begin >= s.end) hi = std::min(hi, o.begin);
+    }
+    const bool descending = last_group_ == &g && last_offset_ > s.begin;
+    if (descending)
+      open(w, g, std::max(lo, s.end - capacity_), s.end);
+    else
+      open(w, g, s.begin, std::min(hi, s.begin + capacity_));
+  }
+  windows_[w].used = ++uses_;
+  last_group_ = &g;
+  last_offset_ = s.begin;
+  s.window = w;
+  s.out = true;
+  s.ready = false;
+  g.holds_grads = true;
+  const Window& win = windows_[w];
+  return win.buffer.view(static_cast<std::size_t>(s.begin - win.begin) * dtype_size(dtype_),
+                         static_cast<std::size_t>(s.end - s.begin), dtype_,
+                         fmt::format("{}: grad slot in window {}", p.info.name, w));
+}
+
+bool HostGradientReducer::mark_ready(std::size_t index) {
+  if (!slots_[index].out) return false;
+  slots_[index].ready = true;
+  return true;
+}
+
+void HostGradientReducer::finish() {
+  std::string missing;
+  for (const auto& s : slots_)
+    if (s.out && !s.ready) missing += fmt::format("{}'{}'", missing.empty() ? "" : ", ", s.name);
+  if (!missing.empty())
+    throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
+                            missing));
+  close(0);
+  close(1);
+  last_group_ = nullptr;
+}
+
+void HostGradientReducer::reduce_for_step(std::vector<Group>& groups) {
+  const auto esize = dtype_size(dtype_);
+  for (auto& g : groups) {
+    if (!g.active) continue;
+    hand_overs_.push_back({g.index, 0, g.layout.total_numel()});
+    std::int64_t at = 0;
+    auto* data = g.grad.as<std::byte>();
+    const auto zero = [&](std::int64_t a, std::int64_t b) {
+      if (b > a)
+        std::memset(data + static_cast<std::size_t>(a) * esize, 0,
+                    static_cast<std::size_t>(b - a) * esize);
+    };
+    for (const Range& r : written(g.index)) {
+      zero(at, r.first);
+      at = r.second;
+    }
+    zero(at, g.layout.total_numel());
+    written(g.index).assign(1, {0, g.layout.total_numel()});
+  }
+}
+
+std::byte* HostGradientReducer::partition(const Group& g) const {
+  return g.grad.as<std::byte>() +
+         g.shard.begin * static_cast<std::int64_t>(dtype_size(dtype_));
+}
+
+void HostGradientReducer::clear(std::vector<Group>& groups) {
+  for (int w = 0; w < 2; ++w) discard(w, "gradients dropped");
+  for (auto& g : groups) {
+    written(g.index).clear();  // logically zero: nothing is written on the host
+    g.holds_grads = false;
+  }
+  for (auto& s : slots_) s.out = s.ready = false;
+  last_group_ = nullptr;
+  hand_overs_.clear();
+}
+
+std::string HostGradientReducer::pending(const Group& g) const {
+  if (!g.holds_grads) return "";
+  std::string open;
+  for (auto i : g.params)
+    if (slots_[i].out && !slots_[i].ready)
+      open += fmt::format("{}'{}'", open.empty() ? "" : ", ", slots_[i].name);
+  if (!open.empty()) return fmt::format("grad_slot handed out without grad_ready: {}", open);
+  return "accumulated since the last step";
+}
+
+void HostGradientReducer::forget_groups() {
+  for (int w = 0; w < 2; ++w) discard(w, "groups re-formed");
+  written_.clear();
+  last_group_ = nullptr;
+}
+
+}  // namespace shardswap
