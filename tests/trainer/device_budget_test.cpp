@@ -531,3 +531,55 @@ TEST_CASE("a run whose plan needs more host memory than shardswap.host_memory is
   j["shardswap"]["host_memory"] = machine_need(j);
   REQUIRE_NOTHROW(train(load(j, ConfigFor::run), TrainOutput{log}));
 }
+
+TEST_CASE("on one rank, a budget that only gradients on the host fit puts them there, and the run "
+          "gives the losses of the run with everything on the device") {
+  auto j = small_run();
+  j["world_size"] = 1;
+  const auto with_grads_on_host = [&](int recompute) {
+    auto g = with(j, "cpu", recompute);
+    g["shardswap"]["gradient_placement"] = "host";
+    return g;
+  };
+  const std::int64_t state_on_host = largest_plan(with(j, "cpu", 4));
+  const std::int64_t grads_on_host = largest_plan(with_grads_on_host(4));
+  REQUIRE(grads_on_host < state_on_host);
+  auto b = j;
+  b["shardswap"]["device_memory"] = state_on_host - 1;
+  const TrainConfig t = load(b, ConfigFor::run);
+  const BudgetChoice& c = *t.budget;
+  REQUIRE(c.gradients_free);
+  REQUIRE(c.chosen.optimizer == Placement::host);
+  REQUIRE(c.chosen.gradients == Placement::host);
+  REQUIRE(c.chosen.gradients_s > 0.0);
+  REQUIRE(t.engine.gradient_placement == Placement::host);
+  // 3 placements (state and gradients on the device; state on the host; both) x 5 recompute
+  // counts.
+  REQUIRE(c.arrangements == 15);
+  REQUIRE(largest_plan(with_grads_on_host(c.chosen.recompute_layers)) == c.chosen.plan_bytes);
+  std::string lines;
+  for (const auto& l : c.lines()) lines += l + "\n";
+  CAPTURE(lines);
+  REQUIRE(test::contains(lines, "state on the host, gradients on the host"));
+  REQUIRE(test::contains(lines, "where the gradients live"));
+  std::ostringstream log, device_log;
+  const TrainSummary s = train(t, TrainOutput{log});
+  const TrainSummary d =
+      train(load(with(j, "none", c.chosen.recompute_layers), ConfigFor::run),
+            TrainOutput{device_log});
+  CAPTURE(log.str());
+  REQUIRE(s.first_loss == d.first_loss);
+  REQUIRE(s.final_loss == d.final_loss);
+  REQUIRE(s.final_val_loss == d.final_val_loss);
+  REQUIRE(s.peak_bytes == c.chosen.plan_bytes);
+  // Below even that: refused, naming the smallest arrangement and the budget it needs.
+  b["shardswap"]["device_memory"] = grads_on_host - 1;
+  const std::string msg = test::message_of<ConfigError>([&] { load(b); });
+  REQUIRE(test::contains(msg, "state on the host, gradients on the host, 4 of 4 layers recomputed"));
+  REQUIRE(test::contains(msg, fmt::format("at least {} bytes", grads_on_host)));
+  // Two ranks: the gradients stay on the device (the search does not offer the host).
+  auto two = b;
+  two["world_size"] = 2;
+  two["shardswap"]["device_memory"] = state_on_host * 2;
+  REQUIRE_FALSE(load(two).budget->gradients_free);
+}

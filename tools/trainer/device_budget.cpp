@@ -41,6 +41,9 @@ constexpr std::int64_t kCudaReserve = std::int64_t{1536} << 20;
 constexpr double kModelFlopsPerS = 4.0e14;
 constexpr double kStreamedBytesPerS = 98e9;
 constexpr double kCpuParamsPerS = 2.2e9;
+// Gradients on the host: each micro-batch's windows come down whole and (after the first) go up
+// whole, one direction at a time, not overlapped with the model: half the link's two-way rate.
+constexpr double kWindowBytesPerS = kStreamedBytesPerS / 2;
 
 std::string gib(std::int64_t bytes) {
   return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / kGiB);
@@ -136,10 +139,12 @@ std::vector<std::vector<std::string>> bounding_active_sets(
 // group's state stays on the device once it has been active: counted for every group the
 // schedule can activate (an upper bound); kept state on the host (keep_host, or any keep policy
 // with the state on the host) bounds the host plan alike. `shard_elements`: the largest shard a
-// step updates; `host_bytes`: the largest host plan.
+// step updates; `host_bytes`: the largest host plan; `host_grad_bytes`: the largest gradient
+// buffers on the host.
 std::int64_t largest_engine_plan(const TrainConfig& t, const EngineConfig& engine,
-                                 std::int64_t* shard_elements, std::int64_t* host_bytes) {
-  std::int64_t most = 0, shard = 0, host = 0;
+                                 std::int64_t* shard_elements, std::int64_t* host_bytes,
+                                 std::int64_t* host_grad_bytes = nullptr) {
+  std::int64_t most = 0, shard = 0, host = 0, host_grads = 0;
   const auto declarations = t.model->declarations();
   const auto sets = bounding_active_sets(t, declarations);
   const bool keeps = t.schedule->enabled() && t.schedule->policy() != DeactivatePolicy::drop;
@@ -158,12 +163,14 @@ std::int64_t largest_engine_plan(const TrainConfig& t, const EngineConfig& engin
       const std::int64_t state = p.of(Tag::master32) + p.of(Tag::optim_state);
       most = std::max(most, p.total() + (keeps_on_device ? every_state - state : 0));
       host = std::max(host, p.host_total());
+      host_grads = std::max(host_grads, p.host_of(Tag::grad));
       shard = std::max(shard, (p.of(Tag::master32) + p.host_of(Tag::master32)) /
                                   static_cast<std::int64_t>(engine.optimizer.master_bytes()));
     }
   }
   if (shard_elements) *shard_elements = shard;
   if (host_bytes) *host_bytes = host;
+  if (host_grad_bytes) *host_grad_bytes = host_grads;
   return most;
 }
 
@@ -173,11 +180,13 @@ const char* placement_words(Placement p) {
 
 // `micro`: the config's micro-batch; another is named with its accumulation.
 std::string describe(const Arrangement& a, int layers, int micro) {
-  return fmt::format("{}{}, {} of {} layers recomputed",
+  return fmt::format("{}{}{}, {} of {} layers recomputed",
                      a.micro == micro ? ""
                                       : fmt::format("micro-batch {} x {} accumulated, ", a.micro,
                                                     a.accumulation),
-                     placement_words(a.optimizer), a.recompute_layers, layers);
+                     placement_words(a.optimizer),
+                     a.gradients == Placement::host ? ", gradients on the host" : "",
+                     a.recompute_layers, layers);
 }
 
 }  // namespace
@@ -265,6 +274,7 @@ std::vector<std::string> BudgetChoice::lines() const {
         host_excluded, host_excluded == 1 ? "" : "s", b.ranks_on_machine, gib(b.host_memory)));
   std::vector<std::string> searched;
   if (placement_free) searched.emplace_back("where the master and optimizer state live");
+  if (gradients_free) searched.emplace_back("where the gradients live");
   if (recompute_free) searched.emplace_back("how many layers are recomputed");
   if (micro_free && chosen.micro != configured.micro)
     searched.emplace_back("the micro-batch (the same global batch; a smaller one only when no "
@@ -274,11 +284,15 @@ std::vector<std::string> BudgetChoice::lines() const {
       "  searched: {} ({} arrangements, {} within the budget); chosen as the fastest by "
       "estimate: forward and backward at {:.0f} TFLOP/s, a recomputed layer's forward again "
       "in backward, state on the host streamed at {:.0f} GB/s ({:.0f} bytes a param) or updated "
-      "on the CPU at {:.1f} Gparam/s (an NVIDIA H200's measured rates)",
+      "on the CPU at {:.1f} Gparam/s (an NVIDIA H200's measured rates){}",
       searched.empty() ? std::string("nothing (the config sets every choice)")
                        : fmt::format("{}", fmt::join(searched, " and ")),
       arrangements, fitting, kModelFlopsPerS / 1e12, kStreamedBytesPerS / 1e9,
-      streamed_bytes_per_param, kCpuParamsPerS / 1e9));
+      streamed_bytes_per_param, kCpuParamsPerS / 1e9,
+      gradients_free || chosen.gradients == Placement::host
+          ? fmt::format(", gradients on the host down and up each micro-batch at {:.0f} GB/s",
+                        kWindowBytesPerS / 1e9)
+          : std::string()));
   return out;
 }
 
@@ -300,8 +314,16 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   choice.micro_free = c.has("train_batch_size") && !c.has("train_micro_batch_size_per_gpu") &&
                       !c.has("gradient_accumulation_steps");
 
-  std::vector<Placement> placements{t.engine.optimizer_placement};
-  if (choice.placement_free) placements = {Placement::device, Placement::host};
+  // Where the state and the gradients live: the config's, or what the search may choose.
+  // Gradients go to the host only beside the state, on one rank.
+  choice.gradients_free = !c.has("shardswap.gradient_placement") && t.world_size == 1 &&
+                          (choice.placement_free ||
+                           t.engine.optimizer_placement == Placement::host);
+  std::vector<std::pair<Placement, Placement>> placements{
+      {t.engine.optimizer_placement, t.engine.gradient_placement}};
+  if (choice.placement_free)
+    placements = {{Placement::device, Placement::device}, {Placement::host, Placement::device}};
+  if (choice.gradients_free) placements.emplace_back(Placement::host, Placement::host);
   std::vector<int> recomputes{t.model->recompute_layers()};
   if (choice.recompute_free) {
     recomputes.clear();
@@ -312,11 +334,12 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   const auto arrangements_at = [&](int micro, int accumulation) {
     const double compute_s = accumulation * t.model->micro_flops(micro) / kModelFlopsPerS;
     std::vector<Arrangement> all;
-    for (const Placement placement : placements) {
+    for (const auto& [placement, gradients] : placements) {
       EngineConfig engine = t.engine;
       engine.optimizer_placement = placement;
-      std::int64_t shard = 0, host = 0;
-      const std::int64_t engine_bytes = largest_engine_plan(t, engine, &shard, &host);
+      engine.gradient_placement = gradients;
+      std::int64_t shard = 0, host = 0, host_grads = 0;
+      const std::int64_t engine_bytes = largest_engine_plan(t, engine, &shard, &host, &host_grads);
       double update_s = 0.0;
       if (placement == Placement::host)
         update_s = engine.offload_update == OffloadUpdate::cpu
@@ -326,6 +349,8 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
       for (const int r : recomputes) {
         Arrangement a;
         a.optimizer = placement;
+        a.gradients = gradients;
+        a.gradients_s = 2.0 * accumulation * static_cast<double>(host_grads) / kWindowBytesPerS;
         a.recompute_layers = r;
         a.micro = micro;
         a.accumulation = accumulation;
@@ -363,6 +388,7 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   const Arrangement* smallest = &at_micro.front().front();
   for (const auto& a : at_micro.front()) {
     if (a.optimizer == t.engine.optimizer_placement &&
+        a.gradients == t.engine.gradient_placement &&
         a.recompute_layers == t.model->recompute_layers())
       choice.configured = a;
     if (a.plan_bytes < smallest->plan_bytes) smallest = &a;
@@ -438,6 +464,7 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   if (const Arrangement* other = best_of[best->optimizer == Placement::host ? 0 : 1])
     choice.other_placement = *other;
   t.engine.optimizer_placement = best->optimizer;
+  t.engine.gradient_placement = best->gradients;
   t.batches.micro_samples = best->micro;
   t.batches.gradient_accumulation_steps = best->accumulation;
   t.engine.gradient_accumulation_steps = best->accumulation;

@@ -54,6 +54,7 @@ struct DeviceBudget {
 /// One way to lay the run out, with its largest plan over ranks and its estimated step time.
 struct Arrangement {
   Placement optimizer = Placement::device;  ///< the fp32 master and optimizer state
+  Placement gradients = Placement::device;  ///< the active groups' gradient buffers
   int recompute_layers = 0;
   int micro = 0;         ///< train_micro_batch_size_per_gpu
   int accumulation = 0;  ///< gradient_accumulation_steps (micro x accumulation x ranks: the
@@ -64,7 +65,8 @@ struct Arrangement {
   std::int64_t machine_bytes = 0;
   double compute_s = 0.0;       ///< estimated forward and backward of a step
   double update_s = 0.0;        ///< estimated update of a step beyond the device's own
-  double step_s() const { return compute_s + update_s; }
+  double gradients_s = 0.0;     ///< estimated gradient windows' copies of a step (host gradients)
+  double step_s() const { return compute_s + update_s + gradients_s; }
 };
 
 /// What the search saw and chose; printed by `shardswap plan` and at the start of a run.
@@ -77,6 +79,8 @@ struct BudgetChoice {
   std::optional<Arrangement> other_placement;
   bool placement_free = false;  ///< zero_optimization.offload_optimizer not given
   bool recompute_free = false;  ///< model.recompute_layers not given
+  /// shardswap.gradient_placement not given, one rank, and the state may go to the host.
+  bool gradients_free = false;
   /// train_batch_size given, the micro-batch and the accumulation not: a smaller micro-batch
   /// (the same global batch) is searched when none of the config's fits.
   bool micro_free = false;
@@ -92,7 +96,8 @@ struct BudgetChoice {
 
 /// Reads shardswap.device_memory and shardswap.device_reserve of a config whose model, engine,
 /// batches, schedule and backend are read; without a budget returns nothing. With one, searches,
-/// sets the chosen arrangement in `t` (engine.optimizer_placement, model, and with micro_free
+/// sets the chosen arrangement in `t` (engine.optimizer_placement and gradient_placement, model,
+/// and with micro_free
 /// batches and engine.gradient_accumulation_steps) and returns what it did; throws ConfigError
 /// naming shardswap.device_memory and the smallest budget that would fit when no arrangement
 /// does (and the largest smaller micro-batch that would, when the config fixes it), or when the
