@@ -173,39 +173,44 @@ namespace {
 // under keep_host, 12 steps; the grad norms and the final state.
 std::pair<TrainingState, std::vector<double>> one_rank_run(Placement state, Placement grads,
                                                           OffloadUpdate way, DType grad_dtype) {
-  MemorySpace space(0, make_cuda_allocator(0));
-  InProcessGroup group(1);
-  EngineConfig cfg;
-  cfg.optimizer.lr = 0.01;
-  cfg.optimizer.weight_decay = 0.1;
-  cfg.optimizer_placement = state;
-  cfg.gradient_placement = grads;
-  cfg.offload_update = way;
-  cfg.offload_chunk_elements = 1 << 18;
-  cfg.grad_dtype = grad_dtype;
-  cfg.reduce_bucket_bytes = 256;  // grown to the largest param
-  cfg.gradient_accumulation_steps = 3;
-  cfg.gradient_clipping = 1e-3;
-  Engine e(cfg, group.rank(0), space, cuda_backend());
-  for (int l = 0; l < 4; ++l) {
-    e.add_param(fmt::format("layers.{}.w", l), {1000, 1200}, fmt::format("layers.{}", l));
-    e.add_param(fmt::format("layers.{}.norm", l), {1200}, fmt::format("layers.{}", l));
-  }
-  e.build(sine_init, std::vector<std::string>{"layers.0", "layers.1"});
-  require_plan_held(e);
-  std::vector<double> norms;
-  for (int step = 0; step < 12; ++step) {
-    if (step % 4 == 3)
-      e.set_active({"layers.0", fmt::format("layers.{}", 1 + (step / 4) % 3)},
-                   DeactivatePolicy::keep_host);
-    for (int micro = 0; micro < 3; ++micro) add_cosine_grads(e, micro, 3 * step + micro);
-    const StepResult r = e.step();
-    if (!(r.grad_norm > 1e-3)) throw std::runtime_error("the clip coefficient is not below 1");
-    norms.push_back(r.grad_norm);
-    require_plan_held(e);
-  }
-  e.set_active(e.groups(), DeactivatePolicy::keep_host);
-  return {e.training_state(true), norms};
+  std::pair<TrainingState, std::vector<double>> out;
+  run_ranks(
+      1,
+      [&](int rank, Communicator& comm) {
+        MemorySpace space(rank, make_cuda_allocator(0));
+        EngineConfig cfg;
+        cfg.optimizer.lr = 0.01;
+        cfg.optimizer.weight_decay = 0.1;
+        cfg.optimizer_placement = state;
+        cfg.gradient_placement = grads;
+        cfg.offload_update = way;
+        cfg.offload_chunk_elements = 1 << 18;
+        cfg.grad_dtype = grad_dtype;
+        cfg.reduce_bucket_bytes = 256;  // grown to the largest param
+        cfg.gradient_accumulation_steps = 3;
+        cfg.gradient_clipping = 1e-3;
+        Engine e(cfg, comm, space, cuda_backend());
+        for (int l = 0; l < 4; ++l) {
+          e.add_param(fmt::format("layers.{}.w", l), {1000, 1200}, fmt::format("layers.{}", l));
+          e.add_param(fmt::format("layers.{}.norm", l), {1200}, fmt::format("layers.{}", l));
+        }
+        e.build(sine_init, std::vector<std::string>{"layers.0", "layers.1"});
+        require_plan_held(e);
+        for (int step = 0; step < 12; ++step) {
+          if (step % 4 == 3)
+            e.set_active({"layers.0", fmt::format("layers.{}", 1 + (step / 4) % 3)},
+                         DeactivatePolicy::keep_host);
+          for (int micro = 0; micro < 3; ++micro) add_cosine_grads(e, micro, 3 * step + micro);
+          const StepResult r = e.step();
+          if (!(r.grad_norm > 1e-3)) throw std::runtime_error("the clip coefficient is not below 1");
+          out.second.push_back(r.grad_norm);
+          require_plan_held(e);
+        }
+        e.set_active(e.groups(), DeactivatePolicy::keep_host);
+        out.first = e.training_state(true);
+      },
+      cuda_backend());
+  return out;
 }
 
 }  // namespace

@@ -7,11 +7,11 @@
 #     train_bench.py, micro 8, accumulation 4, 20 steps), the state on the host with the
 #     gradients on the device and on the host: the losses step by step (the same bits are
 #     expected) and tokens/s;
-#  3. for each budget in BUDGETS, a Qwen2.5-7B full fine-tune (micro 3, accumulation 8, seq 2048,
-#     BIG_STEPS steps) under it, the planner choosing: what it chose, tokens/s, plan = peak on
-#     the device and the host.
+#  3. for each budget in BUDGETS ("none": unbudgeted), a Qwen2.5-7B full fine-tune or LISA run
+#     (MODE; micro 3, accumulation 8, seq 2048, BIG_STEPS steps) under it, the planner choosing:
+#     what it chose, tokens/s, plan = peak on the device and the host.
 # Logs and JSON go under $OUT (default build/gpu-out).
-#   usage: OUT=DIR [SUITE=1] [SMALL=1] [BUDGETS="24GiB"] [BIG_STEPS=5]
+#   usage: OUT=DIR [SUITE=1] [SMALL=1] [MODE=full|lisa] [BUDGETS="24GiB"] [BIG_STEPS=5]
 #          bash tools/checks/gpu-host-grads-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,6 +19,7 @@ export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-$PWD/build/gpu-out}
 BUDGETS=${BUDGETS-24GiB}
 BIG_STEPS=${BIG_STEPS:-5}
+MODE=${MODE:-full}
 mkdir -p "$OUT"
 status=0
 step() { echo; echo "=== $* ==="; }
@@ -73,11 +74,13 @@ PY
 fi
 
 for budget in $BUDGETS; do
-  step "Qwen2.5-7B full, micro 3, accumulation 8, under $budget"
-  dir="$OUT/7b-$budget"
-  python3 tools/bench/train_bench.py --bin "$bin" --out "$dir" --shapes 7b --modes full \
-    --steps "$BIG_STEPS" --warmup 2 --set gradient_accumulation_steps=8 \
-    --set "shardswap.device_memory=$budget" > "$dir.txt" 2>&1 || status=1
+  step "Qwen2.5-7B $MODE, micro 3, accumulation 8, budget $budget"
+  dir="$OUT/7b-$MODE-$budget"
+  extra=()
+  [ "$budget" = none ] || extra=(--set "shardswap.device_memory=$budget")
+  python3 tools/bench/train_bench.py --bin "$bin" --out "$dir" --shapes 7b --modes "$MODE" \
+    --steps "$BIG_STEPS" --warmup 2 --set gradient_accumulation_steps=8 "${extra[@]}" \
+    > "$dir.txt" 2>&1 || status=1
   tail -1 "$dir.txt"
   grep -hE "chosen \(|host memory of rank 0|held outside|outside it|rank 0 peak" "$dir"/*.log |
     head -5
