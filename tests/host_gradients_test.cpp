@@ -288,3 +288,45 @@ TEST_CASE("shardswap.gradient_placement reads device or host, needs the state on
     RANK_REQUIRE(space.stats().tag(Tag::param16).requested.current == 0);
   });
 }
+
+TEST_CASE("gradients on the host: a training state restored into an engine that keeps them there "
+          "goes on with the device's bits") {
+  // Six steps with everything on the device, then six more in an engine with the state and the
+  // gradients on the host (built with one group active, the restore activating the rest), against
+  // twelve on the device.
+  const auto steps = [](Engine& e, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      for (int micro = 0; micro < 3; ++micro) backward(e, step, micro, false);
+      REQUIRE(e.step().applied);
+    }
+  };
+  InProcessGroup group(1);
+  TrainingState straight, half;
+  {
+    MemorySpace space(0, make_host_allocator());
+    Engine e(config_of({}), group.rank(0), space);
+    test_support::declare_small_lisa_model(e);
+    e.build(sine_init);
+    steps(e, 0, 6);
+    half = e.training_state(true);
+    steps(e, 6, 12);
+    straight = e.training_state(true);
+  }
+  MemorySpace space(0, make_host_allocator());
+  Engine e(host_grads_at(), group.rank(0), space);
+  test_support::declare_small_lisa_model(e);
+  e.build(sine_init, std::vector<std::string>{"embed"});
+  e.restore_training_state(half);
+  require_plan_held(e, "after the restore");
+  steps(e, 6, 12);
+  require_plan_held(e, "after six more steps");
+  const TrainingState moved = e.training_state(true);
+  REQUIRE(moved.groups.size() == straight.groups.size());
+  for (std::size_t i = 0; i < moved.groups.size(); ++i) {
+    CAPTURE(moved.groups[i].group);
+    REQUIRE(moved.groups[i].step == straight.groups[i].step);
+    REQUIRE(moved.groups[i].master == straight.groups[i].master);
+    REQUIRE(moved.groups[i].state == straight.groups[i].state);
+  }
+  REQUIRE(moved.weights == straight.weights);
+}
