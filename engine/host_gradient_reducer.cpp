@@ -12,11 +12,18 @@ namespace shardswap {
 HostGradientReducer::HostGradientReducer(MemorySpace& space, const DeviceOps& ops,
                                          DType grad_dtype, std::int64_t window,
                                          std::size_t param_count)
-    : space_(space), ops_(ops), dtype_(grad_dtype), capacity_(window), slots_(param_count) {
+    : ops_(ops), dtype_(grad_dtype), capacity_(window), slots_(param_count) {
   for (int i = 0; i < 2; ++i)
     windows_[i].buffer =
         space.allocate(static_cast<std::size_t>(window) * dtype_size(grad_dtype), Tag::grad,
                        fmt::format("grad window {}", i));
+}
+
+HostGradientReducer::~HostGradientReducer() {
+  try {
+    ops_.finish_copies();
+  } catch (...) {  // a failing device: nothing left to protect
+  }
 }
 
 std::string HostGradientReducer::grad_label(const Group& g) const {
@@ -38,6 +45,7 @@ void HostGradientReducer::attach(Group& g, const std::vector<Param>& params) {
 }
 
 void HostGradientReducer::detach(Group& g) {
+  ops_.finish_copies();  // the group's host buffer is about to go
   for (int w = 0; w < 2; ++w)
     if (windows_[w].group == &g) discard(w, fmt::format("group '{}' deactivated", g.name));
   for (auto i : g.params) slots_[i] = Slot{};
@@ -74,8 +82,9 @@ void HostGradientReducer::close(int w) {
     throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
                             missing));
   const auto esize = dtype_size(dtype_);
-  space_.download(win.group->grad.as<std::byte>() + static_cast<std::size_t>(win.begin) * esize,
-                  win.buffer.data(), static_cast<std::size_t>(win.end - win.begin) * esize);
+  win.free_mark = ops_.queue_copy(
+      win.group->grad.as<std::byte>() + static_cast<std::size_t>(win.begin) * esize,
+      win.buffer.data(), static_cast<std::size_t>(win.end - win.begin) * esize);
   mark_written(win.group->index, {win.begin, win.end});
   discard(w, "grad window written back to the host");
 }
@@ -94,23 +103,29 @@ void HostGradientReducer::open(int w, Group& g, std::int64_t begin, std::int64_t
   auto* to = win.buffer.as<std::byte>();
   const auto* from = g.grad.as<std::byte>();
   // What the host holds for [begin, end): gradient where a window wrote since the last clear(),
-  // zeros elsewhere.
+  // zeros elsewhere. The uploads queue behind the window's last trip down; the zeros are written
+  // on the model's stream, which waits for that trip first.
   std::int64_t at = begin;
+  bool down = false;
   const auto zero = [&](std::int64_t a, std::int64_t b) {
-    if (b > a)
-      ops_.fill_zero(to + static_cast<std::size_t>(a - begin) * esize,
-                     static_cast<std::size_t>(b - a) * esize);
+    if (b <= a) return;
+    if (!down) ops_.await_copy(win.free_mark);
+    down = true;
+    ops_.fill_zero(to + static_cast<std::size_t>(a - begin) * esize,
+                   static_cast<std::size_t>(b - a) * esize);
   };
+  std::uint64_t filled = 0;
   for (const Range& r : written(g.index)) {
     const std::int64_t a = std::max(r.first, begin), b = std::min(r.second, end);
     if (a >= b) continue;
     zero(at, a);
-    space_.upload(to + static_cast<std::size_t>(a - begin) * esize,
-                  from + static_cast<std::size_t>(a) * esize,
-                  static_cast<std::size_t>(b - a) * esize);
+    filled = ops_.queue_copy(to + static_cast<std::size_t>(a - begin) * esize,
+                             from + static_cast<std::size_t>(a) * esize,
+                             static_cast<std::size_t>(b - a) * esize);
     at = b;
   }
   zero(at, end);
+  ops_.await_copy(filled);  // the model writes into it once it is filled
   win.group = &g;
   win.begin = begin;
   win.end = end;
@@ -123,20 +138,22 @@ View HostGradientReducer::slot(Group& g, std::size_t index, const Param& p) {
     if (windows_[i].group == &g && windows_[i].begin <= s.begin && s.end <= windows_[i].end) w = i;
   if (w < 0) {
     // A window of this group overlapping the param must go first (the host would get two
-    // copies of its range); otherwise the one without open slots used longest ago.
-    int other = -1;
+    // copies of its range); otherwise a closed one, or the one without open slots used longest
+    // ago.
     for (int i = 0; i < 2; ++i)
       if (windows_[i].group == &g && windows_[i].begin < s.end && s.begin < windows_[i].end)
         w = i;
     if (w < 0) {
       const bool busy0 = !unready(0).empty(), busy1 = !unready(1).empty();
-      if (busy0 != busy1)
+      if (windows_[0].group == nullptr || windows_[1].group == nullptr)
+        w = windows_[0].group == nullptr ? 0 : 1;
+      else if (busy0 != busy1)
         w = busy0 ? 1 : 0;
       else
         w = windows_[0].used <= windows_[1].used ? 0 : 1;
     }
     close(w);  // Error if it still has slots out
-    other = 1 - w;
+    const int other = 1 - w;
     // The range: the param, extended in the fill direction up to the window's capacity,
     // within the group and clear of the other window's range.
     std::int64_t lo = 0, hi = g.layout.total_numel();
@@ -150,6 +167,8 @@ View HostGradientReducer::slot(Group& g, std::size_t index, const Param& p) {
       open(w, g, std::max(lo, s.end - capacity_), s.end);
     else
       open(w, g, s.begin, std::min(hi, s.begin + capacity_));
+    // The other goes down now, while the model fills this one, unless a slot of it is open.
+    if (windows_[other].group != nullptr && unready(other).empty()) close(other);
   }
   windows_[w].used = ++uses_;
   last_group_ = &g;
@@ -179,6 +198,7 @@ void HostGradientReducer::finish() {
                             missing));
   close(0);
   close(1);
+  ops_.finish_copies();  // the step reads the host buffers
   last_group_ = nullptr;
 }
 
@@ -230,6 +250,7 @@ std::string HostGradientReducer::pending(const Group& g) const {
 }
 
 void HostGradientReducer::forget_groups() {
+  ops_.finish_copies();
   for (int w = 0; w < 2; ++w) discard(w, "groups re-formed");
   written_.clear();
   last_group_ = nullptr;

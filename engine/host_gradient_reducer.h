@@ -6,9 +6,12 @@
 // group's flat space and is filled, when it opens, with what the host holds for that range (the
 // sum of the micro-batches so far; zeros before the first), so the model accumulates into it in
 // place exactly as it would into a device buffer: the same sums in the same order, the same bits.
-// When a slot falls outside both windows, one of them goes back down to the host (its Views go
-// stale) and reopens around the new param, extended in the direction the slots come in
-// (backward's descending offsets, or ascending). Two windows let one slot stay open across the
+// When a slot falls outside both windows, the new param's window opens in the closed one if
+// there is one (else one goes down first), extended in the direction the slots come in
+// (backward's descending offsets, or ascending); then the other, once none of its slots is open,
+// goes down to the host (its Views go stale) while the model fills the new one. The copies run
+// on the backend's copy queue (DeviceOps::queue_copy), in order; the model's stream waits only
+// for a window's fill before writing into it. Two windows also let one slot stay open across the
 // others, as a tied embedding's is across backward.
 //
 // The host buffers are not zeroed when gradients are dropped: the reducer remembers which ranges
@@ -37,6 +40,10 @@ class HostGradientReducer final : public GradientReducer {
   /// host memory. `window` must hold the largest param.
   HostGradientReducer(MemorySpace& space, const DeviceOps& ops, DType grad_dtype,
                       std::int64_t window, std::size_t param_count);
+  /// Waits for the copies in flight: they name the windows and the host buffers.
+  ~HostGradientReducer() override;
+  HostGradientReducer(const HostGradientReducer&) = delete;
+  HostGradientReducer& operator=(const HostGradientReducer&) = delete;
 
   bool grads_on_host() const override { return true; }
   std::int64_t grad_numel(const Group& g) const override { return g.layout.total_numel(); }
@@ -61,6 +68,7 @@ class HostGradientReducer final : public GradientReducer {
     Group* group = nullptr;  // null: closed
     std::int64_t begin = 0, end = 0;
     std::int64_t used = 0;  // when it last handed a slot out (for choosing which one to close)
+    std::uint64_t free_mark = 0;  // the copy queue's mark of its last trip down
   };
   struct Slot {
     std::string name;
@@ -70,7 +78,8 @@ class HostGradientReducer final : public GradientReducer {
   };
   /// Names the slots of window `w` handed out and not ready ("'a', 'b'"); "" if none.
   std::string unready(int w) const;
-  /// Writes window `w` back to the host and closes it; Error naming its unready slots first.
+  /// Queues window `w`'s trip back to the host and closes it; Error naming its unready slots
+  /// first, with nothing changed.
   void close(int w);
   /// Closes window `w` without writing it back (the gradients are being dropped).
   void discard(int w, const std::string& event);
@@ -80,7 +89,6 @@ class HostGradientReducer final : public GradientReducer {
   void mark_written(std::size_t index, Range r);
   std::vector<Range>& written(std::size_t index);
 
-  MemorySpace& space_;
   const DeviceOps& ops_;
   DType dtype_;
   std::int64_t capacity_;

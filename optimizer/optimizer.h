@@ -94,6 +94,16 @@ struct DeviceOps {
   void (*copy)(void* dst, const void* src, std::size_t bytes);
   /// Waits until every kernel this thread queued has finished (no-op on the CPU).
   void (*synchronize)();
+  /// Copies `bytes` between host memory and the backend's, either way, on this thread's copy
+  /// queue: after the work the thread queued so far on its stream, in order with the queue's
+  /// other copies, the caller not waiting (the CPU backend copies at once). Returns the copy's
+  /// mark, counting up from 1.
+  std::uint64_t (*queue_copy)(void* dst, const void* src, std::size_t bytes);
+  /// Makes this thread's stream wait until the queued copy `mark` (and every one before it) is
+  /// done; 0 waits for nothing.
+  void (*await_copy)(std::uint64_t mark);
+  /// Waits on the host until every copy this thread queued is done.
+  void (*finish_copies)();
 };
 
 /// The CPU backend (Eigen), always present.

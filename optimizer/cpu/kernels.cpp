@@ -300,6 +300,21 @@ void copy(void* dst, const void* src, std::size_t bytes) {
 
 void synchronize() {}
 
+// The copy queue: every copy done at once, in call order.
+thread_local std::uint64_t copies_queued = 0;
+
+std::uint64_t queue_copy(void* dst, const void* src, std::size_t bytes) {
+  if (bytes > 0) {
+    detail::require_data(dst, "cpu_device_ops().queue_copy", "dst", bytes, "bytes");
+    detail::require_data(src, "cpu_device_ops().queue_copy", "src", bytes, "bytes");
+    std::memcpy(dst, src, bytes);
+  }
+  return ++copies_queued;
+}
+
+void await_copy(std::uint64_t) {}
+void finish_copies() {}
+
 // The CUDA backend's walk without its overlap: chunk k goes through slot k % 2, so a CPU test
 // covers the same chunk and slot arithmetic.
 void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
@@ -328,7 +343,10 @@ const DeviceOps& cpu_device_ops() {
                                       .accumulate = accumulate,
                                       .fill_zero = fill_zero,
                                       .copy = copy,
-                                      .synchronize = synchronize};
+                                      .synchronize = synchronize,
+                                      .queue_copy = queue_copy,
+                                      .await_copy = await_copy,
+                                      .finish_copies = finish_copies};
   return table;
 }
 

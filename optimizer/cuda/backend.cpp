@@ -169,6 +169,63 @@ void synchronize() {
   SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
 }
 
+// A thread's copy queue: a stream of its own, and an event recorded after each copy in a ring (a
+// mark whose event was recorded again since is waited for through the later copy's, which it
+// precedes: a longer wait, never a shorter one).
+struct CopyQueue {
+  static constexpr std::size_t kEvents = 64;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t before = nullptr;  // the thread's stream at each copy
+  cudaEvent_t after[kEvents] = {};
+  std::uint64_t queued = 0;
+  CopyQueue() {
+    SHARDSWAP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    SHARDSWAP_CUDA_CHECK(cudaEventCreateWithFlags(&before, cudaEventDisableTiming));
+    for (auto& e : after) SHARDSWAP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  // At the thread's end, which for the main thread may come after the CUDA runtime has shut
+  // down: errors are ignored and cleared.
+  ~CopyQueue() {
+    (void)cudaStreamSynchronize(stream);
+    for (auto& e : after) (void)cudaEventDestroy(e);
+    (void)cudaEventDestroy(before);
+    (void)cudaStreamDestroy(stream);
+    (void)cudaGetLastError();
+  }
+  CopyQueue(const CopyQueue&) = delete;
+  CopyQueue& operator=(const CopyQueue&) = delete;
+};
+
+CopyQueue& copy_queue() {
+  thread_local CopyQueue q;
+  return q;
+}
+
+std::uint64_t queue_copy(void* dst, const void* src, std::size_t bytes) {
+  CopyQueue& q = copy_queue();
+  if (bytes > 0) {
+    detail::require_data(dst, "cuda_device_ops().queue_copy", "dst", bytes, "bytes");
+    detail::require_data(src, "cuda_device_ops().queue_copy", "src", bytes, "bytes");
+    SHARDSWAP_CUDA_CHECK(cudaEventRecord(q.before, cudaStreamPerThread));
+    SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(q.stream, q.before, 0));
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, q.stream));
+  }
+  const std::uint64_t mark = ++q.queued;
+  SHARDSWAP_CUDA_CHECK(cudaEventRecord(q.after[mark % CopyQueue::kEvents], q.stream));
+  return mark;
+}
+
+void await_copy(std::uint64_t mark) {
+  if (mark == 0) return;
+  CopyQueue& q = copy_queue();
+  SHARDSWAP_CUDA_CHECK(
+      cudaStreamWaitEvent(cudaStreamPerThread, q.after[mark % CopyQueue::kEvents], 0));
+}
+
+void finish_copies() {
+  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(copy_queue().stream));
+}
+
 // A stream or event of one update_streamed call, destroyed when the call ends (also by an
 // exception: the call synchronizes first).
 struct CopyStream {
@@ -238,7 +295,10 @@ const DeviceOps& cuda_device_ops() {
                                       .accumulate = accumulate,
                                       .fill_zero = fill_zero,
                                       .copy = copy,
-                                      .synchronize = synchronize};
+                                      .synchronize = synchronize,
+                                      .queue_copy = queue_copy,
+                                      .await_copy = await_copy,
+                                      .finish_copies = finish_copies};
   return table;
 }
 
