@@ -51,18 +51,11 @@ View FullGradientReducer::slot(Group& g, std::size_t index, const Param& p) {
 }
 
 bool FullGradientReducer::mark_ready(std::size_t index) {
-  if (!slots_[index].out) return false;
-  slots_[index].ready = true;
-  return true;
+  return slot_readiness::mark_ready(slots_, index);
 }
 
 void FullGradientReducer::finish() {
-  std::string missing;
-  for (const auto& s : slots_)
-    if (s.out && !s.ready) missing += fmt::format("{}'{}'", missing.empty() ? "" : ", ", s.name);
-  if (!missing.empty())
-    throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
-                            missing));
+  slot_readiness::require_ready(slots_);
 }
 
 void FullGradientReducer::reduce_for_step(std::vector<Group>& groups) {
@@ -110,13 +103,7 @@ void FullGradientReducer::clear(std::vector<Group>& groups) {
 }
 
 std::string FullGradientReducer::pending(const Group& g) const {
-  if (!g.holds_grads) return "";
-  std::string open;
-  for (auto i : g.params)
-    if (slots_[i].out && !slots_[i].ready)
-      open += fmt::format("{}'{}'", open.empty() ? "" : ", ", slots_[i].name);
-  if (!open.empty()) return fmt::format("grad_slot handed out without grad_ready: {}", open);
-  return "accumulated since the last step";
+  return slot_readiness::pending(g, slots_);
 }
 
 }  // namespace shardswap

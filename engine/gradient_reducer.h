@@ -20,6 +20,7 @@
 #include "shardswap/buffer.h"
 #include "shardswap/communicator.h"
 #include "shardswap/engine_config.h"
+#include "shardswap/error.h"
 
 namespace shardswap {
 
@@ -83,6 +84,49 @@ class GradientReducer {
 inline bool accumulates_in_place(const EngineConfig& config, int world_size) {
   return config.stage == 1 || world_size == 1;
 }
+
+// The readiness bookkeeping of the reducers that keep one slot per param (stage 1's and the host
+// one), over a vector indexed by param whose elements have `name`, `out` and `ready`.
+namespace slot_readiness {
+
+/// "'a', 'b'": the slots handed out and not ready whose param index `pick` accepts.
+template <class Slots, class Pick>
+std::string unready(const Slots& slots, Pick pick) {
+  std::string names;
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    if (slots[i].out && !slots[i].ready && pick(i))
+      names += (names.empty() ? "'" : ", '") + slots[i].name + "'";
+  return names;
+}
+
+/// GradientReducer::mark_ready.
+template <class Slots>
+bool mark_ready(Slots& slots, std::size_t index) {
+  if (!slots[index].out) return false;
+  slots[index].ready = true;
+  return true;
+}
+
+/// The Error of GradientReducer::finish, naming every slot handed out and not ready.
+template <class Slots>
+void require_ready(const Slots& slots) {
+  const std::string missing = unready(slots, [](std::size_t) { return true; });
+  if (!missing.empty())
+    throw Error("Engine: grad_slot was handed out but grad_ready never called for " + missing);
+}
+
+/// GradientReducer::pending.
+template <class Slots>
+std::string pending(const Group& g, const Slots& slots) {
+  if (!g.holds_grads) return "";
+  std::string open;
+  for (auto i : g.params)
+    if (slots[i].out && !slots[i].ready) open += (open.empty() ? "'" : ", '") + slots[i].name + "'";
+  if (!open.empty()) return "grad_slot handed out without grad_ready: " + open;
+  return "accumulated since the last step";
+}
+
+}  // namespace slot_readiness
 
 /// ConfigError naming shardswap.gradient_placement when it is host at a world size above 1.
 void require_gradient_placement(const EngineConfig& config, int world_size);

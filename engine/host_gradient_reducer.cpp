@@ -54,11 +54,7 @@ void HostGradientReducer::detach(Group& g) {
 }
 
 std::string HostGradientReducer::unready(int w) const {
-  std::string names;
-  for (const auto& s : slots_)
-    if (s.out && !s.ready && s.window == w)
-      names += fmt::format("{}'{}'", names.empty() ? "" : ", ", s.name);
-  return names;
+  return slot_readiness::unready(slots_, [&](std::size_t i) { return slots_[i].window == w; });
 }
 
 void HostGradientReducer::mark_written(std::size_t index, Range r) {
@@ -79,8 +75,7 @@ void HostGradientReducer::close(int w) {
   if (win.group == nullptr) return;
   const std::string missing = unready(w);
   if (!missing.empty())
-    throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
-                            missing));
+    throw Error("Engine: grad_slot was handed out but grad_ready never called for " + missing);
   const auto esize = dtype_size(dtype_);
   win.free_mark = ops_.queue_copy(
       win.group->grad.as<std::byte>() + static_cast<std::size_t>(win.begin) * esize,
@@ -184,18 +179,11 @@ View HostGradientReducer::slot(Group& g, std::size_t index, const Param& p) {
 }
 
 bool HostGradientReducer::mark_ready(std::size_t index) {
-  if (!slots_[index].out) return false;
-  slots_[index].ready = true;
-  return true;
+  return slot_readiness::mark_ready(slots_, index);
 }
 
 void HostGradientReducer::finish() {
-  std::string missing;
-  for (const auto& s : slots_)
-    if (s.out && !s.ready) missing += fmt::format("{}'{}'", missing.empty() ? "" : ", ", s.name);
-  if (!missing.empty())
-    throw Error(fmt::format("Engine: grad_slot was handed out but grad_ready never called for {}",
-                            missing));
+  slot_readiness::require_ready(slots_);
   close(0);
   close(1);
   ops_.finish_copies();  // the step reads the host buffers
@@ -240,13 +228,7 @@ void HostGradientReducer::clear(std::vector<Group>& groups) {
 }
 
 std::string HostGradientReducer::pending(const Group& g) const {
-  if (!g.holds_grads) return "";
-  std::string open;
-  for (auto i : g.params)
-    if (slots_[i].out && !slots_[i].ready)
-      open += fmt::format("{}'{}'", open.empty() ? "" : ", ", slots_[i].name);
-  if (!open.empty()) return fmt::format("grad_slot handed out without grad_ready: {}", open);
-  return "accumulated since the last step";
+  return slot_readiness::pending(g, slots_);
 }
 
 void HostGradientReducer::forget_groups() {
