@@ -42,6 +42,8 @@ void HostGradientReducer::attach(Group& g, const std::vector<Param>& params) {
     slots_[i] = Slot{p.info.name, entry.offset, entry.offset + entry.numel};
   }
   written(g.index).clear();  // a fresh buffer: nothing in it is gradient yet
+  if (attached_.size() <= g.index) attached_.resize(g.index + 1, nullptr);
+  attached_[g.index] = &g;
 }
 
 void HostGradientReducer::detach(Group& g) {
@@ -50,6 +52,7 @@ void HostGradientReducer::detach(Group& g) {
     if (windows_[w].group == &g) discard(w, fmt::format("group '{}' deactivated", g.name));
   for (auto i : g.params) slots_[i] = Slot{};
   written(g.index).clear();
+  if (g.index < attached_.size()) attached_[g.index] = nullptr;
   if (last_group_ == &g) last_group_ = nullptr;
 }
 
@@ -76,11 +79,14 @@ void HostGradientReducer::close(int w) {
   const std::string missing = unready(w);
   if (!missing.empty())
     throw Error("Engine: grad_slot was handed out but grad_ready never called for " + missing);
-  const auto esize = dtype_size(dtype_);
-  win.free_mark = ops_.queue_copy(
-      win.group->grad.as<std::byte>() + static_cast<std::size_t>(win.begin) * esize,
-      win.buffer.data(), static_cast<std::size_t>(win.end - win.begin) * esize);
-  mark_written(win.group->index, {win.begin, win.end});
+  // Untouched since its fill, it holds what the host holds: nothing goes down.
+  if (win.touched) {
+    const auto esize = dtype_size(dtype_);
+    win.free_mark = ops_.queue_copy(
+        win.group->grad.as<std::byte>() + static_cast<std::size_t>(win.begin) * esize,
+        win.buffer.data(), static_cast<std::size_t>(win.end - win.begin) * esize);
+    mark_written(win.group->index, {win.begin, win.end});
+  }
   discard(w, "grad window written back to the host");
 }
 
@@ -88,11 +94,21 @@ void HostGradientReducer::discard(int w, const std::string& event) {
   Window& win = windows_[w];
   win.buffer.invalidate_views(event);
   win.group = nullptr;
+  win.free_mark = std::max(win.free_mark, win.fill_mark);  // a fill in flight writes into it
+  win.awaited = true;
+  win.touched = false;
   for (auto& s : slots_)
     if (s.window == w) s.window = -1;
 }
 
-void HostGradientReducer::open(int w, Group& g, std::int64_t begin, std::int64_t end) {
+bool HostGradientReducer::all_written(std::size_t index, std::int64_t begin, std::int64_t end) {
+  for (const Range& r : written(index))
+    if (r.first <= begin && end <= r.second) return true;
+  return false;
+}
+
+void HostGradientReducer::open(int w, Group& g, std::int64_t begin, std::int64_t end,
+                               bool descending) {
   Window& win = windows_[w];
   const auto esize = dtype_size(dtype_);
   auto* to = win.buffer.as<std::byte>();
@@ -120,10 +136,47 @@ void HostGradientReducer::open(int w, Group& g, std::int64_t begin, std::int64_t
     at = b;
   }
   zero(at, end);
-  ops_.await_copy(filled);  // the model writes into it once it is filled
   win.group = &g;
   win.begin = begin;
   win.end = end;
+  win.fill_mark = filled;
+  win.awaited = filled == 0;  // else the model writes into it once the fill is done
+  win.touched = false;
+  win.descending = descending;
+}
+
+void HostGradientReducer::rotate(int w) {
+  const int o = 1 - w;
+  if (windows_[o].group != nullptr) {
+    if (!unready(o).empty()) return;  // a slot of it is open (a tied embedding's)
+    close(o);
+  }
+  // The range after w's in its fill direction: in its group, or at the end of the next active
+  // group that way.
+  const Window& win = windows_[w];
+  Group* g = win.group;
+  std::int64_t begin = 0, end = 0;
+  if (win.descending && win.begin > 0) {
+    begin = std::max<std::int64_t>(0, win.begin - capacity_);
+    end = win.begin;
+  } else if (!win.descending && win.end < g->layout.total_numel()) {
+    begin = win.end;
+    end = std::min(g->layout.total_numel(), win.end + capacity_);
+  } else {
+    g = nullptr;
+    if (win.descending) {
+      for (std::size_t i = win.group->index; i-- > 0 && g == nullptr;)
+        if (i < attached_.size()) g = attached_[i];
+    } else {
+      for (std::size_t i = win.group->index + 1; i < attached_.size() && g == nullptr; ++i)
+        g = attached_[i];
+    }
+    if (g == nullptr) return;
+    const std::int64_t total = g->layout.total_numel();
+    begin = win.descending ? std::max<std::int64_t>(0, total - capacity_) : 0;
+    end = win.descending ? total : std::min(total, capacity_);
+  }
+  if (end > begin && all_written(g->index, begin, end)) open(o, *g, begin, end, win.descending);
 }
 
 View HostGradientReducer::slot(Group& g, std::size_t index, const Param& p) {
@@ -159,11 +212,16 @@ View HostGradientReducer::slot(Group& g, std::size_t index, const Param& p) {
     }
     const bool descending = last_group_ == &g && last_offset_ > s.begin;
     if (descending)
-      open(w, g, std::max(lo, s.end - capacity_), s.end);
+      open(w, g, std::max(lo, s.end - capacity_), s.end, true);
     else
-      open(w, g, s.begin, std::min(hi, s.begin + capacity_));
-    // The other goes down now, while the model fills this one, unless a slot of it is open.
-    if (windows_[other].group != nullptr && unready(other).empty()) close(other);
+      open(w, g, s.begin, std::min(hi, s.begin + capacity_), false);
+  }
+  Window& used = windows_[w];
+  if (!used.awaited) ops_.await_copy(used.fill_mark);
+  used.awaited = true;
+  if (!used.touched) {
+    used.touched = true;
+    rotate(w);
   }
   windows_[w].used = ++uses_;
   last_group_ = &g;
@@ -235,6 +293,7 @@ void HostGradientReducer::forget_groups() {
   ops_.finish_copies();
   for (int w = 0; w < 2; ++w) discard(w, "groups re-formed");
   written_.clear();
+  attached_.clear();
   last_group_ = nullptr;
 }
 

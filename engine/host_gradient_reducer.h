@@ -12,7 +12,10 @@
 // goes down to the host (its Views go stale) while the model fills the new one. The copies run
 // on the backend's copy queue (DeviceOps::queue_copy), in order; the model's stream waits only
 // for a window's fill before writing into it. Two windows also let one slot stay open across the
-// others, as a tied embedding's is across backward.
+// others, as a tied embedding's is across backward. When a window hands out its first slot,
+// the other goes down and is filled ahead with the next range in the fill direction, when the
+// host holds gradient for all of it (from the second micro-batch on): in backward the next
+// window's fill overlaps the current one's use.
 //
 // The host buffers are not zeroed when gradients are dropped: the reducer remembers which ranges
 // hold gradient since the last clear() and fills the rest with zeros where it is read (in a
@@ -68,7 +71,11 @@ class HostGradientReducer final : public GradientReducer {
     Group* group = nullptr;  // null: closed
     std::int64_t begin = 0, end = 0;
     std::int64_t used = 0;  // when it last handed a slot out (for choosing which one to close)
-    std::uint64_t free_mark = 0;  // the copy queue's mark of its last trip down
+    std::uint64_t free_mark = 0;  // the copy queue's mark after which its buffer is free
+    std::uint64_t fill_mark = 0;  // the mark of its fill from the host
+    bool awaited = true;          // the model's stream waits for the fill (at its first slot)
+    bool touched = false;         // a slot was handed out since it opened
+    bool descending = false;      // the fill direction it was opened in
   };
   struct Slot {
     std::string name;
@@ -83,8 +90,15 @@ class HostGradientReducer final : public GradientReducer {
   void close(int w);
   /// Closes window `w` without writing it back (the gradients are being dropped).
   void discard(int w, const std::string& event);
-  /// Opens window `w` on group `g` around [begin, end), filled from the host.
-  void open(int w, Group& g, std::int64_t begin, std::int64_t end);
+  /// Opens window `w` on group `g` around [begin, end), filled from the host; the model's stream
+  /// waits for the fill at the window's first slot.
+  void open(int w, Group& g, std::int64_t begin, std::int64_t end, bool descending);
+  /// Window `w` has just handed out its first slot: the other, once none of its slots is open,
+  /// goes down, and is filled ahead with the range after `w`'s in its fill direction when the
+  /// host holds gradient for all of it (from the second micro-batch on).
+  void rotate(int w);
+  /// Whether [begin, end) of group `index` holds gradient on the host, all of it.
+  bool all_written(std::size_t index, std::int64_t begin, std::int64_t end);
   /// Records that [begin, end) of group `index` holds gradient.
   void mark_written(std::size_t index, Range r);
   std::vector<Range>& written(std::size_t index);
@@ -95,6 +109,7 @@ class HostGradientReducer final : public GradientReducer {
   Window windows_[2];
   std::vector<Slot> slots_;
   std::vector<std::vector<Range>> written_;  // by Group::index: sorted, disjoint
+  std::vector<Group*> attached_;             // by Group::index: the active groups
   std::int64_t uses_ = 0;
   Group* last_group_ = nullptr;  // the previous slot's group and offset: the fill direction
   std::int64_t last_offset_ = -1;
