@@ -289,7 +289,16 @@ struct PlanSource {
   const std::vector<Group>* built = nullptr;  // the built groups; null before build()
   std::int64_t capacity = 0;                  // build's bucket capacity, after build()
   std::int64_t chunk = 0;                     // build's offload chunk, after build()
+  std::int64_t window_bytes = 0;              // build's frozen weight windows, after build()
 };
+
+// Bytes of each frozen weight window: the largest group's weights.
+std::int64_t weight_window_bytes(const std::vector<Group>& groups, std::size_t psize) {
+  std::int64_t most = 0;
+  for (const auto& g : groups)
+    most = std::max(most, g.layout.total_numel() * static_cast<std::int64_t>(psize));
+  return most;
+}
 
 MemoryPlan plan_of(const PlanSource& in,
                    const std::optional<std::vector<std::string>>& active_at_build) {
@@ -322,13 +331,16 @@ MemoryPlan plan_of(const PlanSource& in,
   };
   auto add = [&](Tag t, std::int64_t bytes) { add_to(plan.bytes, t, bytes); };
   auto add_host = [&](Tag t, std::int64_t bytes) { add_to(plan.host, t, bytes); };
+  const bool weights_on_host = in.config.frozen_weight_placement == Placement::host;
   for (std::size_t i = 0; i < planned.size(); ++i) {
     const Group& g = planned[i];
-    add(Tag::param16, g.layout.total_numel() * psize);
     // Before build() every group counts as active (build's default), unless told otherwise.
     const Group* now = in.built ? &(*in.built)[i] : nullptr;
     const bool active =
         now != nullptr ? now->active : !active_at_build || assumed.count(in.group_names[i]);
+    // Weights on the host: every group's home there, an active group's weights on the device too.
+    if (weights_on_host) add_host(Tag::param16, g.layout.total_numel() * psize);
+    if (!weights_on_host || active) add(Tag::param16, g.layout.total_numel() * psize);
     const bool kept = now != nullptr && now->kept;
     if (active)
       add_to(grads_on_host ? plan.host : plan.bytes, Tag::grad,
@@ -356,6 +368,8 @@ MemoryPlan plan_of(const PlanSource& in,
   const auto capacity =
       in.built ? in.capacity : bucket_capacity(in.config, planned, params, in.world_size, false);
   if (!in_place || grads_on_host) add(Tag::grad, 2 * capacity * gsize);  // buckets or windows
+  if (weights_on_host)  // two windows of frozen weights
+    add(Tag::param16, 2 * (in.built ? in.window_bytes : weight_window_bytes(planned, psize)));
   add(Tag::comm, kScalarBytes);
   if (in.config.compressed())
     add(Tag::comm, capacity * static_cast<std::int64_t>(dtype_size(in.config.comm_type())));
@@ -374,7 +388,10 @@ MemoryPlan Engine::plan(const std::optional<std::vector<std::string>>& active_at
                   .rank = impl_->comm.rank(),
                   .built = impl_->built ? &impl_->groups : nullptr,
                   .capacity = impl_->capacity,
-                  .chunk = impl_->chunk},
+                  .chunk = impl_->chunk,
+                  .window_bytes = impl_->weight_windows
+                                      ? static_cast<std::int64_t>(impl_->weight_windows->bytes())
+                                      : 0},
                  active_at_build);
 }
 
@@ -427,11 +444,20 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
   auto groups = plan_groups(impl_->config, names, params, impl_->weight_decay, impl_->comm.world_size(), rank);
   std::vector<float> values;
   std::vector<std::byte> staged;  // one param's bit16 values on the host, then uploaded
+  // Weights on the host: every group's home there, and the windows that bring frozen ones in.
+  const bool homes = impl_->weights_on_host();
+  std::unique_ptr<WeightWindows> windows;
+  if (homes)
+    windows = std::make_unique<WeightWindows>(
+        impl_->space, impl_->ops,
+        static_cast<std::size_t>(weight_window_bytes(groups, psize)));
   for (auto& g : groups) {
     const auto total = static_cast<std::size_t>(g.layout.total_numel());
-    g.param16 =
-        impl_->space.allocate(total * psize, Tag::param16, fmt::format("group {} param16", g.name));
-    impl_->ops.fill_zero(g.param16.data(), g.param16.bytes());  // padding stays zero for good
+    MemorySpace& where = homes ? impl_->host_space() : impl_->space;
+    const DeviceOps& at = homes ? cpu_device_ops() : impl_->ops;
+    g.param16 = where.allocate(total * psize, Tag::param16,
+                               fmt::format("group {} param16{}", g.name, homes ? " (host)" : ""));
+    at.fill_zero(g.param16.data(), g.param16.bytes());  // padding stays zero for good
     for (auto i : g.params) {
       Param& p = params[i];
       const auto& entry = g.layout.entry_of(p.index_in_group);
@@ -439,13 +465,18 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
       init(p.info, values);
       staged.resize(values.size() * psize);
       cpu_device_ops().cast(staged.data(), dtype, values.data(), DType::f32, values.size());
-      impl_->space.upload(g.param16_at(entry.offset, psize), staged.data(), staged.size());
-      p.weight = g.param16.view(static_cast<std::size_t>(entry.offset) * psize,
-                                static_cast<std::size_t>(p.info.numel), dtype,
-                                p.info.name + ": weight view");
+      where.upload(g.param16_at(entry.offset, psize), staged.data(), staged.size());
     }
-    // Every rank must start from the same weights, whatever its init did.
-    impl_->comm.broadcast(g.param16.data(), total, dtype, 0);
+    // Every rank must start from the same weights, whatever its init did: a home goes through
+    // a window, the collectives' memory.
+    if (!homes) {
+      impl_->comm.broadcast(g.param16.data(), total, dtype, 0);
+    } else if (impl_->comm.world_size() > 1) {
+      const Buffer& window = windows->scratch();
+      impl_->space.upload(window.data(), g.param16.data(), g.param16.bytes());
+      impl_->comm.broadcast(window.data(), total, dtype, 0);
+      impl_->space.download(g.param16.data(), window.data(), g.param16.bytes());
+    }
   }
   const auto capacity = bucket_capacity(impl_->config, groups, params, impl_->comm.world_size(), rank == 0);
   // The gradient path's buffers (stage 2 buckets, the compressed chunk).
@@ -457,8 +488,13 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
   std::swap(impl_->reducer, reducer);
   try {
     if (impl_->state_on_host()) impl_->allocate_staging(groups);
-    for (auto& g : groups)
-      if (!active || wanted.count(g.name)) impl_->allocate_active_state(g);
+    for (auto& g : groups) {
+      if (!active || wanted.count(g.name)) {
+        if (homes) impl_->weights_up(g);
+        impl_->allocate_active_state(g);
+      }
+      impl_->register_weight_views(g);
+    }
   } catch (...) {
     std::swap(impl_->params, params);
     std::swap(impl_->reducer, reducer);
@@ -472,6 +508,7 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
     throw;
   }
   impl_->groups = std::move(groups);
+  impl_->weight_windows = std::move(windows);
   impl_->scalars = std::move(scalars);
   impl_->capacity = capacity;
   impl_->built = true;
@@ -480,7 +517,33 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
 
 View Engine::weight(const std::string& name) const {
   impl_->require_built("weight");
-  return impl_->param(name, "weight").weight;
+  const Param& p = impl_->param(name, "weight");
+  const Group& g = impl_->groups[p.group];
+  if (!impl_->weights_on_host() || g.active) return p.weight;
+  const Buffer* window = impl_->weight_windows->window_of(g);
+  if (window == nullptr)
+    throw StateError(fmt::format(
+        "Engine::weight: '{}': group '{}' is frozen and its weights are on the host "
+        "(frozen_weight_placement = host); fetch_weights('{}') brings them to the device",
+        name, g.name, g.name));
+  const auto psize = dtype_size(impl_->config.dtype);
+  return window->view(static_cast<std::size_t>(g.layout.entry_of(p.index_in_group).offset) * psize,
+                      static_cast<std::size_t>(p.info.numel), impl_->config.dtype,
+                      p.info.name + ": weight view (window)");
+}
+
+void Engine::fetch_weights(const std::string& group) {
+  impl_->require_built("fetch_weights");
+  const Group& g = impl_->group_named(group, "fetch_weights");
+  if (!impl_->weights_on_host() || g.active) return;  // on the device already
+  impl_->weight_windows->fetch(g, impl_->groups);
+}
+
+void Engine::release_weights(const std::string& group) {
+  impl_->require_built("release_weights");
+  const Group& g = impl_->group_named(group, "release_weights");
+  if (!impl_->weights_on_host() || g.active) return;
+  impl_->weight_windows->release(g);
 }
 
 // ---- what every rank must hold alike (RankAgreement) ----
@@ -854,9 +917,11 @@ std::vector<MasterPiece> Engine::master_pieces(const std::string& name) const {
 }
 
 std::vector<float> Engine::read_weight(const std::string& name) const {
-  const View w = weight(name);
+  impl_->require_built("read_weight");
+  const Param& p = impl_->param(name, "read_weight");
+  const View& w = p.weight;  // where the weights are kept: the device, or a home on the host
   std::vector<std::byte> raw(w.bytes());
-  impl_->space.download(raw.data(), w.raw(), raw.size());
+  impl_->weight_space(impl_->groups[p.group]).download(raw.data(), w.raw(), raw.size());
   std::vector<float> out(w.count());
   cpu_device_ops().cast(out.data(), DType::f32, raw.data(), w.dtype(), out.size());
   return out;

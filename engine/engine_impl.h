@@ -13,6 +13,7 @@
 
 #include "engine/gradient_reducer.h"
 #include "engine/group.h"
+#include "engine/weight_windows.h"
 #include "shardswap/loss_scaler.h"
 #include "optimizer/host_updater.h"
 #include "optimizer/optimizer.h"
@@ -52,6 +53,22 @@ struct Engine::Impl {
   // ---- state on the host ----
   bool streamed() const { return config.offload_update == OffloadUpdate::streamed; }
   bool grads_on_host() const { return config.gradient_placement == Placement::host; }
+  // ---- frozen weights on the host (engine/lifecycle.cpp) ----
+  bool weights_on_host() const { return config.frozen_weight_placement == Placement::host; }
+  std::unique_ptr<WeightWindows> weight_windows;  // after build, with weights on the host
+  /// Where g.param16 lives: the host for a frozen group with weights on the host, else the device.
+  const MemorySpace& weight_space(const Group& g) const {
+    return weights_on_host() && !g.active ? *host : space;
+  }
+  /// Registers each of g's params' "<name>: weight view" on g.param16.
+  void register_weight_views(Group& g);
+  /// Activation, weights on the host: a device buffer (take()) filled from the home, which moves
+  /// to g.home. Undone by weights_down.
+  void weights_up(Group& g);
+  /// Deactivation, weights on the host: the device weights written to the home, which becomes
+  /// g.param16 again; the device buffer given up (give_up()). Nothing fails but the Pins' check,
+  /// made by the caller.
+  std::size_t weights_down(Group& g, const std::string& event, ReleasePolicy pins);
   // streamed: the device slots of two chunks (master, and the state's slots one after another)
   Buffer slot_master, slot_state;
   // gradients on the host: two chunks of them on the device, for the norm and (streamed) the
@@ -176,6 +193,9 @@ struct Engine::Impl {
   /// is reused, and the buffers given back at commit.
   struct GroupRestore {
     Buffer grad, master, state;  // master and state in `to`, when not reused
+    /// Weights on the host: the device weights of a group the restore activates (its home's
+    /// contents until the restored weights are written).
+    Buffer param16;
     MemorySpace* to = nullptr;   // where the restored master and state go; null: none
     bool reuse_grad = false, reuse_state = false;
     std::vector<const Buffer*> freed;

@@ -38,7 +38,11 @@ struct Group {
   double weight_decay = 0.0;
   FlatLayout layout;
   Shard shard;
-  Buffer param16;  // full flat bit16 weights, every rank
+  Buffer param16;  // full flat bit16 weights, every rank: where they are used and updated
+  /// frozen_weight_placement = host only: the weights' home in host memory. A frozen group's
+  /// param16 is its home (moved there); an active group's param16 is on the device and its home
+  /// is written back when it is deactivated.
+  Buffer home;
   Buffer grad;     // stage 1: full flat bit16 gradients; stage 2: this rank's partition
   Buffer master;   // fp32, this rank's shard
   Buffer state;    // optimizer state (OptimizerConfig::state_dtype), state_slots x shard

@@ -166,6 +166,32 @@ std::size_t Engine::Impl::give_up(Buffer& b, const std::string& event, ReleasePo
   return b.release(event, pins);
 }
 
+void Engine::Impl::register_weight_views(Group& g) {
+  const DType dtype = config.dtype;
+  const auto psize = dtype_size(dtype);
+  for (auto i : g.params) {
+    Param& p = params[i];
+    const auto& entry = g.layout.entry_of(p.index_in_group);
+    p.weight = g.param16.view(static_cast<std::size_t>(entry.offset) * psize,
+                              static_cast<std::size_t>(p.info.numel), dtype,
+                              p.info.name + ": weight view");
+  }
+}
+
+void Engine::Impl::weights_up(Group& g) {
+  Buffer device = take(g.param16.bytes(), Tag::param16, fmt::format("group {} param16", g.name));
+  space.upload(device.data(), g.param16.data(), g.param16.bytes());
+  g.home = std::move(g.param16);  // its Views stay valid: nothing changed in it
+  g.param16 = std::move(device);
+}
+
+std::size_t Engine::Impl::weights_down(Group& g, const std::string& event, ReleasePolicy pins) {
+  space.download(g.home.data(), g.param16.data(), g.param16.bytes());
+  const std::size_t held = give_up(g.param16, event, pins);
+  g.param16 = std::move(g.home);
+  return held;
+}
+
 void Engine::Impl::allocate_active_state(Group& g) {
   const DType dtype = config.dtype;
   const auto psize = dtype_size(dtype);
@@ -223,12 +249,32 @@ void Engine::activate(const std::string& group) {
   Group& g = impl_->group_named(group, "activate");
   if (g.active)
     throw StateError(fmt::format("Engine::activate: group '{}' is already active", group));
-  impl_->allocate_active_state(g);
-  impl_->release_idle_host();
+  if (!impl_->weights_on_host()) {
+    impl_->allocate_active_state(g);
+    impl_->release_idle_host();
+    return;
+  }
+  // Its weights come up from their home: the device copy is the one trained from here on.
+  if (impl_->weight_windows->in_use(g))
+    throw StateError(fmt::format(
+        "Engine::activate: group '{}' has its weights fetched; release_weights first; nothing "
+        "was changed",
+        group));
+  impl_->weights_up(g);
+  try {
+    impl_->allocate_active_state(g);
+  } catch (...) {
+    (void)impl_->give_up(g.param16, "activate failed", ReleasePolicy::allow_pinned);
+    g.param16 = std::move(g.home);
+    throw;
+  }
+  impl_->weight_windows->forget(g, fmt::format("activate({})", group));
+  impl_->register_weight_views(g);
 }
 
 void Engine::Impl::release_idle_host() noexcept {
-  if (!host || state_on_host()) return;  // with the state there, it lives as the engine does
+  // With the state or the weights there, it lives as the engine does.
+  if (!host || state_on_host() || weights_on_host()) return;
   for (const auto& g : groups)
     if (g.kept && g.kept->policy == DeactivatePolicy::keep_host) return;
   // No live buffer is left in it. Blocks still held by Pins keep the allocator alive through
@@ -247,6 +293,7 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
   const bool in_place = to == impl_->state_space(true, std::nullopt);
   // Check every Pin before changing anything.
   std::vector<const Buffer*> leaving{&g.grad};
+  if (impl_->weights_on_host()) leaving.push_back(&g.param16);  // it goes to its home
   if (!in_place) {
     leaving.push_back(&g.master);
     leaving.push_back(&g.state);
@@ -279,6 +326,10 @@ std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy
   } else {
     held += impl_->give_up_state(g.master, event, pins);
     held += impl_->give_up_state(g.state, event, pins);
+  }
+  if (impl_->weights_on_host()) {
+    held += impl_->weights_down(g, event, pins);
+    impl_->register_weight_views(g);
   }
   g.kept = std::move(kept);
   g.active = false;
@@ -383,25 +434,48 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
   });
   auto groups =
       plan_groups(impl_->config, names, params, impl_->weight_decay, impl_->comm.world_size(), impl_->comm.rank());
-  // New flat buffers for the changed groups, filled device to device.
   const DType dtype = impl_->config.dtype;
   const auto psize = dtype_size(dtype);
+  // Weights on the host: the changed groups are frozen, so their weights are homes, and a new
+  // group must fit the windows build made.
+  const bool homes = impl_->weights_on_host();
+  if (homes) {
+    const std::string in_use = impl_->weight_windows->in_use_names();
+    if (!in_use.empty())
+      throw StateError(fmt::format(
+          "Engine::reform: weights of {} are fetched; release_weights first; nothing was changed",
+          in_use));
+    for (const auto& g : groups)
+      if (affected.count(g.name) &&
+          static_cast<std::size_t>(g.layout.total_numel()) * psize >
+              impl_->weight_windows->bytes())
+        throw ConfigError(fmt::format(
+            "Engine::reform: group '{}' would hold {} bytes of weights, above the frozen weight "
+            "windows' {} (the largest group at build()); nothing was changed",
+            g.name, static_cast<std::size_t>(g.layout.total_numel()) * psize,
+            impl_->weight_windows->bytes()));
+  }
+  MemorySpace& where = homes ? impl_->host_space() : impl_->space;
+  const DeviceOps& at = homes ? cpu_device_ops() : impl_->ops;
+  // New flat buffers for the changed groups, filled from the old ones in the same memory.
   for (auto& g : groups) {
     if (!affected.count(g.name)) continue;
-    g.param16 = impl_->space.allocate(static_cast<std::size_t>(g.layout.total_numel()) * psize,
-                                Tag::param16, fmt::format("group {} param16", g.name));
-    impl_->ops.fill_zero(g.param16.data(), g.param16.bytes());
+    g.param16 = where.allocate(static_cast<std::size_t>(g.layout.total_numel()) * psize,
+                               Tag::param16,
+                               fmt::format("group {} param16{}", g.name, homes ? " (host)" : ""));
+    at.fill_zero(g.param16.data(), g.param16.bytes());
     for (auto i : g.params) {
       const Param& old = impl_->params[i];
       const Group& from = impl_->groups[old.group];
       const auto& src = from.layout.entry_of(old.index_in_group);
       const auto& dst = g.layout.entry_of(params[i].index_in_group);
-      impl_->ops.copy(g.param16_at(dst.offset, psize), from.param16_at(src.offset, psize),
-                    static_cast<std::size_t>(old.info.numel) * psize);
+      at.copy(g.param16_at(dst.offset, psize), from.param16_at(src.offset, psize),
+              static_cast<std::size_t>(old.info.numel) * psize);
     }
   }
   // Commit: unchanged groups keep their buffers, state and Views; nothing below can fail but
   // the Views' label allocations.
+  if (homes) impl_->weight_windows->forget_all("groups re-formed");
   for (auto& g : groups) {
     if (affected.count(g.name)) {
       for (auto i : g.params) {
@@ -416,6 +490,7 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
     for (auto& old : impl_->groups)
       if (old.name == g.name) {
         g.param16 = std::move(old.param16);
+        g.home = std::move(old.home);
         g.grad = std::move(old.grad);
         g.master = std::move(old.master);
         g.state = std::move(old.state);
@@ -450,7 +525,7 @@ std::vector<float> Engine::Impl::master_values(const Group& g, const Buffer& mas
   }
   std::vector<std::uint16_t> low(n), weight(n);
   from.download(low.data(), master.as<std::uint16_t>() + at, n * 2);
-  space.download(weight.data(), g.param16_at(g.shard.begin + at, 2), n * 2);
+  weight_space(g).download(weight.data(), g.param16_at(g.shard.begin + at, 2), n * 2);
   for (std::size_t e = 0; e < n; ++e)
     out[e] = std::bit_cast<float>(detail::join_master(weight[e], low[e]));
   return out;
@@ -496,7 +571,7 @@ TrainingState Engine::training_state(bool with_weights) const {
   if (with_weights)
     for (const auto& p : impl_->params) {
       std::vector<std::byte> raw(p.weight.bytes());
-      impl_->space.download(raw.data(), p.weight.raw(), raw.size());
+      impl_->weight_space(impl_->groups[p.group]).download(raw.data(), p.weight.raw(), raw.size());
       out.weights.push_back(std::move(raw));
     }
   return out;
@@ -598,6 +673,11 @@ Engine::Impl::RestorePlan Engine::Impl::plan_restore(const TrainingState& state)
       p.freed.push_back(g.active ? &g.master : &g.kept->master);
       p.freed.push_back(g.active ? &g.state : &g.kept->state);
     }
+    if (weights_on_host() && s.active && !g.active) {  // up from its home
+      p.param16 = take(g.param16.bytes(), Tag::param16, fmt::format("group {} param16", g.name));
+      space.upload(p.param16.data(), g.param16.data(), g.param16.bytes());
+    }
+    if (weights_on_host() && !s.active && g.active) p.freed.push_back(&g.param16);  // to its home
   }
   return plan;
 }
@@ -624,6 +704,16 @@ void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan)
     if (p.reuse_grad) grad = std::move(g.grad);
     else grad = std::move(p.grad);
     if (g.active) reducer->detach(g);
+    if (weights_on_host() && s.active != g.active) {  // the weights change places
+      if (s.active) {
+        g.home = std::move(g.param16);
+        g.param16 = std::move(p.param16);
+      } else {
+        (void)give_up(g.param16, event, ReleasePolicy::fail_if_pinned);  // checked above
+        g.param16 = std::move(g.home);
+      }
+      register_weight_views(g);
+    }
     // What is left in the group now is given back.
     if (g.grad.valid()) give_up_grad(g.grad, event, ReleasePolicy::fail_if_pinned);  // checked above
     for (Buffer* b : {&g.master, &g.state})
@@ -652,13 +742,14 @@ void Engine::Impl::commit_restore(const TrainingState& state, RestorePlan& plan)
     if (g.active) reducer->attach(g, params);
   }
   for (std::size_t i = 0; i < params.size(); ++i)
-    space.upload(params[i].weight.raw(), state.weights[i].data(), state.weights[i].size());
+    weight_space(groups[params[i].group])
+        .upload(params[i].weight.raw(), state.weights[i].data(), state.weights[i].size());
   // A master kept as low halves is the bf16 weight's too: the shard's weights are the masters'
   // high halves (the same as the weights saved beside them unless saved under fp32 masters,
   // where a tie rounded to even differs), written after the weights.
   for (std::size_t i = 0; i < groups.size(); ++i)
     if (!plan.groups[i].master_weight.empty())
-      space.upload(groups[i].param16_at(groups[i].shard.begin, 2), plan.groups[i].master_weight.data(),
+      weight_space(groups[i]).upload(groups[i].param16_at(groups[i].shard.begin, 2), plan.groups[i].master_weight.data(),
                    plan.groups[i].master_weight.size() * 2);
   scaler.restore(state.scaler);
   config.optimizer.lr = state.lr;
@@ -670,12 +761,19 @@ void Engine::restore_training_state(const TrainingState& state) {
   const char* const fn = "Engine::restore_training_state";
   impl_->require_none_pending("Engine::restore_training_state");
   impl_->check_restorable(state, fn);
+  if (impl_->weights_on_host()) {
+    const std::string in_use = impl_->weight_windows->in_use_names();
+    if (!in_use.empty())
+      throw StateError(fmt::format(
+          "{}: weights of {} are fetched; release_weights first; nothing was changed", fn, in_use));
+  }
   Impl::RestorePlan plan = impl_->plan_restore(state);
   std::vector<const Buffer*> freed;
   for (const auto& p : plan.groups) freed.insert(freed.end(), p.freed.begin(), p.freed.end());
   const std::string held = Impl::pins_on(freed);
   if (!held.empty())
     throw PinnedMemory(fmt::format("{}: held by Pins: {}; nothing was changed", fn, held));
+  if (impl_->weights_on_host()) impl_->weight_windows->forget_all(fn);  // the homes change
   impl_->commit_restore(state, plan);
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "optimizer/optimizer.h"
 #include "shardswap/backend.h"
 #include "shardswap/engine.h"
 #include "tests/catch_compat.h"
@@ -231,5 +232,94 @@ TEST_CASE("cuda: gradients on the host give the bits of gradients on the device"
       }
       REQUIRE(host.first.weights == device.first.weights);
     }
+  }
+}
+
+namespace {
+
+// One rank on GPU 0 with the frozen groups' weights where `weights` says: a model that reads
+// every layer's weights on the device in forward (summing them into a carry) and backward
+// (adding the carry and the layer's own weights into its gradients), so a window read before
+// its fill lands, or filled with the wrong layer, changes the bits. Switches under keep_host;
+// the grad norms and the final state.
+std::pair<TrainingState, std::vector<double>> frozen_weights_run(Placement weights,
+                                                                Placement state) {
+  std::pair<TrainingState, std::vector<double>> out;
+  run_ranks(
+      1,
+      [&](int rank, Communicator& comm) {
+        MemorySpace space(rank, make_cuda_allocator(0));
+        MemorySpace scratch(rank, make_cuda_allocator(0));  // the model's carry, outside the plan
+        EngineConfig cfg;
+        cfg.optimizer.lr = 0.01;
+        cfg.frozen_weight_placement = weights;
+        cfg.optimizer_placement = state;
+        cfg.gradient_accumulation_steps = 2;
+        Engine e(cfg, comm, space, cuda_backend());
+        const int layers = 6;
+        for (int l = 0; l < layers; ++l) {
+          e.add_param(fmt::format("layers.{}.w", l), {1000, 1200}, fmt::format("layers.{}", l));
+          e.add_param(fmt::format("layers.{}.norm", l), {1200}, fmt::format("layers.{}", l));
+        }
+        e.build(sine_init, std::vector<std::string>{"layers.1", "layers.4"});
+        require_plan_held(e);
+        const DeviceOps& ops = cuda_device_ops();
+        Buffer carry = scratch.allocate(1200000 * sizeof(float), Tag::other, "carry");
+        for (int step = 0; step < 8; ++step) {
+          if (step % 3 == 2)
+            e.set_active({fmt::format("layers.{}", step % layers),
+                          fmt::format("layers.{}", (step + 3) % layers)},
+                         DeactivatePolicy::keep_host);
+          for (int micro = 0; micro < 2; ++micro) {
+            ops.fill_zero(carry.data(), carry.bytes());
+            for (int l = 0; l < layers; ++l) {
+              const auto g = fmt::format("layers.{}", l);
+              e.fetch_weights(g);
+              const View w = e.weight(g + ".w");
+              ops.accumulate(carry.data(), DType::f32, w.raw(), w.dtype(), w.count());
+              e.release_weights(g);
+            }
+            for (int l = layers; l-- > 0;) {
+              const auto g = fmt::format("layers.{}", l);
+              e.fetch_weights(g);
+              const View w = e.weight(g + ".w"), norm = e.weight(g + ".norm");
+              if (e.is_active(g)) {
+                const View slot = e.grad_slot(g + ".w");
+                ops.accumulate(slot.raw(), slot.dtype(), carry.data(), DType::f32, slot.count());
+                ops.accumulate(slot.raw(), slot.dtype(), w.raw(), w.dtype(), w.count());
+                e.grad_ready(g + ".w");
+                const View ns = e.grad_slot(g + ".norm");
+                ops.accumulate(ns.raw(), ns.dtype(), norm.raw(), norm.dtype(), norm.count());
+                e.grad_ready(g + ".norm");
+              }
+              ops.accumulate(carry.data(), DType::f32, w.raw(), w.dtype(), w.count());
+              e.release_weights(g);
+            }
+          }
+          const StepResult r = e.step();
+          out.second.push_back(r.grad_norm);
+          require_plan_held(e);
+        }
+        e.set_active(e.groups(), DeactivatePolicy::keep_host);
+        out.first = e.training_state(true);
+      },
+      cuda_backend());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("cuda: frozen weights on the host give the bits of frozen weights on the device") {
+  for (Placement state : {Placement::device, Placement::host}) {
+    CAPTURE(state == Placement::host);
+    const auto device = frozen_weights_run(Placement::device, state);
+    const auto host = frozen_weights_run(Placement::host, state);
+    REQUIRE(host.second == device.second);  // the norms, bit for bit
+    for (std::size_t i = 0; i < host.first.groups.size(); ++i) {
+      CAPTURE(host.first.groups[i].group);
+      REQUIRE(host.first.groups[i].master == device.first.groups[i].master);
+      REQUIRE(host.first.groups[i].state == device.first.groups[i].state);
+    }
+    REQUIRE(host.first.weights == device.first.weights);
   }
 }

@@ -189,8 +189,22 @@ class Engine {
   // restore_training_state throw StateError naming the group and what is pending, and change
   // nothing: no gradient is ever lost or written into freed memory.
 
-  /// The param's bit16 weights (registered as "<name>: weight view").
+  /// The param's bit16 weights (registered as "<name>: weight view"). With
+  /// frozen_weight_placement = host, a frozen group's are in host memory: this is then a View
+  /// into the device window fetch_weights filled ("<name>: weight view (window)"), stale after
+  /// release_weights; StateError naming the group if it is not fetched.
   View weight(const std::string& name) const;
+  /// frozen_weight_placement = host: brings frozen group `group`'s weights into one of two device
+  /// windows (queued on the backend's copy queue; the calling thread's stream waits for it, the
+  /// host does not), then fills the other window ahead with the next frozen group in the
+  /// direction the fetches go (up: forward; down: backward) if it is not in use. A no-op for an
+  /// active group and for weights on the device. StateError if the group is fetched already or
+  /// both windows are in use (naming their groups).
+  void fetch_weights(const std::string& group);
+  /// Ends fetch_weights' use: the window's Views go stale; it keeps the weights until it is
+  /// refilled, so a fetch right after costs no copy. A no-op where fetch_weights is one;
+  /// StateError for a group not fetched.
+  void release_weights(const std::string& group);
   /// Where to add this micro-batch's gradient of `name`, in place: config().grad_type()
   /// elements, pre-scaled by loss_scale(). Add into it, never overwrite: it holds what earlier
   /// grad_slot calls of this step added (accumulation), and in a stage-2 bucket whatever else

@@ -87,6 +87,14 @@ struct EngineConfig {
   /// so the sums are the device's, bit for bit; the step reads them through the update's device
   /// slots. Needs optimizer_placement = host and one rank.
   Placement gradient_placement = Placement::device;
+  /// Where frozen groups' bit16 weights live (C++ API only for now). host: every
+  /// group's weights have a home in host memory (pinned as pin_host_memory says); an active
+  /// group's are on the device too (the step updates them there; its home is written when it is
+  /// deactivated), a frozen group's only on the host. A frozen group's weights reach the device
+  /// through two windows, each as large as the largest group: Engine::fetch_weights fills one
+  /// (and the other, ahead, with the next frozen group the same way) and weight() points into it
+  /// until release_weights. For LISA's middle layers on a device that cannot hold them all.
+  Placement frozen_weight_placement = Placement::device;
   /// Host memory of the engine's state (offloaded, or kept under keep_host) is page-locked
   /// (offload_optimizer.pin_memory): copies to and from the GPU run at full PCIe bandwidth. False:
   /// pageable memory, which the system may swap; CUDA copies through its own bounce buffer.
