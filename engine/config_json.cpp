@@ -356,6 +356,11 @@ void read_offload(ConfigReader& c, EngineConfig& cfg) {
     cfg.gradient_placement = Placement::host;
   else if (grads != "device")
     c.fail_value("shardswap.gradient_placement", "expected \"device\" or \"host\"");
+  const std::string frozen = c.string("shardswap.frozen_weight_placement", "device");
+  if (frozen == "host")
+    cfg.frozen_weight_placement = Placement::host;
+  else if (frozen != "device")
+    c.fail_value("shardswap.frozen_weight_placement", "expected \"device\" or \"host\"");
 }
 
 void read_zero(ConfigReader& c, EngineConfig& cfg, std::optional<std::int64_t> hidden_size) {

@@ -532,14 +532,14 @@ View Engine::weight(const std::string& name) const {
                       p.info.name + ": weight view (window)");
 }
 
-void Engine::fetch_weights(const std::string& group) {
+void Engine::fetch_weights(const std::string& group) const {
   impl_->require_built("fetch_weights");
   const Group& g = impl_->group_named(group, "fetch_weights");
   if (!impl_->weights_on_host() || g.active) return;  // on the device already
   impl_->weight_windows->fetch(g, impl_->groups);
 }
 
-void Engine::release_weights(const std::string& group) {
+void Engine::release_weights(const std::string& group) const {
   impl_->require_built("release_weights");
   const Group& g = impl_->group_named(group, "release_weights");
   if (!impl_->weights_on_host() || g.active) return;

@@ -77,14 +77,20 @@ void WeightWindows::fetch(const Group& g, const std::vector<Group>& groups) {
   last_index_ = static_cast<std::int64_t>(g.index);
   Window& other = windows_[1 - at];
   if (other.used) return;
-  const Group* next = nullptr;
-  if (descending) {
-    for (std::size_t i = g.index; i-- > 0 && next == nullptr;)
-      if (!groups[i].active) next = &groups[i];
-  } else {
-    for (std::size_t i = g.index + 1; i < groups.size() && next == nullptr; ++i)
-      if (!groups[i].active) next = &groups[i];
-  }
+  // The nearest frozen group that way; at the end of the groups, the nearest the other way (the
+  // turn from forward to backward).
+  const auto nearest = [&](bool down) -> const Group* {
+    if (down) {
+      for (std::size_t i = g.index; i-- > 0;)
+        if (!groups[i].active) return &groups[i];
+    } else {
+      for (std::size_t i = g.index + 1; i < groups.size(); ++i)
+        if (!groups[i].active) return &groups[i];
+    }
+    return nullptr;
+  };
+  const Group* next = nearest(descending);
+  if (next == nullptr) next = nearest(!descending);
   if (next != nullptr && other.group != next && next->param16.bytes() <= bytes_)
     fill(other, *next);
 }

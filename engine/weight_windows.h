@@ -7,8 +7,8 @@
 // stream has queued so far, so a window the model read a moment ago is not overwritten under
 // it). The model's stream waits for the fill, the host does not. Then the other window, when it
 // is not in use, is filled ahead with the next frozen group on the host in the direction the
-// fetches go (ascending indices: forward; descending: backward), so that its copy overlaps the
-// model's use of this one. release(g) ends the use: the window keeps the weights as a cache
+// fetches go (ascending indices: forward; descending: backward; at the last group, the other
+// way, as backward turns back), so that its copy overlaps the model's use of this one. release(g) ends the use: the window keeps the weights as a cache
 // until it is filled again. A window's Views go stale when it is released or refilled.
 //
 // The windows hold copies: the host home is the weights' one place while a group is frozen. So

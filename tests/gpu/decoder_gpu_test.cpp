@@ -1073,6 +1073,104 @@ TEST_CASE("cuda decoder: recomputed layers give the same bits in fewer bytes",
   }
 }
 
+// Hands each layer's weights out through one device window: copied in at acquire, set to 0xFF
+// (NaN) at release, both queued on the model's stream, so work the backend queued on a layer
+// after its release reads NaN instead of the weights.
+class WindowSource final : public lm::dec::WeightSource {
+ public:
+  WindowSource(const DecoderShape& s, const DeviceParams& dev, DType dtype) : dev_(dev) {
+    std::size_t most = 0;
+    for (const ParamSpec& spec : param_specs(s))
+      if (spec.id.layer == 0) {
+        offsets_[spec.id.kind] = most;
+        most += (spec.size * dtype_size(dtype) + 255) / 256 * 256;
+        sizes_[spec.id.kind] = spec.size * dtype_size(dtype);
+      }
+    window_ = std::make_unique<DeviceBlock>(most);
+    bytes_ = most;
+  }
+  lm::dec::LayerWeights acquire(int l) override {
+    calls.push_back(l);
+    const lm::dec::LayerWeights& from = dev_.w.layers[static_cast<std::size_t>(l)];
+    lm::dec::LayerWeights to;
+    const auto copy = [&](const void* p, ParamKind kind) -> const void* {
+      if (p == nullptr) return nullptr;
+      void* at = static_cast<std::byte*>(window_->p) + offsets_.at(kind);
+      cuda_ok(cudaMemcpyAsync(at, p, sizes_.at(kind), cudaMemcpyDeviceToDevice,
+                              cudaStreamPerThread),
+              "cudaMemcpyAsync");
+      return at;
+    };
+    to.attn_norm = copy(from.attn_norm, ParamKind::attn_norm);
+    to.q = copy(from.q, ParamKind::q);
+    to.q_bias = copy(from.q_bias, ParamKind::q_bias);
+    to.q_norm = copy(from.q_norm, ParamKind::q_norm);
+    to.k = copy(from.k, ParamKind::k);
+    to.k_bias = copy(from.k_bias, ParamKind::k_bias);
+    to.k_norm = copy(from.k_norm, ParamKind::k_norm);
+    to.v = copy(from.v, ParamKind::v);
+    to.v_bias = copy(from.v_bias, ParamKind::v_bias);
+    to.o = copy(from.o, ParamKind::o);
+    to.mlp_norm = copy(from.mlp_norm, ParamKind::mlp_norm);
+    to.gate = copy(from.gate, ParamKind::gate);
+    to.up = copy(from.up, ParamKind::up);
+    to.down = copy(from.down, ParamKind::down);
+    return to;
+  }
+  void release(int) override {
+    cuda_ok(cudaMemsetAsync(window_->p, 0xFF, bytes_, cudaStreamPerThread), "cudaMemsetAsync");
+  }
+  std::vector<int> calls;
+
+ private:
+  const DeviceParams& dev_;
+  std::map<ParamKind, std::size_t> offsets_, sizes_;
+  std::unique_ptr<DeviceBlock> window_;
+  std::size_t bytes_ = 0;
+};
+
+TEST_CASE("cuda decoder: layers handed out one at a time by a weight source give the same bits",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases()) {
+    CAPTURE(c.label);
+    const Params p = random_params(c.shape, c.dtype, 61);
+    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 62);
+    const int L = c.shape.layers, head = L + 1;
+    const DeviceParams dev(c.shape, p, c.dtype);
+    const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(),
+                      b.positions.empty() ? nullptr : b.positions.data()};
+    for (int recompute : {0, L}) {
+      for (const std::set<int>& active : {all_groups(c.shape), std::set<int>{0, L, head}}) {
+        CAPTURE(recompute, std::vector<int>(active.begin(), active.end()));
+        const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute);
+        DeviceBlock block(bytes);
+        auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p,
+                                         bytes, recompute);
+        SlotSink want(c.shape, active, c.slot_dtype);
+        const double loss = compute->train_step(dev.w, batch, kGradScale, want);
+        WindowSource source(c.shape, dev, c.dtype);
+        Weights w = dev.w;
+        w.layers.clear();
+        w.source = &source;
+        SlotSink got(c.shape, active, c.slot_dtype);
+        REQUIRE(compute->train_step(w, batch, kGradScale, got) == loss);
+        REQUIRE(got.problems.empty());
+        for (const ParamSpec& spec : param_specs(c.shape))
+          if (active.count(spec.group) != 0) {
+            CAPTURE(spec.name);
+            REQUIRE(got.read(spec.name) == want.read(spec.name));
+          }
+        // Forward up every layer, backward down every one (the embedding is active).
+        std::vector<int> calls;
+        for (int l = 0; l < L; ++l) calls.push_back(l);
+        for (int l = L; l-- > 0;) calls.push_back(l);
+        REQUIRE(source.calls == calls);
+        REQUIRE(compute->loss(w, batch) == compute->loss(dev.w, batch));
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda decoder: a step uses the cuda_bytes block and no other device memory",
           "[decoder][gpu]") {
   const auto free_now = [] {

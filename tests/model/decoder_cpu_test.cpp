@@ -913,3 +913,113 @@ TEST_CASE("decoder CPU refuses recompute_layers outside [0, layers], naming it",
     REQUIRE(test::contains(msg, "recompute_layers"));
   }
 }
+
+namespace {
+
+// Hands each layer's weights out through one "window": copied in at acquire, overwritten with
+// NaN at release, so a read of a layer outside its acquire/release gives NaN, not the bits.
+class WindowSource final : public lm::dec::WeightSource {
+ public:
+  WindowSource(const Model& m) : m_(m) {}
+  lm::dec::LayerWeights acquire(int l) override {
+    calls.push_back("acquire " + std::to_string(l));
+    if (held_ >= 0) problems.push_back("layer " + std::to_string(l) + " acquired while " +
+                                       std::to_string(held_) + " is held");
+    held_ = l;
+    const lm::dec::LayerWeights& from = m_.weights.layers[static_cast<std::size_t>(l)];
+    lm::dec::LayerWeights to;
+    window_.clear();
+    window_.reserve(16);
+    const auto copy = [&](const void* p, ParamKind kind) -> const void* {
+      if (p == nullptr) return nullptr;
+      const auto& bytes = m_.storage.at(name_of({kind, l}));
+      window_.push_back(bytes);
+      return window_.back().data();
+    };
+    to.attn_norm = copy(from.attn_norm, ParamKind::attn_norm);
+    to.q = copy(from.q, ParamKind::q);
+    to.q_bias = copy(from.q_bias, ParamKind::q_bias);
+    to.q_norm = copy(from.q_norm, ParamKind::q_norm);
+    to.k = copy(from.k, ParamKind::k);
+    to.k_bias = copy(from.k_bias, ParamKind::k_bias);
+    to.k_norm = copy(from.k_norm, ParamKind::k_norm);
+    to.v = copy(from.v, ParamKind::v);
+    to.v_bias = copy(from.v_bias, ParamKind::v_bias);
+    to.o = copy(from.o, ParamKind::o);
+    to.mlp_norm = copy(from.mlp_norm, ParamKind::mlp_norm);
+    to.gate = copy(from.gate, ParamKind::gate);
+    to.up = copy(from.up, ParamKind::up);
+    to.down = copy(from.down, ParamKind::down);
+    return to;
+  }
+  void release(int l) override {
+    calls.push_back("release " + std::to_string(l));
+    if (held_ != l) problems.push_back("layer " + std::to_string(l) + " released, not held");
+    held_ = -1;
+    for (auto& bytes : window_)  // 0xFF bytes: NaN in bf16 and fp32 alike
+      std::fill(bytes.begin(), bytes.end(), std::byte{0xFF});
+  }
+  std::vector<std::string> calls, problems;
+
+ private:
+  const Model& m_;
+  int held_ = -1;
+  std::vector<std::vector<std::byte>> window_;  // reserved: its pointers stay put
+};
+
+}  // namespace
+
+TEST_CASE("decoder CPU with its layers handed out one at a time by a weight source gives the same "
+          "bits, reading each only between acquire and release",
+          "[decoder]") {
+  for (const DecoderShape& s : {tiny_mistral(), tiny_qwen2(false), tiny_qwen3(true)}) {
+    CAPTURE(s.layers, s.qkv_bias, s.qk_norm, s.tied);
+    const Model m = random_model(s, 81, DType::bf16);
+    const DecoderTokens t = test_support::random_decoder_tokens(s, 2, 9, 82);
+    // Every group, LISA-like sets, and a layer alone above frozen ones.
+    std::vector<std::set<int>> actives = {RecordingSink::all(s), {0, s.layers + 1, 2}, {3}};
+    for (int recompute : {0, 2}) {
+      for (const auto& active : actives) {
+        CAPTURE(recompute, active.size());
+        Block block(lm::dec::cpu_bytes(s, 2, 9, recompute));
+        const auto compute =
+            lm::dec::make_cpu_compute(s, 2, 9, block.data(), block.bytes, recompute);
+        RecordingSink want(s, active);
+        const double loss = compute->train_step(m.weights, batch_of(t), 1.0, want);
+        WindowSource source(m);
+        lm::dec::Weights w = m.weights;
+        w.layers.clear();
+        w.source = &source;
+        RecordingSink got(s, active);
+        REQUIRE(compute->train_step(w, batch_of(t), 1.0, got) == loss);
+        REQUIRE(source.problems.empty());
+        REQUIRE(got.events == want.events);
+        for (const auto& p : test_support::decoder_reference_params(s)) {
+          CAPTURE(p.name);
+          REQUIRE((got.raw(p.name) == want.raw(p.name)));
+        }
+        // Forward ascending over every layer, then backward descending to the lowest active
+        // group's layer (every layer when the embedding is active), each acquired once a pass.
+        std::vector<std::string> calls;
+        for (int l = 0; l < s.layers; ++l)
+          calls.insert(calls.end(), {"acquire " + std::to_string(l), "release " + std::to_string(l)});
+        const int lowest = *active.begin();
+        for (int l = s.layers - 1; l >= 0 && l + 1 >= lowest; --l)
+          calls.insert(calls.end(), {"acquire " + std::to_string(l), "release " + std::to_string(l)});
+        REQUIRE(source.calls == calls);
+        source.calls.clear();
+        REQUIRE(compute->loss(w, batch_of(t)) == compute->loss(m.weights, batch_of(t)));
+        REQUIRE(source.calls.size() == 2 * static_cast<std::size_t>(s.layers));
+      }
+    }
+    // A source beside a full list of layers is refused, naming it.
+    Backend b(s, 2, 9);
+    WindowSource source(m);
+    lm::dec::Weights both = m.weights;
+    both.source = &source;
+    RecordingSink sink(s, RecordingSink::all(s));
+    REQUIRE(test::contains(
+        test::message_of<ConfigError>([&] { b.compute->train_step(both, batch_of(t), 1.0, sink); }),
+        "beside a weight source"));
+  }
+}

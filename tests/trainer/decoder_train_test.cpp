@@ -412,3 +412,25 @@ TEST_CASE("a decoder run takes the same steps at ZeRO stage 1 and 2 and at world
       }
     }
 }
+
+TEST_CASE("a LISA run with the frozen layers' weights on the host gives the losses of one with "
+          "them on the device, on two ranks",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-frozen-host");
+  auto j = decoder_run(dir, "qwen2_untied");
+  j["layer_switching"] = {{"type", "lisa"}, {"interval", 2}, {"gamma", 1}, {"seed", 4}};
+  const auto device = run(load(j));
+  j["shardswap"]["frozen_weight_placement"] = "host";
+  std::string log;
+  const auto host = run(load(j), &log);
+  CAPTURE(log);
+  REQUIRE(device.size() == 8);
+  REQUIRE(host.size() == device.size());
+  for (std::size_t i = 0; i < host.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(host[i].at("active_groups") == device[i].at("active_groups"));
+    REQUIRE(host[i].at("loss").get<double>() == device[i].at("loss").get<double>());
+    if (device[i].contains("val_loss"))
+      REQUIRE(host[i].at("val_loss").get<double>() == device[i].at("val_loss").get<double>());
+  }
+}

@@ -138,7 +138,8 @@ class EngineDecoder final : public Decoder {
 
   double train_step(Engine& engine, const DecoderBatch& batch, double grad_weight) override {
     const auto b = check(batch, "Decoder::train_step");
-    const auto w = weights(engine, "Decoder::train_step");
+    EngineWeightSource source(*this, engine, "Decoder::train_step");
+    const auto w = weights(engine, "Decoder::train_step", source);
     EngineSink sink(engine, shape_, dtype_);
     if (!(grad_weight >= 0.0) || !std::isfinite(grad_weight))
       throw ConfigError(fmt::format("Decoder::train_step: grad_weight {} must be finite and >= 0",
@@ -147,12 +148,14 @@ class EngineDecoder final : public Decoder {
   }
   double loss(const Engine& engine, const DecoderBatch& batch) override {
     const auto b = check(batch, "Decoder::loss");
-    return compute_->loss(weights(engine, "Decoder::loss"), b);
+    EngineWeightSource source(*this, engine, "Decoder::loss");
+    return compute_->loss(weights(engine, "Decoder::loss", source), b);
   }
   std::vector<float> logits(const Engine& engine, const DecoderBatch& batch) override {
     const auto b = check(batch, "Decoder::logits");
     std::vector<float> out(batch.inputs.size() * static_cast<std::size_t>(shape_.vocab));
-    compute_->logits(weights(engine, "Decoder::logits"), b, out.data());
+    EngineWeightSource source(*this, engine, "Decoder::logits");
+    compute_->logits(weights(engine, "Decoder::logits", source), b, out.data());
     return out;
   }
   void time_phases(bool on) override { compute_->time_phases(on); }
@@ -206,34 +209,73 @@ class EngineDecoder final : public Decoder {
     return v.raw();
   }
 
-  lm::dec::Weights weights(const Engine& engine, const char* fn) const {
+  lm::dec::LayerWeights layer_weights(const Engine& engine, int l, const char* fn) const {
+    const auto bias = [&](ParamKind kind) {
+      return shape_.qkv_bias ? weight(engine, {kind, l}, fn) : nullptr;
+    };
+    const auto head_norm = [&](ParamKind kind) {
+      return shape_.qk_norm ? weight(engine, {kind, l}, fn) : nullptr;
+    };
+    lm::dec::LayerWeights lw;
+    lw.attn_norm = weight(engine, {ParamKind::attn_norm, l}, fn);
+    lw.q = weight(engine, {ParamKind::q, l}, fn);
+    lw.q_bias = bias(ParamKind::q_bias);
+    lw.q_norm = head_norm(ParamKind::q_norm);
+    lw.k = weight(engine, {ParamKind::k, l}, fn);
+    lw.k_bias = bias(ParamKind::k_bias);
+    lw.k_norm = head_norm(ParamKind::k_norm);
+    lw.v = weight(engine, {ParamKind::v, l}, fn);
+    lw.v_bias = bias(ParamKind::v_bias);
+    lw.o = weight(engine, {ParamKind::o, l}, fn);
+    lw.mlp_norm = weight(engine, {ParamKind::mlp_norm, l}, fn);
+    lw.gate = weight(engine, {ParamKind::gate, l}, fn);
+    lw.up = weight(engine, {ParamKind::up, l}, fn);
+    lw.down = weight(engine, {ParamKind::down, l}, fn);
+    return lw;
+  }
+
+  // With frozen layers' weights on the host, each layer's come through the engine's windows:
+  // fetched just before the layer's pass, released right after.
+  class EngineWeightSource final : public lm::dec::WeightSource {
+   public:
+    EngineWeightSource(const EngineDecoder& model, const Engine& engine, const char* fn)
+        : model_(model), engine_(engine), fn_(fn) {}
+    lm::dec::LayerWeights acquire(int l) override {
+      engine_.fetch_weights(layer_group(l));
+      try {
+        return model_.layer_weights(engine_, l, fn_);
+      } catch (...) {
+        engine_.release_weights(layer_group(l));
+        throw;
+      }
+    }
+    void release(int l) override { engine_.release_weights(layer_group(l)); }
+
+   private:
+    const EngineDecoder& model_;
+    const Engine& engine_;
+    const char* fn_;
+  };
+
+  // `source` serves the layers when the frozen layers' weights are on the host.
+  lm::dec::Weights weights(const Engine& engine, const char* fn,
+                           EngineWeightSource& source) const {
+    const bool fetched = engine.config().frozen_weight_placement == Placement::host;
+    if (fetched)
+      for (const char* group : {"embed", "head"})
+        if (!engine.is_active(group))
+          throw ConfigError(fmt::format(
+              "{}: group '{}' is frozen with frozen_weight_placement = host: the model brings "
+              "frozen layers' weights in a layer at a time, the embedding and the head stay "
+              "active",
+              fn, group));
     lm::dec::Weights w;
     w.dtype = dtype_;
     w.embed = weight(engine, {ParamKind::embed}, fn);
-    const auto bias = [&](ParamKind kind, int l) {
-      return shape_.qkv_bias ? weight(engine, {kind, l}, fn) : nullptr;
-    };
-    const auto head_norm = [&](ParamKind kind, int l) {
-      return shape_.qk_norm ? weight(engine, {kind, l}, fn) : nullptr;
-    };
-    for (int l = 0; l < shape_.layers; ++l) {
-      lm::dec::LayerWeights lw;
-      lw.attn_norm = weight(engine, {ParamKind::attn_norm, l}, fn);
-      lw.q = weight(engine, {ParamKind::q, l}, fn);
-      lw.q_bias = bias(ParamKind::q_bias, l);
-      lw.q_norm = head_norm(ParamKind::q_norm, l);
-      lw.k = weight(engine, {ParamKind::k, l}, fn);
-      lw.k_bias = bias(ParamKind::k_bias, l);
-      lw.k_norm = head_norm(ParamKind::k_norm, l);
-      lw.v = weight(engine, {ParamKind::v, l}, fn);
-      lw.v_bias = bias(ParamKind::v_bias, l);
-      lw.o = weight(engine, {ParamKind::o, l}, fn);
-      lw.mlp_norm = weight(engine, {ParamKind::mlp_norm, l}, fn);
-      lw.gate = weight(engine, {ParamKind::gate, l}, fn);
-      lw.up = weight(engine, {ParamKind::up, l}, fn);
-      lw.down = weight(engine, {ParamKind::down, l}, fn);
-      w.layers.push_back(lw);
-    }
+    if (fetched)
+      w.source = &source;
+    else
+      for (int l = 0; l < shape_.layers; ++l) w.layers.push_back(layer_weights(engine, l, fn));
     w.final_norm = weight(engine, {ParamKind::final_norm}, fn);
     w.head = shape_.tied ? w.embed : weight(engine, {ParamKind::head}, fn);
     return w;

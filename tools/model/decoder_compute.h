@@ -162,13 +162,52 @@ struct LayerWeights {
   const void* down = nullptr;
 };
 
+/// Where a layer's weights come from when they are not all on the device at once (frozen layers
+/// kept in host memory): acquire(l) just before layer l's forward or backward, release(l) right
+/// after, one layer at a time in the order the pass goes.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  virtual LayerWeights acquire(int layer) = 0;
+  virtual void release(int layer) = 0;
+};
+
 /// Every weight, all of `dtype` (bf16 or fp16; the CPU backend also takes fp32).
 struct Weights {
   DType dtype = DType::bf16;
   const void* embed = nullptr;
+  /// Every layer's weights, or, with a `source`, none (empty): the source hands each out in turn.
   std::vector<LayerWeights> layers;
+  WeightSource* source = nullptr;
   const void* final_norm = nullptr;
   const void* head = nullptr;  ///< == embed when tied
+};
+
+/// Layer l's weights for the length of one layer's pass: from `w.layers`, or acquired from
+/// w.source and released when it goes (on an exception too).
+class LayerUse {
+ public:
+  LayerUse(const Weights& w, int layer)
+      : source_(w.source),
+        layer_(layer),
+        weights_(source_ != nullptr ? source_->acquire(layer)
+                                    : w.layers[static_cast<std::size_t>(layer)]) {}
+  ~LayerUse() {
+    if (source_ == nullptr) return;
+    try {
+      source_->release(layer_);
+    } catch (...) {  // the acquire succeeded: a release cannot fail but for a broken source
+    }
+  }
+  LayerUse(const LayerUse&) = delete;
+  LayerUse& operator=(const LayerUse&) = delete;
+  const LayerWeights& operator*() const { return weights_; }
+  const LayerWeights* operator->() const { return &weights_; }
+
+ private:
+  WeightSource* source_;
+  int layer_;
+  LayerWeights weights_;
 };
 
 struct GradSlot {

@@ -330,9 +330,12 @@ class CpuCompute final : public Compute {
       throw ConfigError(
           fmt::format("{}: weights of dtype {}; this backend takes bf16, fp16 or fp32", fn,
                       dtype_name(w.dtype)));
-    if (w.layers.size() != static_cast<std::size_t>(s_.layers))
-      throw ConfigError(fmt::format("{}: weights of {} layers for a model of {}", fn,
-                                    w.layers.size(), s_.layers));
+    const std::size_t listed = w.source != nullptr ? 0 : static_cast<std::size_t>(s_.layers);
+    if (w.layers.size() != listed)
+      throw ConfigError(fmt::format("{}: weights of {} layers{} for a model of {}", fn,
+                                    w.layers.size(),
+                                    w.source != nullptr ? " beside a weight source" : "",
+                                    s_.layers));
     const auto need = [&](const void* p, ParamId id) {
       if (p == nullptr)
         throw ConfigError(fmt::format("{}: weight '{}' is null", fn, param_name(id)));
@@ -348,8 +351,26 @@ class CpuCompute final : public Compute {
     } else {
       need(w.head, {ParamKind::head});
     }
-    for (int l = 0; l < s_.layers; ++l) {
-      const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+    for (std::size_t l = 0; l < w.layers.size(); ++l)
+      check_layer(w.layers[l], static_cast<int>(l), fn);
+    const auto v = static_cast<std::int32_t>(s_.vocab);
+    const std::size_t n = tokens(b);
+    for (std::size_t i = 0; i < n; ++i)
+      if (b.inputs[i] < 0 || b.inputs[i] >= v ||
+          ((b.targets[i] < 0 || b.targets[i] >= v) && b.targets[i] != kIgnoredTarget))
+        throw ConfigError(
+            fmt::format("{}: token {} of the batch (input {}, target {}) is outside "
+                        "[0, vocab = {})",
+                        fn, i, b.inputs[i], b.targets[i], v));
+  }
+
+  // Layer l's weights as the shape needs them (checked as they are acquired from a source).
+  void check_layer(const LayerWeights& lw, int l, std::string_view fn) const {
+    const auto need = [&](const void* p, ParamId id) {
+      if (p == nullptr)
+        throw ConfigError(fmt::format("{}: weight '{}' is null", fn, param_name(id)));
+    };
+    {
       const std::pair<const void*, ParamKind> all[] = {{lw.attn_norm, ParamKind::attn_norm},
                                                        {lw.q, ParamKind::q},
                                                        {lw.k, ParamKind::k},
@@ -378,15 +399,6 @@ class CpuCompute final : public Compute {
               "{}: weight '{}' is given but the model has no q/k norm", fn, param_name({kind, l})));
       }
     }
-    const auto v = static_cast<std::int32_t>(s_.vocab);
-    const std::size_t n = tokens(b);
-    for (std::size_t i = 0; i < n; ++i)
-      if (b.inputs[i] < 0 || b.inputs[i] >= v ||
-          ((b.targets[i] < 0 || b.targets[i] >= v) && b.targets[i] != kIgnoredTarget))
-        throw ConfigError(
-            fmt::format("{}: token {} of the batch (input {}, target {}) is outside "
-                        "[0, vocab = {})",
-                        fn, i, b.inputs[i], b.targets[i], v));
   }
 
   // ---- weights upcast to fp32 ----
@@ -404,7 +416,9 @@ class CpuCompute final : public Compute {
         *gate, *up, *down;
   };
   Layer upcast_layer(const Weights& w, int l) const {
-    const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+    const LayerUse use(w, l);  // a source's weights are needed only while they are cast here
+    const LayerWeights& lw = *use;
+    if (w.source != nullptr) check_layer(lw, l, "decoder CPU");
     const std::size_t d = z_.d, q = z_.q, kv = z_.kv, in = z_.inter;
     float* p = at(l_.weights);
     Layer out{};

@@ -200,11 +200,11 @@ class Engine {
   /// direction the fetches go (up: forward; down: backward) if it is not in use. A no-op for an
   /// active group and for weights on the device. StateError if the group is fetched already or
   /// both windows are in use (naming their groups).
-  void fetch_weights(const std::string& group);
+  void fetch_weights(const std::string& group) const;
   /// Ends fetch_weights' use: the window's Views go stale; it keeps the weights until it is
   /// refilled, so a fetch right after costs no copy. A no-op where fetch_weights is one;
   /// StateError for a group not fetched.
-  void release_weights(const std::string& group);
+  void release_weights(const std::string& group) const;
   /// Where to add this micro-batch's gradient of `name`, in place: config().grad_type()
   /// elements, pre-scaled by loss_scale(). Add into it, never overwrite: it holds what earlier
   /// grad_slot calls of this step added (accumulation), and in a stage-2 bucket whatever else

@@ -87,7 +87,7 @@ struct EngineConfig {
   /// so the sums are the device's, bit for bit; the step reads them through the update's device
   /// slots. Needs optimizer_placement = host and one rank.
   Placement gradient_placement = Placement::device;
-  /// Where frozen groups' bit16 weights live (C++ API only for now). host: every
+  /// Where frozen groups' bit16 weights live (shardswap.frozen_weight_placement). host: every
   /// group's weights have a home in host memory (pinned as pin_host_memory says); an active
   /// group's are on the device too (the step updates them there; its home is written when it is
   /// deactivated), a frozen group's only on the host. A frozen group's weights reach the device

@@ -254,28 +254,38 @@ class CudaCompute final : public Compute {
     if (w.dtype != dtype_of<T>())
       throw ConfigError(where + "weights of dtype " + dtype_name(w.dtype) + ", the backend's is " +
                         dtype_name(dtype_of<T>()));
-    if (w.layers.size() != static_cast<std::size_t>(s_.layers))
-      throw ConfigError(where + std::to_string(w.layers.size()) + " layers of weights, the shape has " +
-                        std::to_string(s_.layers));
+    const std::size_t listed = w.source != nullptr ? 0 : static_cast<std::size_t>(s_.layers);
+    if (w.layers.size() != listed)
+      throw ConfigError(where + std::to_string(w.layers.size()) + " layers of weights" +
+                        (w.source != nullptr ? " beside a weight source" : "") +
+                        ", the shape has " + std::to_string(listed));
     if (w.embed == nullptr || w.final_norm == nullptr || w.head == nullptr)
       throw ConfigError(where + "embed, final_norm or head weight is null");
     if (s_.tied && w.head != w.embed)
       throw ConfigError(where + "the head is tied, but its weight is not the embedding");
-    for (std::size_t l = 0; l < w.layers.size(); ++l) {
-      const LayerWeights& lw = w.layers[l];
-      const bool any_null = !lw.attn_norm || !lw.q || !lw.k || !lw.v || !lw.o || !lw.mlp_norm ||
-                            !lw.gate || !lw.up || !lw.down;
-      const bool biases = lw.q_bias && lw.k_bias && lw.v_bias;
-      const bool no_biases = !lw.q_bias && !lw.k_bias && !lw.v_bias;
-      if (any_null || (s_.qkv_bias ? !biases : !no_biases))
-        throw ConfigError(where + "layers." + std::to_string(l) +
-                          ": a weight is null, or q/k/v biases do not match qkv_bias");
-      const bool head_norms = lw.q_norm && lw.k_norm;
-      const bool no_head_norms = !lw.q_norm && !lw.k_norm;
-      if (s_.qk_norm ? !head_norms : !no_head_norms)
-        throw ConfigError(where + "layers." + std::to_string(l) +
-                          ": q_norm/k_norm weights do not match qk_norm");
-    }
+    for (std::size_t l = 0; l < w.layers.size(); ++l)
+      check_layer(w.layers[l], static_cast<int>(l), where);
+  }
+
+  // A layer's weights as the shape needs them (checked as they are acquired from a source).
+  void check_layer(const LayerWeights& lw, int l, const std::string& where) const {
+    const bool any_null = !lw.attn_norm || !lw.q || !lw.k || !lw.v || !lw.o || !lw.mlp_norm ||
+                          !lw.gate || !lw.up || !lw.down;
+    const bool biases = lw.q_bias && lw.k_bias && lw.v_bias;
+    const bool no_biases = !lw.q_bias && !lw.k_bias && !lw.v_bias;
+    if (any_null || (s_.qkv_bias ? !biases : !no_biases))
+      throw ConfigError(where + "layers." + std::to_string(l) +
+                        ": a weight is null, or q/k/v biases do not match qkv_bias");
+    const bool head_norms = lw.q_norm && lw.k_norm;
+    const bool no_head_norms = !lw.q_norm && !lw.k_norm;
+    if (s_.qk_norm ? !head_norms : !no_head_norms)
+      throw ConfigError(where + "layers." + std::to_string(l) +
+                        ": q_norm/k_norm weights do not match qk_norm");
+  }
+
+  // Layer l's weights as a source handed them out, checked (listed ones were, up front).
+  void check_handed_out(const Weights& w, const LayerUse& use, int l) const {
+    if (w.source != nullptr) check_layer(*use, l, "decoder (cuda): ");
   }
 
   // Tokens and targets to the device; for train_step also the embedding gradient's grouping of
@@ -338,7 +348,11 @@ class CudaCompute final : public Compute {
     const int n = b.sequences * b.seq_len, d = s_.hidden, half = s_.head_dim / 2;
     launch_rope_table(at(l_.inv_freq), b.seq_len, half, at(l_.rope_cos), at(l_.rope_sin));
     launch_embed_forward<T>(cw(w.embed), at<int>(l_.tokens), n, d, xs(0));
-    for (int l = 0; l < s_.layers; ++l) forward_layer(w, b, l, false);
+    for (int l = 0; l < s_.layers; ++l) {
+      const LayerUse use(w, l);
+      check_handed_out(w, use, l);
+      forward_layer(*use, b, l, false);
+    }
     rms_norm(xs(s_.layers), w.final_norm, n, at<T>(l_.normed), rstd_final());
   }
 
@@ -347,7 +361,7 @@ class CudaCompute final : public Compute {
   // rewritten, and no phase is marked (its time counts in backward MLP). It writes only the slot
   // (qk_hat and qk_rstd too, with qk_norm) and the scratch normed and qkv32, both rewritten by
   // backward before it reads them.
-  void forward_layer(const Weights& w, const Batch& b, int l, bool recompute) {
+  void forward_layer(const LayerWeights& lw, const Batch& b, int l, bool recompute) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
     const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
     const long long width = qkv_width();
@@ -355,7 +369,6 @@ class CudaCompute final : public Compute {
     const auto mark = [&](PhaseClock::Phase p) {
       if (!recompute) clock_.mark(p);
     };
-    const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
     T* normed = at<T>(l_.normed);
     float* qkv = at(l_.qkv32);
     T* q = layer<T>(l_.q, l, qw);
@@ -555,12 +568,14 @@ class CudaCompute final : public Compute {
       norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd_final());
     if (lowest <= L) norm_backward(dz, xs(L), rstd_final(), w.final_norm, n, false);
     for (int l = L - 1; l >= 0 && l + 1 >= lowest; --l) {
-      const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+      const LayerUse use(w, l);
+      check_handed_out(w, use, l);
+      const LayerWeights& lw = *use;
       const bool active = sink.active(l + 1);
       clock_.mark(PhaseClock::backward_mlp);
       // A recomputed layer's activations, from x_l, into the slot the recomputed layers share;
       // the highest of them still has its own there from forward.
-      if (l < recompute_ - 1) forward_layer(w, b, l, true);
+      if (l < recompute_ - 1) forward_layer(lw, b, l, true);
       T* gate = layer<T>(l_.gate, l, in);
       T* up = layer<T>(l_.up, l, in);
       // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
