@@ -354,6 +354,37 @@ TEST_CASE(
   REQUIRE(light.budget->chosen.machine_bytes <= std::int64_t{64} << 30);
 }
 
+TEST_CASE("with frozen layers' weights on the host, a 14B LISA run fits 24GiB, which it cannot "
+          "with them on the device, and a 7B one recomputes fewer layers") {
+  const auto plan = [](const char* config, bool frozen_on_host) {
+    auto reader = ConfigReader::from_file(std::string(SHARDSWAP_TEST_DIR "/../configs/") + config);
+    for (const char* set :
+         {"data.seq_len=2048", "train_micro_batch_size_per_gpu=3", "gradient_accumulation_steps=8",
+          "shardswap.device_memory=\"24GiB\"", "shardswap.host_memory=\"125GiB\""})
+      reader.set(set);
+    if (frozen_on_host) reader.set("shardswap.frozen_weight_placement=\"host\"");
+    return train_config_from_json(reader, ConfigFor::plan);
+  };
+  // 14B's bit16 weights alone are 27.5 GiB.
+  const auto refused =
+      test::message_of<ConfigError>([&] { plan("qwen2.5-14b-lisa.json", false); });
+  REQUIRE(test::contains(refused, "shardswap.device_memory"));
+  const TrainConfig big = plan("qwen2.5-14b-lisa.json", true);
+  REQUIRE(big.engine.frozen_weight_placement == Placement::host);
+  REQUIRE(big.budget->chosen.plan_bytes <= big.budget->budget.per_rank());
+  REQUIRE(big.budget->frozen_weights_on_host);
+  const auto lines = big.budget->lines();
+  REQUIRE(std::any_of(lines.begin(), lines.end(), [](const std::string& l) {
+    return test::contains(l, "frozen layers' weights on the host");
+  }));
+  // The plan the search chose is the planner's own for that arrangement (plan_memory).
+  REQUIRE(plan_memory(big, *big.model, 0).total() == big.budget->chosen.plan_bytes);
+  const TrainConfig on_device = plan("qwen2.5-7b-lisa.json", false);
+  const TrainConfig on_host = plan("qwen2.5-7b-lisa.json", true);
+  REQUIRE(on_host.budget->chosen.recompute_layers < on_device.budget->chosen.recompute_layers);
+  REQUIRE_FALSE(on_device.budget->frozen_weights_on_host);
+}
+
 TEST_CASE("the budget's streamed estimate counts the master's and the state's bytes as stored") {
   const auto bytes = [](const char* state, const char* master) {
     auto j = small_run();

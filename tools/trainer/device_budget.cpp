@@ -267,6 +267,11 @@ std::vector<std::string> BudgetChoice::lines() const {
                               placement_words(chosen.optimizer == Placement::host
                                                   ? Placement::device
                                                   : Placement::host)));
+  if (frozen_weights_on_host)
+    out.push_back(
+        "  frozen layers' weights on the host (shardswap.frozen_weight_placement, as configured): "
+        "every plan holds the active groups' weights and two windows on the device; the "
+        "estimates leave out the windows' copies over the link");
   if (host_excluded > 0)
     out.push_back(fmt::format(
         "  left out: {} arrangement{} within the device budget whose host memory ({} ranks on "
@@ -316,6 +321,7 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
 
   // Where the state and the gradients live: the config's, or what the search may choose.
   // Gradients go to the host only beside the state, on one rank.
+  choice.frozen_weights_on_host = t.engine.frozen_weight_placement == Placement::host;
   choice.gradients_free = !c.has("shardswap.gradient_placement") && t.world_size == 1 &&
                           (choice.placement_free ||
                            t.engine.optimizer_placement == Placement::host);

@@ -91,6 +91,9 @@ struct BudgetChoice {
   /// Arrangements within the device budget left out because the host's memory cannot hold them
   /// (DeviceBudget::host_memory).
   int host_excluded = 0;
+  /// shardswap.frozen_weight_placement = host (the config's, not searched): every plan counts
+  /// the frozen layers' weights on the host and the two windows, the estimates not their copies.
+  bool frozen_weights_on_host = false;
   std::vector<std::string> lines() const;
 };
 
