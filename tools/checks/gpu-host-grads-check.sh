@@ -9,10 +9,11 @@
 #     expected) and tokens/s;
 #  3. for each budget in BUDGETS ("none": unbudgeted), a Qwen2.5-7B full fine-tune or LISA run
 #     (MODE; micro 3, accumulation 8, seq 2048, BIG_STEPS steps) under it, the planner choosing:
-#     what it chose, tokens/s, plan = peak on the device and the host.
+#     what it chose, tokens/s, plan = peak on the device and the host; with FROZEN=host, the
+#     frozen layers' weights on the host too (shardswap.frozen_weight_placement).
 # Logs and JSON go under $OUT (default build/gpu-out).
 #   usage: OUT=DIR [SUITE=1] [SMALL=1] [MODE=full|lisa] [BUDGETS="24GiB"] [BIG_STEPS=5]
-#          bash tools/checks/gpu-host-grads-check.sh
+#          [FROZEN=device|host] bash tools/checks/gpu-host-grads-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
@@ -20,6 +21,7 @@ OUT=${OUT:-$PWD/build/gpu-out}
 BUDGETS=${BUDGETS-24GiB}
 BIG_STEPS=${BIG_STEPS:-5}
 MODE=${MODE:-full}
+FROZEN=${FROZEN:-device}
 mkdir -p "$OUT"
 status=0
 step() { echo; echo "=== $* ==="; }
@@ -40,7 +42,7 @@ bin=build/cuda/tools/shardswap
 if [ "${SUITE:-1}" = 1 ]; then
   step "GPU tests of the host placements"
   build/cuda/tests/gpu/shardswap_gpu_tests --durations yes \
-    "cuda: gradients on the host*,cuda: state on the host*,cuda: the master as bf16*" \
+    "cuda: gradients on the host*,cuda: state on the host*,cuda: the master as bf16*,cuda: frozen weights*,cuda decoder: layers handed out*" \
     > "$OUT/gpu-tests.log" 2>&1 || status=1
   grep -E "FAILED|passed|failed" "$OUT/gpu-tests.log" | tail -6
 fi
@@ -74,10 +76,10 @@ PY
 fi
 
 for budget in $BUDGETS; do
-  step "Qwen2.5-7B $MODE, micro 3, accumulation 8, budget $budget"
-  dir="$OUT/7b-$MODE-$budget"
-  extra=()
-  [ "$budget" = none ] || extra=(--set "shardswap.device_memory=$budget")
+  step "Qwen2.5-7B $MODE, micro 3, accumulation 8, budget $budget, frozen weights on the $FROZEN"
+  dir="$OUT/7b-$MODE-$budget-$FROZEN"
+  extra=(--set "shardswap.frozen_weight_placement=$FROZEN")
+  [ "$budget" = none ] || extra+=(--set "shardswap.device_memory=$budget")
   python3 tools/bench/train_bench.py --bin "$bin" --out "$dir" --shapes 7b --modes "$MODE" \
     --steps "$BIG_STEPS" --warmup 2 --set gradient_accumulation_steps=8 "${extra[@]}" \
     > "$dir.txt" 2>&1 || status=1
