@@ -419,8 +419,10 @@ TEST_CASE("a LISA run with the frozen layers' weights on the host gives the loss
   const ScratchFolder dir("decoder-frozen-host");
   auto j = decoder_run(dir, "qwen2_untied");
   j["layer_switching"] = {{"type", "lisa"}, {"interval", 2}, {"gamma", 1}, {"seed", 4}};
+  j["checkpoint"] = {{"dir", (dir / "ckpt").string()}, {"every", 4}};
   const auto device = run(load(j));
   j["shardswap"]["frozen_weight_placement"] = "host";
+  j["checkpoint"]["dir"] = (dir / "ckpt-host").string();
   std::string log;
   const auto host = run(load(j), &log);
   CAPTURE(log);
@@ -432,5 +434,17 @@ TEST_CASE("a LISA run with the frozen layers' weights on the host gives the loss
     REQUIRE(host[i].at("loss").get<double>() == device[i].at("loss").get<double>());
     if (device[i].contains("val_loss"))
       REQUIRE(host[i].at("val_loss").get<double>() == device[i].at("val_loss").get<double>());
+  }
+  // Saved with the weights on the device at step 4, resumed with them on the host: steps 5-8
+  // as the run that went on.
+  j["checkpoint"]["dir"] = (dir / "ckpt-resumed").string();
+  j["checkpoint"]["load"] = (dir / "ckpt" / checkpoint_name(4)).string();
+  const auto resumed = run(load(j));
+  REQUIRE(resumed.size() == 4);
+  for (std::size_t i = 0; i < resumed.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(resumed[i].at("step") == device[4 + i].at("step"));
+    REQUIRE(resumed[i].at("loss").get<double>() == device[4 + i].at("loss").get<double>());
+    REQUIRE(resumed[i].at("grad_norm") == device[4 + i].at("grad_norm"));
   }
 }
