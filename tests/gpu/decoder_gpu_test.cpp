@@ -1078,17 +1078,33 @@ TEST_CASE("cuda decoder: recomputed layers give the same bits in fewer bytes",
 // after its release reads NaN instead of the weights.
 class WindowSource final : public lm::dec::WeightSource {
  public:
-  WindowSource(const DecoderShape& s, const DeviceParams& dev, DType dtype) : dev_(dev) {
-    std::size_t most = 0;
-    for (const ParamSpec& spec : param_specs(s))
+  WindowSource(const DecoderShape& s, const DeviceParams& dev, DType dtype)
+      : dev_(dev), tied_(s.tied) {
+    std::size_t layer = 0, head = 0;
+    for (const ParamSpec& spec : param_specs(s)) {
+      sizes_[spec.id.kind] = spec.size * dtype_size(dtype);
       if (spec.id.layer == 0) {
-        offsets_[spec.id.kind] = most;
-        most += (spec.size * dtype_size(dtype) + 255) / 256 * 256;
-        sizes_[spec.id.kind] = spec.size * dtype_size(dtype);
+        offsets_[spec.id.kind] = layer;
+        layer += (spec.size * dtype_size(dtype) + 255) / 256 * 256;
       }
-    window_ = std::make_unique<DeviceBlock>(most);
-    bytes_ = most;
+      if (spec.id.kind == ParamKind::embed) embed_bytes_ = spec.size * dtype_size(dtype);
+      if (spec.id.kind == ParamKind::final_norm) norm_bytes_ = (spec.size * 2 + 255) / 256 * 256;
+    }
+    head = norm_bytes_ + embed_bytes_;  // the head matrix is the embedding's size
+    bytes_ = std::max({layer, embed_bytes_, head});
+    window_ = std::make_unique<DeviceBlock>(bytes_);
   }
+  const void* acquire_embed() override {
+    calls.push_back(-1);
+    return copy_in(0, dev_.w.embed, embed_bytes_);
+  }
+  void release_embed() override { poison(); }
+  lm::dec::HeadWeights acquire_head() override {
+    calls.push_back(-2);
+    const void* norm = copy_in(0, dev_.w.final_norm, sizes_.at(ParamKind::final_norm));
+    return {norm, copy_in(norm_bytes_, tied_ ? dev_.w.embed : dev_.w.head, embed_bytes_)};
+  }
+  void release_head() override { poison(); }
   lm::dec::LayerWeights acquire(int l) override {
     calls.push_back(l);
     const lm::dec::LayerWeights& from = dev_.w.layers[static_cast<std::size_t>(l)];
@@ -1117,19 +1133,28 @@ class WindowSource final : public lm::dec::WeightSource {
     to.down = copy(from.down, ParamKind::down);
     return to;
   }
-  void release(int) override {
-    cuda_ok(cudaMemsetAsync(window_->p, 0xFF, bytes_, cudaStreamPerThread), "cudaMemsetAsync");
-  }
-  std::vector<int> calls;
+  void release(int) override { poison(); }
+  std::vector<int> calls;  // layers, -1 the embedding, -2 the head
 
  private:
+  const void* copy_in(std::size_t offset, const void* from, std::size_t bytes) {
+    void* at = static_cast<std::byte*>(window_->p) + offset;
+    cuda_ok(cudaMemcpyAsync(at, from, bytes, cudaMemcpyDeviceToDevice, cudaStreamPerThread),
+            "cudaMemcpyAsync");
+    return at;
+  }
+  void poison() {
+    cuda_ok(cudaMemsetAsync(window_->p, 0xFF, bytes_, cudaStreamPerThread), "cudaMemsetAsync");
+  }
   const DeviceParams& dev_;
+  bool tied_;
+  std::size_t embed_bytes_ = 0, norm_bytes_ = 0;
   std::map<ParamKind, std::size_t> offsets_, sizes_;
   std::unique_ptr<DeviceBlock> window_;
   std::size_t bytes_ = 0;
 };
 
-TEST_CASE("cuda decoder: layers handed out one at a time by a weight source give the same bits",
+TEST_CASE("cuda decoder: weights handed out a part at a time by a weight source give the same bits",
           "[decoder][gpu]") {
   for (const Case& c : shape_cases()) {
     CAPTURE(c.label);
@@ -1151,6 +1176,7 @@ TEST_CASE("cuda decoder: layers handed out one at a time by a weight source give
         WindowSource source(c.shape, dev, c.dtype);
         Weights w = dev.w;
         w.layers.clear();
+        w.embed = w.final_norm = w.head = nullptr;
         w.source = &source;
         SlotSink got(c.shape, active, c.slot_dtype);
         REQUIRE(compute->train_step(w, batch, kGradScale, got) == loss);
@@ -1160,9 +1186,11 @@ TEST_CASE("cuda decoder: layers handed out one at a time by a weight source give
             CAPTURE(spec.name);
             REQUIRE(got.read(spec.name) == want.read(spec.name));
           }
-        // Forward up every layer, backward down every one (the embedding is active).
-        std::vector<int> calls;
+        // The embedding, forward up every layer, the head once (from the final norm to its
+        // backward), backward down every one (the embedding is active).
+        std::vector<int> calls = {-1};
         for (int l = 0; l < L; ++l) calls.push_back(l);
+        calls.push_back(-2);
         for (int l = L; l-- > 0;) calls.push_back(l);
         REQUIRE(source.calls == calls);
         REQUIRE(compute->loss(w, batch) == compute->loss(dev.w, batch));

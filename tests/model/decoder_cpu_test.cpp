@@ -956,12 +956,43 @@ class WindowSource final : public lm::dec::WeightSource {
     calls.push_back("release " + std::to_string(l));
     if (held_ != l) problems.push_back("layer " + std::to_string(l) + " released, not held");
     held_ = -1;
-    for (auto& bytes : window_)  // 0xFF bytes: NaN in bf16 and fp32 alike
-      std::fill(bytes.begin(), bytes.end(), std::byte{0xFF});
+    poison();
   }
+  const void* acquire_embed() override {
+    take(kEmbed, "embed");
+    return copy_of("model.embed_tokens.weight");
+  }
+  void release_embed() override { give(kEmbed, "embed"); }
+  lm::dec::HeadWeights acquire_head() override {
+    take(kHead, "head");
+    const void* norm = copy_of("model.norm.weight");
+    return {norm, copy_of(m_.shape.tied ? "model.embed_tokens.weight" : "lm_head.weight")};
+  }
+  void release_head() override { give(kHead, "head"); }
   std::vector<std::string> calls, problems;
 
  private:
+  static constexpr int kEmbed = -2, kHead = -3;
+  void take(int part, const std::string& name) {
+    calls.push_back("acquire " + name);
+    if (held_ != -1) problems.push_back(name + " acquired while another part is held");
+    held_ = part;
+    window_.clear();
+  }
+  void give(int part, const std::string& name) {
+    calls.push_back("release " + name);
+    if (held_ != part) problems.push_back(name + " released, not held");
+    held_ = -1;
+    poison();
+  }
+  const void* copy_of(const std::string& name) {
+    window_.push_back(m_.storage.at(name));
+    return window_.back().data();
+  }
+  void poison() {
+    for (auto& bytes : window_)  // 0xFF bytes: NaN in bf16 and fp32 alike
+      std::fill(bytes.begin(), bytes.end(), std::byte{0xFF});
+  }
   const Model& m_;
   int held_ = -1;
   std::vector<std::vector<std::byte>> window_;  // reserved: its pointers stay put
@@ -969,8 +1000,8 @@ class WindowSource final : public lm::dec::WeightSource {
 
 }  // namespace
 
-TEST_CASE("decoder CPU with its layers handed out one at a time by a weight source gives the same "
-          "bits, reading each only between acquire and release",
+TEST_CASE("decoder CPU with its weights handed out a part at a time by a weight source gives the "
+          "same bits, reading each only between acquire and release",
           "[decoder]") {
   for (const DecoderShape& s : {tiny_mistral(), tiny_qwen2(false), tiny_qwen3(true)}) {
     CAPTURE(s.layers, s.qkv_bias, s.qk_norm, s.tied);
@@ -989,6 +1020,7 @@ TEST_CASE("decoder CPU with its layers handed out one at a time by a weight sour
         WindowSource source(m);
         lm::dec::Weights w = m.weights;
         w.layers.clear();
+        w.embed = w.final_norm = w.head = nullptr;
         w.source = &source;
         RecordingSink got(s, active);
         REQUIRE(compute->train_step(w, batch_of(t), 1.0, got) == loss);
@@ -998,18 +1030,23 @@ TEST_CASE("decoder CPU with its layers handed out one at a time by a weight sour
           CAPTURE(p.name);
           REQUIRE((got.raw(p.name) == want.raw(p.name)));
         }
-        // Forward ascending over every layer, then backward descending to the lowest active
-        // group's layer (every layer when the embedding is active), each acquired once a pass.
-        std::vector<std::string> calls;
+        // The embedding first; forward ascending over every layer, then backward descending to
+        // the lowest active group's layer (every layer when the embedding is active), each
+        // acquired once a pass; the head between them (the CPU backend casts it twice: for the
+        // loss, and again for backward).
+        std::vector<std::string> calls = {"acquire embed", "release embed"};
         for (int l = 0; l < s.layers; ++l)
           calls.insert(calls.end(), {"acquire " + std::to_string(l), "release " + std::to_string(l)});
+        for (int pass = 0; pass < 2; ++pass)
+          calls.insert(calls.end(), {"acquire head", "release head"});
         const int lowest = *active.begin();
         for (int l = s.layers - 1; l >= 0 && l + 1 >= lowest; --l)
           calls.insert(calls.end(), {"acquire " + std::to_string(l), "release " + std::to_string(l)});
         REQUIRE(source.calls == calls);
         source.calls.clear();
         REQUIRE(compute->loss(w, batch_of(t)) == compute->loss(m.weights, batch_of(t)));
-        REQUIRE(source.calls.size() == 2 * static_cast<std::size_t>(s.layers));
+        REQUIRE(source.calls.size() == 2 * static_cast<std::size_t>(s.layers) + 4);
+        REQUIRE(source.problems.empty());
       }
     }
     // A source beside a full list of layers is refused, naming it.

@@ -448,3 +448,29 @@ TEST_CASE("a LISA run with the frozen layers' weights on the host gives the loss
     REQUIRE(resumed[i].at("grad_norm") == device[4 + i].at("grad_norm"));
   }
 }
+
+TEST_CASE("a BAdam run with every frozen group's weights on the host, the embedding and the head "
+          "among them, gives the losses of one with them on the device, tied or not",
+          "[decoder]") {
+  for (const char* fixture : {"qwen2_untied", "qwen2_tied"}) {
+    CAPTURE(fixture);
+    const ScratchFolder dir(std::string("decoder-frozen-badam-") + fixture);
+    auto j = decoder_run(dir, fixture);
+    // One block at a time: the embedding, the layers and the head each frozen most steps.
+    j["layer_switching"] = {
+        {"type", "badam"}, {"interval", 2}, {"always_active", nlohmann::json::array()}};
+    const auto device = run(load(j));
+    j["shardswap"]["frozen_weight_placement"] = "host";
+    std::string log;
+    const auto host = run(load(j), &log);
+    CAPTURE(log);
+    REQUIRE(device.size() == 8);
+    REQUIRE(host.size() == device.size());
+    for (std::size_t i = 0; i < host.size(); ++i) {
+      CAPTURE(i);
+      REQUIRE(host[i].at("active_groups") == device[i].at("active_groups"));
+      REQUIRE(host[i].at("loss").get<double>() == device[i].at("loss").get<double>());
+      REQUIRE(host[i].at("grad_norm") == device[i].at("grad_norm"));
+    }
+  }
+}

@@ -42,7 +42,7 @@ bin=build/cuda/tools/shardswap
 if [ "${SUITE:-1}" = 1 ]; then
   step "GPU tests of the host placements"
   build/cuda/tests/gpu/shardswap_gpu_tests --durations yes \
-    "cuda: gradients on the host*,cuda: state on the host*,cuda: the master as bf16*,cuda: frozen weights*,cuda decoder: layers handed out*" \
+    "cuda: gradients on the host*,cuda: state on the host*,cuda: the master as bf16*,cuda: frozen weights*,cuda decoder: weights handed out*" \
     > "$OUT/gpu-tests.log" 2>&1 || status=1
   grep -E "FAILED|passed|failed" "$OUT/gpu-tests.log" | tail -6
 fi

@@ -234,8 +234,8 @@ class EngineDecoder final : public Decoder {
     return lw;
   }
 
-  // With frozen layers' weights on the host, each layer's come through the engine's windows:
-  // fetched just before the layer's pass, released right after.
+  // With frozen groups' weights on the host, each part comes through the engine's windows:
+  // fetched just before its use, released right after (a no-op for an active group).
   class EngineWeightSource final : public lm::dec::WeightSource {
    public:
     EngineWeightSource(const EngineDecoder& model, const Engine& engine, const char* fn)
@@ -250,6 +250,38 @@ class EngineDecoder final : public Decoder {
       }
     }
     void release(int l) override { engine_.release_weights(layer_group(l)); }
+    const void* acquire_embed() override {
+      engine_.fetch_weights("embed");
+      try {
+        return model_.weight(engine_, {ParamKind::embed}, fn_);
+      } catch (...) {
+        engine_.release_weights("embed");
+        throw;
+      }
+    }
+    void release_embed() override { engine_.release_weights("embed"); }
+    // Tied, the head's matrix is the embedding: both groups in, the two windows.
+    lm::dec::HeadWeights acquire_head() override {
+      const bool tied = model_.shape_.tied;
+      engine_.fetch_weights("head");
+      try {
+        if (tied) engine_.fetch_weights("embed");
+        try {
+          return {model_.weight(engine_, {ParamKind::final_norm}, fn_),
+                  model_.weight(engine_, {tied ? ParamKind::embed : ParamKind::head}, fn_)};
+        } catch (...) {
+          if (tied) engine_.release_weights("embed");
+          throw;
+        }
+      } catch (...) {
+        engine_.release_weights("head");
+        throw;
+      }
+    }
+    void release_head() override {
+      engine_.release_weights("head");
+      if (model_.shape_.tied) engine_.release_weights("embed");
+    }
 
    private:
     const EngineDecoder& model_;
@@ -257,25 +289,17 @@ class EngineDecoder final : public Decoder {
     const char* fn_;
   };
 
-  // `source` serves the layers when the frozen layers' weights are on the host.
+  // `source` serves every part when frozen groups' weights are on the host.
   lm::dec::Weights weights(const Engine& engine, const char* fn,
                            EngineWeightSource& source) const {
-    const bool fetched = engine.config().frozen_weight_placement == Placement::host;
-    if (fetched)
-      for (const char* group : {"embed", "head"})
-        if (!engine.is_active(group))
-          throw ConfigError(fmt::format(
-              "{}: group '{}' is frozen with frozen_weight_placement = host: the model brings "
-              "frozen layers' weights in a layer at a time, the embedding and the head stay "
-              "active",
-              fn, group));
     lm::dec::Weights w;
     w.dtype = dtype_;
-    w.embed = weight(engine, {ParamKind::embed}, fn);
-    if (fetched)
+    if (engine.config().frozen_weight_placement == Placement::host) {
       w.source = &source;
-    else
-      for (int l = 0; l < shape_.layers; ++l) w.layers.push_back(layer_weights(engine, l, fn));
+      return w;
+    }
+    w.embed = weight(engine, {ParamKind::embed}, fn);
+    for (int l = 0; l < shape_.layers; ++l) w.layers.push_back(layer_weights(engine, l, fn));
     w.final_norm = weight(engine, {ParamKind::final_norm}, fn);
     w.head = shape_.tied ? w.embed : weight(engine, {ParamKind::head}, fn);
     return w;

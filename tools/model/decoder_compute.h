@@ -162,26 +162,67 @@ struct LayerWeights {
   const void* down = nullptr;
 };
 
-/// Where a layer's weights come from when they are not all on the device at once (frozen layers
-/// kept in host memory): acquire(l) just before layer l's forward or backward, release(l) right
-/// after, one layer at a time in the order the pass goes.
+/// The head's weights: the final norm and the head matrix (the embedding when tied).
+struct HeadWeights {
+  const void* final_norm = nullptr;
+  const void* head = nullptr;
+};
+
+/// Where the weights come from when they are not all on the device at once (frozen groups kept
+/// in host memory): each part acquired just before its use and released right after, one part at
+/// a time -- the embedding for the lookup, layer l for its forward or backward pass, the head
+/// (tied: with the embedding) from the final norm through the loss to the final norm's
+/// backward.
 class WeightSource {
  public:
   virtual ~WeightSource() = default;
   virtual LayerWeights acquire(int layer) = 0;
   virtual void release(int layer) = 0;
+  virtual const void* acquire_embed() = 0;
+  virtual void release_embed() = 0;
+  virtual HeadWeights acquire_head() = 0;
+  virtual void release_head() = 0;
 };
 
 /// Every weight, all of `dtype` (bf16 or fp16; the CPU backend also takes fp32).
 struct Weights {
   DType dtype = DType::bf16;
-  const void* embed = nullptr;
-  /// Every layer's weights, or, with a `source`, none (empty): the source hands each out in turn.
-  std::vector<LayerWeights> layers;
+  /// With a `source`, embed, final_norm and head are null and `layers` empty: the source hands
+  /// each part out in turn.
   WeightSource* source = nullptr;
+  const void* embed = nullptr;
+  std::vector<LayerWeights> layers;
   const void* final_norm = nullptr;
   const void* head = nullptr;  ///< == embed when tied
 };
+
+/// A part of the weights for the length of its use: from `w`, or acquired from w.source and
+/// released when it goes (on an exception too; a release cannot fail but for a broken source).
+template <class Part, Part (WeightSource::*Acquire)(), void (WeightSource::*Release)()>
+class PartUse {
+ public:
+  PartUse(const Weights& w, Part listed)
+      : source_(w.source), part_(source_ != nullptr ? (source_->*Acquire)() : listed) {}
+  ~PartUse() {
+    if (source_ == nullptr) return;
+    try {
+      (source_->*Release)();
+    } catch (...) {
+    }
+  }
+  PartUse(const PartUse&) = delete;
+  PartUse& operator=(const PartUse&) = delete;
+  const Part& operator*() const { return part_; }
+
+ private:
+  WeightSource* source_;
+  Part part_;
+};
+/// The embedding matrix, for the lookup.
+using EmbedUse =
+    PartUse<const void*, &WeightSource::acquire_embed, &WeightSource::release_embed>;
+/// The final norm and the head matrix.
+using HeadUse = PartUse<HeadWeights, &WeightSource::acquire_head, &WeightSource::release_head>;
 
 /// Layer l's weights for the length of one layer's pass: from `w.layers`, or acquired from
 /// w.source and released when it goes (on an exception too).

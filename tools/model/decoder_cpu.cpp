@@ -340,16 +340,21 @@ class CpuCompute final : public Compute {
       if (p == nullptr)
         throw ConfigError(fmt::format("{}: weight '{}' is null", fn, param_name(id)));
     };
-    need(w.embed, {ParamKind::embed});
-    need(w.final_norm, {ParamKind::final_norm});
-    if (s_.tied) {
-      if (w.head != w.embed)
-        throw ConfigError(
-            fmt::format("{}: the head is tied to the embedding, but weight 'lm_head.weight' is not "
-                        "'model.embed_tokens.weight'",
-                        fn));
-    } else {
-      need(w.head, {ParamKind::head});
+    if (w.source != nullptr && (w.embed || w.final_norm || w.head))
+      throw ConfigError(fmt::format(
+          "{}: embed, final_norm or head weight given beside a weight source", fn));
+    if (w.source == nullptr) {
+      need(w.embed, {ParamKind::embed});
+      need(w.final_norm, {ParamKind::final_norm});
+      if (s_.tied) {
+        if (w.head != w.embed)
+          throw ConfigError(fmt::format(
+              "{}: the head is tied to the embedding, but weight 'lm_head.weight' is not "
+              "'model.embed_tokens.weight'",
+              fn));
+      } else {
+        need(w.head, {ParamKind::head});
+      }
     }
     for (std::size_t l = 0; l < w.layers.size(); ++l)
       check_layer(w.layers[l], static_cast<int>(l), fn);
@@ -448,9 +453,13 @@ class CpuCompute final : public Compute {
     CMapR w;  // [V, d]: lm_head, or the embedding when tied
   };
   Head upcast_head(const Weights& w) const {
+    const HeadUse use(w, {w.final_norm, w.head});  // a source's only while they are cast
+    const HeadWeights& h = *use;
+    if (w.source != nullptr && (h.final_norm == nullptr || h.head == nullptr))
+      throw ConfigError("decoder CPU: the weight source gave a null final_norm or head");
     float* p = at(l_.weights);
-    const float* norm = upcast(p, w.final_norm, z_.d, w.dtype);
-    const float* m = upcast(p, s_.tied ? w.embed : w.head, z_.v * z_.d, w.dtype);
+    const float* norm = upcast(p, h.final_norm, z_.d, w.dtype);
+    const float* m = upcast(p, h.head, z_.v * z_.d, w.dtype);
     return {norm, CMapR(m, cols(z_.v), cols(z_.d))};
   }
 
@@ -553,11 +562,15 @@ class CpuCompute final : public Compute {
     const std::size_t n = tokens(b), d = z_.d;
     float* const x0 = at(l_.xs);
     const std::size_t row_bytes = d * dtype_size(w.dtype);
-    for (std::size_t r = 0; r < n; ++r)
-      convert_elements(x0 + r * d, DType::f32,
-                       static_cast<const std::byte*>(w.embed) +
-                           static_cast<std::size_t>(b.inputs[r]) * row_bytes,
-                       w.dtype, d);
+    {
+      const EmbedUse embed(w, w.embed);
+      if (*embed == nullptr) throw ConfigError("decoder CPU: the weight source gave a null embedding");
+      for (std::size_t r = 0; r < n; ++r)
+        convert_elements(x0 + r * d, DType::f32,
+                         static_cast<const std::byte*>(*embed) +
+                             static_cast<std::size_t>(b.inputs[r]) * row_bytes,
+                         w.dtype, d);
+    }
     for (int l = 0; l < s_.layers; ++l) forward_layer(upcast_layer(w, l), b, l, true);
   }
 

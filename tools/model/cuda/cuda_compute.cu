@@ -158,9 +158,16 @@ class CudaCompute final : public Compute {
     clock_.begin();
     forward(w, b);
     const int lowest = lowest_active_group(sink);
-    clock_.mark(PhaseClock::head);
-    head_and_loss(w, b, lowest <= s_.layers + 1 ? &sink : nullptr, grad_scale, nullptr);
-    clock_.mark(PhaseClock::backward);
+    {
+      const HeadUse head(w, {w.final_norm, w.head});
+      check_head(w, *head);
+      final_norm(*head, b);
+      clock_.mark(PhaseClock::head);
+      head_and_loss((*head).head, b, lowest <= s_.layers + 1 ? &sink : nullptr, grad_scale,
+                    nullptr);
+      clock_.mark(PhaseClock::backward);
+      if (lowest <= s_.layers + 1) final_norm_backward(*head, b, grad_scale, sink, lowest);
+    }
     if (lowest <= s_.layers + 1) backward(w, b, grad_scale, sink, lowest);
     clock_.mark(PhaseClock::done);
     const double loss = read_loss();
@@ -178,7 +185,12 @@ class CudaCompute final : public Compute {
     prepare_attention(b);
     upload(b, false);
     forward(w, b);
-    head_and_loss(w, b, nullptr, 0.0, nullptr);
+    {
+      const HeadUse head(w, {w.final_norm, w.head});
+      check_head(w, *head);
+      final_norm(*head, b);
+      head_and_loss((*head).head, b, nullptr, 0.0, nullptr);
+    }
     return read_loss();
   }
 
@@ -189,7 +201,12 @@ class CudaCompute final : public Compute {
     prepare_attention(b);
     upload(b, false);
     forward(w, b);
-    head_and_loss(w, b, nullptr, 0.0, out);
+    {
+      const HeadUse head(w, {w.final_norm, w.head});
+      check_head(w, *head);
+      final_norm(*head, b);
+      head_and_loss((*head).head, b, nullptr, 0.0, out);
+    }
     SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
   }
 
@@ -259,9 +276,11 @@ class CudaCompute final : public Compute {
       throw ConfigError(where + std::to_string(w.layers.size()) + " layers of weights" +
                         (w.source != nullptr ? " beside a weight source" : "") +
                         ", the shape has " + std::to_string(listed));
-    if (w.embed == nullptr || w.final_norm == nullptr || w.head == nullptr)
+    if (w.source != nullptr && (w.embed || w.final_norm || w.head))
+      throw ConfigError(where + "embed, final_norm or head weight given beside a weight source");
+    if (w.source == nullptr && (w.embed == nullptr || w.final_norm == nullptr || w.head == nullptr))
       throw ConfigError(where + "embed, final_norm or head weight is null");
-    if (s_.tied && w.head != w.embed)
+    if (w.source == nullptr && s_.tied && w.head != w.embed)
       throw ConfigError(where + "the head is tied, but its weight is not the embedding");
     for (std::size_t l = 0; l < w.layers.size(); ++l)
       check_layer(w.layers[l], static_cast<int>(l), where);
@@ -281,6 +300,17 @@ class CudaCompute final : public Compute {
     if (s_.qk_norm ? !head_norms : !no_head_norms)
       throw ConfigError(where + "layers." + std::to_string(l) +
                         ": q_norm/k_norm weights do not match qk_norm");
+  }
+
+  // The head's weights or the embedding as a source handed them out (listed ones were checked
+  // up front).
+  void check_head(const Weights& w, const HeadWeights& h) const {
+    if (w.source != nullptr && (h.final_norm == nullptr || h.head == nullptr))
+      throw ConfigError("decoder (cuda): the weight source gave a null final_norm or head");
+  }
+  void check_embed(const Weights& w, const void* embed) const {
+    if (w.source != nullptr && embed == nullptr)
+      throw ConfigError("decoder (cuda): the weight source gave a null embedding");
   }
 
   // Layer l's weights as a source handed them out, checked (listed ones were, up front).
@@ -347,13 +377,22 @@ class CudaCompute final : public Compute {
   void forward(const Weights& w, const Batch& b) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, half = s_.head_dim / 2;
     launch_rope_table(at(l_.inv_freq), b.seq_len, half, at(l_.rope_cos), at(l_.rope_sin));
-    launch_embed_forward<T>(cw(w.embed), at<int>(l_.tokens), n, d, xs(0));
+    {
+      const EmbedUse embed(w, w.embed);
+      check_embed(w, *embed);
+      launch_embed_forward<T>(cw(*embed), at<int>(l_.tokens), n, d, xs(0));
+    }
     for (int l = 0; l < s_.layers; ++l) {
       const LayerUse use(w, l);
       check_handed_out(w, use, l);
       forward_layer(*use, b, l, false);
     }
-    rms_norm(xs(s_.layers), w.final_norm, n, at<T>(l_.normed), rstd_final());
+  }
+
+  // The final norm of x_L into `normed`, the head's input.
+  void final_norm(const HeadWeights& h, const Batch& b) {
+    rms_norm(xs(s_.layers), h.final_norm, b.sequences * b.seq_len, at<T>(l_.normed),
+             rstd_final());
   }
 
   // Layer l's forward from x_l into its slot, and x_{l+1}. A recompute (at the start of the
@@ -431,7 +470,7 @@ class CudaCompute final : public Compute {
   // The head over chunks of token rows: logits, per-row loss and the mean loss; with a sink,
   // also the head's weight gradient (when its group is active) and the gradient at the final
   // norm's output into dz; with `out`, the logits rows copied to the host.
-  void head_and_loss(const Weights& w, const Batch& b, GradSink* sink, double grad_scale,
+  void head_and_loss(const void* head, const Batch& b, GradSink* sink, double grad_scale,
                      float* out) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, vocab = s_.vocab;
     const cudaStream_t stream = cudaStreamPerThread;
@@ -451,7 +490,7 @@ class CudaCompute final : public Compute {
     for (int r0 = 0; r0 < n; r0 += kCudaLossChunkRows) {
       const int rows = std::min(kCudaLossChunkRows, n - r0);
       gemm(cb, false, true, rows, vocab, d, 1.0f, f + static_cast<long long>(r0) * d, t16, d,
-           w.head, t16, d, 0.0f, logits, CUDA_R_32F, vocab);
+           head, t16, d, 0.0f, logits, CUDA_R_32F, vocab);
       if (out != nullptr)
         SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(out + static_cast<long long>(r0) * vocab, logits,
                                              sizeof(float) * rows * vocab, cudaMemcpyDeviceToHost,
@@ -463,7 +502,7 @@ class CudaCompute final : public Compute {
         gemm(cb, true, false, vocab, d, rows, alpha, dlogits, t16, 2LL * vocab,
              f + static_cast<long long>(r0) * d, t16, d, 1.0f, slot.data, slot_type(slot.dtype),
              d);
-      gemm(cb, false, false, rows, d, vocab, 1.0f, dlogits, t16, 2LL * vocab, w.head, t16, d,
+      gemm(cb, false, false, rows, d, vocab, 1.0f, dlogits, t16, 2LL * vocab, head, t16, d,
            0.0f, at(l_.dz) + static_cast<long long>(r0) * d, CUDA_R_32F, d);
     }
     // Closed here even when tied: one slot is open at a time (a stage-2 bucket is reduced once
@@ -553,10 +592,21 @@ class CudaCompute final : public Compute {
                                 at<T>(l_.d16));
   }
 
-  // Entered with dz = the gradient at the final norm's output (head_and_loss).
+  // Entered with dz = the gradient at the final norm's output (head_and_loss): the final
+  // norm's weight gradient, and dz carried to x_L when a layer wants gradients.
+  void final_norm_backward(const HeadWeights& h, const Batch& b, double grad_scale,
+                           GradSink& sink, int lowest) {
+    const int n = b.sequences * b.seq_len, L = s_.layers;
+    const float alpha = mean_factor(grad_scale);
+    float* dz = at(l_.dz);
+    if (sink.active(L + 1)) norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd_final());
+    if (lowest <= L) norm_backward(dz, xs(L), rstd_final(), h.final_norm, n, false);
+  }
+
+  // The layers' backward from the gradient at x_L (final_norm_backward).
   void backward(const Weights& w, const Batch& b, double grad_scale, GradSink& sink, int lowest) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
-    const int L = s_.layers, head_group = L + 1;
+    const int L = s_.layers;
     const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
     const long long width = qkv_width();
     const float alpha = mean_factor(grad_scale);
@@ -564,9 +614,6 @@ class CudaCompute final : public Compute {
     T *d16 = at<T>(l_.d16), *normed = at<T>(l_.normed), *g16 = at<T>(l_.qkv16);
     T *act = at<T>(l_.act), *dout = at<T>(l_.dout);
 
-    if (sink.active(head_group))
-      norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd_final());
-    if (lowest <= L) norm_backward(dz, xs(L), rstd_final(), w.final_norm, n, false);
     for (int l = L - 1; l >= 0 && l + 1 >= lowest; --l) {
       const LayerUse use(w, l);
       check_handed_out(w, use, l);
