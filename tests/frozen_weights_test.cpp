@@ -16,9 +16,11 @@
 #include "shardswap/engine.h"
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
+#include "tests/support/plan_held.h"
 #include "tests/support/small_models.h"
 
 using namespace shardswap;
+using test_support::require_plan_held;
 using test_support::sine_init;
 
 namespace {
@@ -32,16 +34,6 @@ EngineConfig config_of(Placement weights, Placement state = Placement::device) {
   cfg.optimizer_placement = state;
   cfg.gradient_accumulation_steps = 2;
   return cfg;
-}
-
-void require_plan_held(const Engine& e, const std::string& when) {
-  const MemoryPlan plan = e.plan();
-  const MemoryStats device = e.memory_stats(), host = e.host_memory_stats();
-  for (Tag t : kAllTags) {
-    CAPTURE(when, tag_name(t));
-    REQUIRE(device.tag(t).requested.current == plan.of(t));
-    REQUIRE(host.tag(t).requested.current == plan.host_of(t));
-  }
 }
 
 // The weights of `param` as the model reads them: through weight(), from the window or the device.

@@ -18,9 +18,11 @@
 #include "shardswap/batch_sizes.h"
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
+#include "tests/support/plan_held.h"
 #include "tests/support/small_models.h"
 
 using namespace shardswap;
+using test_support::require_plan_held;
 using test_support::sine_init;
 
 namespace {
@@ -43,16 +45,6 @@ EngineConfig config_of(const Placements& p, DType grad_dtype = DType::bf16) {
   cfg.gradient_accumulation_steps = 3;
   cfg.gradient_clipping = 1e-3;  // below every step's norm: the norm decides every update
   return cfg;
-}
-
-void require_plan_held(const Engine& e, const std::string& when) {
-  const MemoryPlan plan = e.plan();
-  const MemoryStats device = e.memory_stats(), host = e.host_memory_stats();
-  for (Tag t : kAllTags) {
-    CAPTURE(when, tag_name(t));
-    REQUIRE(device.tag(t).requested.current == plan.of(t));
-    REQUIRE(host.tag(t).requested.current == plan.host_of(t));
-  }
 }
 
 // One micro-batch's gradient of param `k`, part `part` (a param written twice in a micro-batch

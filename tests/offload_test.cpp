@@ -18,29 +18,16 @@
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
+#include "tests/support/plan_held.h"
 #include "tests/support/small_models.h"
 
 using namespace shardswap;
+using test_support::require_plan_held;
 using test_support::add_cosine_grads;
 using test_support::Case;
 using test_support::sine_init;
 
 namespace {
-
-void require_plan_held(const Engine& e, const std::string& when) {
-  const MemoryPlan plan = e.plan();
-  const MemoryStats device = e.memory_stats(), host = e.host_memory_stats();
-  for (Tag t : kAllTags) {
-    if (device.tag(t).requested.current != plan.of(t))
-      throw std::runtime_error(fmt::format("rank {} {}: device {} holds {} bytes, the plan says {}",
-                                           e.rank(), when, tag_name(t),
-                                           device.tag(t).requested.current, plan.of(t)));
-    if (host.tag(t).requested.current != plan.host_of(t))
-      throw std::runtime_error(fmt::format("rank {} {}: host {} holds {} bytes, the plan says {}",
-                                           e.rank(), when, tag_name(t),
-                                           host.tag(t).requested.current, plan.host_of(t)));
-  }
-}
 
 constexpr OffloadUpdate kWays[] = {OffloadUpdate::streamed, OffloadUpdate::cpu};
 

@@ -18,27 +18,16 @@
 #include "shardswap/engine.h"
 #include "tests/catch_compat.h"
 #include "tests/support/reference_check.h"
+#include "tests/support/plan_held.h"
 #include "tests/support/small_models.h"
 
 using namespace shardswap;
+using test_support::require_plan_held;
 using test_support::add_cosine_grads;
 using test_support::Case;
 using test_support::sine_init;
 
 namespace {
-
-void require_plan_held(const Engine& e) {
-  const MemoryPlan plan = e.plan();
-  const MemoryStats device = e.memory_stats(), host = e.host_memory_stats();
-  for (Tag t : kAllTags) {
-    if (device.tag(t).requested.current != plan.of(t) ||
-        host.tag(t).requested.current != plan.host_of(t))
-      throw std::runtime_error(fmt::format(
-          "rank {}: {} held {} on the device and {} on the host, planned {} and {}", e.rank(),
-          tag_name(t), device.tag(t).requested.current, host.tag(t).requested.current,
-          plan.of(t), plan.host_of(t)));
-  }
-}
 
 // Two ranks on GPU 0, groups of 1.2M elements (shards of 600K: past HostUpdater's split, so the
 // update runs over several threads and chunks of 256K), switches under `policy`, 12 steps.
@@ -67,14 +56,14 @@ TrainingState run(Placement placement, DeactivatePolicy policy, bool pinned,
           e.set_param_weight_decay(fmt::format("layers.{}.norm", l), 0.0);
         }
         e.build(sine_init, std::vector<std::string>{"layers.0", "layers.1"});
-        require_plan_held(e);
+        require_plan_held(e, "after build");
         for (int step = 0; step < 12; ++step) {
           if (step % 4 == 3)
             e.set_active({"layers.0", fmt::format("layers.{}", 1 + (step / 4) % 3)}, policy);
-          require_plan_held(e);
+          require_plan_held(e, fmt::format("before step {}", step + 1));
           add_cosine_grads(e, rank, step);
           e.step();
-          require_plan_held(e);
+          require_plan_held(e, fmt::format("after step {}", step + 1));
         }
         e.set_active(e.groups(), policy);
         TrainingState s = e.training_state(true);
@@ -196,7 +185,7 @@ std::pair<TrainingState, std::vector<double>> one_rank_run(Placement state, Plac
           e.add_param(fmt::format("layers.{}.norm", l), {1200}, fmt::format("layers.{}", l));
         }
         e.build(sine_init, std::vector<std::string>{"layers.0", "layers.1"});
-        require_plan_held(e);
+        require_plan_held(e, "after build");
         for (int step = 0; step < 12; ++step) {
           if (step % 4 == 3)
             e.set_active({"layers.0", fmt::format("layers.{}", 1 + (step / 4) % 3)},
@@ -205,7 +194,7 @@ std::pair<TrainingState, std::vector<double>> one_rank_run(Placement state, Plac
           const StepResult r = e.step();
           if (!(r.grad_norm > 1e-3)) throw std::runtime_error("the clip coefficient is not below 1");
           out.second.push_back(r.grad_norm);
-          require_plan_held(e);
+          require_plan_held(e, fmt::format("after step {}", step + 1));
         }
         e.set_active(e.groups(), DeactivatePolicy::keep_host);
         out.first = e.training_state(true);
@@ -262,7 +251,7 @@ std::pair<TrainingState, std::vector<double>> frozen_weights_run(Placement weigh
           e.add_param(fmt::format("layers.{}.norm", l), {1200}, fmt::format("layers.{}", l));
         }
         e.build(sine_init, std::vector<std::string>{"layers.1", "layers.4"});
-        require_plan_held(e);
+        require_plan_held(e, "after build");
         const DeviceOps& ops = cuda_device_ops();
         Buffer carry = scratch.allocate(1200000 * sizeof(float), Tag::other, "carry");
         for (int step = 0; step < 8; ++step) {
@@ -298,7 +287,7 @@ std::pair<TrainingState, std::vector<double>> frozen_weights_run(Placement weigh
           }
           const StepResult r = e.step();
           out.second.push_back(r.grad_norm);
-          require_plan_held(e);
+          require_plan_held(e, "after a step");
         }
         e.set_active(e.groups(), DeactivatePolicy::keep_host);
         out.first = e.training_state(true);
