@@ -6,7 +6,9 @@ block: a GEMM's shape shows in its grid), the share of the total, and the launch
     python3 tools/bench/kernel_table.py [--steps N] [--top K] [--by name|shape] [--sequence] FILE.csv
 
 --sequence lists every launch in order instead (ms, grid, block, name): to find a kernel's call
-site from its neighbours.
+site from its neighbours. --segment NAME:K keeps only the launches after the K-th launch whose name
+holds NAME, up to and with the (K+1)-th: one whole step of a program profiled from its start, cut
+at a kernel it launches once a step (an optimizer's, say).
 """
 import argparse
 import collections
@@ -31,6 +33,16 @@ def rows(path):
         yield r["Kernel Name"], r.get("Grid Size", ""), r.get("Block Size", ""), value * SCALE[unit]
 
 
+def segment(launches, spec):
+    """The launches after the K-th whose name holds NAME, through the (K+1)-th (spec NAME:K)."""
+    name, _, k = spec.rpartition(":")
+    marks = [i for i, launch in enumerate(launches) if name in launch[0]]
+    k = int(k)
+    if not name or len(marks) < k + 2 or k < 0:
+        sys.exit(f"--segment {spec}: {len(marks)} launches hold {name!r}, need {k + 2}")
+    return launches[marks[k] + 1:marks[k + 1] + 1]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,14 +51,18 @@ def main():
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--by", choices=["name", "shape"], default="shape")
     p.add_argument("--sequence", action="store_true", help="every launch in order")
+    p.add_argument("--segment", metavar="NAME:K", help="one step, cut at a kernel's launches")
     args = p.parse_args()
+    launches = list(rows(args.csv))
+    if args.segment:
+        launches = segment(launches, args.segment)
     if args.sequence:
-        for i, (name, grid, block, ms) in enumerate(rows(args.csv)):
+        for i, (name, grid, block, ms) in enumerate(launches):
             print(f"{i:5d} {ms:8.4f} {grid:>16} {block:>14}  {name[:160]}")
         return 0
     total = collections.Counter()
     calls = collections.Counter()
-    for name, grid, block, ms in rows(args.csv):
+    for name, grid, block, ms in launches:
         key = name[:140] if args.by == "name" else f"{name[:140]} {grid} {block}"
         total[key] += ms
         calls[key] += 1

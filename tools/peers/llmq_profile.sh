@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One training step of llm.q and one of ShardSwap at the Qwen2.5-0.5B shape (micro 8, seq 2048),
+# every kernel timed alone under Nsight Compute (--clock-control none: the GPU's own clocks), on a
+# machine with an NVIDIA GPU, ncu, and llm.q's archive unpacked at the repository root as
+# .llmq-src/ (../shared/peers/llmq: `tar xzf llmq-src.tgz`). Issue 32's first item: where llm.q's
+# step is shorter, kernel by kernel.
+#  1. llm.q: built and run for 3 steps by its own bench/gpu_run.sh (bf16 setting, CUDA graphs),
+#     then its exact command run again under ncu for STEPS steps from its start; the table is
+#     step SEGMENT's launches, cut at its AdamW kernel (tools/bench/kernel_table.py --segment).
+#  2. ShardSwap: tools/bench/profile_step.sh over configs/qwen2.5-0.5b.json on real text (train_step
+#     only: engine.step() is outside its capture; its time is in train_bench's split).
+# Writes under OUT: llmq-build/ (gpu_run.sh's files), llmq.csv, llmq.txt (the table),
+# llmq-sequence.txt (the step's launches in order), shardswap/ (profile_step.sh's files).
+#   usage: OUT=DIR [STEPS=4] [SEGMENT=2] bash tools/peers/llmq_profile.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:?set OUT to the folder for the results}
+STEPS=${STEPS:-4}
+SEGMENT=${SEGMENT:-2}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+status=0
+step() { echo; echo "=== $* ==="; }
+[ -f .llmq-src/bench/gpu_run.sh ] || { echo "no .llmq-src/: unpack llm.q's archive first" >&2; exit 2; }
+command -v ncu > /dev/null || { echo "no ncu on the PATH" >&2; exit 2; }
+
+step "llm.q: build, 3 steps (bf16, 0.5B, micro 8)"
+LLMQ_RUNS="bf16:0.5B:8:1:3" LLMQ_BUDGET_S=400 bash .llmq-src/bench/gpu_run.sh "$OUT/llmq-build" \
+  > "$OUT/llmq-build.txt" 2>&1 || status=1
+cmd_file=$(ls "$OUT"/llmq-build/*.cmd 2>/dev/null | head -1)
+if [ -z "$cmd_file" ]; then
+  tail -20 "$OUT/llmq-build.txt"
+  status=1
+else
+  step "llm.q under ncu, $STEPS steps"
+  # The command gpu_run.sh ran, its step count replaced; shell-quoted by printf %q.
+  eval "args=($(sed -e "s/--steps=[0-9]*/--steps=$STEPS/" "$cmd_file"))"
+  ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+    --print-units base --log-file "$OUT/llmq.csv" "${args[@]}" > "$OUT/llmq-ncu.log" 2>&1 ||
+    { tail -20 "$OUT/llmq-ncu.log"; status=1; }
+  python3 tools/bench/kernel_table.py --segment "adamw:$SEGMENT" --sequence "$OUT/llmq.csv" \
+    > "$OUT/llmq-sequence.txt" || status=1
+  python3 tools/bench/kernel_table.py --segment "adamw:$SEGMENT" --top 60 "$OUT/llmq.csv" |
+    tee "$OUT/llmq.txt" || status=1
+fi
+
+step "ShardSwap: one train_step under ncu"
+cmake --preset cuda > "$OUT/build.log" 2>&1 &&
+  cmake --build --preset cuda -j "$(nproc)" --target shardswap_cli >> "$OUT/build.log" 2>&1 ||
+  { tail -40 "$OUT/build.log"; exit 1; }
+text=$(python3 -c "import sys; sys.path.insert(0, 'tools/bench'); import train_bench; print(train_bench.text_file('$OUT', None))")
+bash tools/bench/profile_step.sh "$OUT/shardswap" configs/qwen2.5-0.5b.json \
+  --set data.seq_len=2048 --set "data.train=$text" --set train_micro_batch_size_per_gpu=8 |
+  head -60 || status=1
+exit $status
