@@ -373,6 +373,12 @@ class CudaCompute final : public Compute {
     launch_rms_norm_forward<T>(x, cw(w), n, s_.hidden, static_cast<float>(s_.rms_eps), y,
                                rstd_out);
   }
+  // sum = residual + sum (sum holds a GEMM's product), then the norm of it as rms_norm.
+  void residual_rms_norm(const float* residual, float* sum, const void* w, int n, T* y,
+                         float* rstd_out) {
+    launch_residual_rms_norm_forward<T>(residual, sum, cw(w), n, s_.hidden,
+                                        static_cast<float>(s_.rms_eps), y, rstd_out);
+  }
 
   void forward(const Weights& w, const Batch& b) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, half = s_.head_dim / 2;
@@ -389,22 +395,30 @@ class CudaCompute final : public Compute {
     }
   }
 
-  // The final norm of x_L into `normed`, the head's input.
+  // The final norm of x_L into `normed`, the head's input. forward() left x_L as the last down
+  // projection's product: the residual sum is made here, in the norm's pass.
   void final_norm(const HeadWeights& h, const Batch& b) {
-    rms_norm(xs(s_.layers), h.final_norm, b.sequences * b.seq_len, at<T>(l_.normed),
-             rstd_final());
+    const int L = s_.layers, n = b.sequences * b.seq_len;
+    if (L == 0) {
+      rms_norm(xs(0), h.final_norm, n, at<T>(l_.normed), rstd_final());
+      return;
+    }
+    residual_rms_norm(ys(L - 1), xs(L), h.final_norm, n, at<T>(l_.normed), rstd_final());
   }
 
-  // Layer l's forward from x_l into its slot, and x_{l+1}. A recompute (at the start of the
-  // layer's backward) stops at what backward reads, gate and up: act and x_{l+1} are not
-  // rewritten, and no phase is marked (its time counts in backward MLP). It writes only the slot
-  // (qk_hat and qk_rstd too, with qk_norm) and the scratch normed and qkv32, both rewritten by
-  // backward before it reads them.
+  // Layer l's forward from x_l into its slot, and x_{l+1}. A residual sum is made by the norm
+  // that reads it (residual_rms_norm): the GEMM writes its product where the sum goes, the norm
+  // adds the residual in place. So in forward, x_l (l > 0) holds only the previous layer's down
+  // projection when this layer starts, and x_{l+1} only this layer's when it ends (the next
+  // layer's norm, or final_norm, completes it); a recompute starts from the finished x_l. A
+  // recompute (at the start of the layer's backward) stops at what backward reads, gate and up:
+  // act and x_{l+1} are not rewritten, and no phase is marked (its time counts in backward MLP).
+  // It writes only the slot (qk_hat and qk_rstd too, with qk_norm) and the scratch normed and
+  // qkv32, both rewritten by backward before it reads them.
   void forward_layer(const LayerWeights& lw, const Batch& b, int l, bool recompute) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
     const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
     const long long width = qkv_width();
-    const cudaStream_t stream = cudaStreamPerThread;
     const auto mark = [&](PhaseClock::Phase p) {
       if (!recompute) clock_.mark(p);
     };
@@ -415,7 +429,10 @@ class CudaCompute final : public Compute {
     T* v = layer<T>(l_.v, l, kw);
     T* o = layer<T>(l_.o, l, qw);
     mark(PhaseClock::forward);
-    rms_norm(xs(l), lw.attn_norm, n, normed, rstd_attn(l));
+    if (recompute || l == 0)
+      rms_norm(xs(l), lw.attn_norm, n, normed, rstd_attn(l));
+    else  // x_l = y_{l-1} + the down projection the previous layer left in x_l
+      residual_rms_norm(ys(l - 1), xs(l), lw.attn_norm, n, normed, rstd_attn(l));
     linear(n, qw, d, normed, d, lw.q, 0.0f, qkv, CUDA_R_32F, width);
     linear(n, kw, d, normed, d, lw.k, 0.0f, qkv + qw, CUDA_R_32F, width);
     linear(n, kw, d, normed, d, lw.v, 0.0f, qkv + qw + kw, CUDA_R_32F, width);
@@ -431,21 +448,18 @@ class CudaCompute final : public Compute {
     mark(PhaseClock::attention_forward);
     attention(b, q, k, v, o, lse(l));
     mark(PhaseClock::forward);
-    // y = x + o Wo^T: the GEMM adds onto a copy of x (fp32 sum of the fp32 product).
-    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(ys(l), xs(l), sizeof(float) * n * d,
-                                         cudaMemcpyDeviceToDevice, stream));
-    linear(n, d, qw, o, qw, lw.o, 1.0f, ys(l), CUDA_R_32F, d);
+    // y = x + o Wo^T: the product into y, the sum (fp32) made by the MLP norm's pass.
+    linear(n, d, qw, o, qw, lw.o, 0.0f, ys(l), CUDA_R_32F, d);
     mark(PhaseClock::forward_mlp);
-    rms_norm(ys(l), lw.mlp_norm, n, normed, rstd_mlp(l));
+    residual_rms_norm(xs(l), ys(l), lw.mlp_norm, n, normed, rstd_mlp(l));
     T* gate = layer<T>(l_.gate, l, in);
     T* up = layer<T>(l_.up, l, in);
     linear(n, in, d, normed, d, lw.gate, 0.0f, gate, t16, in);
     linear(n, in, d, normed, d, lw.up, 0.0f, up, t16, in);
     if (recompute) return;
     launch_swiglu_forward<T>(gate, up, static_cast<long long>(n) * in, at<T>(l_.act));
-    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(xs(l + 1), ys(l), sizeof(float) * n * d,
-                                         cudaMemcpyDeviceToDevice, stream));
-    linear(n, d, in, at<T>(l_.act), in, lw.down, 1.0f, xs(l + 1), CUDA_R_32F, d);
+    // x_{l+1} = y + act Wdown^T: the product here, the sum by the next norm's pass.
+    linear(n, d, in, at<T>(l_.act), in, lw.down, 0.0f, xs(l + 1), CUDA_R_32F, d);
   }
 
   AttentionShape attention_shape(int sequences, int seq_len) const {

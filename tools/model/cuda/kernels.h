@@ -24,6 +24,11 @@ void launch_embed_backward(const float* dx, const int* rows, int distinct, const
 template <class T>
 void launch_rms_norm_forward(const float* x, const T* w, int n, int d, float eps, T* y,
                              float* rstd);
+/// The residual sum and its norm in one pass: sum = residual + sum (sum holds a GEMM's product
+/// on entry), then y and rstd of that sum as launch_rms_norm_forward.
+template <class T>
+void launch_residual_rms_norm_forward(const float* residual, float* sum, const T* w, int n, int d,
+                                      float eps, T* y, float* rstd);
 /// From dz at the norm's output: dx (= or += with accumulate) the gradient at its input, and
 /// the new dx rounded to T into d16 when d16 is not null.
 template <class T>

@@ -12,25 +12,47 @@
 namespace shardswap::lm::dec {
 namespace {
 
-// One warp per row: y = x / rms(x) * w in T; keeps 1 / rms when rstd is not null. N columns a
-// lane at a time (N = 4: 16-byte loads of x, where the launcher finds d a multiple of 4 and the
-// operands aligned; else 1).
-template <class T, int N>
+// One warp per row: y = x / rms(x) * w in T; keeps 1 / rms when rstd is not null. With kAdd,
+// x is first made the residual sum in place: sum[row] = residual[row] + sum[row] (the
+// GEMM that wrote the product into `sum` left the addition to this pass, one fp32 rounding as
+// its epilogue's), and x is that sum. N columns a lane at a time (N = 4: 16-byte loads, where
+// the launcher finds d a multiple of 4 and the operands aligned; else 1). Each lane reads back
+// in the second loop only what it wrote in the first (through `sum`, not restrict: no read-only
+// cache path for memory this kernel writes).
+template <class T, int N, bool kAdd>
 __global__ void rms_norm_forward(const float* __restrict__ x, const T* __restrict__ w, int n,
-                                 int d, float eps, T* __restrict__ y, float* __restrict__ rstd) {
+                                 int d, float eps, T* __restrict__ y, float* __restrict__ rstd,
+                                 const float* __restrict__ residual, float* sum) {
   const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= n) return;
-  const auto* xr = reinterpret_cast<const FloatPack<N>*>(x + static_cast<long long>(row) * d);
+  const long long base = static_cast<long long>(row) * d;
   const auto* wr = reinterpret_cast<const Pack<T, N>*>(w);
   const int packs = d / N;
   float sq = 0.0f;
-  for (int k = lane; k < packs; k += 32) {
-    const FloatPack<N> v = xr[k];
+  if constexpr (kAdd) {
+    const auto* rr = reinterpret_cast<const FloatPack<N>*>(residual + base);
+    auto* sr = reinterpret_cast<FloatPack<N>*>(sum + base);
+    for (int k = lane; k < packs; k += 32) {
+      const FloatPack<N> a = rr[k];
+      FloatPack<N> v = sr[k];
 #pragma unroll
-    for (int e = 0; e < N; ++e) sq += v.v[e] * v.v[e];
+      for (int e = 0; e < N; ++e) {
+        v.v[e] = a.v[e] + v.v[e];
+        sq += v.v[e] * v.v[e];
+      }
+      sr[k] = v;
+    }
   }
+  const float* src = kAdd ? sum : x;
+  const auto* xr = reinterpret_cast<const FloatPack<N>*>(src + base);
+  if constexpr (!kAdd)
+    for (int k = lane; k < packs; k += 32) {
+      const FloatPack<N> v = xr[k];
+#pragma unroll
+      for (int e = 0; e < N; ++e) sq += v.v[e] * v.v[e];
+    }
   const float r = rsqrtf(warp_sum(sq) / d + eps);
-  auto* yr = reinterpret_cast<Pack<T, N>*>(y + static_cast<long long>(row) * d);
+  auto* yr = reinterpret_cast<Pack<T, N>*>(y + base);
   for (int k = lane; k < packs; k += 32) {
     const FloatPack<N> v = xr[k];
     const Pack<T, N> wv = wr[k];
@@ -101,11 +123,27 @@ template <class T>
 void launch_rms_norm_forward(const float* x, const T* w, int n, int d, float eps, T* y,
                              float* rstd) {
   if (four_a_lane(d, {x}, {w, y}))
-    rms_norm_forward<T, 4><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
-        x, w, n, d, eps, y, rstd);
+    rms_norm_forward<T, 4, false><<<warp_blocks(n), 32 * kWarpsPerBlock, 0,
+                                    cudaStreamPerThread>>>(x, w, n, d, eps, y, rstd, nullptr,
+                                                           nullptr);
   else
-    rms_norm_forward<T, 1><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
-        x, w, n, d, eps, y, rstd);
+    rms_norm_forward<T, 1, false><<<warp_blocks(n), 32 * kWarpsPerBlock, 0,
+                                    cudaStreamPerThread>>>(x, w, n, d, eps, y, rstd, nullptr,
+                                                           nullptr);
+  check_launch();
+}
+
+template <class T>
+void launch_residual_rms_norm_forward(const float* residual, float* sum, const T* w, int n, int d,
+                                      float eps, T* y, float* rstd) {
+  if (four_a_lane(d, {residual, sum}, {w, y}))
+    rms_norm_forward<T, 4, true><<<warp_blocks(n), 32 * kWarpsPerBlock, 0,
+                                   cudaStreamPerThread>>>(nullptr, w, n, d, eps, y, rstd,
+                                                          residual, sum);
+  else
+    rms_norm_forward<T, 1, true><<<warp_blocks(n), 32 * kWarpsPerBlock, 0,
+                                   cudaStreamPerThread>>>(nullptr, w, n, d, eps, y, rstd,
+                                                          residual, sum);
   check_launch();
 }
 
@@ -125,6 +163,10 @@ template void launch_rms_norm_forward(const float*, const __nv_bfloat16*, int, i
                                       __nv_bfloat16*, float*);
 template void launch_rms_norm_forward(const float*, const __half*, int, int, float, __half*,
                                       float*);
+template void launch_residual_rms_norm_forward(const float*, float*, const __nv_bfloat16*, int,
+                                               int, float, __nv_bfloat16*, float*);
+template void launch_residual_rms_norm_forward(const float*, float*, const __half*, int, int,
+                                               float, __half*, float*);
 template void launch_rms_norm_backward(const float*, const float*, const float*,
                                        const __nv_bfloat16*, int, int, float*, bool,
                                        __nv_bfloat16*);
