@@ -62,6 +62,8 @@ struct CudaLayout {
   std::size_t normed;  // b16 n D: a norm's output (recomputed in backward)
   std::size_t qkv32;   // f32 n (H + 2K) hd: q|k|v projections; in backward dq|dk|dv
   std::size_t qkv16;   // b16 n (H + 2K) hd: dq|dk|dv before RoPE, as GEMM inputs
+  std::size_t wqkv;    // b16 (H + 2K) hd D: Wq|Wk|Wv side by side, where they are not already
+                       // (biases or head norms between them in the group)
   std::size_t act;     // b16 n I: silu(gate) * up
   std::size_t dact;    // f32 n I: its gradient
   std::size_t dx;      // f32 n D: gradient of the residual stream
@@ -72,7 +74,7 @@ struct CudaLayout {
   std::size_t logits;  // f32 min(n, kCudaLossChunkRows) V; its rows' gradient in place (b16)
   std::size_t row_loss;   // f32 n
   std::size_t mean_loss;  // f64 1
-  std::size_t partials;   // f32 ceil(n / kCudaRowsPerPartial) max(D, H hd) (head norms: hd)
+  std::size_t partials;   // f32 ceil(n / kCudaRowsPerPartial) max(D, (H + 2K) hd)
   std::size_t workspace;  // kCudaCublasWorkspaceBytes
   // Attention through cuDNN (a build with cuDNN; 0 bytes in one without):
   std::size_t attn_scratch;  // cuda_cudnn_scratch_bytes: its workspace (and fp32 dQ, atomic form)
@@ -226,6 +228,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.normed = a.take(n * d, b16);
   l.qkv32 = a.take(n * (qw + 2 * kw), f32);
   l.qkv16 = a.take(n * (qw + 2 * kw), b16);
+  l.wqkv = a.take((qw + 2 * kw) * d, b16);
   l.act = a.take(n * in, b16);
   l.dact = a.take(n * in, f32);
   l.dx = a.take(n * d, f32);
@@ -236,7 +239,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.logits = a.take(rows * v, f32);
   l.row_loss = a.take(n, f32);
   l.mean_loss = a.take(1, 8);
-  l.partials = a.take(partials * std::max(d, qw), f32);
+  l.partials = a.take(partials * std::max(d, qw + 2 * kw), f32);
   l.workspace = a.take(kCudaCublasWorkspaceBytes, 1);
   // Kept whichever attention a run picks (SHARDSWAP_DECODER_ATTENTION): the plan of a build
   // does not depend on the environment. Whether the build has cuDNN is a link-time choice

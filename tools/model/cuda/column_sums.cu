@@ -37,14 +37,15 @@ __global__ void norm_partials(const float* __restrict__ dz, const float* __restr
   partials[static_cast<long long>(chunk) * d + k] = acc;
 }
 
-// Second pass: slot[k] += alpha * (the partials summed over the chunks, in order).
+// Second pass: slot[k] += alpha * (the partials summed over the chunks, in order); a chunk's
+// partials are `stride` floats apart (w, or more when they hold several params' columns).
 template <class G>
-__global__ void finish_columns(const float* __restrict__ partials, int chunks, int w, float alpha,
-                               G* __restrict__ slot) {
+__global__ void finish_columns(const float* __restrict__ partials, int chunks, int w, int stride,
+                               float alpha, G* __restrict__ slot) {
   const int k = blockIdx.x * blockDim.x + threadIdx.x;
   if (k >= w) return;
   float acc = 0.0f;
-  for (int b = 0; b < chunks; ++b) acc += partials[static_cast<long long>(b) * w + k];
+  for (int b = 0; b < chunks; ++b) acc += partials[static_cast<long long>(b) * stride + k];
   slot[k] = from_float<G>(to_float(slot[k]) + alpha * acc);
 }
 
@@ -66,14 +67,15 @@ void launch_norm_partials(const float* dz, const float* x, const float* rstd, in
 }
 
 template <class G>
-void launch_finish_columns(const float* partials, int chunks, int w, float alpha, G* slot) {
-  finish_columns<G><<<(w + 255) / 256, 256, 0, cudaStreamPerThread>>>(partials, chunks, w, alpha,
-                                                                      slot);
+void launch_finish_columns(const float* partials, int chunks, int w, int stride, float alpha,
+                           G* slot) {
+  finish_columns<G><<<(w + 255) / 256, 256, 0, cudaStreamPerThread>>>(partials, chunks, w, stride,
+                                                                      alpha, slot);
   check_launch();
 }
 
-template void launch_finish_columns(const float*, int, int, float, float*);
-template void launch_finish_columns(const float*, int, int, float, __nv_bfloat16*);
-template void launch_finish_columns(const float*, int, int, float, __half*);
+template void launch_finish_columns(const float*, int, int, int, float, float*);
+template void launch_finish_columns(const float*, int, int, int, float, __nv_bfloat16*);
+template void launch_finish_columns(const float*, int, int, int, float, __half*);
 
 }  // namespace shardswap::lm::dec

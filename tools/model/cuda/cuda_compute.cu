@@ -373,6 +373,24 @@ class CudaCompute final : public Compute {
     launch_rms_norm_forward<T>(x, cw(w), n, s_.hidden, static_cast<float>(s_.rms_eps), y,
                                rstd_out);
   }
+  // Wq|Wk|Wv as one [(H + 2K) hd, D] matrix, so that the projections are one GEMM each way:
+  // the weights themselves where the group holds them back to back (no biases or head norms
+  // between), else a copy of them in the wqkv scratch (made again at each use: another layer's
+  // may be there).
+  const T* qkv_weights(const LayerWeights& lw) {
+    const std::size_t d = static_cast<std::size_t>(s_.hidden);
+    const std::size_t q = s_.q_width() * d, kv = s_.kv_width() * d;
+    const T* wq = cw(lw.q);
+    if (cw(lw.k) == wq + q && cw(lw.v) == wq + q + kv) return wq;
+    T* out = at<T>(l_.wqkv);
+    const cudaStream_t stream = cudaStreamPerThread;
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(out, lw.q, q * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+    SHARDSWAP_CUDA_CHECK(
+        cudaMemcpyAsync(out + q, lw.k, kv * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+    SHARDSWAP_CUDA_CHECK(
+        cudaMemcpyAsync(out + q + kv, lw.v, kv * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+    return out;
+  }
   // sum = residual + sum (sum holds a GEMM's product), then the norm of it as rms_norm.
   void residual_rms_norm(const float* residual, float* sum, const void* w, int n, T* y,
                          float* rstd_out) {
@@ -433,9 +451,8 @@ class CudaCompute final : public Compute {
       rms_norm(xs(l), lw.attn_norm, n, normed, rstd_attn(l));
     else  // x_l = y_{l-1} + the down projection the previous layer left in x_l
       residual_rms_norm(ys(l - 1), xs(l), lw.attn_norm, n, normed, rstd_attn(l));
-    linear(n, qw, d, normed, d, lw.q, 0.0f, qkv, CUDA_R_32F, width);
-    linear(n, kw, d, normed, d, lw.k, 0.0f, qkv + qw, CUDA_R_32F, width);
-    linear(n, kw, d, normed, d, lw.v, 0.0f, qkv + qw + kw, CUDA_R_32F, width);
+    linear(n, static_cast<int>(width), d, normed, d, qkv_weights(lw), 0.0f, qkv, CUDA_R_32F,
+           width);
     // Qwen3: each q and k head normalised in place, before RoPE (no biases with it:
     // check_cuda_shape).
     if (s_.qk_norm)
@@ -550,14 +567,6 @@ class CudaCompute final : public Compute {
     sink.close(id);
   }
 
-  // slot [w] += alpha * the column sums of x [n, w] (rows ld apart, fp32).
-  void column_grad(GradSink& sink, ParamId id, int n, int w, float alpha, const float* x,
-                   long long ld) {
-    const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
-    launch_column_partials(x, n, w, ld, at(l_.partials));
-    finish(sink, id, chunks, w, alpha);
-  }
-
   // An RMSNorm's weight gradient, slot [D] += alpha sum_t dz x rstd.
   void norm_grad(GradSink& sink, ParamId id, int n, float alpha, const float* dz, const float* x,
                  const float* r) {
@@ -589,11 +598,15 @@ class CudaCompute final : public Compute {
                                  cw(lw.k_norm), qk_hat(l), qk_rstd(l));
   }
 
-  void finish(GradSink& sink, ParamId id, int chunks, int w, float alpha) {
+  // slot += alpha * the column sums whose partials are at columns [first, first + w) of the
+  // partials region (rows `stride` floats apart: w unless given).
+  void finish(GradSink& sink, ParamId id, int chunks, int w, float alpha, int first = 0,
+              int stride = 0) {
     const GradSlot slot = sink.open(id);
     with_slot_type<T>(slot, id, [&](auto g) {
       using G = decltype(g);
-      launch_finish_columns<G>(at(l_.partials), chunks, w, alpha, static_cast<G*>(slot.data));
+      launch_finish_columns<G>(at(l_.partials) + first, chunks, w, stride > 0 ? stride : w,
+                               alpha, static_cast<G*>(slot.data));
     });
     sink.close(id);
   }
@@ -678,16 +691,20 @@ class CudaCompute final : public Compute {
       if (s_.qk_norm) head_norm_backward(lw, l, n, active, sink, alpha, g32, g16);
       if (active) {
         rms_norm(xs(l), lw.attn_norm, n, normed, nullptr);
+        // The three biases' column sums in one pass over g32's q|k|v columns, each param's
+        // partials finished into its slot in the order the params are declared.
+        const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+        const int wi = static_cast<int>(width);
+        if (s_.qkv_bias) launch_column_partials(g32, n, wi, width, at(l_.partials));
         weight_grad(sink, {K::q, l}, n, qw, d, alpha, g16, width, normed, d);
-        if (s_.qkv_bias) column_grad(sink, {K::q_bias, l}, n, qw, alpha, g32, width);
+        if (s_.qkv_bias) finish(sink, {K::q_bias, l}, chunks, qw, alpha, 0, wi);
         weight_grad(sink, {K::k, l}, n, kw, d, alpha, g16 + qw, width, normed, d);
-        if (s_.qkv_bias) column_grad(sink, {K::k_bias, l}, n, kw, alpha, g32 + qw, width);
+        if (s_.qkv_bias) finish(sink, {K::k_bias, l}, chunks, kw, alpha, qw, wi);
         weight_grad(sink, {K::v, l}, n, kw, d, alpha, g16 + qw + kw, width, normed, d);
-        if (s_.qkv_bias) column_grad(sink, {K::v_bias, l}, n, kw, alpha, g32 + qw + kw, width);
+        if (s_.qkv_bias) finish(sink, {K::v_bias, l}, chunks, kw, alpha, qw + kw, wi);
       }
-      linear_input_grad(n, qw, d, g16, width, lw.q, 0.0f, dz);
-      linear_input_grad(n, kw, d, g16 + qw, width, lw.k, 1.0f, dz);
-      linear_input_grad(n, kw, d, g16 + qw + kw, width, lw.v, 1.0f, dz);
+      // dz = dq|dk|dv (Wq|Wk|Wv): one GEMM over the three projections' rows.
+      linear_input_grad(n, static_cast<int>(width), d, g16, width, qkv_weights(lw), 0.0f, dz);
       if (active) norm_grad(sink, {K::attn_norm, l}, n, alpha, dz, xs(l), rstd_attn(l));
       if (l + 1 > lowest) norm_backward(dz, xs(l), rstd_attn(l), lw.attn_norm, n, true);  // at x_l
     }

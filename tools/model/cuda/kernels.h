@@ -115,8 +115,10 @@ void launch_column_partials(const float* x, int n, int w, long long ld, float* p
 /// partials [chunks, d] of the column sums of dz * x * rstd (an RMSNorm's weight gradient).
 void launch_norm_partials(const float* dz, const float* x, const float* rstd, int n, int d,
                           float* partials);
-/// slot[k] += alpha * the sum of partials[0 .. chunks)[k], in order (also the head norms').
+/// slot[k] += alpha * the sum of partials[0 .. chunks)[k], in order, a chunk's partials stride
+/// floats apart (also the head norms').
 template <class G>
-void launch_finish_columns(const float* partials, int chunks, int w, float alpha, G* slot);
+void launch_finish_columns(const float* partials, int chunks, int w, int stride, float alpha,
+                           G* slot);
 
 }  // namespace shardswap::lm::dec
