@@ -491,21 +491,35 @@ struct DeviceBlock {
 };
 
 // The params as device bit16 tensors.
+// The weights on the device, each param in a block of its own, or (packed) all in one block
+// back to back in declaration order, each start 256-byte aligned, as an engine group holds them:
+// the backend joins q|k|v and gate|up into one GEMM where they lie together, and must give the
+// reference's results both ways.
 struct DeviceParams {
   std::map<std::string, std::unique_ptr<DeviceBlock>> blocks;
   Weights w;
-  DeviceParams(const DecoderShape& s, const Params& p, DType dtype) {
+  DeviceParams(const DecoderShape& s, const Params& p, DType dtype, bool packed = false) {
     w.dtype = dtype;
     w.layers.resize(static_cast<std::size_t>(s.layers));
+    const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+    std::size_t total = 0;
+    for (const ParamSpec& spec : param_specs(s)) total += aligned(param(p, spec.id).size() * 2);
+    if (packed) blocks["all"] = std::make_unique<DeviceBlock>(total);
+    std::size_t offset = 0;
     for (const ParamSpec& spec : param_specs(s)) {
       const Vec& v = param(p, spec.id);
       std::vector<std::uint16_t> bits(v.size());
       for (std::size_t i = 0; i < v.size(); ++i) bits[i] = bits_of(dtype, v[i]);
-      auto block = std::make_unique<DeviceBlock>(bits.size() * 2);
-      cuda_ok(cudaMemcpy(block->p, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice),
-              "cudaMemcpy");
-      const void* at = block->p;
-      blocks[spec.name] = std::move(block);
+      void* at = nullptr;
+      if (packed) {
+        at = static_cast<std::byte*>(blocks["all"]->p) + offset;
+        offset += aligned(bits.size() * 2);
+      } else {
+        auto block = std::make_unique<DeviceBlock>(bits.size() * 2);
+        at = block->p;
+        blocks[spec.name] = std::move(block);
+      }
+      cuda_ok(cudaMemcpy(at, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
       const auto l = static_cast<std::size_t>(std::max(spec.id.layer, 0));
       switch (spec.id.kind) {
         case ParamKind::embed: w.embed = at; break;
@@ -757,8 +771,8 @@ struct CudaRun {
 };
 
 CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_scale,
-                 const std::set<int>& active, int recompute = 0) {
-  const DeviceParams dev(c.shape, p, c.dtype);
+                 const std::set<int>& active, int recompute = 0, bool packed = false) {
+  const DeviceParams dev(c.shape, p, c.dtype, packed);
   const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute);
   DeviceBlock block(bytes);
   auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
@@ -873,12 +887,12 @@ TEST_CASE("decoder reference: its gradients match finite differences of its loss
 
 TEST_CASE("cuda decoder: logits, loss and every gradient match the float64 reference",
           "[decoder][gpu]") {
-  for (const Case& c : shape_cases()) {
-    CAPTURE(c.label);
+  for (const Case& c : shape_cases()) for (const bool packed : {false, true}) {
+    CAPTURE(c.label, packed);
     Params p = random_params(c.shape, c.dtype, 11);
     const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
     const RefResult ref = reference(c.shape, p, b, kGradScale);
-    const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, packed);
     CAPTURE(got.problems);
     REQUIRE(got.problems.empty());
     const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
@@ -894,8 +908,9 @@ TEST_CASE("cuda decoder: logits, loss and every gradient match the float64 refer
       if (err > worst) worst = err, worst_name = spec.name;
     }
     std::printf(
-        "cuda decoder %s: loss error %.2e, logits error %.2e, worst gradient error %.2e (%s)\n",
-        c.label, loss_error, logits_error, worst, worst_name.c_str());
+        "cuda decoder %s%s: loss error %.2e, logits error %.2e, worst gradient error %.2e (%s)\n",
+        c.label, packed ? " (weights packed)" : "", loss_error, logits_error, worst,
+        worst_name.c_str());
     REQUIRE(got.opened.size() == param_specs(c.shape).size());
     REQUIRE(loss_error < logits_tolerance(c.dtype));
     REQUIRE(got.eval_loss == got.loss);  // loss() runs the same forward

@@ -57,7 +57,8 @@ struct CudaLayout {
   // are, since the projections' fp32 rows are scratch), H q heads then K k heads a token.
   std::size_t qk_hat;   // b16 S n (H + K) hd
   std::size_t qk_rstd;  // f32 S n (H + K): 1 / rms of each of those head rows
-  std::size_t gate, up;  // b16 S n I: the MLP's two input projections
+  std::size_t gate_up;  // b16 S n 2I: the MLP's two input projections, a token's gate row
+                        // then its up row (one GEMM writes both where Wgate|Wup lie together)
   // Scratch, one of each:
   std::size_t normed;  // b16 n D: a norm's output (recomputed in backward)
   std::size_t qkv32;   // f32 n (H + 2K) hd: q|k|v projections; in backward dq|dk|dv
@@ -223,8 +224,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   const std::size_t head_rows = s.qk_norm ? n * (h + static_cast<std::size_t>(s.kv_heads)) : 0;
   l.qk_hat = a.take(slots * head_rows * static_cast<std::size_t>(s.head_dim), b16);
   l.qk_rstd = a.take(slots * head_rows, f32);
-  l.gate = a.take(slots * n * in, b16);
-  l.up = a.take(slots * n * in, b16);
+  l.gate_up = a.take(slots * n * 2 * in, b16);
   l.normed = a.take(n * d, b16);
   l.qkv32 = a.take(n * (qw + 2 * kw), f32);
   l.qkv16 = a.take(n * (qw + 2 * kw), b16);

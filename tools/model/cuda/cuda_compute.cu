@@ -231,6 +231,13 @@ class CudaCompute final : public Compute {
     return rows_at<U>(offset, cuda_slot_of(l, recompute_), width);
   }
   float* xs(int l) const { return rows_at<float>(l_.xs, static_cast<std::size_t>(l), s_.hidden); }
+  // Layer l's gate|up rows [n, 2I]: gate at columns [0, I), up at [I, 2I).
+  T* gate_up(int l) const { return layer<T>(l_.gate_up, l, 2 * std::int64_t{s_.intermediate}); }
+  // Whether Wup follows Wgate in memory (the group's declaration order, as a layer's params lie
+  // unless a source hands them out elsewhere): then [Wgate; Wup] is one [2I, D] matrix.
+  bool gate_up_together(const LayerWeights& lw) const {
+    return cw(lw.up) == cw(lw.gate) + static_cast<std::size_t>(s_.intermediate) * s_.hidden;
+  }
   float* ys(int l) const { return layer<float>(l_.ys, l, s_.hidden); }
   float* rstd_attn(int l) const { return layer<float>(l_.rstd_attn, l, 1); }
   float* rstd_mlp(int l) const { return layer<float>(l_.rstd_mlp, l, 1); }
@@ -469,12 +476,16 @@ class CudaCompute final : public Compute {
     linear(n, d, qw, o, qw, lw.o, 0.0f, ys(l), CUDA_R_32F, d);
     mark(PhaseClock::forward_mlp);
     residual_rms_norm(xs(l), ys(l), lw.mlp_norm, n, normed, rstd_mlp(l));
-    T* gate = layer<T>(l_.gate, l, in);
-    T* up = layer<T>(l_.up, l, in);
-    linear(n, in, d, normed, d, lw.gate, 0.0f, gate, t16, in);
-    linear(n, in, d, normed, d, lw.up, 0.0f, up, t16, in);
+    T* gate = gate_up(l);
+    T* up = gate + in;
+    if (gate_up_together(lw)) {  // gate|up [n, 2I] = normed (Wgate|Wup)^T
+      linear(n, 2 * in, d, normed, d, lw.gate, 0.0f, gate, t16, 2 * in);
+    } else {
+      linear(n, in, d, normed, d, lw.gate, 0.0f, gate, t16, 2 * in);
+      linear(n, in, d, normed, d, lw.up, 0.0f, up, t16, 2 * in);
+    }
     if (recompute) return;
-    launch_swiglu_forward<T>(gate, up, static_cast<long long>(n) * in, at<T>(l_.act));
+    launch_swiglu_forward<T>(gate, up, n, in, 2 * in, at<T>(l_.act));
     // x_{l+1} = y + act Wdown^T: the product here, the sum by the next norm's pass.
     linear(n, d, in, at<T>(l_.act), in, lw.down, 0.0f, xs(l + 1), CUDA_R_32F, d);
   }
@@ -650,22 +661,25 @@ class CudaCompute final : public Compute {
       // A recomputed layer's activations, from x_l, into the slot the recomputed layers share;
       // the highest of them still has its own there from forward.
       if (l < recompute_ - 1) forward_layer(lw, b, l, true);
-      T* gate = layer<T>(l_.gate, l, in);
-      T* up = layer<T>(l_.up, l, in);
+      T* gate = gate_up(l);
+      T* up = gate + in;
       // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
       // d16 = dx rounded, by the norm backward that made dx.
       linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
       // act (recomputed) for the down projection's weight gradient in the same pass.
-      launch_swiglu_backward<T>(at(l_.dact), gate, up, active ? act : nullptr,
-                                static_cast<long long>(n) * in);
+      launch_swiglu_backward<T>(at(l_.dact), gate, up, active ? act : nullptr, n, in, 2 * in);
       if (active) {
         weight_grad(sink, {K::down, l}, n, d, in, alpha, d16, d, act, in);
         rms_norm(ys(l), lw.mlp_norm, n, normed, nullptr);
-        weight_grad(sink, {K::gate, l}, n, in, d, alpha, gate, in, normed, d);
-        weight_grad(sink, {K::up, l}, n, in, d, alpha, up, in, normed, d);
+        weight_grad(sink, {K::gate, l}, n, in, d, alpha, gate, 2 * in, normed, d);
+        weight_grad(sink, {K::up, l}, n, in, d, alpha, up, 2 * in, normed, d);
       }
-      linear_input_grad(n, in, d, gate, in, lw.gate, 0.0f, dz);
-      linear_input_grad(n, in, d, up, in, lw.up, 1.0f, dz);
+      if (gate_up_together(lw)) {  // dz = dgate|dup (Wgate|Wup): one GEMM over 2I
+        linear_input_grad(n, 2 * in, d, gate, 2 * in, lw.gate, 0.0f, dz);
+      } else {
+        linear_input_grad(n, in, d, gate, 2 * in, lw.gate, 0.0f, dz);
+        linear_input_grad(n, in, d, up, 2 * in, lw.up, 1.0f, dz);
+      }
       if (active) norm_grad(sink, {K::mlp_norm, l}, n, alpha, dz, ys(l), rstd_mlp(l));
       norm_backward(dz, ys(l), rstd_mlp(l), lw.mlp_norm, n, true);  // dx: now at y
       // Attention: y = x + o Wo^T.

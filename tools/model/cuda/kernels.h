@@ -91,12 +91,15 @@ void launch_attention_backward(int sequences, int seq_len, int heads, int kv_hea
                                const int* positions);
 
 // swiglu.cu
-/// act = silu(gate) * up, count elements.
+/// act [rows, width] = silu(gate) * up, gate and up rows of width elements ld apart.
 template <class T>
-void launch_swiglu_forward(const T* gate, const T* up, long long count, T* act);
-/// gate and up replaced by their gradients from dact; act recomputed when not null.
+void launch_swiglu_forward(const T* gate, const T* up, int rows, int width, long long ld,
+                           T* act);
+/// gate and up (as the forward's) replaced by their gradients from dact [rows, width]; act
+/// recomputed when not null.
 template <class T>
-void launch_swiglu_backward(const float* dact, T* gate, T* up, T* act, long long count);
+void launch_swiglu_backward(const float* dact, T* gate, T* up, T* act, int rows, int width,
+                            long long ld);
 
 // cross_entropy.cu
 /// row_loss[r] = logsumexp(z_r) - z_r[targets[r]] for `rows` rows of fp32 logits [rows, vocab];
