@@ -771,12 +771,13 @@ struct CudaRun {
 };
 
 CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_scale,
-                 const std::set<int>& active, int recompute = 0, bool packed = false) {
+                 const std::set<int>& active, int recompute = 0, bool packed = false,
+                 DType logits = DType::f32) {
   const DeviceParams dev(c.shape, p, c.dtype, packed);
   const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute);
   DeviceBlock block(bytes);
   auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
-                                   recompute);
+                                   recompute, logits);
   const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(),
                     b.positions.empty() ? nullptr : b.positions.data()};
   SlotSink sink(c.shape, active, c.slot_dtype);
@@ -915,6 +916,51 @@ TEST_CASE("cuda decoder: logits, loss and every gradient match the float64 refer
     REQUIRE(loss_error < logits_tolerance(c.dtype));
     REQUIRE(got.eval_loss == got.loss);  // loss() runs the same forward
     REQUIRE(logits_error < logits_tolerance(c.dtype));
+  }
+}
+
+// model.bit16_logits: the head's GEMM writes its logits in the weights' dtype and the
+// cross-entropy reads them. The logits it hands out are values of that dtype, its loss is the
+// float64 cross-entropy of them, and logits and gradients stay within the float64 reference's
+// tolerances (the reference keeps exact logits).
+TEST_CASE("cuda decoder: bit16 logits are the loss's logits and stay within the float64 "
+          "reference's tolerances",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases()) {
+    CAPTURE(c.label);
+    Params p = random_params(c.shape, c.dtype, 11);
+    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
+    const RefResult ref = reference(c.shape, p, b, kGradScale);
+    const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, c.dtype);
+    CAPTURE(got.problems);
+    REQUIRE(got.problems.empty());
+    const auto v = static_cast<std::size_t>(c.shape.vocab);
+    const std::size_t rows = got.logits.size() / v;
+    double want = 0.0;
+    for (std::size_t r = 0; r < rows; ++r) {
+      const float* z = got.logits.data() + r * v;
+      for (std::size_t k = 0; k < v; ++k)
+        REQUIRE(value_of(c.dtype, bits_of(c.dtype, z[k])) == static_cast<double>(z[k]));
+      const double top = *std::max_element(z, z + v);
+      double sum = 0.0;
+      for (std::size_t k = 0; k < v; ++k) sum += std::exp(z[k] - top);
+      want += top + std::log(sum) - z[static_cast<std::size_t>(b.targets[r])];
+    }
+    want /= static_cast<double>(rows);
+    CAPTURE(got.loss, want, ref.loss);
+    REQUIRE(std::fabs(got.loss - want) / want < 1e-5);
+    REQUIRE(std::fabs(got.loss - ref.loss) / ref.loss < logits_tolerance(c.dtype));
+    REQUIRE(normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits) <
+            logits_tolerance(c.dtype));
+    double worst = 0;
+    for (const ParamSpec& spec : param_specs(c.shape)) {
+      const double err = normalized_error(got.grads.at(spec.name), param(ref.grads, spec.id));
+      CAPTURE(spec.name, err);
+      REQUIRE(err < grad_tolerance(c.dtype));
+      worst = std::max(worst, err);
+    }
+    std::printf("cuda decoder %s, bit16 logits: loss error %.2e, worst gradient error %.2e\n",
+                c.label, std::fabs(got.loss - ref.loss) / ref.loss, worst);
   }
 }
 

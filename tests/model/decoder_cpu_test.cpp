@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "optimizer/optimizer.h"
+#include "shardswap/elements.h"
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
 #include "tests/support/decoder_reference.h"
@@ -224,9 +225,10 @@ struct Block {
 struct Backend {
   Block block;
   std::unique_ptr<lm::dec::Compute> compute;
-  Backend(const DecoderShape& s, int max_sequences, int seq_len)
+  Backend(const DecoderShape& s, int max_sequences, int seq_len, DType logits = DType::f32)
       : block(lm::dec::cpu_bytes(s, max_sequences, seq_len)),
-        compute(lm::dec::make_cpu_compute(s, max_sequences, seq_len, block.data(), block.bytes)) {}
+        compute(lm::dec::make_cpu_compute(s, max_sequences, seq_len, block.data(), block.bytes,
+                                          0, logits)) {}
 };
 
 lm::dec::Batch batch_of(const DecoderTokens& t) {
@@ -554,6 +556,67 @@ TEST_CASE(
     }
     REQUIRE(be.block.guards_intact());
   }
+}
+
+// model.bit16_logits: the logits rounded to bf16 before the cross-entropy. Checked from the
+// outside: the logits it hands out are the fp32 run's rounded (the same GEMM), its loss is the
+// float64 cross-entropy of those logits, and its gradients stay within a bf16 rounding of the
+// fp32 run's (not equal: the option changes the bits).
+TEST_CASE("decoder CPU with bit16 logits: the cross-entropy of the fp32 logits rounded to bf16",
+          "[decoder]") {
+  for (const DecoderShape& shape : {tiny_qwen2(true), tiny_llama()}) {
+    CAPTURE(shape.family == DecoderFamily::qwen2);
+    const Model m = random_model(shape, 41);
+    const DecoderTokens t = test_support::random_decoder_tokens(shape, 3, 30, 42);  // two chunks
+    Backend fp32(shape, 3, 30), bf16(shape, 3, 30, DType::bf16);
+    const auto rows = static_cast<std::size_t>(3 * 30), v = static_cast<std::size_t>(shape.vocab);
+    std::vector<float> z32(rows * v), z16(rows * v);
+    fp32.compute->logits(m.weights, batch_of(t), z32.data());
+    bf16.compute->logits(m.weights, batch_of(t), z16.data());
+    std::size_t changed = 0;
+    for (std::size_t i = 0; i < z32.size(); ++i) {
+      std::uint16_t bits = 0;
+      convert_elements(&bits, DType::bf16, &z32[i], DType::f32, 1);
+      float rounded = 0.0f;
+      convert_elements(&rounded, DType::f32, &bits, DType::bf16, 1);
+      REQUIRE(z16[i] == rounded);
+      changed += z16[i] != z32[i] ? 1 : 0;
+    }
+    REQUIRE(changed > z32.size() / 2);
+    double want = 0.0;  // the mean cross-entropy of the rounded logits, in float64
+    for (std::size_t r = 0; r < rows; ++r) {
+      const float* z = z16.data() + r * v;
+      const double top = *std::max_element(z, z + v);
+      double sum = 0.0;
+      for (std::size_t c = 0; c < v; ++c) sum += std::exp(z[c] - top);
+      want += top + std::log(sum) - z[static_cast<std::size_t>(t.targets[r])];
+    }
+    want /= static_cast<double>(rows);
+    const double loss16 = bf16.compute->loss(m.weights, batch_of(t));
+    const double loss32 = fp32.compute->loss(m.weights, batch_of(t));
+    CAPTURE(loss16, loss32, want);
+    REQUIRE(std::abs(loss16 - want) / want < 1e-6);
+    REQUIRE(loss16 != loss32);
+    RecordingSink g32(shape, RecordingSink::all(shape)), g16(shape, RecordingSink::all(shape));
+    REQUIRE(fp32.compute->train_step(m.weights, batch_of(t), 1.0, g32) == loss32);
+    REQUIRE(bf16.compute->train_step(m.weights, batch_of(t), 1.0, g16) == loss16);
+    for (const auto& p : test_support::decoder_reference_params(shape)) {
+      const double err = test_support::decoder_normalized_error(g16.grad(p.name), g32.grad(p.name));
+      CAPTURE(p.name, err);
+      REQUIRE(err < 1e-2);
+    }
+    const std::string head = test_support::decoder_reference_params(shape).back().name;
+    REQUIRE(g16.grad(head) != g32.grad(head));
+  }
+}
+
+TEST_CASE("decoder CPU refuses a logits dtype that is not fp32, bf16 or fp16", "[decoder]") {
+  const DecoderShape shape = tiny_llama();
+  Block block(lm::dec::cpu_bytes(shape, 1, 4));
+  const std::string msg = test::message_of<ConfigError>([&] {
+    (void)lm::dec::make_cpu_compute(shape, 1, 4, block.data(), block.bytes, 0, DType::f64);
+  });
+  REQUIRE(test::contains(msg, "logits of dtype fp64"));
 }
 
 TEST_CASE("decoder CPU refuses positions that do not cut rows into documents, naming the token",

@@ -117,8 +117,11 @@ class Decoder {
 /// is allocated once, here, from `space` with Tag::activation (activation_bytes() of it,
 /// exactly). `dtype` is the weights' (the engine's config dtype: bf16 or fp16). Throws
 /// ConfigError for a bad shape, max_sequences or seq_len < 1, seq_len above max_positions or a
-/// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA.
+/// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA. With
+/// bit16_logits (model.bit16_logits) the head's logits are rounded to `dtype` before the
+/// cross-entropy, as a GEMM with a bit16 output leaves them: fewer bytes, not the same bits.
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
-                                      DType dtype, MemorySpace& space, int recompute_layers = 0);
+                                      DType dtype, MemorySpace& space, int recompute_layers = 0,
+                                      bool bit16_logits = false);
 
 }  // namespace shardswap

@@ -97,6 +97,7 @@ DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
     c.fail("model.recompute_layers", fmt::format("{}", recompute),
            fmt::format("must lie in [0, num_hidden_layers = {}]", d.shape.layers));
   d.recompute_layers = static_cast<int>(recompute);
+  d.bit16_logits = c.boolean("model.bit16_logits", false);
   return d;
 }
 

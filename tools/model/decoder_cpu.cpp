@@ -230,11 +230,12 @@ void rms_norm_backward(const float* x, std::size_t rows, std::size_t d, const fl
 class CpuCompute final : public Compute {
  public:
   CpuCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-             std::byte* memory)
+             std::byte* memory, DType logits)
       : s_(s),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
         recompute_(static_cast<std::size_t>(recompute)),
+        logits_(logits),
         z_(sizes_of(s, max_sequences, seq_len)),
         mem_(memory),
         l_(layout_of(s, max_sequences, seq_len, recompute)) {
@@ -287,6 +288,7 @@ class CpuCompute final : public Compute {
       const std::size_t rows = std::min<std::size_t>(kLossChunkRows, n - r0);
       MapR(out + r0 * z_.v, rows_i(rows), cols(z_.v)).noalias() =
           CMapR(at(l_.normed) + r0 * z_.d, rows_i(rows), cols(z_.d)) * hw.w.transpose();
+      if (logits_ != DType::f32) round_through(logits_, out + r0 * z_.v, rows * z_.v);
     }
   }
 
@@ -644,6 +646,7 @@ class CpuCompute final : public Compute {
       const CMapR f(at(l_.normed) + r0 * d, rows_i(rows), cols(d));
       MapR z(at(l_.logits), rows_i(rows), cols(v));
       z.noalias() = f * hw.w.transpose();
+      if (logits_ != DType::f32) round_through(logits_, z.data(), rows * v);
       for (std::size_t r = 0; r < rows; ++r) {
         auto row = z.row(cols(r));
         const float m = row.maxCoeff();
@@ -665,6 +668,16 @@ class CpuCompute final : public Compute {
     }
     const std::size_t counted = counted_targets(b);
     return counted == 0 ? 0.0 : total / static_cast<double>(counted);
+  }
+
+  // Each value rounded to `dtype` and back (model.bit16_logits: the logits as a GEMM with a
+  // bit16 output leaves them).
+  static void round_through(DType dtype, float* values, std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) {
+      std::uint16_t bits = 0;
+      convert_elements(&bits, dtype, values + i, DType::f32, 1);
+      convert_elements(values + i, DType::f32, &bits, dtype, 1);
+    }
   }
 
   // ---- backward ----
@@ -867,6 +880,7 @@ class CpuCompute final : public Compute {
   DecoderShape s_;
   int max_sequences_, seq_len_;
   std::size_t recompute_;  // the lowest layers that run their forward again in backward
+  DType logits_;  // fp32, or bf16 / fp16 with model.bit16_logits (see round_through)
   Sizes z_;
   std::byte* mem_;
   Layout l_;
@@ -882,8 +896,11 @@ std::size_t cpu_bytes(const DecoderShape& s, int max_sequences, int seq_len,
 
 std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                           void* memory, std::size_t bytes,
-                                          int recompute_layers) {
+                                          int recompute_layers, DType logits) {
   validate(s, max_sequences, seq_len, recompute_layers, "make_cpu_compute");
+  if (logits != DType::f32 && !is_bit16(logits))
+    throw ConfigError(fmt::format("make_cpu_compute: logits of dtype {}: fp32, bf16 or fp16",
+                                  dtype_name(logits)));
   const std::size_t need = layout_of(s, max_sequences, seq_len, recompute_layers).bytes;
   if (memory == nullptr || bytes < need)
     throw ConfigError(
@@ -893,7 +910,7 @@ std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequenc
     throw ConfigError(
         fmt::format("make_cpu_compute: the block at {} is not {}-byte aligned", memory, kAlign));
   return std::make_unique<CpuCompute>(s, max_sequences, seq_len, recompute_layers,
-                                      static_cast<std::byte*>(memory));
+                                      static_cast<std::byte*>(memory), logits);
 }
 
 }  // namespace shardswap::lm::dec

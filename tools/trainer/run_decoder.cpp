@@ -127,7 +127,8 @@ class DecoderRun final : public RunModel {
   std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
                                              MemorySpace& space) const override {
     return std::make_unique<DecoderRank>(
-        make_decoder(config_.shape, micro, config_.seq_len, dtype, space, config_.recompute_layers),
+        make_decoder(config_.shape, micro, config_.seq_len, dtype, space, config_.recompute_layers,
+                     config_.bit16_logits),
         config_.shape.vocab);
   }
   int recomputable_layers() const override { return config_.shape.layers; }

@@ -4,6 +4,7 @@
 // Precision and reproducibility: logsumexp and softmax in fp32 by fixed trees over the block;
 // the mean in fp64 by a fixed tree. The same bits run to run.
 #include <cstdint>
+#include <type_traits>
 
 #include "model/cuda/common.cuh"
 #include "model/cuda/kernels.h"
@@ -29,35 +30,38 @@ __device__ float block_reduce(float v, float* shared) {
   return shared[0];
 }
 
-// One block per token row of the chunk: loss = logsumexp(z) - z[target]; with `grad`, the row
-// is replaced in place by dz = softmax(z) - onehot(target) (the gradient of the summed loss) in
-// T, at the row's start (so rows of T are 2 V apart). N columns a thread at a time: 16-byte loads
-// (N = 4) where the launcher finds vocab a multiple of 4, since one 4-byte load a thread keeps
-// too few bytes in flight to reach the memory bandwidth (8.6 ms for the 16 chunks of a 0.5B
-// step on an H200, ~3 TB/s). In place is safe: each round of kCeThreads N columns is read before
-// the barrier and written after it, and writes of round t reach only fp32 columns below
-// kCeThreads N (t + 1) / 2, all read by then.
-template <class T, int N>
+// One block per token row of the chunk: loss = logsumexp(z) - z[target] for logits z of type L
+// (fp32, or T with model.bit16_logits); with `grad`, the row is replaced in place by dz =
+// softmax(z) - onehot(target) (the gradient of the summed loss) in T, at the row's start (so rows
+// of T are 2 V apart for fp32 logits, V apart for T's). N columns a thread at a time: 16-byte
+// loads of fp32 (N = 4) where the launcher finds vocab a multiple of 4, since one 4-byte load a
+// thread keeps too few bytes in flight to reach the memory bandwidth (8.6 ms for the 16 chunks
+// of a 0.5B step on an H200, ~3 TB/s). In place is safe: each round of kCeThreads N columns is
+// read before the barrier and written after it, and writes of round t reach only columns below
+// kCeThreads N (t + 1) sizeof(T) / sizeof(L), all read by then.
+template <class T, class L, int N>
 __global__ void __launch_bounds__(kCeThreads)
-    cross_entropy_rows(float* logits, int vocab, const int* __restrict__ targets,
+    cross_entropy_rows(L* logits, int vocab, const int* __restrict__ targets,
                        float* __restrict__ row_loss, bool grad) {
+  using LPack = std::conditional_t<std::is_same_v<L, float>, FloatPack<N>, Pack<T, N>>;
   __shared__ float shared[kCeThreads];
-  float* z = logits + static_cast<long long>(blockIdx.x) * vocab;
-  const FloatPack<N>* zp = reinterpret_cast<const FloatPack<N>*>(z);
+  L* z = logits + static_cast<long long>(blockIdx.x) * vocab;
+  const LPack* zp = reinterpret_cast<const LPack*>(z);
   const int packs = vocab / N;
   // One pass for the row's max and sum of exp (each thread's running sum rescaled when its
   // max grows), then the gradient pass: the row is read twice, not three times.
   float m = -INFINITY, sum = 0.0f;
 #pragma unroll 4
   for (int p = threadIdx.x; p < packs; p += kCeThreads) {
-    const FloatPack<N> x = zp[p];
+    const LPack x = zp[p];
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      if (x.v[e] > m) {
-        sum = sum * expf(m - x.v[e]) + 1.0f;
-        m = x.v[e];
+      const float xv = to_float(x.v[e]);
+      if (xv > m) {
+        sum = sum * expf(m - xv) + 1.0f;
+        m = xv;
       } else {
-        sum += expf(x.v[e] - m);
+        sum += expf(xv - m);
       }
     }
   }
@@ -67,18 +71,19 @@ __global__ void __launch_bounds__(kCeThreads)
   const int target = targets[blockIdx.x];
   // kIgnoredTarget (decoder_compute.h), the only negative target; the same for the whole block.
   const bool ignored = target < 0;
-  if (threadIdx.x == 0) row_loss[blockIdx.x] = ignored ? 0.0f : lse - z[target];  // before writes
+  if (threadIdx.x == 0)  // before writes
+    row_loss[blockIdx.x] = ignored ? 0.0f : lse - to_float(z[target]);
   if (!grad) return;
   Pack<T, N>* dz = reinterpret_cast<Pack<T, N>*>(z);
   for (int base = 0; base < packs; base += kCeThreads) {
     const int p = base + threadIdx.x;
     Pack<T, N> out;
     if (p < packs) {
-      const FloatPack<N> x = zp[p];
+      const LPack x = zp[p];
 #pragma unroll
       for (int e = 0; e < N; ++e)
         out.v[e] = ignored ? from_float<T>(0.0f)
-                           : from_float<T>(expf(x.v[e] - lse) -
+                           : from_float<T>(expf(to_float(x.v[e]) - lse) -
                                            (p * N + e == target ? 1.0f : 0.0f));
     }
     __syncthreads();
@@ -104,16 +109,18 @@ __global__ void mean_of(const float* __restrict__ loss, int n, double denominato
 
 }  // namespace
 
-template <class T>
-void launch_cross_entropy_rows(float* logits, int rows, int vocab, const int* targets,
+template <class T, class L>
+void launch_cross_entropy_rows(L* logits, int rows, int vocab, const int* targets,
                                float* row_loss, bool grad) {
-  // Every row starts 16-byte aligned when the chunk does and vocab is a multiple of 4.
-  if (vocab % 4 == 0 && reinterpret_cast<std::uintptr_t>(logits) % 16 == 0)
-    cross_entropy_rows<T, 4><<<rows, kCeThreads, 0, cudaStreamPerThread>>>(logits, vocab, targets,
-                                                                           row_loss, grad);
+  // Every row starts 16-byte aligned when the chunk does and vocab is a multiple of 4 (fp32) or
+  // 8 (bit16 logits).
+  constexpr int kWide = std::is_same_v<L, float> ? 4 : 8;
+  if (vocab % kWide == 0 && reinterpret_cast<std::uintptr_t>(logits) % 16 == 0)
+    cross_entropy_rows<T, L, kWide><<<rows, kCeThreads, 0, cudaStreamPerThread>>>(
+        logits, vocab, targets, row_loss, grad);
   else
-    cross_entropy_rows<T, 1><<<rows, kCeThreads, 0, cudaStreamPerThread>>>(logits, vocab, targets,
-                                                                           row_loss, grad);
+    cross_entropy_rows<T, L, 1><<<rows, kCeThreads, 0, cudaStreamPerThread>>>(
+        logits, vocab, targets, row_loss, grad);
   check_launch();
 }
 
@@ -122,8 +129,13 @@ void launch_mean_of(const float* loss, int n, double denominator, double* out) {
   check_launch();
 }
 
-template void launch_cross_entropy_rows<__nv_bfloat16>(float*, int, int, const int*, float*,
+template void launch_cross_entropy_rows<__nv_bfloat16, float>(float*, int, int, const int*,
+                                                              float*, bool);
+template void launch_cross_entropy_rows<__half, float>(float*, int, int, const int*, float*,
                                                        bool);
-template void launch_cross_entropy_rows<__half>(float*, int, int, const int*, float*, bool);
+template void launch_cross_entropy_rows<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, int, int,
+                                                                      const int*, float*, bool);
+template void launch_cross_entropy_rows<__half, __half>(__half*, int, int, const int*, float*,
+                                                        bool);
 
 }  // namespace shardswap::lm::dec

@@ -119,8 +119,9 @@ template <class T>
 class CudaCompute final : public Compute {
  public:
   CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-              std::byte* memory, CudaAttention attention)
+              std::byte* memory, CudaAttention attention, bool bit16_logits)
       : s_(s),
+        bit16_logits_(bit16_logits),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
         recompute_(recompute),
@@ -515,11 +516,13 @@ class CudaCompute final : public Compute {
   void head_and_loss(const void* head, const Batch& b, GradSink* sink, double grad_scale,
                      float* out) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, vocab = s_.vocab;
-    const cudaStream_t stream = cudaStreamPerThread;
     const cublasHandle_t cb = cublas_.get();
     const T* f = at<T>(l_.normed);
-    float* logits = at(l_.logits);
-    const T* dlogits = at<T>(l_.logits);  // in place, rows 2 V apart
+    // fp32 logits (their gradient in place in T, rows 2 V apart), or T's with
+    // model.bit16_logits (the gradient in place, rows V apart).
+    void* logits = at(l_.logits);
+    const T* dlogits = at<T>(l_.logits);
+    const long long ld_grad = bit16_logits_ ? vocab : 2LL * vocab;
     const float alpha = mean_factor(grad_scale);
     const bool head_matrix =
         sink != nullptr && sink->active(s_.tied ? 0 : s_.layers + 1);
@@ -532,25 +535,45 @@ class CudaCompute final : public Compute {
     for (int r0 = 0; r0 < n; r0 += kCudaLossChunkRows) {
       const int rows = std::min(kCudaLossChunkRows, n - r0);
       gemm(cb, false, true, rows, vocab, d, 1.0f, f + static_cast<long long>(r0) * d, t16, d,
-           head, t16, d, 0.0f, logits, CUDA_R_32F, vocab);
-      if (out != nullptr)
-        SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(out + static_cast<long long>(r0) * vocab, logits,
-                                             sizeof(float) * rows * vocab, cudaMemcpyDeviceToHost,
-                                             stream));
-      launch_cross_entropy_rows<T>(logits, rows, vocab, at<int>(l_.targets) + r0,
-                                   at(l_.row_loss) + r0, sink != nullptr);
+           head, t16, d, 0.0f, logits, bit16_logits_ ? t16 : CUDA_R_32F, vocab);
+      if (out != nullptr) copy_logits_out(out + static_cast<long long>(r0) * vocab, rows, vocab);
+      if (bit16_logits_)
+        launch_cross_entropy_rows<T, T>(static_cast<T*>(logits), rows, vocab,
+                                        at<int>(l_.targets) + r0, at(l_.row_loss) + r0,
+                                        sink != nullptr);
+      else
+        launch_cross_entropy_rows<T, float>(static_cast<float*>(logits), rows, vocab,
+                                            at<int>(l_.targets) + r0, at(l_.row_loss) + r0,
+                                            sink != nullptr);
       if (sink == nullptr) continue;
       if (head_matrix)  // slot [V, D] += alpha dlogits^T f
-        gemm(cb, true, false, vocab, d, rows, alpha, dlogits, t16, 2LL * vocab,
+        gemm(cb, true, false, vocab, d, rows, alpha, dlogits, t16, ld_grad,
              f + static_cast<long long>(r0) * d, t16, d, 1.0f, slot.data, slot_type(slot.dtype),
              d);
-      gemm(cb, false, false, rows, d, vocab, 1.0f, dlogits, t16, 2LL * vocab, head, t16, d,
+      gemm(cb, false, false, rows, d, vocab, 1.0f, dlogits, t16, ld_grad, head, t16, d,
            0.0f, at(l_.dz) + static_cast<long long>(r0) * d, CUDA_R_32F, d);
     }
     // Closed here even when tied: one slot is open at a time (a stage-2 bucket is reduced once
     // backward moves on to another group); the lookup's gradient opens the embedding again.
     if (head_matrix) sink->close(head_id);
     launch_mean_of(at(l_.row_loss), n, static_cast<double>(counted_), at<double>(l_.mean_loss));
+  }
+
+  // The chunk's logits rows (as the loss sees them) to the host as fp32: bit16 ones through a
+  // host copy, widened there (logits() only: tests and export checks).
+  void copy_logits_out(float* out, int rows, int vocab) {
+    const auto count = static_cast<std::size_t>(rows) * static_cast<std::size_t>(vocab);
+    const cudaStream_t stream = cudaStreamPerThread;
+    if (!bit16_logits_) {
+      SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(out, at(l_.logits), sizeof(float) * count,
+                                           cudaMemcpyDeviceToHost, stream));
+      return;
+    }
+    std::vector<T> rows16(count);
+    SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(rows16.data(), at<T>(l_.logits), sizeof(T) * count,
+                                         cudaMemcpyDeviceToHost, stream));
+    SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<float>(rows16[i]);
   }
 
   double read_loss() const {
@@ -751,6 +774,7 @@ class CudaCompute final : public Compute {
   }
 
   DecoderShape s_;
+  bool bit16_logits_;  // model.bit16_logits: the head's logits in T, not fp32
   int max_sequences_, seq_len_;
   int recompute_;  // the lowest layers that run their forward again in backward
   std::size_t n_max_;
@@ -819,7 +843,10 @@ std::string cuda_attention_name(const DecoderShape& s) {
 
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
-                                           int recompute) {
+                                           int recompute, DType logits) {
+  if (logits != DType::f32 && logits != dtype)
+    throw ConfigError(std::string("make_cuda_compute: logits of dtype ") + dtype_name(logits) +
+                      ": fp32 or the weights' " + dtype_name(dtype));
   const std::size_t expected = cuda_bytes(s, max_sequences, seq_len, recompute);
   if (bytes != expected)
     throw ConfigError("make_cuda_compute: the block has " + std::to_string(bytes) +
@@ -832,10 +859,10 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   switch (dtype) {
     case DType::bf16:
       return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
-                                                          base, attention);
+                                                          base, attention, logits != DType::f32);
     case DType::f16:
       return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute, base,
-                                                   attention);
+                                                   attention, logits != DType::f32);
     default:
       break;
   }

@@ -102,11 +102,11 @@ void launch_swiglu_backward(const float* dact, T* gate, T* up, T* act, int rows,
                             long long ld);
 
 // cross_entropy.cu
-/// row_loss[r] = logsumexp(z_r) - z_r[targets[r]] for `rows` rows of fp32 logits [rows, vocab];
-/// with grad, each row replaced in place by softmax(z_r) - onehot in T at the row's start. A row
-/// whose target is kIgnoredTarget has loss 0 and a zero gradient.
-template <class T>
-void launch_cross_entropy_rows(float* logits, int rows, int vocab, const int* targets,
+/// row_loss[r] = logsumexp(z_r) - z_r[targets[r]] for `rows` rows of logits [rows, vocab] of
+/// type L (fp32, or T); with grad, each row replaced in place by softmax(z_r) - onehot in T at
+/// the row's start. A row whose target is kIgnoredTarget has loss 0 and a zero gradient.
+template <class T, class L>
+void launch_cross_entropy_rows(L* logits, int rows, int vocab, const int* targets,
                                float* row_loss, bool grad);
 /// *out = the sum of loss[0 .. n) in fp64 over `denominator` (the counted targets; 0 gives 0).
 void launch_mean_of(const float* loss, int n, double denominator, double* out);
