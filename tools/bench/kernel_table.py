@@ -3,7 +3,10 @@
 tools/bench/profile_step.sh writes it): GPU time per step by kernel and launch shape (grid and
 block: a GEMM's shape shows in its grid), the share of the total, and the launches per step.
 
-    python3 tools/bench/kernel_table.py [--steps N] [--top K] [--by name|shape] [--sequence] FILE.csv
+    python3 tools/bench/kernel_table.py [--steps N] [--top K] [--by name|shape|kind] [--sequence]
+                                        [--segment NAME:K] FILE.csv
+
+--by kind groups the kernels by what they do (GEMMs, attention, SwiGLU, ...: KINDS below).
 
 --sequence lists every launch in order instead (ms, grid, block, name): to find a kernel's call
 site from its neighbours. --segment NAME:K keeps only the launches after the K-th launch whose name
@@ -33,6 +36,32 @@ def rows(path):
         yield r["Kernel Name"], r.get("Grid Size", ""), r.get("Block Size", ""), value * SCALE[unit]
 
 
+# --by kind: what a kernel does, from its name (ShardSwap's kernels, cuBLAS's and cuDNN's, and
+# llm.q's for tools/peers/llmq_profile.sh), so that two programs' steps compare row by row.
+KINDS = [
+    ("GEMMs (cuBLAS)", ("nvjet", "splitkreduce", "gemm", "cutlass")),
+    ("attention (cuDNN)", ("sdpa", "cudnn::")),
+    ("SwiGLU backward", ("swiglu_backward",)),
+    ("SwiGLU forward", ("swiglu_forward",)),
+    ("cross-entropy", ("cross_entropy", "classifier", "mean_of", "loss_sum", "lse_stats")),
+    ("RMSNorm backward", ("rmsnorm_backward", "rms_norm_backward")),
+    ("RMSNorm forward", ("rmsnorm_forward", "rms_norm_forward")),
+    ("RMSNorm weight and bias sums", ("norm_partials", "finish_columns", "column_partials",
+                                      "bias", "reduce_add_sum")),
+    ("q/k/v bias + RoPE", ("qkv_", "rope")),
+    ("optimizer step", ("adamw", "global_norm", "deterministic_sum", "onerankreduce")),
+    ("embedding", ("embed", "encoder", "wte")),
+]
+
+
+def kind_of(name):
+    lower = name.lower()
+    for kind, parts in KINDS:
+        if any(part in lower for part in parts):
+            return kind
+    return "other"
+
+
 def segment(launches, spec):
     """The launches after the K-th whose name holds NAME, through the (K+1)-th (spec NAME:K)."""
     name, _, k = spec.rpartition(":")
@@ -49,7 +78,7 @@ def main():
     p.add_argument("csv")
     p.add_argument("--steps", type=int, default=1, help="steps the capture held (divides the sums)")
     p.add_argument("--top", type=int, default=40)
-    p.add_argument("--by", choices=["name", "shape"], default="shape")
+    p.add_argument("--by", choices=["name", "shape", "kind"], default="shape")
     p.add_argument("--sequence", action="store_true", help="every launch in order")
     p.add_argument("--segment", metavar="NAME:K", help="one step, cut at a kernel's launches")
     args = p.parse_args()
@@ -63,7 +92,8 @@ def main():
     total = collections.Counter()
     calls = collections.Counter()
     for name, grid, block, ms in launches:
-        key = name[:140] if args.by == "name" else f"{name[:140]} {grid} {block}"
+        key = (name[:140] if args.by == "name" else kind_of(name) if args.by == "kind"
+               else f"{name[:140]} {grid} {block}")
         total[key] += ms
         calls[key] += 1
     if not total:

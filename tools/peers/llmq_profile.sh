@@ -5,19 +5,22 @@
 # .llmq-src/ (../shared/peers/llmq: `tar xzf llmq-src.tgz`). Issue 32's first item: where llm.q's
 # step is shorter, kernel by kernel.
 #  1. llm.q: built and run for 3 steps by its own bench/gpu_run.sh (bf16 setting, CUDA graphs),
-#     then its exact command run again under ncu for STEPS steps from its start; the table is
-#     step SEGMENT's launches, cut at its AdamW kernel (tools/bench/kernel_table.py --segment).
+#     then its exact command run again under ncu for STEPS steps from its start; the table is one
+#     step's launches, those after its classifier kernel's SEGMENT-th launch (counted from 0) up to
+#     and with the next (tools/bench/kernel_table.py --segment): that step's backward, optimizer
+#     (its AdamW kernel runs once a tensor, so it cannot mark steps), next forward and head.
 #  2. ShardSwap: tools/bench/profile_step.sh over configs/qwen2.5-0.5b.json on real text (train_step
 #     only: engine.step() is outside its capture; its time is in train_bench's split).
 # Writes under OUT: llmq-build/ (gpu_run.sh's files), llmq.csv, llmq.txt (the table),
-# llmq-sequence.txt (the step's launches in order), shardswap/ (profile_step.sh's files).
-#   usage: OUT=DIR [STEPS=4] [SEGMENT=2] bash tools/peers/llmq_profile.sh
+# llmq-sequence.txt (the step's launches in order), shardswap/ (profile_step.sh's files), and
+# llmq-kinds.txt and shardswap-kinds.txt: both steps by kind of kernel, row for row.
+#   usage: OUT=DIR [STEPS=4] [SEGMENT=1] bash tools/peers/llmq_profile.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:?set OUT to the folder for the results}
 STEPS=${STEPS:-4}
-SEGMENT=${SEGMENT:-2}
+SEGMENT=${SEGMENT:-1}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 status=0
@@ -39,10 +42,12 @@ else
   ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
     --print-units base --log-file "$OUT/llmq.csv" "${args[@]}" > "$OUT/llmq-ncu.log" 2>&1 ||
     { tail -20 "$OUT/llmq-ncu.log"; status=1; }
-  python3 tools/bench/kernel_table.py --segment "adamw:$SEGMENT" --sequence "$OUT/llmq.csv" \
+  python3 tools/bench/kernel_table.py --segment "fused_classifier:$SEGMENT" --sequence "$OUT/llmq.csv" \
     > "$OUT/llmq-sequence.txt" || status=1
-  python3 tools/bench/kernel_table.py --segment "adamw:$SEGMENT" --top 60 "$OUT/llmq.csv" |
+  python3 tools/bench/kernel_table.py --segment "fused_classifier:$SEGMENT" --top 60 "$OUT/llmq.csv" |
     tee "$OUT/llmq.txt" || status=1
+  python3 tools/bench/kernel_table.py --segment "fused_classifier:$SEGMENT" --by kind \
+    "$OUT/llmq.csv" | tee "$OUT/llmq-kinds.txt" || status=1
 fi
 
 step "ShardSwap: one train_step under ncu"
@@ -53,4 +58,6 @@ text=$(python3 -c "import sys; sys.path.insert(0, 'tools/bench'); import train_b
 bash tools/bench/profile_step.sh "$OUT/shardswap" configs/qwen2.5-0.5b.json \
   --set data.seq_len=2048 --set "data.train=$text" --set train_micro_batch_size_per_gpu=8 |
   head -60 || status=1
+python3 tools/bench/kernel_table.py --by kind "$OUT/shardswap/qwen2.5-0.5b.csv" |
+  tee "$OUT/shardswap-kinds.txt" || status=1
 exit $status
