@@ -61,7 +61,9 @@ struct Engine::Impl {
     return weights_on_host() && !g.active ? *host : space;
   }
   /// Registers each of g's params' "<name>: weight view" on g.param16.
-  void register_weight_views(Group& g);
+  void register_weight_views(const Group& g) { register_weight_views(g, params, config.dtype); }
+  /// The same for the params `ps` (a re-form's, before it commits them) with weights of dtype.
+  static void register_weight_views(const Group& g, std::vector<Param>& ps, DType dtype);
   /// Activation, weights on the host: a device buffer (take()) filled from the home, which moves
   /// to g.home. Undone by weights_down.
   void weights_up(Group& g);

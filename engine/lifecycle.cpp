@@ -166,11 +166,10 @@ std::size_t Engine::Impl::give_up(Buffer& b, const std::string& event, ReleasePo
   return b.release(event, pins);
 }
 
-void Engine::Impl::register_weight_views(Group& g) {
-  const DType dtype = config.dtype;
+void Engine::Impl::register_weight_views(const Group& g, std::vector<Param>& ps, DType dtype) {
   const auto psize = dtype_size(dtype);
   for (auto i : g.params) {
-    Param& p = params[i];
+    Param& p = ps[i];
     const auto& entry = g.layout.entry_of(p.index_in_group);
     p.weight = g.param16.view(static_cast<std::size_t>(entry.offset) * psize,
                               static_cast<std::size_t>(p.info.numel), dtype,
@@ -478,13 +477,7 @@ void Engine::reform(const std::vector<std::pair<std::string, std::string>>& move
   if (homes) impl_->weight_windows->forget_all("groups re-formed");
   for (auto& g : groups) {
     if (affected.count(g.name)) {
-      for (auto i : g.params) {
-        Param& p = params[i];
-        const auto& entry = g.layout.entry_of(p.index_in_group);
-        p.weight = g.param16.view(static_cast<std::size_t>(entry.offset) * psize,
-                                  static_cast<std::size_t>(p.info.numel), dtype,
-                                  p.info.name + ": weight view");
-      }
+      Impl::register_weight_views(g, params, dtype);
       continue;
     }
     for (auto& old : impl_->groups)
