@@ -525,20 +525,7 @@ struct DeviceParams {
         case ParamKind::embed: w.embed = at; break;
         case ParamKind::final_norm: w.final_norm = at; break;
         case ParamKind::head: w.head = at; break;
-        case ParamKind::attn_norm: w.layers[l].attn_norm = at; break;
-        case ParamKind::q: w.layers[l].q = at; break;
-        case ParamKind::q_bias: w.layers[l].q_bias = at; break;
-        case ParamKind::q_norm: w.layers[l].q_norm = at; break;
-        case ParamKind::k: w.layers[l].k = at; break;
-        case ParamKind::k_bias: w.layers[l].k_bias = at; break;
-        case ParamKind::k_norm: w.layers[l].k_norm = at; break;
-        case ParamKind::v: w.layers[l].v = at; break;
-        case ParamKind::v_bias: w.layers[l].v_bias = at; break;
-        case ParamKind::o: w.layers[l].o = at; break;
-        case ParamKind::mlp_norm: w.layers[l].mlp_norm = at; break;
-        case ParamKind::gate: w.layers[l].gate = at; break;
-        case ParamKind::up: w.layers[l].up = at; break;
-        case ParamKind::down: w.layers[l].down = at; break;
+        default: lm::dec::layer_weight(w.layers[l], spec.id.kind) = at; break;
       }
     }
     if (s.tied) w.head = w.embed;
@@ -1178,20 +1165,9 @@ class WindowSource final : public lm::dec::WeightSource {
               "cudaMemcpyAsync");
       return at;
     };
-    to.attn_norm = copy(from.attn_norm, ParamKind::attn_norm);
-    to.q = copy(from.q, ParamKind::q);
-    to.q_bias = copy(from.q_bias, ParamKind::q_bias);
-    to.q_norm = copy(from.q_norm, ParamKind::q_norm);
-    to.k = copy(from.k, ParamKind::k);
-    to.k_bias = copy(from.k_bias, ParamKind::k_bias);
-    to.k_norm = copy(from.k_norm, ParamKind::k_norm);
-    to.v = copy(from.v, ParamKind::v);
-    to.v_bias = copy(from.v_bias, ParamKind::v_bias);
-    to.o = copy(from.o, ParamKind::o);
-    to.mlp_norm = copy(from.mlp_norm, ParamKind::mlp_norm);
-    to.gate = copy(from.gate, ParamKind::gate);
-    to.up = copy(from.up, ParamKind::up);
-    to.down = copy(from.down, ParamKind::down);
+    lm::dec::LayerWeights source = from;
+    for (const ParamKind kind : lm::dec::kLayerKinds)
+      lm::dec::layer_weight(to, kind) = copy(lm::dec::layer_weight(source, kind), kind);
     return to;
   }
   void release(int) override { poison(); }

@@ -177,20 +177,7 @@ Model make_model(const DecoderShape& s, const DecoderValues& values, DType dtype
   for (int l = 0; l < s.layers; ++l) {
     const auto n = [&](ParamKind k) { return ptr(name_of({k, l})); };
     lm::dec::LayerWeights lw;
-    lw.attn_norm = n(ParamKind::attn_norm);
-    lw.q = n(ParamKind::q);
-    lw.q_bias = n(ParamKind::q_bias);
-    lw.q_norm = n(ParamKind::q_norm);
-    lw.k = n(ParamKind::k);
-    lw.k_bias = n(ParamKind::k_bias);
-    lw.k_norm = n(ParamKind::k_norm);
-    lw.v = n(ParamKind::v);
-    lw.v_bias = n(ParamKind::v_bias);
-    lw.o = n(ParamKind::o);
-    lw.mlp_norm = n(ParamKind::mlp_norm);
-    lw.gate = n(ParamKind::gate);
-    lw.up = n(ParamKind::up);
-    lw.down = n(ParamKind::down);
+    for (const ParamKind kind : lm::dec::kLayerKinds) lm::dec::layer_weight(lw, kind) = n(kind);
     w.layers.push_back(lw);
   }
   w.final_norm = ptr("model.norm.weight");
@@ -999,20 +986,9 @@ class WindowSource final : public lm::dec::WeightSource {
       window_.push_back(bytes);
       return window_.back().data();
     };
-    to.attn_norm = copy(from.attn_norm, ParamKind::attn_norm);
-    to.q = copy(from.q, ParamKind::q);
-    to.q_bias = copy(from.q_bias, ParamKind::q_bias);
-    to.q_norm = copy(from.q_norm, ParamKind::q_norm);
-    to.k = copy(from.k, ParamKind::k);
-    to.k_bias = copy(from.k_bias, ParamKind::k_bias);
-    to.k_norm = copy(from.k_norm, ParamKind::k_norm);
-    to.v = copy(from.v, ParamKind::v);
-    to.v_bias = copy(from.v_bias, ParamKind::v_bias);
-    to.o = copy(from.o, ParamKind::o);
-    to.mlp_norm = copy(from.mlp_norm, ParamKind::mlp_norm);
-    to.gate = copy(from.gate, ParamKind::gate);
-    to.up = copy(from.up, ParamKind::up);
-    to.down = copy(from.down, ParamKind::down);
+    lm::dec::LayerWeights source = from;
+    for (const ParamKind kind : lm::dec::kLayerKinds)
+      lm::dec::layer_weight(to, kind) = copy(lm::dec::layer_weight(source, kind), kind);
     return to;
   }
   void release(int l) override {
@@ -1122,4 +1098,14 @@ TEST_CASE("decoder CPU with its weights handed out a part at a time by a weight 
         test::message_of<ConfigError>([&] { b.compute->train_step(both, batch_of(t), 1.0, sink); }),
         "beside a weight source"));
   }
+}
+
+TEST_CASE("layer_weight gives each layer kind its own field and refuses the others", "[decoder]") {
+  lm::dec::LayerWeights lw;
+  std::set<const void* const*> fields;
+  for (const ParamKind kind : lm::dec::kLayerKinds) fields.insert(&lm::dec::layer_weight(lw, kind));
+  REQUIRE(fields.size() == 14);
+  REQUIRE(sizeof(lm::dec::LayerWeights) == 14 * sizeof(void*));  // no field left out
+  for (const ParamKind kind : {ParamKind::embed, ParamKind::final_norm, ParamKind::head})
+    REQUIRE_THROWS_AS(lm::dec::layer_weight(lw, kind), std::invalid_argument);
 }

@@ -26,6 +26,7 @@
 // Weight matrices are row-major [out, in], as Hugging Face stores them.
 #pragma once
 
+#include <stdexcept>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -161,6 +162,37 @@ struct LayerWeights {
   const void* up = nullptr;
   const void* down = nullptr;
 };
+
+/// Every layer param's kind, in declaration order (ParamKind's attn_norm .. down).
+inline constexpr ParamKind kLayerKinds[] = {
+    ParamKind::attn_norm, ParamKind::q,      ParamKind::q_bias, ParamKind::q_norm,
+    ParamKind::k,         ParamKind::k_bias, ParamKind::k_norm, ParamKind::v,
+    ParamKind::v_bias,    ParamKind::o,      ParamKind::mlp_norm, ParamKind::gate,
+    ParamKind::up,        ParamKind::down};
+
+/// The field of `lw` that holds a layer param of `kind` (one of kLayerKinds): code that fills or
+/// copies a LayerWeights walks kLayerKinds instead of naming each field. Throws
+/// std::invalid_argument for embed, final_norm and head.
+inline const void*& layer_weight(LayerWeights& lw, ParamKind kind) {
+  switch (kind) {
+    case ParamKind::attn_norm: return lw.attn_norm;
+    case ParamKind::q: return lw.q;
+    case ParamKind::q_bias: return lw.q_bias;
+    case ParamKind::q_norm: return lw.q_norm;
+    case ParamKind::k: return lw.k;
+    case ParamKind::k_bias: return lw.k_bias;
+    case ParamKind::k_norm: return lw.k_norm;
+    case ParamKind::v: return lw.v;
+    case ParamKind::v_bias: return lw.v_bias;
+    case ParamKind::o: return lw.o;
+    case ParamKind::mlp_norm: return lw.mlp_norm;
+    case ParamKind::gate: return lw.gate;
+    case ParamKind::up: return lw.up;
+    case ParamKind::down: return lw.down;
+    default: break;
+  }
+  throw std::invalid_argument("layer_weight: not a layer param's kind");
+}
 
 /// The head's weights: the final norm and the head matrix (the embedding when tied).
 struct HeadWeights {
