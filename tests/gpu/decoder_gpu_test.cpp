@@ -22,6 +22,7 @@
 
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
+#include "tests/support/decoder_reference.h"
 #include "model/decoder_cuda.h"
 
 using namespace shardswap;
@@ -789,6 +790,20 @@ std::set<int> all_groups(const DecoderShape& s) {
 
 constexpr double kGradScale = 2.5;
 
+// Every param's gradient within the dtype's tolerance of the reference's (each REQUIREd, named);
+// the worst normalized error and its param, for the case's printed line.
+std::pair<double, std::string> require_grads_near(const Case& c, const CudaRun& got,
+                                                  const RefResult& ref) {
+  std::pair<double, std::string> worst{0.0, ""};
+  for (const ParamSpec& spec : param_specs(c.shape)) {
+    const double err = normalized_error(got.grads.at(spec.name), param(ref.grads, spec.id));
+    CAPTURE(spec.name, err);
+    REQUIRE(err < grad_tolerance(c.dtype));
+    if (err > worst.first) worst = {err, spec.name};
+  }
+  return worst;
+}
+
 // The backend's kernels (and the cuBLAS kernels for its GEMMs) load into device memory on first
 // use and stay until the process ends (2 MiB on an H200): load them before the first test case,
 // so that the suite's per-test-case check of free device memory sees only what tests allocate.
@@ -886,15 +901,7 @@ TEST_CASE("cuda decoder: logits, loss and every gradient match the float64 refer
     const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
     const double logits_error =
         normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits);
-    double worst = 0;
-    std::string worst_name;
-    for (const ParamSpec& spec : param_specs(c.shape)) {
-      const Vec& want = param(ref.grads, spec.id);
-      const double err = normalized_error(got.grads.at(spec.name), want);
-      CAPTURE(spec.name, err);
-      REQUIRE(err < grad_tolerance(c.dtype));
-      if (err > worst) worst = err, worst_name = spec.name;
-    }
+    const auto [worst, worst_name] = require_grads_near(c, got, ref);
     std::printf(
         "cuda decoder %s%s: loss error %.2e, logits error %.2e, worst gradient error %.2e (%s)\n",
         c.label, packed ? " (weights packed)" : "", loss_error, logits_error, worst,
@@ -923,29 +930,16 @@ TEST_CASE("cuda decoder: bit16 logits are the loss's logits and stay within the 
     REQUIRE(got.problems.empty());
     const auto v = static_cast<std::size_t>(c.shape.vocab);
     const std::size_t rows = got.logits.size() / v;
-    double want = 0.0;
-    for (std::size_t r = 0; r < rows; ++r) {
-      const float* z = got.logits.data() + r * v;
-      for (std::size_t k = 0; k < v; ++k)
-        REQUIRE(value_of(c.dtype, bits_of(c.dtype, z[k])) == static_cast<double>(z[k]));
-      const double top = *std::max_element(z, z + v);
-      double sum = 0.0;
-      for (std::size_t k = 0; k < v; ++k) sum += std::exp(z[k] - top);
-      want += top + std::log(sum) - z[static_cast<std::size_t>(b.targets[r])];
-    }
-    want /= static_cast<double>(rows);
+    for (const float z : got.logits)
+      REQUIRE(value_of(c.dtype, bits_of(c.dtype, z)) == static_cast<double>(z));
+    const double want =
+        test_support::decoder_mean_cross_entropy(got.logits.data(), rows, v, b.targets.data());
     CAPTURE(got.loss, want, ref.loss);
     REQUIRE(std::fabs(got.loss - want) / want < 1e-5);
     REQUIRE(std::fabs(got.loss - ref.loss) / ref.loss < logits_tolerance(c.dtype));
     REQUIRE(normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits) <
             logits_tolerance(c.dtype));
-    double worst = 0;
-    for (const ParamSpec& spec : param_specs(c.shape)) {
-      const double err = normalized_error(got.grads.at(spec.name), param(ref.grads, spec.id));
-      CAPTURE(spec.name, err);
-      REQUIRE(err < grad_tolerance(c.dtype));
-      worst = std::max(worst, err);
-    }
+    const double worst = require_grads_near(c, got, ref).first;
     std::printf("cuda decoder %s, bit16 logits: loss error %.2e, worst gradient error %.2e\n",
                 c.label, std::fabs(got.loss - ref.loss) / ref.loss, worst);
   }
@@ -965,13 +959,7 @@ TEST_CASE("cuda decoder: ignored targets add nothing, the loss and gradients are
   CAPTURE(got.problems);
   REQUIRE(got.problems.empty());
   const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
-  double worst = 0;
-  for (const ParamSpec& spec : param_specs(c.shape)) {
-    const double err = normalized_error(got.grads.at(spec.name), param(ref.grads, spec.id));
-    CAPTURE(spec.name, err);
-    REQUIRE(err < grad_tolerance(c.dtype));
-    worst = std::max(worst, err);
-  }
+  const double worst = require_grads_near(c, got, ref).first;
   std::printf("cuda decoder, half the targets ignored: loss error %.2e, worst gradient error %.2e\n",
               loss_error, worst);
   REQUIRE(loss_error < logits_tolerance(c.dtype));
@@ -1017,13 +1005,7 @@ TEST_CASE("cuda decoder: documents apart, as positions cut the rows, match the f
     const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
     const double logits_error =
         normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits);
-    double worst = 0;
-    for (const ParamSpec& spec : param_specs(c.shape)) {
-      const double err = normalized_error(got.grads.at(spec.name), param(ref.grads, spec.id));
-      CAPTURE(spec.name, err);
-      REQUIRE(err < grad_tolerance(c.dtype));
-      worst = std::max(worst, err);
-    }
+    const double worst = require_grads_near(c, got, ref).first;
     std::printf("cuda decoder %s: loss error %.2e, logits error %.2e, worst gradient error %.2e\n",
                 c.label, loss_error, logits_error, worst);
     REQUIRE(loss_error < logits_tolerance(c.dtype));

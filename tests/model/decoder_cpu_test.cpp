@@ -570,15 +570,8 @@ TEST_CASE("decoder CPU with bit16 logits: the cross-entropy of the fp32 logits r
       changed += z16[i] != z32[i] ? 1 : 0;
     }
     REQUIRE(changed > z32.size() / 2);
-    double want = 0.0;  // the mean cross-entropy of the rounded logits, in float64
-    for (std::size_t r = 0; r < rows; ++r) {
-      const float* z = z16.data() + r * v;
-      const double top = *std::max_element(z, z + v);
-      double sum = 0.0;
-      for (std::size_t c = 0; c < v; ++c) sum += std::exp(z[c] - top);
-      want += top + std::log(sum) - z[static_cast<std::size_t>(t.targets[r])];
-    }
-    want /= static_cast<double>(rows);
+    const double want =  // the mean cross-entropy of the rounded logits, in float64
+        test_support::decoder_mean_cross_entropy(z16.data(), rows, v, t.targets.data());
     const double loss16 = bf16.compute->loss(m.weights, batch_of(t));
     const double loss32 = fp32.compute->loss(m.weights, batch_of(t));
     CAPTURE(loss16, loss32, want);

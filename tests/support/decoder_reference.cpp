@@ -301,6 +301,22 @@ DecoderTokens random_decoder_tokens(const DecoderShape& s, int sequences, int se
   return t;
 }
 
+double decoder_mean_cross_entropy(const float* logits, std::size_t rows, std::size_t vocab,
+                                  const std::int32_t* targets) {
+  double sum = 0.0;
+  std::size_t counted = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    if (targets[r] < 0) continue;
+    const float* z = logits + r * vocab;
+    const double top = *std::max_element(z, z + vocab);
+    double exps = 0.0;
+    for (std::size_t k = 0; k < vocab; ++k) exps += std::exp(z[k] - top);
+    sum += top + std::log(exps) - z[static_cast<std::size_t>(targets[r])];
+    ++counted;
+  }
+  return counted == 0 ? 0.0 : sum / static_cast<double>(counted);
+}
+
 double decoder_normalized_error(const std::vector<double>& a, const std::vector<double>& b) {
   double diff = 0.0, norm = 0.0;
   for (std::size_t i = 0; i < a.size(); ++i) {

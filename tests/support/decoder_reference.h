@@ -57,6 +57,12 @@ DecoderValues random_decoder_weights(const DecoderShape& s, std::uint64_t seed);
 DecoderTokens random_decoder_tokens(const DecoderShape& s, int sequences, int seq_len,
                                     std::uint64_t seed);
 
+/// The mean over `rows` rows of `vocab` logits of logsumexp(z_r) - z_r[targets[r]], in float64;
+/// rows whose target is negative (ignored) count neither in the sum nor in the mean. What a
+/// backend's loss must be for the logits it hands out.
+double decoder_mean_cross_entropy(const float* logits, std::size_t rows, std::size_t vocab,
+                                  const std::int32_t* targets);
+
 /// ||a - b|| / ||b|| (||a - b|| when b is zero).
 double decoder_normalized_error(const std::vector<double>& a, const std::vector<double>& b);
 

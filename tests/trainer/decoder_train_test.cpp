@@ -83,6 +83,22 @@ std::vector<nlohmann::json> run(const TrainConfig& config, std::string* log_text
   return out;
 }
 
+// Two runs that must take the same steps: per step the same active groups, loss, gradient norm
+// and (where logged) validation loss, bit for bit.
+void require_same_steps(const std::vector<nlohmann::json>& a,
+                        const std::vector<nlohmann::json>& b) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(a[i].at("active_groups") == b[i].at("active_groups"));
+    REQUIRE(a[i].at("loss").get<double>() == b[i].at("loss").get<double>());
+    REQUIRE(a[i].at("grad_norm") == b[i].at("grad_norm"));
+    REQUIRE(a[i].contains("val_loss") == b[i].contains("val_loss"));
+    if (a[i].contains("val_loss"))
+      REQUIRE(a[i].at("val_loss").get<double>() == b[i].at("val_loss").get<double>());
+  }
+}
+
 int export_hf(const fs::path& checkpoint, const fs::path& folder) {
   std::ostringstream out;
   return ckpt_command({"export", checkpoint.string(), "--format", "hf", "--out", folder.string()},
@@ -427,14 +443,7 @@ TEST_CASE("a LISA run with the frozen layers' weights on the host gives the loss
   const auto host = run(load(j), &log);
   CAPTURE(log);
   REQUIRE(device.size() == 8);
-  REQUIRE(host.size() == device.size());
-  for (std::size_t i = 0; i < host.size(); ++i) {
-    CAPTURE(i);
-    REQUIRE(host[i].at("active_groups") == device[i].at("active_groups"));
-    REQUIRE(host[i].at("loss").get<double>() == device[i].at("loss").get<double>());
-    if (device[i].contains("val_loss"))
-      REQUIRE(host[i].at("val_loss").get<double>() == device[i].at("val_loss").get<double>());
-  }
+  require_same_steps(host, device);
   // Saved with the weights on the device at step 4, resumed with them on the host: steps 5-8
   // as the run that went on.
   j["checkpoint"]["dir"] = (dir / "ckpt-resumed").string();
@@ -465,13 +474,7 @@ TEST_CASE("a BAdam run with every frozen group's weights on the host, the embedd
     const auto host = run(load(j), &log);
     CAPTURE(log);
     REQUIRE(device.size() == 8);
-    REQUIRE(host.size() == device.size());
-    for (std::size_t i = 0; i < host.size(); ++i) {
-      CAPTURE(i);
-      REQUIRE(host[i].at("active_groups") == device[i].at("active_groups"));
-      REQUIRE(host[i].at("loss").get<double>() == device[i].at("loss").get<double>());
-      REQUIRE(host[i].at("grad_norm") == device[i].at("grad_norm"));
-    }
+    require_same_steps(host, device);
   }
 }
 
