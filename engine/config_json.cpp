@@ -356,6 +356,7 @@ void read_offload(ConfigReader& c, EngineConfig& cfg) {
     cfg.gradient_placement = Placement::host;
   else if (grads != "device")
     c.fail_value("shardswap.gradient_placement", "expected \"device\" or \"host\"");
+  cfg.overlap_update = c.boolean("shardswap.overlap_update", false);
   const std::string frozen = c.string("shardswap.frozen_weight_placement", "device");
   if (frozen == "host")
     cfg.frozen_weight_placement = Placement::host;

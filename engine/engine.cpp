@@ -91,7 +91,17 @@ Engine::Engine(EngineConfig config, Communicator& comm, MemorySpace& space,
                const Backend& backend)
     : impl_(std::make_unique<Impl>(std::move(config), comm, space, backend)) {}
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  // An update still running beside the caller's work must not outlive the buffers it writes.
+  if (impl_ && impl_->update_end != 0) {
+    try {
+      impl_->settle_update();
+      impl_->ops.synchronize();
+    } catch (const std::exception& e) {
+      spdlog::warn("Engine::~Engine: waiting for the last update failed: {}", e.what());
+    }
+  }
+}
 
 namespace {
 
@@ -516,9 +526,10 @@ void Engine::build(const WeightInit& init, const std::optional<std::vector<std::
 }
 
 View Engine::weight(const std::string& name) const {
-  impl_->require_built("weight");
+  impl_->require_built_only("weight");
   const Param& p = impl_->param(name, "weight");
   const Group& g = impl_->groups[p.group];
+  impl_->await_update(g);
   if (!impl_->weights_on_host() || g.active) return p.weight;
   const Buffer* window = impl_->weight_windows->window_of(g);
   if (window == nullptr)
@@ -533,14 +544,15 @@ View Engine::weight(const std::string& name) const {
 }
 
 void Engine::fetch_weights(const std::string& group) const {
-  impl_->require_built("fetch_weights");
+  impl_->require_built_only("fetch_weights");
   const Group& g = impl_->group_named(group, "fetch_weights");
+  impl_->await_update(g);
   if (!impl_->weights_on_host() || g.active) return;  // on the device already
   impl_->weight_windows->fetch(g, impl_->groups);
 }
 
 void Engine::release_weights(const std::string& group) const {
-  impl_->require_built("release_weights");
+  impl_->require_built_only("release_weights");
   const Group& g = impl_->group_named(group, "release_weights");
   if (!impl_->weights_on_host() || g.active) return;
   impl_->weight_windows->release(g);
@@ -600,6 +612,36 @@ std::string Engine::Impl::describe_hand_over(std::size_t i) const {
     shown += fmt::format("{}'{}'", k == 0 ? "" : ", ", names[k]);
   if (names.size() > 3) shown += fmt::format(" and {} more", names.size() - 3);
   return fmt::format("group '{}' elements [{}, {}) ({})", g.name, h.begin, h.end, shown);
+}
+
+void Engine::Impl::begin_side_update() {
+  settle_update();  // one update beside the caller's work at a time
+  update_marks.assign(groups.size(), 0);
+  ops.begin_side();
+}
+
+void Engine::Impl::end_side_update() {
+  try {
+    update_end = ops.mark_side();
+  } catch (...) {
+    ops.end_side();
+    throw;
+  }
+  ops.end_side();
+}
+
+void Engine::Impl::await_update(const Group& g) const {
+  const auto i = static_cast<std::size_t>(&g - groups.data());
+  if (i >= update_marks.size() || update_marks[i] == 0) return;
+  ops.await_side(update_marks[i]);
+  update_marks[i] = 0;  // awaited once is enough: the stream keeps the order
+}
+
+void Engine::Impl::settle_update() const {
+  if (update_end == 0) return;
+  ops.await_side(update_end);
+  update_end = 0;
+  update_marks.clear();
 }
 
 void Engine::Impl::hash_declarations() {
@@ -741,14 +783,39 @@ double Engine::sum_across_ranks(double value) {
   return value;
 }
 
+void Engine::Impl::update_group(Group& g, StepArgs args) {
+  const DType dtype = config.dtype, grad_dtype = config.grad_type();
+  const auto psize = dtype_size(dtype), gsize = dtype_size(grad_dtype);
+  const auto slots = config.optimizer.state_slots();
+  const std::size_t state_bytes = config.optimizer.state_bytes();
+  for (const DecaySpan& span : decay_spans(g, params, param_weight_decay)) {
+    const auto at = static_cast<std::size_t>(span.begin);
+    args.weight_decay = span.weight_decay;
+    if (state_on_host()) {
+      update_on_host(g, args, span.begin, span.count);
+      continue;
+    }
+    ShardTensors t;
+    set_master(t, config.optimizer, g.master, at);
+    t.state0 = g.state_at(0, slots, at, state_bytes);
+    t.state1 = g.state_at(1, slots, at, state_bytes);
+    t.grad = reducer->partition(g) + at * gsize;
+    t.param = g.param16_at(g.shard.begin + span.begin, psize);
+    t.dtype = dtype;
+    t.grad_dtype = grad_dtype;
+    t.count = static_cast<std::size_t>(span.count);
+    t.state_dtype = config.optimizer.state_dtype;
+    ops.update(config.optimizer, args, t);
+  }
+}
+
 StepResult Engine::step() {
   impl_->require_built("step");
   finish_backward();
-  const DType dtype = impl_->config.dtype, grad_dtype = impl_->config.grad_type();
+  const DType dtype = impl_->config.dtype;
   const auto psize = dtype_size(dtype);
   auto& groups = impl_->groups;
-  GradientReducer& reducer = *impl_->reducer;
-  reducer.reduce_for_step(groups);
+  impl_->reducer->reduce_for_step(groups);
   impl_->require_same_hand_overs();
 
   // Partitions now hold sums over ranks of loss-scaled micro-batch sums. One factor turns them
@@ -778,43 +845,46 @@ StepResult Engine::step() {
         done + 1, result.grad_norm));
   }
   result.applied = impl_->scaler.update(overflow);
+  // Every rank's updated shard to every rank: the group's full bit16 weights.
+  const auto gather = [&](Group& g) {
+    const auto shard = static_cast<std::size_t>(g.shard.numel());
+    impl_->comm.all_gather(g.param16_at(g.shard.begin, psize), g.param16.data(), shard, dtype);
+  };
   if (result.applied) {
     result.clip_coef = clip_coefficient(result.grad_norm, impl_->config.gradient_clipping);
     StepArgs args;
     args.lr = impl_->config.optimizer.lr;
     args.grad_scale = static_cast<float>(unscale * result.clip_coef);
-    const auto slots = impl_->config.optimizer.state_slots();
     impl_->streaming.clear();  // nothing left from a step that failed part-way
-    for (auto& g : groups) {
-      if (!g.active) continue;
-      args.step = ++g.step;
-      const std::size_t gsize = dtype_size(grad_dtype);
-      for (const DecaySpan& span : decay_spans(g, impl_->params, impl_->param_weight_decay)) {
-        const auto at = static_cast<std::size_t>(span.begin);
-        args.weight_decay = span.weight_decay;
-        if (impl_->state_on_host()) {
-          impl_->update_on_host(g, args, span.begin, span.count);
-          continue;
+    // With overlap_update, each group's update and all-gather go on the side stream and are
+    // marked there, so the next forward waits for the groups it reads only (group order is the
+    // forward's: the embedding first).
+    const bool beside = impl_->config.overlap_update;
+    if (beside) impl_->begin_side_update();
+    try {
+      for (auto& g : groups) {
+        if (!g.active) continue;
+        args.step = ++g.step;
+        impl_->update_group(g, args);
+        if (beside) {
+          gather(g);
+          impl_->update_marks[static_cast<std::size_t>(&g - groups.data())] =
+              impl_->ops.mark_side();
         }
-        ShardTensors t;
-        const std::size_t state_bytes = impl_->config.optimizer.state_bytes();
-        set_master(t, impl_->config.optimizer, g.master, at);
-        t.state0 = g.state_at(0, slots, at, state_bytes);
-        t.state1 = g.state_at(1, slots, at, state_bytes);
-        t.grad = reducer.partition(g) + at * gsize;
-        t.param = g.param16_at(g.shard.begin + span.begin, psize);
-        t.dtype = dtype;
-        t.grad_dtype = grad_dtype;
-        t.count = static_cast<std::size_t>(span.count);
-        t.state_dtype = impl_->config.optimizer.state_dtype;
-        impl_->ops.update(impl_->config.optimizer, args, t);
       }
+      if (!beside) {
+        impl_->flush_host_updates();
+        for (auto& g : groups)
+          if (g.active) gather(g);
+      }
+    } catch (...) {
+      if (beside) impl_->end_side_update();
+      throw;
     }
-    impl_->flush_host_updates();
-    for (auto& g : groups) {
-      if (!g.active) continue;
-      const auto shard = static_cast<std::size_t>(g.shard.numel());
-      impl_->comm.all_gather(g.param16_at(g.shard.begin, psize), g.param16.data(), shard, dtype);
+    if (beside) {
+      impl_->reducer->clear(groups);  // on the side stream too: the update reads the gradients
+      impl_->end_side_update();
+      return result;
     }
   }
   zero_grad();

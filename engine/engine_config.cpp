@@ -94,6 +94,13 @@ void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {
          fmt::format("gradients on the host need the optimizer state there too ({} = {})",
                      name("zero_optimization.offload_optimizer.device", "optimizer_placement"),
                      name.json ? quote_value("cpu") : quote_value("host")));
+  // An update of state on the host waits for its copies on the host: nothing is left to overlap.
+  if (c.overlap_update && c.optimizer_placement == Placement::host)
+    fail("shardswap.overlap_update", "overlap_update", "true",
+         fmt::format("the update overlaps the next forward only with the optimizer state on the "
+                     "device ({} = {})",
+                     name("zero_optimization.offload_optimizer.device", "optimizer_placement"),
+                     name.json ? quote_value("cpu") : quote_value("host")));
   validate_optimizer_config(c.optimizer, name.nested("optimizer.params", "optimizer"));
   // The weight is the master's high half: the master can only be split beside bf16 weights.
   if (c.optimizer.master == MasterStorage::bf16_remainder && c.dtype != DType::bf16)

@@ -97,9 +97,32 @@ struct Engine::Impl {
     return params[it->second];
   }
   std::size_t index_of(const Param& p) const { return static_cast<std::size_t>(&p - params.data()); }
+  /// StateError naming `caller` unless built; then settle_update(): every public call that
+  /// reads or writes the engine's buffers starts here, but weight, fetch_weights and
+  /// release_weights (require_built_only), which wait for their own group's update alone.
   void require_built(const char* caller) const {
+    require_built_only(caller);
+    settle_update();
+  }
+  void require_built_only(const char* caller) const {
     if (!built) throw StateError(fmt::format("Engine::{}: call build() first", caller));
   }
+
+  // ---- the update step() left running beside the caller's work (config.overlap_update) ----
+  /// Side marks (DeviceOps::mark_side) of the last step's update: per group, by index in
+  /// `groups`, its update and all-gather (0: none pending); and the whole update with the
+  /// gradients' clearing (0: none pending).
+  mutable std::vector<std::uint64_t> update_marks;
+  mutable std::uint64_t update_end = 0;
+  /// The thread's later work goes on its side stream (DeviceOps::begin_side).
+  void begin_side_update();
+  /// Marks the whole update (update_end) and puts the thread's work back on its stream, also
+  /// when the step failed part-way.
+  void end_side_update();
+  /// Orders the calling thread's stream after group g's pending update, if any.
+  void await_update(const Group& g) const;
+  /// Orders it after the whole pending update, if any; none is pending after.
+  void settle_update() const;
   // ---- what every rank must hold alike (RankAgreement; no-ops at world size 1) ----
   /// One hash per declaration: the EngineConfig's layout-relevant fields, then each param
   /// (name, shape, group) in declaration order; and the words that describe entry i.
@@ -177,6 +200,9 @@ struct Engine::Impl {
   /// pipeline (chunks of one group's shard travel while another's are updated).
   void update_streamed(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
   void flush_host_updates();
+  /// step()'s update of active group g, span by span of its weight decay: queued on the device,
+  /// or on the host (update_on_host) with the state there.
+  void update_group(Group& g, StepArgs args);
   /// The sum of (scale * gradient)^2 over the group's partition, in pieces of
   /// offload_chunk_elements summed in order: the same pieces wherever the gradients live, so
   /// the norm has the same bits; gradients on the host go up a piece at a time into a slot.

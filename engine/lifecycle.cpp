@@ -246,6 +246,7 @@ void Engine::Impl::allocate_active_state(Group& g) {
 
 void Engine::activate(const std::string& group) {
   Group& g = impl_->group_named(group, "activate");
+  impl_->settle_update();
   if (g.active)
     throw StateError(fmt::format("Engine::activate: group '{}' is already active", group));
   if (!impl_->weights_on_host()) {
@@ -284,6 +285,7 @@ void Engine::Impl::release_idle_host() noexcept {
 std::size_t Engine::deactivate(const std::string& group, DeactivatePolicy policy,
                                ReleasePolicy pins) {
   Group& g = impl_->group_named(group, "deactivate");
+  impl_->settle_update();
   if (!g.active)
     throw StateError(fmt::format("Engine::deactivate: group '{}' is not active", group));
   impl_->require_no_pending(g, "deactivate");
@@ -772,6 +774,7 @@ void Engine::restore_training_state(const TrainingState& state) {
 
 View Engine::master(const std::string& group) const {
   Group& g = impl_->group_named(group, "master");
+  impl_->settle_update();
   if (impl_->config.optimizer.master == MasterStorage::bf16_remainder)
     throw StateError(fmt::format(
         "Engine::master: group '{}': the master is kept as the bf16 weights and their low 16 bits "

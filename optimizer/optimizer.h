@@ -68,8 +68,9 @@ struct StreamedTensors {
 
 /// The kernels one backend provides, on that backend's memory. Capabilities are data: the engine
 /// calls through this table and never asks which backend it runs on. Kernels of a device backend
-/// are queued on the calling thread's stream (cudaStreamPerThread) in call order; a function
-/// returning a value (sum_squares, has_inf_or_nan) waits for its result.
+/// are queued on the calling thread's stream (cudaStreamPerThread; between begin_side and end_side
+/// its side stream) in call order; a function returning a value (sum_squares, has_inf_or_nan) waits
+/// for its result.
 /// "any" below means fp32, bf16 or fp16; conversions round to nearest even.
 struct DeviceOps {
   const char* name;
@@ -104,6 +105,18 @@ struct DeviceOps {
   void (*await_copy)(std::uint64_t mark);
   /// Waits on the host until every copy this thread queued is done.
   void (*finish_copies)();
+  /// Until end_side, queues this thread's later work (kernels, copies, collectives) on its side
+  /// stream, after the work queued so far on its stream, so that what the caller queues on its
+  /// stream meanwhile runs beside it: the engine's update beside the next forward
+  /// (EngineConfig::overlap_update). The CPU backend runs all work at once; there these four
+  /// only count the marks.
+  void (*begin_side)();
+  void (*end_side)();
+  /// Marks the side work queued so far (between begin_side and end_side); returns the mark,
+  /// counting up from 1.
+  std::uint64_t (*mark_side)();
+  /// Makes this thread's stream wait until side mark `mark` is done; 0 waits for nothing.
+  void (*await_side)(std::uint64_t mark);
 };
 
 /// The CPU backend (Eigen), always present.

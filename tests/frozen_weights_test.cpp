@@ -2,8 +2,10 @@
 // to the device through two windows: a model that reads every group's weights in forward and
 // backward gets the device placement's bits through switches, keep policies, the state on the
 // host, re-forms and restores; the plan holds on both sides; misuse is refused with nothing
-// changed.
+// changed. The same model, which fetches each group just before reading it, also runs with the
+// update overlapping the next forward (EngineConfig::overlap_update).
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <bit>
 #include <cmath>
@@ -13,6 +15,9 @@
 #include "memory/host_types.h"
 #include "optimizer/optimizer.h"
 #include "shardswap/backend.h"
+#include "shardswap/batch_sizes.h"
+#include "shardswap/config_json.h"
+#include "shardswap/config_reader.h"
 #include "shardswap/engine.h"
 #include "shardswap/error.h"
 #include "tests/catch_compat.h"
@@ -160,6 +165,44 @@ TEST_CASE("frozen weights on the host give the device placement's bits through s
       }();
       REQUIRE(first.state.weights != host.state.weights);
     }
+}
+
+TEST_CASE("an update overlapping the next forward gives the bits of one that does not, the "
+          "weights on the device or the host, through switches under every keep policy") {
+  for (Placement weights : {Placement::device, Placement::host})
+    for (DeactivatePolicy policy :
+         {DeactivatePolicy::drop, DeactivatePolicy::keep_device, DeactivatePolicy::keep_host}) {
+      CAPTURE(weights == Placement::host, deactivate_policy_name(policy));
+      EngineConfig overlapped = config_of(weights);
+      overlapped.overlap_update = true;
+      require_same_bits(run(overlapped, policy), run(config_of(weights), policy));
+    }
+}
+
+TEST_CASE("shardswap.overlap_update reads true or false and needs the optimizer state on the "
+          "device, naming both keys") {
+  const auto read = [](const nlohmann::json& value, bool offload) {
+    nlohmann::json j = {{"train_micro_batch_size_per_gpu", 1},
+                        {"bf16", {{"enabled", true}}},
+                        {"zero_optimization", {{"stage", 2}}},
+                        {"shardswap", {{"overlap_update", value}}}};
+    if (offload) j["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+    ConfigReader reader(j, "test.json");
+    return engine_config_from_json(reader, BatchSizes{});
+  };
+  REQUIRE(read(true, false).overlap_update);
+  REQUIRE(!read(false, false).overlap_update);
+  REQUIRE(!EngineConfig{}.overlap_update);  // off unless asked for
+  REQUIRE(test::contains(test::message_of<ConfigError>([&] { read("yes", false); }),
+                         "shardswap.overlap_update"));
+  const std::string offloaded = test::message_of<ConfigError>([&] { read(true, true); });
+  REQUIRE(test::contains(offloaded, "shardswap.overlap_update = true"));
+  REQUIRE(test::contains(offloaded, "zero_optimization.offload_optimizer.device = \"cpu\""));
+  EngineConfig cfg = config_of(Placement::device, Placement::host);
+  cfg.overlap_update = true;
+  const std::string fields = test::message_of<ConfigError>([&] { cfg.validate(); });
+  REQUIRE(test::contains(fields, "EngineConfig.overlap_update = true"));
+  REQUIRE(test::contains(fields, "optimizer_placement = \"host\""));
 }
 
 TEST_CASE("frozen weights on the host: the plan puts every group's weights on the host, the "

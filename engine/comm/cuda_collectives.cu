@@ -11,6 +11,7 @@
 #include "engine/comm/cuda_scale.h"
 #include "shardswap/error.h"
 #include "support/cuda_check.h"
+#include "support/work_stream.h"
 
 namespace shardswap {
 namespace {
@@ -44,7 +45,7 @@ void launch(const void* const* src, int nsrc, void* dst, std::size_t count, Redu
   for (int q = 0; q < nsrc; ++q) s.p[q] = src[q];
   const int threads = 256;
   const auto blocks = static_cast<unsigned>(std::min<std::size_t>((count + threads - 1) / threads, 4096));
-  reduce_kernel<T, Acc><<<blocks, threads, 0, cudaStreamPerThread>>>(s, nsrc, static_cast<T*>(dst),
+  reduce_kernel<T, Acc><<<blocks, threads, 0, detail::work_stream()>>>(s, nsrc, static_cast<T*>(dst),
                                                                      count, static_cast<int>(op));
   SHARDSWAP_CUDA_CHECK(cudaGetLastError());
 }
@@ -60,15 +61,15 @@ void cuda_reduce(DType dtype, const void* const* src, int nsrc, void* dst, std::
     case DType::bf16: launch<__nv_bfloat16, float>(src, nsrc, dst, count, op); break;
     case DType::f16: launch<__half, float>(src, nsrc, dst, count, op); break;
   }
-  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(detail::work_stream()));
 }
 
 void cuda_copy(void* dst, const void* src, std::size_t bytes) {
-  SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cudaStreamPerThread));
-  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+  SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, detail::work_stream()));
+  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(detail::work_stream()));
 }
 
-void cuda_sync() { SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread)); }
+void cuda_sync() { SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(detail::work_stream())); }
 
 // Grow-only scratch per thread, freed when the thread ends.
 struct ThreadScratch {

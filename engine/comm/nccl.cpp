@@ -1,6 +1,7 @@
 // NCCL communicator: one rank of an NCCL clique, on one GPU.
 //
-// Ordering policy: the engine queues its kernels on each thread's cudaStreamPerThread. A
+// Ordering policy: the engine queues its kernels on each thread's work stream
+// (support/work_stream.h: cudaStreamPerThread but for an update queued beside a forward). A
 // collective runs on the communicator's own non-blocking stream between two events: `ready_`,
 // recorded on the caller's stream and waited for by ours (communication after the compute that
 // produced its input), and `done_`, recorded on ours and waited for by the caller's (later
@@ -54,6 +55,7 @@
 #include "engine/comm/nccl_check.h"
 #include "shardswap/error.h"
 #include "support/cuda_check.h"
+#include "support/work_stream.h"
 
 namespace shardswap {
 namespace {
@@ -282,7 +284,7 @@ class NcclCommunicator final : public Communicator {
     SHARDSWAP_CUDA_CHECK(cudaSetDevice(device_));
     // Our stream runs its collectives in order: one event after the last covers them all.
     SHARDSWAP_CUDA_CHECK(cudaEventRecord(done_, stream_));
-    SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, done_, 0));
+    SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(detail::work_stream(), done_, 0));
     unjoined_ = false;
   }
 
@@ -417,7 +419,7 @@ class NcclCommunicator final : public Communicator {
     ncclResult_t async = ncclSuccess;
     SHARDSWAP_NCCL_ON_COMM(call, ncclCommGetAsyncError(comm_, &async));
     if (is_failure(async)) throw async_failure(call, async);
-    SHARDSWAP_CUDA_CHECK(cudaEventRecord(ready_, cudaStreamPerThread));
+    SHARDSWAP_CUDA_CHECK(cudaEventRecord(ready_, detail::work_stream()));
     SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
     issued_ = Clock::now();
     return use;
@@ -446,7 +448,7 @@ class NcclCommunicator final : public Communicator {
       return;
     }
     SHARDSWAP_CUDA_CHECK(cudaEventRecord(done_, stream_));
-    SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, done_, 0));
+    SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(detail::work_stream(), done_, 0));
   }
 
   /// Hands what was just queued on our stream to the watchdog. Events are reused.
@@ -685,7 +687,7 @@ class NcclCommunicator final : public Communicator {
   int rank_ = 0;
   int world_size_ = 0;
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t ready_ = nullptr;  // recorded on the caller's cudaStreamPerThread
+  cudaEvent_t ready_ = nullptr;  // recorded on the caller's work stream
   cudaEvent_t done_ = nullptr;   // recorded on stream_
   float* barrier_scratch_ = nullptr;
   bool failed_ = false;       // NCCL reported an asynchronous error: abort instead of destroy

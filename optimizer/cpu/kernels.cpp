@@ -315,6 +315,13 @@ std::uint64_t queue_copy(void* dst, const void* src, std::size_t bytes) {
 void await_copy(std::uint64_t) {}
 void finish_copies() {}
 
+// Side work runs at once like all other work: only the marks are counted, per thread.
+thread_local std::uint64_t side_marks = 0;
+void begin_side() {}
+void end_side() {}
+std::uint64_t mark_side() { return ++side_marks; }
+void await_side(std::uint64_t) {}
+
 // The CUDA backend's walk without its overlap: chunk k goes through slot k % 2, so a CPU test
 // covers the same chunk and slot arithmetic.
 void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
@@ -346,7 +353,11 @@ const DeviceOps& cpu_device_ops() {
                                       .synchronize = synchronize,
                                       .queue_copy = queue_copy,
                                       .await_copy = await_copy,
-                                      .finish_copies = finish_copies};
+                                      .finish_copies = finish_copies,
+                                      .begin_side = begin_side,
+                                      .end_side = end_side,
+                                      .mark_side = mark_side,
+                                      .await_side = await_side};
   return table;
 }
 

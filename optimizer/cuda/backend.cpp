@@ -1,6 +1,7 @@
 // The CUDA backend's kernel table: the CPU backend's argument checks and messages, the per-call
 // scalars of update_scalars.h, and the launches of kernels.cu. All work is queued on the calling
-// thread's default stream (cudaStreamPerThread) of the current device; only sum_squares,
+// thread's work stream (support/work_stream.h: cudaStreamPerThread, or its side stream while the
+// engine queues an update beside the next forward) of the current device; only sum_squares,
 // has_inf_or_nan and synchronize wait, and only for that stream.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -14,6 +15,7 @@
 #include "optimizer/optimizer.h"
 #include "optimizer/update_scalars.h"
 #include "support/cuda_check.h"
+#include "support/work_stream.h"
 
 namespace shardswap {
 
@@ -107,7 +109,7 @@ double sum_squares(const void* data, DType dtype, std::size_t count, double scal
   detail::require_data(data, "cuda_device_ops().sum_squares", "data", count);
   double* partials = scratch().doubles();
   const int blocks = detail::launch_sum_squares(data, e, count, scale, partials, kMaxBlocks);
-  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(detail::work_stream()));
   double sum = 0.0;
   for (int b = 0; b < blocks; ++b) sum += partials[b];
   return sum;
@@ -119,7 +121,7 @@ bool has_inf_or_nan(const void* data, DType dtype, std::size_t count) {
   detail::require_data(data, "cuda_device_ops().has_inf_or_nan", "data", count);
   int* flags = scratch().ints();
   const int blocks = detail::launch_find_inf_or_nan(data, e, count, flags, kMaxBlocks);
-  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(detail::work_stream()));
   bool found = false;
   for (int b = 0; b < blocks; ++b) found |= flags[b] != 0;
   return found;
@@ -135,7 +137,7 @@ void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::siz
   if (d == s) {
     if (dst != src) {
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * dtype_size(dst_dtype),
-                                           cudaMemcpyDeviceToDevice, cudaStreamPerThread));
+                                           cudaMemcpyDeviceToDevice, detail::work_stream()));
     }
     return;
   }
@@ -154,7 +156,7 @@ void accumulate(void* dst, DType dst_dtype, const void* src, DType src_dtype, st
 void fill_zero(void* dst, std::size_t bytes) {
   if (bytes == 0) return;
   detail::require_data(dst, "cuda_device_ops().fill_zero", "dst", bytes, "bytes");
-  SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cudaStreamPerThread));
+  SHARDSWAP_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, detail::work_stream()));
 }
 
 void copy(void* dst, const void* src, std::size_t bytes) {
@@ -162,11 +164,11 @@ void copy(void* dst, const void* src, std::size_t bytes) {
   detail::require_data(dst, "cuda_device_ops().copy", "dst", bytes, "bytes");
   detail::require_data(src, "cuda_device_ops().copy", "src", bytes, "bytes");
   SHARDSWAP_CUDA_CHECK(
-      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cudaStreamPerThread));
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, detail::work_stream()));
 }
 
 void synchronize() {
-  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+  SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(detail::work_stream()));
 }
 
 // A thread's copy queue: a stream of its own, and an event recorded after each copy in a ring (a
@@ -206,7 +208,7 @@ std::uint64_t queue_copy(void* dst, const void* src, std::size_t bytes) {
   if (bytes > 0) {
     detail::require_data(dst, "cuda_device_ops().queue_copy", "dst", bytes, "bytes");
     detail::require_data(src, "cuda_device_ops().queue_copy", "src", bytes, "bytes");
-    SHARDSWAP_CUDA_CHECK(cudaEventRecord(q.before, cudaStreamPerThread));
+    SHARDSWAP_CUDA_CHECK(cudaEventRecord(q.before, detail::work_stream()));
     SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(q.stream, q.before, 0));
     SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, q.stream));
   }
@@ -219,7 +221,7 @@ void await_copy(std::uint64_t mark) {
   if (mark == 0) return;
   CopyQueue& q = copy_queue();
   SHARDSWAP_CUDA_CHECK(
-      cudaStreamWaitEvent(cudaStreamPerThread, q.after[mark % CopyQueue::kEvents], 0));
+      cudaStreamWaitEvent(detail::work_stream(), q.after[mark % CopyQueue::kEvents], 0));
 }
 
 void finish_copies() {
@@ -266,9 +268,9 @@ void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
           if (k >= 2) SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(up.s, downloaded[slot].e, 0));
           copies(p.t, c, at, n, true, up.s);
           SHARDSWAP_CUDA_CHECK(cudaEventRecord(uploaded[slot].e, up.s));
-          SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, uploaded[slot].e, 0));
+          SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(detail::work_stream(), uploaded[slot].e, 0));
           update(config, p.args, c);
-          SHARDSWAP_CUDA_CHECK(cudaEventRecord(updated[slot].e, cudaStreamPerThread));
+          SHARDSWAP_CUDA_CHECK(cudaEventRecord(updated[slot].e, detail::work_stream()));
           SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(down.s, updated[slot].e, 0));
           copies(p.t, c, at, n, false, down.s);
           SHARDSWAP_CUDA_CHECK(cudaEventRecord(downloaded[slot].e, down.s));
@@ -277,7 +279,7 @@ void update_streamed(const OptimizerConfig& config, const StreamedTensors& s) {
   } catch (...) {
     // Nothing queued may outlive the streams and events it names.
     SHARDSWAP_CUDA_WARN(cudaStreamSynchronize(up.s));
-    SHARDSWAP_CUDA_WARN(cudaStreamSynchronize(cudaStreamPerThread));
+    SHARDSWAP_CUDA_WARN(cudaStreamSynchronize(detail::work_stream()));
     SHARDSWAP_CUDA_WARN(cudaStreamSynchronize(down.s));
     throw;
   }
@@ -298,7 +300,11 @@ const DeviceOps& cuda_device_ops() {
                                       .synchronize = synchronize,
                                       .queue_copy = queue_copy,
                                       .await_copy = await_copy,
-                                      .finish_copies = finish_copies};
+                                      .finish_copies = finish_copies,
+                                      .begin_side = detail::begin_side_work,
+                                      .end_side = detail::end_side_work,
+                                      .mark_side = detail::mark_side_work,
+                                      .await_side = detail::await_side_work};
   return table;
 }
 

@@ -17,6 +17,7 @@
 #include "optimizer/cuda/kernels.h"
 #include "optimizer/master_split.h"
 #include "support/cuda_check.h"
+#include "support/work_stream.h"
 
 namespace shardswap::detail {
 
@@ -440,7 +441,7 @@ void launch_adam(const AdamScalars& s, const UpdateLaunch& t) {
     const std::size_t units =
         vector_units(t.count, {t.master, t.state0, t.state1, t.grad, t.param});
     adam_kernel<P, G, S, M>
-        <<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+        <<<grid_size(t.count, units, kNoLimit), kThreads, 0, detail::work_stream()>>>(
             s, static_cast<typename M::Storage*>(t.master),
             static_cast<typename S::Storage*>(t.state0),
             static_cast<typename S::Storage*>(t.state1),
@@ -459,7 +460,7 @@ void launch_sgd(const SgdScalars& s, const UpdateLaunch& t) {
     auto* buf = static_cast<typename S::Storage*>(s.has_momentum ? t.state0 : nullptr);
     const std::size_t units = vector_units(t.count, {t.master, buf, t.grad, t.param});
     sgd_kernel<P, G, S, M>
-        <<<grid_size(t.count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+        <<<grid_size(t.count, units, kNoLimit), kThreads, 0, detail::work_stream()>>>(
         s, static_cast<typename M::Storage*>(t.master), buf, static_cast<const typename G::Storage*>(t.grad),
         static_cast<typename P::Storage*>(t.param), t.count, units);
     SHARDSWAP_CUDA_CHECK(cudaGetLastError());
@@ -473,7 +474,7 @@ int launch_sum_squares(const void* x, Elem e, std::size_t count, double scale, d
     using T = decltype(type);
     const std::size_t units = vector_units(count, {x});
     blocks = grid_size(count, units, static_cast<std::size_t>(max_blocks));
-    sum_squares_kernel<T><<<blocks, kThreads, 0, cudaStreamPerThread>>>(
+    sum_squares_kernel<T><<<blocks, kThreads, 0, detail::work_stream()>>>(
         static_cast<const typename T::Storage*>(x), count, units, scale, partials);
     SHARDSWAP_CUDA_CHECK(cudaGetLastError());
   });
@@ -486,7 +487,7 @@ int launch_find_inf_or_nan(const void* x, Elem e, std::size_t count, int* flags,
     using T = decltype(type);
     const std::size_t units = vector_units(count, {x});
     blocks = grid_size(count, units, static_cast<std::size_t>(max_blocks));
-    find_inf_or_nan_kernel<T><<<blocks, kThreads, 0, cudaStreamPerThread>>>(
+    find_inf_or_nan_kernel<T><<<blocks, kThreads, 0, detail::work_stream()>>>(
         static_cast<const typename T::Storage*>(x), count, units, flags);
     SHARDSWAP_CUDA_CHECK(cudaGetLastError());
   });
@@ -499,7 +500,7 @@ void launch_cast(void* dst, Elem dst_e, const void* src, Elem src_e, std::size_t
       using D = decltype(dst_type);
       using S = decltype(src_type);
       const std::size_t units = vector_units(count, {dst, src});
-      cast_kernel<D, S><<<grid_size(count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+      cast_kernel<D, S><<<grid_size(count, units, kNoLimit), kThreads, 0, detail::work_stream()>>>(
           static_cast<typename D::Storage*>(dst), static_cast<const typename S::Storage*>(src),
           count, units);
       SHARDSWAP_CUDA_CHECK(cudaGetLastError());
@@ -514,7 +515,7 @@ void launch_accumulate(void* dst, Elem dst_e, const void* src, Elem src_e, std::
       using S = decltype(src_type);
       const std::size_t units = vector_units(count, {dst, src});
       accumulate_kernel<D, S>
-          <<<grid_size(count, units, kNoLimit), kThreads, 0, cudaStreamPerThread>>>(
+          <<<grid_size(count, units, kNoLimit), kThreads, 0, detail::work_stream()>>>(
               static_cast<typename D::Storage*>(dst), static_cast<const typename S::Storage*>(src),
               count, units);
       SHARDSWAP_CUDA_CHECK(cudaGetLastError());

@@ -1,6 +1,6 @@
 // Launchers of the CUDA optimizer kernels (kernels.cu), declared in plain C++ so that backend.cpp,
 // compiled by the host compiler, calls them while Eigen and fmt (which nvcc handles badly) stay
-// out of the .cu file. Every launch is queued on cudaStreamPerThread of the current device and
+// out of the .cu file. Every launch is queued on the thread's work stream (support/work_stream.h) and
 // checked; none waits for the kernel.
 #pragma once
 

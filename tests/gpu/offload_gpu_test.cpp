@@ -2,7 +2,8 @@
 // updated on the CPU: the float64 reference under every policy, the bits of the state on the
 // device (streamed: copies overlapping the kernel over many chunks; cpu: the CPU update against
 // the CUDA kernel, over several threads on a shard past HostUpdater's split), and device and
-// host bytes planned = held, in pinned or pageable memory.
+// host bytes planned = held, in pinned or pageable memory. Also the update overlapping the next
+// forward (overlap_update): the bits of one that does not.
 #include <fmt/format.h>
 
 #include <bit>
@@ -226,16 +227,19 @@ TEST_CASE("cuda: gradients on the host give the bits of gradients on the device"
 
 namespace {
 
-// One rank on GPU 0 with the frozen groups' weights where `weights` says: a model that reads
-// every layer's weights on the device in forward (summing them into a carry) and backward
-// (adding the carry and the layer's own weights into its gradients), so a window read before
-// its fill lands, or filled with the wrong layer, changes the bits. Switches under keep_host;
-// the grad norms and the final state.
-std::pair<TrainingState, std::vector<double>> frozen_weights_run(Placement weights,
-                                                                Placement state) {
+// `ranks` ranks on GPU 0 with the frozen groups' weights where `weights` says: a model that
+// reads every layer's weights on the device in forward (summing them into a carry) and backward
+// (adding the carry and the layer's own weights into its gradients), so a window read before its
+// fill lands, or filled with the wrong layer, changes the bits -- and so does a layer read before
+// its update lands when the update overlaps the next forward (`overlap`; with `rows` = 4000 a
+// group is 4.8M elements, and its update takes longer than the model's read of it). Switches
+// under keep_host; rank 0's grad norms and final state.
+std::pair<TrainingState, std::vector<double>> fetching_run(Placement weights, Placement state,
+                                                          bool overlap = false, int ranks = 1,
+                                                          std::int64_t rows = 1000) {
   std::pair<TrainingState, std::vector<double>> out;
   run_ranks(
-      1,
+      ranks,
       [&](int rank, Communicator& comm) {
         MemorySpace space(rank, make_cuda_allocator(0));
         MemorySpace scratch(rank, make_cuda_allocator(0));  // the model's carry, outside the plan
@@ -243,17 +247,19 @@ std::pair<TrainingState, std::vector<double>> frozen_weights_run(Placement weigh
         cfg.optimizer.lr = 0.01;
         cfg.frozen_weight_placement = weights;
         cfg.optimizer_placement = state;
+        cfg.overlap_update = overlap;
         cfg.gradient_accumulation_steps = 2;
         Engine e(cfg, comm, space, cuda_backend());
         const int layers = 6;
         for (int l = 0; l < layers; ++l) {
-          e.add_param(fmt::format("layers.{}.w", l), {1000, 1200}, fmt::format("layers.{}", l));
+          e.add_param(fmt::format("layers.{}.w", l), {rows, 1200}, fmt::format("layers.{}", l));
           e.add_param(fmt::format("layers.{}.norm", l), {1200}, fmt::format("layers.{}", l));
         }
         e.build(sine_init, std::vector<std::string>{"layers.1", "layers.4"});
         require_plan_held(e, "after build");
         const DeviceOps& ops = cuda_device_ops();
-        Buffer carry = scratch.allocate(1200000 * sizeof(float), Tag::other, "carry");
+        Buffer carry = scratch.allocate(static_cast<std::size_t>(rows) * 1200 * sizeof(float),
+                                        Tag::other, "carry");
         for (int step = 0; step < 8; ++step) {
           if (step % 3 == 2)
             e.set_active({fmt::format("layers.{}", step % layers),
@@ -286,29 +292,44 @@ std::pair<TrainingState, std::vector<double>> frozen_weights_run(Placement weigh
             }
           }
           const StepResult r = e.step();
-          out.second.push_back(r.grad_norm);
+          if (rank == 0) out.second.push_back(r.grad_norm);
           require_plan_held(e, "after a step");
         }
         e.set_active(e.groups(), DeactivatePolicy::keep_host);
-        out.first = e.training_state(true);
+        const TrainingState state_now = e.training_state(rank == 0);
+        if (rank == 0) out.first = state_now;
       },
       cuda_backend());
   return out;
 }
 
+void require_same_run(const std::pair<TrainingState, std::vector<double>>& a,
+                      const std::pair<TrainingState, std::vector<double>>& b) {
+  REQUIRE(a.second == b.second);  // the norms, bit for bit
+  REQUIRE(a.first.groups.size() == b.first.groups.size());
+  for (std::size_t i = 0; i < a.first.groups.size(); ++i) {
+    CAPTURE(a.first.groups[i].group);
+    REQUIRE(a.first.groups[i].master == b.first.groups[i].master);
+    REQUIRE(a.first.groups[i].state == b.first.groups[i].state);
+  }
+  REQUIRE(a.first.weights == b.first.weights);
+}
+
 }  // namespace
+
+TEST_CASE("cuda: an update overlapping the next forward gives the bits of one that does not, "
+          "weights on the device or on the host, on one rank and two") {
+  for (int ranks : {1, 2})
+    for (Placement weights : {Placement::device, Placement::host}) {
+      CAPTURE(ranks, weights == Placement::host);
+      require_same_run(fetching_run(weights, Placement::device, true, ranks, 4000),
+                       fetching_run(weights, Placement::device, false, ranks, 4000));
+    }
+}
 
 TEST_CASE("cuda: frozen weights on the host give the bits of frozen weights on the device") {
   for (Placement state : {Placement::device, Placement::host}) {
     CAPTURE(state == Placement::host);
-    const auto device = frozen_weights_run(Placement::device, state);
-    const auto host = frozen_weights_run(Placement::host, state);
-    REQUIRE(host.second == device.second);  // the norms, bit for bit
-    for (std::size_t i = 0; i < host.first.groups.size(); ++i) {
-      CAPTURE(host.first.groups[i].group);
-      REQUIRE(host.first.groups[i].master == device.first.groups[i].master);
-      REQUIRE(host.first.groups[i].state == device.first.groups[i].state);
-    }
-    REQUIRE(host.first.weights == device.first.weights);
+    require_same_run(fetching_run(Placement::host, state), fetching_run(Placement::device, state));
   }
 }

@@ -478,6 +478,24 @@ TEST_CASE("a BAdam run with every frozen group's weights on the host, the embedd
   }
 }
 
+TEST_CASE("a LISA run with the update overlapping the next forward takes the steps of one "
+          "without, tied or not, on two ranks",
+          "[decoder]") {
+  for (const char* fixture : {"qwen2_untied", "qwen2_tied"}) {
+    CAPTURE(fixture);
+    const ScratchFolder dir(std::string("decoder-overlap-") + fixture);
+    auto j = decoder_run(dir, fixture);
+    j["layer_switching"] = {{"type", "lisa"}, {"interval", 2}, {"gamma", 1}, {"seed", 4}};
+    const auto plain = run(load(j));
+    j["shardswap"]["overlap_update"] = true;
+    std::string log;
+    const auto overlapped = run(load(j), &log);
+    CAPTURE(log);
+    REQUIRE(plain.size() == 8);
+    require_same_steps(overlapped, plain);
+  }
+}
+
 TEST_CASE("model.bit16_logits trains through the bf16-rounded logits: close to the fp32 run, "
           "not its bits, and a non-boolean value is refused naming the key",
           "[decoder]") {

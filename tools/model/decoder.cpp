@@ -235,7 +235,8 @@ class EngineDecoder final : public Decoder {
   }
 
   // With frozen groups' weights on the host, each part comes through the engine's windows:
-  // fetched just before its use, released right after (a no-op for an active group).
+  // fetched just before its use, released right after (a no-op for an active group). With the
+  // update overlapping the forward, the fetch orders the model's stream after the group's update.
   class EngineWeightSource final : public lm::dec::WeightSource {
    public:
     EngineWeightSource(const EngineDecoder& model, const Engine& engine, const char* fn)
@@ -289,12 +290,16 @@ class EngineDecoder final : public Decoder {
     const char* fn_;
   };
 
-  // `source` serves every part when frozen groups' weights are on the host.
+  // `source` serves every part when frozen groups' weights are on the host or the update
+  // overlaps the forward.
   lm::dec::Weights weights(const Engine& engine, const char* fn,
                            EngineWeightSource& source) const {
     lm::dec::Weights w;
     w.dtype = dtype_;
-    if (engine.config().frozen_weight_placement == Placement::host) {
+    // Each part asked for just before its use: a frozen group's weights come in through a window,
+    // and with the update overlapping the forward, a group's wait for its own update only.
+    if (engine.config().frozen_weight_placement == Placement::host ||
+        engine.config().overlap_update) {
       w.source = &source;
       return w;
     }

@@ -306,7 +306,9 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   if (!budget) return std::nullopt;
   BudgetChoice choice;
   choice.budget = *budget;
-  choice.placement_free = !c.has("zero_optimization.offload_optimizer");
+  // An update overlapping the next forward needs the state on the device: the search keeps it
+  // there rather than turn the asked-for overlap off.
+  choice.placement_free = !c.has("zero_optimization.offload_optimizer") && !t.engine.overlap_update;
   choice.recompute_free = !c.has("model.recompute_layers") && t.model->recomputable_layers() > 0;
   choice.recomputable = t.model->recomputable_layers();
   // Up and down: the master as stored and each state slot (24 bytes for AdamW's fp32 master, m

@@ -62,6 +62,13 @@ struct EngineConfig {
   /// Stage 2: a bucket's reduction runs alongside the backward that fills the next bucket
   /// (zero_optimization.overlap_comm); false waits for each reduction as it is issued.
   bool overlap_comm = true;
+  /// shardswap.overlap_update: step() returns once the update is queued, on a stream of its own,
+  /// so that the caller's next forward runs beside it. Engine::weight and fetch_weights order the
+  /// calling thread's stream after their group's update, every other call that reads or writes
+  /// the engine's buffers after the whole update; a View kept from before step() must be fetched
+  /// again before it is read (the decoder asks for each layer's just before its use). Needs the
+  /// optimizer state on the device. The same bits as false.
+  bool overlap_update = false;
   /// Gradients are averaged over ranks and over this many micro-batches per step.
   int gradient_accumulation_steps = 1;
   double gradient_clipping = 0.0;  ///< max global norm; 0 turns clipping off

@@ -16,7 +16,8 @@ namespace shardswap {
 // - Ordering, not blocking: callers queue their kernels on cudaStreamPerThread. Each collective
 //   makes the rank's GPU current on the calling thread, then runs on the communicator's own
 //   stream after everything already queued on the caller's cudaStreamPerThread, and everything
-//   queued there later runs after it. The host does not wait (except in barrier(), which returns
+//   queued there later runs after it. (Inside the engine's step with overlap_update, "the
+//   caller's stream" is the thread's side stream: support/work_stream.h.) The host does not wait (except in barrier(), which returns
 //   once every rank's barrier has completed on the GPU). To read a result on the host,
 //   synchronize cudaStreamPerThread.
 // - Bit16 reductions are NCCL's: it rounds to the dtype at each step of its ring or tree, in an
