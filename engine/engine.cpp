@@ -772,7 +772,10 @@ void Engine::finish_backward() {
 }
 
 double Engine::sum_across_ranks(double value) {
-  impl_->require_built("sum_across_ranks");
+  // Only the scalars buffer, which no update touches: a trainer's loss reduced right after
+  // step() must not make its next forward wait for the whole update (overlap_update). With
+  // ranks, the communicator's stream runs this after the update's all-gathers anyway.
+  impl_->require_built_only("sum_across_ranks");
   void* scalar = impl_->scalars.data();
   impl_->space.upload(scalar, &value, sizeof value);
   impl_->comm.all_reduce(scalar, 1, DType::f64, ReduceOp::sum);

@@ -99,7 +99,8 @@ struct Engine::Impl {
   std::size_t index_of(const Param& p) const { return static_cast<std::size_t>(&p - params.data()); }
   /// StateError naming `caller` unless built; then settle_update(): every public call that
   /// reads or writes the engine's buffers starts here, but weight, fetch_weights and
-  /// release_weights (require_built_only), which wait for their own group's update alone.
+  /// release_weights (require_built_only), which wait for their own group's update alone, and
+  /// sum_across_ranks, which touches no buffer an update does.
   void require_built(const char* caller) const {
     require_built_only(caller);
     settle_update();
