@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A precision option against the exact default, on a machine with an NVIDIA GPU: builds with
+# A precision option against the exact default (or any option against the default: an exact one
+# should show no loss difference at all), on a machine with an NVIDIA GPU: builds with
 # preset cuda, runs the GPU tests of TESTS (default: the decoder's), then for each shape trains
 # from scratch on real text (tools/bench/train_bench.py: a text file's bytes, seq 2048, the
 # shape's micro-batch) twice from the same seed, without and with OPTION, one after the other:
