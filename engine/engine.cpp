@@ -93,7 +93,7 @@ Engine::Engine(EngineConfig config, Communicator& comm, MemorySpace& space,
 
 Engine::~Engine() {
   // An update still running beside the caller's work must not outlive the buffers it writes.
-  if (impl_ && impl_->update_end != 0) {
+  if (impl_->update_end != 0) {
     try {
       impl_->settle_update();
       impl_->ops.synchronize();
