@@ -41,6 +41,7 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -601,15 +602,6 @@ class CudaCompute final : public Compute {
     sink.close(id);
   }
 
-  // An RMSNorm's weight gradient, slot [D] += alpha sum_t dz x rstd.
-  void norm_grad(GradSink& sink, ParamId id, int n, float alpha, const float* dz, const float* x,
-                 const float* r) {
-    const int d = s_.hidden;
-    const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
-    launch_norm_partials(dz, x, r, n, d, at(l_.partials));
-    finish(sink, id, chunks, d, alpha);
-  }
-
   // Qwen3's q/k head norms, backward, from g32's q|k columns = the gradient at their output
   // (RoPE's backward): when `active`, their weight gradients, slot [hd] += alpha sum over the
   // tokens and the norm's heads of dz xhat (k_norm's, then q_norm's: both read dz before it is
@@ -645,12 +637,22 @@ class CudaCompute final : public Compute {
     sink.close(id);
   }
 
-  // dx (= or +=) the gradient at the norm's input, and rounded into d16 (every later use of dx
-  // but the embedding's gradient starts from d16).
+  // An RMSNorm's backward from dz at its output, in one pass over dz and x: with `with_dx`, dx
+  // (= or +=) the gradient at its input, and rounded into d16 (every later use of dx but the
+  // embedding's gradient starts from d16); with `grad`, its weight gradient, slot [D] +=
+  // alpha sum_t dz x rstd.
   void norm_backward(const float* dz, const float* x, const float* r, const void* w, int n,
-                     bool accumulate) {
-    launch_rms_norm_backward<T>(dz, x, r, cw(w), n, s_.hidden, at(l_.dx), accumulate,
-                                at<T>(l_.d16));
+                     bool with_dx, bool accumulate, GradSink& sink, std::optional<ParamId> grad,
+                     float alpha) {
+    if (!with_dx && !grad) return;
+    launch_rms_norm_backward<T>(dz, x, r, cw(w), n, s_.hidden, with_dx ? at(l_.dx) : nullptr,
+                                accumulate, with_dx ? at<T>(l_.d16) : nullptr,
+                                grad ? at(l_.partials) : nullptr);
+    if (grad)
+      finish(sink, *grad, (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial, s_.hidden, alpha);
+  }
+  static std::optional<ParamId> if_active(bool active, ParamId id) {
+    return active ? std::optional<ParamId>(id) : std::nullopt;
   }
 
   // Entered with dz = the gradient at the final norm's output (head_and_loss): the final
@@ -660,8 +662,8 @@ class CudaCompute final : public Compute {
     const int n = b.sequences * b.seq_len, L = s_.layers;
     const float alpha = mean_factor(grad_scale);
     float* dz = at(l_.dz);
-    if (sink.active(L + 1)) norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd_final());
-    if (lowest <= L) norm_backward(dz, xs(L), rstd_final(), h.final_norm, n, false);
+    norm_backward(dz, xs(L), rstd_final(), h.final_norm, n, lowest <= L, false, sink,
+                  if_active(sink.active(L + 1), {K::final_norm}), alpha);
   }
 
   // The layers' backward from the gradient at x_L (final_norm_backward).
@@ -703,8 +705,8 @@ class CudaCompute final : public Compute {
         linear_input_grad(n, in, d, gate, 2 * in, lw.gate, 0.0f, dz);
         linear_input_grad(n, in, d, up, 2 * in, lw.up, 1.0f, dz);
       }
-      if (active) norm_grad(sink, {K::mlp_norm, l}, n, alpha, dz, ys(l), rstd_mlp(l));
-      norm_backward(dz, ys(l), rstd_mlp(l), lw.mlp_norm, n, true);  // dx: now at y
+      norm_backward(dz, ys(l), rstd_mlp(l), lw.mlp_norm, n, true, true, sink,  // dx: now at y
+                    if_active(active, {K::mlp_norm, l}), alpha);
       // Attention: y = x + o Wo^T.
       clock_.mark(PhaseClock::backward);
       const T* q = layer<T>(l_.q, l, qw);
@@ -742,8 +744,8 @@ class CudaCompute final : public Compute {
       }
       // dz = dq|dk|dv (Wq|Wk|Wv): one GEMM over the three projections' rows.
       linear_input_grad(n, static_cast<int>(width), d, g16, width, qkv_weights(lw), 0.0f, dz);
-      if (active) norm_grad(sink, {K::attn_norm, l}, n, alpha, dz, xs(l), rstd_attn(l));
-      if (l + 1 > lowest) norm_backward(dz, xs(l), rstd_attn(l), lw.attn_norm, n, true);  // at x_l
+      norm_backward(dz, xs(l), rstd_attn(l), lw.attn_norm, n, l + 1 > lowest, true, sink,  // x_l
+                    if_active(active, {K::attn_norm, l}), alpha);
     }
     if (lowest > 0) return;
     const ParamId id{K::embed};

@@ -29,11 +29,13 @@ void launch_rms_norm_forward(const float* x, const T* w, int n, int d, float eps
 template <class T>
 void launch_residual_rms_norm_forward(const float* residual, float* sum, const T* w, int n, int d,
                                       float eps, T* y, float* rstd);
-/// From dz at the norm's output: dx (= or += with accumulate) the gradient at its input, and
-/// the new dx rounded to T into d16 when d16 is not null.
+/// From dz at the norm's output, in one pass: when dx is not null, dx (= or += with accumulate)
+/// the gradient at its input, and the new dx rounded to T into d16 when d16 is not null; when
+/// partials is not null, partials [chunks, d] of the column sums of dz * x * rstd (its weight
+/// gradient), chunks of kCudaRowsPerPartial rows, for launch_finish_columns.
 template <class T>
 void launch_rms_norm_backward(const float* dz, const float* x, const float* rstd, const T* w,
-                              int n, int d, float* dx, bool accumulate, T* d16);
+                              int n, int d, float* dx, bool accumulate, T* d16, float* partials);
 
 // rope_qkv.cu
 /// cos and sin of RoPE's angles pos * inv_freq[f], [seq_len, half] each.
@@ -115,9 +117,6 @@ void launch_mean_of(const float* loss, int n, double denominator, double* out);
 /// partials [chunks, w] of the column sums of x [n, w] (rows ld apart), chunks of
 /// kCudaRowsPerPartial rows.
 void launch_column_partials(const float* x, int n, int w, long long ld, float* partials);
-/// partials [chunks, d] of the column sums of dz * x * rstd (an RMSNorm's weight gradient).
-void launch_norm_partials(const float* dz, const float* x, const float* rstd, int n, int d,
-                          float* partials);
 /// slot[k] += alpha * the sum of partials[0 .. chunks)[k], in order, a chunk's partials stride
 /// floats apart (also the head norms').
 template <class G>
