@@ -760,12 +760,12 @@ struct CudaRun {
 
 CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_scale,
                  const std::set<int>& active, int recompute = 0, bool packed = false,
-                 DType logits = DType::f32) {
+                 Precision precision = {}) {
   const DeviceParams dev(c.shape, p, c.dtype, packed);
   const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute);
   DeviceBlock block(bytes);
   auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
-                                   recompute, logits);
+                                   recompute, precision);
   const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(),
                     b.positions.empty() ? nullptr : b.positions.data()};
   SlotSink sink(c.shape, active, c.slot_dtype);
@@ -925,7 +925,8 @@ TEST_CASE("cuda decoder: bit16 logits are the loss's logits and stay within the 
     Params p = random_params(c.shape, c.dtype, 11);
     const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
     const RefResult ref = reference(c.shape, p, b, kGradScale);
-    const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, c.dtype);
+    const CudaRun got =
+        run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {.logits = c.dtype});
     CAPTURE(got.problems);
     REQUIRE(got.problems.empty());
     const auto v = static_cast<std::size_t>(c.shape.vocab);
@@ -942,6 +943,33 @@ TEST_CASE("cuda decoder: bit16 logits are the loss's logits and stay within the 
     const double worst = require_grads_near(c, got, ref).first;
     std::printf("cuda decoder %s, bit16 logits: loss error %.2e, worst gradient error %.2e\n",
                 c.label, std::fabs(got.loss - ref.loss) / ref.loss, worst);
+  }
+}
+
+// model.bit16_swiglu_grad: the down projection's input-gradient GEMM writes the gradient at
+// SwiGLU's output in the weights' dtype and SwiGLU's backward reads it. The forward is the
+// default's (the same loss, to the bit); every gradient stays within the float64 reference's
+// tolerances, and some move.
+TEST_CASE("cuda decoder: a bit16 SwiGLU gradient keeps the loss and stays within the float64 "
+          "reference's tolerances",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases()) {
+    CAPTURE(c.label);
+    Params p = random_params(c.shape, c.dtype, 11);
+    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
+    const RefResult ref = reference(c.shape, p, b, kGradScale);
+    const CudaRun fp32 = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    const CudaRun got =
+        run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {.swiglu_grad = c.dtype});
+    CAPTURE(got.problems);
+    REQUIRE(got.problems.empty());
+    REQUIRE(got.loss == fp32.loss);
+    const double worst = require_grads_near(c, got, ref).first;
+    bool moved = false;
+    for (const auto& [name, g] : got.grads) moved = moved || g != fp32.grads.at(name);
+    REQUIRE(moved);
+    std::printf("cuda decoder %s, bit16 SwiGLU gradient: worst gradient error %.2e\n", c.label,
+                worst);
   }
 }
 

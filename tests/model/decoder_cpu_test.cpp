@@ -212,10 +212,11 @@ struct Block {
 struct Backend {
   Block block;
   std::unique_ptr<lm::dec::Compute> compute;
-  Backend(const DecoderShape& s, int max_sequences, int seq_len, DType logits = DType::f32)
+  Backend(const DecoderShape& s, int max_sequences, int seq_len,
+          lm::dec::Precision precision = {})
       : block(lm::dec::cpu_bytes(s, max_sequences, seq_len)),
         compute(lm::dec::make_cpu_compute(s, max_sequences, seq_len, block.data(), block.bytes,
-                                          0, logits)) {}
+                                          0, precision)) {}
 };
 
 lm::dec::Batch batch_of(const DecoderTokens& t) {
@@ -555,7 +556,7 @@ TEST_CASE("decoder CPU with bit16 logits: the cross-entropy of the fp32 logits r
     CAPTURE(shape.family == DecoderFamily::qwen2);
     const Model m = random_model(shape, 41);
     const DecoderTokens t = test_support::random_decoder_tokens(shape, 3, 30, 42);  // two chunks
-    Backend fp32(shape, 3, 30), bf16(shape, 3, 30, DType::bf16);
+    Backend fp32(shape, 3, 30), bf16(shape, 3, 30, {.logits = DType::bf16});
     const auto rows = static_cast<std::size_t>(3 * 30), v = static_cast<std::size_t>(shape.vocab);
     std::vector<float> z32(rows * v), z16(rows * v);
     fp32.compute->logits(m.weights, batch_of(t), z32.data());
@@ -590,13 +591,49 @@ TEST_CASE("decoder CPU with bit16 logits: the cross-entropy of the fp32 logits r
   }
 }
 
-TEST_CASE("decoder CPU refuses a logits dtype that is not fp32, bf16 or fp16", "[decoder]") {
+TEST_CASE("decoder CPU refuses a logits or SwiGLU-gradient dtype that is not fp32, bf16 or fp16",
+          "[decoder]") {
   const DecoderShape shape = tiny_llama();
   Block block(lm::dec::cpu_bytes(shape, 1, 4));
-  const std::string msg = test::message_of<ConfigError>([&] {
-    (void)lm::dec::make_cpu_compute(shape, 1, 4, block.data(), block.bytes, 0, DType::f64);
+  const std::string logits = test::message_of<ConfigError>([&] {
+    (void)lm::dec::make_cpu_compute(shape, 1, 4, block.data(), block.bytes, 0,
+                                    {.logits = DType::f64});
   });
-  REQUIRE(test::contains(msg, "logits of dtype fp64"));
+  REQUIRE(test::contains(logits, "logits of dtype fp64"));
+  const std::string swiglu = test::message_of<ConfigError>([&] {
+    (void)lm::dec::make_cpu_compute(shape, 1, 4, block.data(), block.bytes, 0,
+                                    {.swiglu_grad = DType::f64});
+  });
+  REQUIRE(test::contains(swiglu, "SwiGLU's gradient of dtype fp64"));
+}
+
+// model.bit16_swiglu_grad: the gradient at SwiGLU's output rounded to bf16 before SwiGLU's
+// backward. The forward is untouched (the same loss and logits to the bit); the gradients of
+// everything below the first MLP's output move by about a bf16 rounding and no more, and the
+// head's, above every MLP, not at all.
+TEST_CASE("decoder CPU with a bit16 SwiGLU gradient: the same loss, gradients within a bf16 "
+          "rounding of the fp32 run's",
+          "[decoder]") {
+  for (const DecoderShape& shape : {tiny_qwen2(true), tiny_llama()}) {
+    CAPTURE(shape.family == DecoderFamily::qwen2);
+    const Model m = random_model(shape, 45);
+    const DecoderTokens t = test_support::random_decoder_tokens(shape, 3, 30, 46);
+    Backend fp32(shape, 3, 30), bf16(shape, 3, 30, {.swiglu_grad = DType::bf16});
+    RecordingSink g32(shape, RecordingSink::all(shape)), g16(shape, RecordingSink::all(shape));
+    const double loss32 = fp32.compute->train_step(m.weights, batch_of(t), 1.0, g32);
+    REQUIRE(bf16.compute->train_step(m.weights, batch_of(t), 1.0, g16) == loss32);
+    std::size_t moved = 0;
+    for (const auto& p : test_support::decoder_reference_params(shape)) {
+      const double err = test_support::decoder_normalized_error(g16.grad(p.name), g32.grad(p.name));
+      CAPTURE(p.name, err);
+      REQUIRE(err < 1e-2);
+      moved += g16.grad(p.name) != g32.grad(p.name) ? 1 : 0;
+    }
+    REQUIRE(moved > 0);
+    // The final norm and an untied head sit above every MLP: their gradients keep every bit.
+    REQUIRE(g16.grad("model.norm.weight") == g32.grad("model.norm.weight"));
+    if (!shape.tied) REQUIRE(g16.grad("lm_head.weight") == g32.grad("lm_head.weight"));
+  }
 }
 
 TEST_CASE("decoder CPU refuses positions that do not cut rows into documents, naming the token",

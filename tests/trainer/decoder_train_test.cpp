@@ -496,25 +496,30 @@ TEST_CASE("a LISA run with the update overlapping the next forward takes the ste
   }
 }
 
-TEST_CASE("model.bit16_logits trains through the bf16-rounded logits: close to the fp32 run, "
-          "not its bits, and a non-boolean value is refused naming the key",
+// A precision option trains close to the fp32 run, not to its bits (its first step's loss is
+// the same when only the backward changes), and a non-boolean value is refused naming the key.
+TEST_CASE("the precision options (model.bit16_logits, model.bit16_swiglu_grad) train close to the "
+          "fp32 run, not its bits, and a non-boolean value is refused naming the key",
           "[decoder]") {
-  const ScratchFolder dir("decoder-bit16-logits");
-  auto j = decoder_run(dir, "qwen2_untied");
-  const auto fp32 = run(load(j));
-  j["model"]["bit16_logits"] = true;
-  const auto bf16 = run(load(j));
-  REQUIRE(fp32.size() == 8);
-  REQUIRE(bf16.size() == fp32.size());
-  bool differs = false;
-  for (std::size_t i = 0; i < bf16.size(); ++i) {
-    const double a = fp32[i].at("loss").get<double>(), b = bf16[i].at("loss").get<double>();
-    CAPTURE(i, a, b);
-    REQUIRE(std::abs(a - b) / a < 1e-2);
-    differs = differs || a != b;
+  for (const char* option : {"bit16_logits", "bit16_swiglu_grad"}) {
+    CAPTURE(option);
+    const ScratchFolder dir(std::string("decoder-") + option);
+    auto j = decoder_run(dir, "qwen2_untied");
+    const auto fp32 = run(load(j));
+    j["model"][option] = true;
+    const auto bf16 = run(load(j));
+    REQUIRE(fp32.size() == 8);
+    REQUIRE(bf16.size() == fp32.size());
+    bool differs = false;
+    for (std::size_t i = 0; i < bf16.size(); ++i) {
+      const double a = fp32[i].at("loss").get<double>(), b = bf16[i].at("loss").get<double>();
+      CAPTURE(i, a, b);
+      REQUIRE(std::abs(a - b) / a < 1e-2);
+      differs = differs || a != b;
+    }
+    REQUIRE(differs);
+    j["model"][option] = "yes";
+    const std::string msg = test::message_of<ConfigError>([&] { (void)load(j); });
+    REQUIRE(test::contains(msg, std::string("model.") + option));
   }
-  REQUIRE(differs);
-  j["model"]["bit16_logits"] = "yes";
-  const std::string msg = test::message_of<ConfigError>([&] { (void)load(j); });
-  REQUIRE(test::contains(msg, "model.bit16_logits"));
 }

@@ -476,23 +476,24 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
 
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
                                       DType dtype, MemorySpace& space, int recompute_layers,
-                                      bool bit16_logits) {
+                                      const DecoderPrecision& precision) {
   const auto bytes = static_cast<std::size_t>(Decoder::activation_bytes(
       shape, max_sequences, seq_len, dtype, space.device(), recompute_layers));  // validates
   Buffer memory = space.allocate(
       bytes, Tag::activation,
       fmt::format("decoder activations ({} x {} tokens)", max_sequences, seq_len));
   void* const base = memory.data();
-  const DType logits = bit16_logits ? dtype : DType::f32;
+  const lm::dec::Precision kept{precision.bit16_logits ? dtype : DType::f32,
+                                precision.bit16_swiglu_grad ? dtype : DType::f32};
   auto model = std::make_unique<EngineDecoder>(shape, max_sequences, seq_len, dtype,
                                                std::move(memory));
   if (space.device() == DeviceKind::cuda)
     model->set_compute(
         lm::dec::make_cuda_compute(shape, max_sequences, seq_len, dtype, base, bytes,
-                                   recompute_layers, logits));
+                                   recompute_layers, kept));
   else
     model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes,
-                                                 recompute_layers, logits));
+                                                 recompute_layers, kept));
   return model;
 }
 

@@ -112,16 +112,25 @@ class Decoder {
                                        int recompute_layers = 0);
 };
 
+/// Precision options (docs/models.md): values a backend keeps in the weights' dtype instead of
+/// fp32, each rounded as a bit16 store leaves it: fewer bytes, not the same bits. Off by default.
+struct DecoderPrecision {
+  /// model.bit16_logits: the head's logits, before the cross-entropy.
+  bool bit16_logits = false;
+  /// model.bit16_swiglu_grad: the gradient at SwiGLU's output (the down projection's input
+  /// gradient), before SwiGLU's backward.
+  bool bit16_swiglu_grad = false;
+};
+
 /// The CPU (Eigen) backend when space.device() is the host, the CUDA one (cuBLAS GEMMs, own
 /// fused kernels and attention) on a CUDA device. All activation and workspace memory
 /// is allocated once, here, from `space` with Tag::activation (activation_bytes() of it,
 /// exactly). `dtype` is the weights' (the engine's config dtype: bf16 or fp16). Throws
 /// ConfigError for a bad shape, max_sequences or seq_len < 1, seq_len above max_positions or a
-/// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA. With
-/// bit16_logits (model.bit16_logits) the head's logits are rounded to `dtype` before the
-/// cross-entropy, as a GEMM with a bit16 output leaves them: fewer bytes, not the same bits.
+/// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA.
+/// `precision` names the values kept in `dtype` instead of fp32 (DecoderPrecision).
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
                                       DType dtype, MemorySpace& space, int recompute_layers = 0,
-                                      bool bit16_logits = false);
+                                      const DecoderPrecision& precision = {});
 
 }  // namespace shardswap

@@ -303,6 +303,14 @@ class GradSink {
   virtual void close(ParamId param) = 0;
 };
 
+/// Where a backend keeps values in fewer bits than fp32 (precision options, each fp32 unless a
+/// run asks: docs/models.md). Each is fp32 or a bit16 dtype (the CUDA backend: the weights');
+/// the CPU backend rounds each value to it and back, as a bit16 store leaves it.
+struct Precision {
+  DType logits = DType::f32;       ///< the head's logits (model.bit16_logits)
+  DType swiglu_grad = DType::f32;  ///< the gradient at SwiGLU's output (model.bit16_swiglu_grad)
+};
+
 /// A target the loss is not on (a prompt's token under a loss mask): its row adds nothing to the
 /// loss or the gradients, and the mean is over the other targets.
 inline constexpr std::int32_t kIgnoredTarget = -1;

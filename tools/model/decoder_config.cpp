@@ -97,7 +97,8 @@ DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
     c.fail("model.recompute_layers", fmt::format("{}", recompute),
            fmt::format("must lie in [0, num_hidden_layers = {}]", d.shape.layers));
   d.recompute_layers = static_cast<int>(recompute);
-  d.bit16_logits = c.boolean("model.bit16_logits", false);
+  d.precision.bit16_logits = c.boolean("model.bit16_logits", false);
+  d.precision.bit16_swiglu_grad = c.boolean("model.bit16_swiglu_grad", false);
   return d;
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "shardswap/config_reader.h"
+#include "model/decoder.h"
 #include "model/decoder_compute.h"
 #include "model/hf_checkpoint.h"
 
@@ -27,9 +28,9 @@ struct DecoderConfig {
   int seq_len = 0;  ///< data.seq_len, as the trainer read it
   /// model.recompute_layers: the lowest layers run forward again in backward.
   int recompute_layers = 0;
-  /// model.bit16_logits: the head's logits in the weights' dtype instead of fp32 (a precision
-  /// option: docs/models.md).
-  bool bit16_logits = false;
+  /// model.bit16_logits and model.bit16_swiglu_grad: values kept in the weights' dtype instead
+  /// of fp32 (precision options: docs/models.md).
+  DecoderPrecision precision;
   /// model.path's config.json, weight files and side files: what a run's outputs must never
   /// replace (empty from scratch).
   std::vector<std::filesystem::path> input_files() const;
@@ -41,7 +42,7 @@ struct DecoderConfig {
 };
 
 /// Reads model.path or the inline config.json fields (model.model_type, model.hidden_size, ...;
-/// model_type defaults to "llama"), model.recompute_layers and model.bit16_logits, checked at
+/// model_type defaults to "llama"), model.recompute_layers and the precision options, checked at
 /// `seq_len` (data.seq_len); opens model.path's folder and checks its tensors now. Throws ConfigError naming the key and
 /// the file (the config's, or the folder's config.json or weights).
 DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len);

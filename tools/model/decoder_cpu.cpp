@@ -230,12 +230,13 @@ void rms_norm_backward(const float* x, std::size_t rows, std::size_t d, const fl
 class CpuCompute final : public Compute {
  public:
   CpuCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-             std::byte* memory, DType logits)
+             std::byte* memory, Precision precision)
       : s_(s),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
         recompute_(static_cast<std::size_t>(recompute)),
-        logits_(logits),
+        logits_(precision.logits),
+        swiglu_grad_(precision.swiglu_grad),
         z_(sizes_of(s, max_sequences, seq_len)),
         mem_(memory),
         l_(layout_of(s, max_sequences, seq_len, recompute)) {
@@ -670,8 +671,8 @@ class CpuCompute final : public Compute {
     return counted == 0 ? 0.0 : total / static_cast<double>(counted);
   }
 
-  // Each value rounded to `dtype` and back (model.bit16_logits: the logits as a GEMM with a
-  // bit16 output leaves them).
+  // Each value rounded to `dtype` and back, as a GEMM with a bit16 output leaves it (the logits
+  // under model.bit16_logits, SwiGLU's output gradient under model.bit16_swiglu_grad).
   static void round_through(DType dtype, float* values, std::size_t count) {
     for (std::size_t i = 0; i < count; ++i) {
       std::uint16_t bits = 0;
@@ -821,6 +822,7 @@ class CpuCompute final : public Compute {
     // act holds sigmoid(gate) first, then silu(gate) * up for the down projection's gradient.
     act.array() = (1.0f + (-gate.array()).exp()).inverse();
     dgate.noalias() = dxm * CMapR(lw.down, cols(d), cols(in));  // d(silu(gate) * up)
+    if (swiglu_grad_ != DType::f32) round_through(swiglu_grad_, dgate.data(), n * in);
     dup.array() = dgate.array() * gate.array() * act.array();
     dgate.array() *= up.array() * act.array() * (1.0f + gate.array() * (1.0f - act.array()));
     if (active) {
@@ -880,7 +882,8 @@ class CpuCompute final : public Compute {
   DecoderShape s_;
   int max_sequences_, seq_len_;
   std::size_t recompute_;  // the lowest layers that run their forward again in backward
-  DType logits_;  // fp32, or bf16 / fp16 with model.bit16_logits (see round_through)
+  DType logits_;       // fp32, or bf16 / fp16 with model.bit16_logits (see round_through)
+  DType swiglu_grad_;  // fp32, or bf16 / fp16 with model.bit16_swiglu_grad
   Sizes z_;
   std::byte* mem_;
   Layout l_;
@@ -896,11 +899,13 @@ std::size_t cpu_bytes(const DecoderShape& s, int max_sequences, int seq_len,
 
 std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                           void* memory, std::size_t bytes,
-                                          int recompute_layers, DType logits) {
+                                          int recompute_layers, Precision precision) {
   validate(s, max_sequences, seq_len, recompute_layers, "make_cpu_compute");
-  if (logits != DType::f32 && !is_bit16(logits))
-    throw ConfigError(fmt::format("make_cpu_compute: logits of dtype {}: fp32, bf16 or fp16",
-                                  dtype_name(logits)));
+  for (const auto& [what, dtype] : {std::pair{"logits", precision.logits},
+                                    std::pair{"SwiGLU's gradient", precision.swiglu_grad}})
+    if (dtype != DType::f32 && !is_bit16(dtype))
+      throw ConfigError(fmt::format("make_cpu_compute: {} of dtype {}: fp32, bf16 or fp16", what,
+                                    dtype_name(dtype)));
   const std::size_t need = layout_of(s, max_sequences, seq_len, recompute_layers).bytes;
   if (memory == nullptr || bytes < need)
     throw ConfigError(
@@ -910,7 +915,7 @@ std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequenc
     throw ConfigError(
         fmt::format("make_cpu_compute: the block at {} is not {}-byte aligned", memory, kAlign));
   return std::make_unique<CpuCompute>(s, max_sequences, seq_len, recompute_layers,
-                                      static_cast<std::byte*>(memory), logits);
+                                      static_cast<std::byte*>(memory), precision);
 }
 
 }  // namespace shardswap::lm::dec

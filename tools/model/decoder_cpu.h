@@ -21,12 +21,14 @@ std::size_t cpu_bytes(const DecoderShape& s, int max_sequences, int seq_len,
 
 /// The backend on [memory, memory + cpu_bytes(...)) (host memory, 64-byte aligned; the block
 /// must outlive the backend). Batches may have fewer sequences and a shorter seq_len than
-/// configured. Throws ConfigError on a block that is too small or misaligned. `logits`: fp32
-/// (the default), or bf16 / fp16: each logit rounded to it before the cross-entropy, as the CUDA
-/// backend's bit16 logits are (model.bit16_logits).
+/// configured. Throws ConfigError on a block that is too small or misaligned, or a precision
+/// that is not fp32, bf16 or fp16. `precision`: fp32 everywhere (the default), or bf16 / fp16
+/// logits (each rounded to it before the cross-entropy, as the CUDA backend's bit16 logits are:
+/// model.bit16_logits) and gradient at SwiGLU's output (rounded where the down projection's input
+/// gradient is formed: model.bit16_swiglu_grad).
 std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                           void* memory, std::size_t bytes,
-                                          int recompute_layers = 0, DType logits = DType::f32);
+                                          int recompute_layers = 0, Precision precision = {});
 
 /// Rows of logits the cross-entropy holds at once ([rows, vocab] fp32): bounds the logits
 /// memory for large vocabularies while keeping the head's GEMMs large enough to be efficient.

@@ -297,11 +297,13 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
 /// Defined in cuda/cuda_compute.cu, or in the stub of a build without CUDA (BackendUnavailable).
 /// The lowest `recompute` layers keep only their input and run their forward again at the start
 /// of their backward (model.recompute_layers): the same bits in cuda_bytes(..., recompute).
-/// `logits`: the head's logits in fp32 (the default), or in the weights' dtype
-/// (model.bit16_logits: half the bytes the head writes and the cross-entropy reads; the loss and
-/// gradients change in the last bits); any other dtype is a ConfigError.
+/// `precision`: fp32 everywhere (the default), or in the weights' dtype the head's logits
+/// (model.bit16_logits: half the bytes the head writes and the cross-entropy reads) and the
+/// gradient at SwiGLU's output (model.bit16_swiglu_grad: half the bytes the down projection's
+/// input-gradient GEMM writes and SwiGLU's backward reads); the loss and gradients then change
+/// in the last bits. Any other dtype is a ConfigError.
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
-                                           int recompute = 0, DType logits = DType::f32);
+                                           int recompute = 0, Precision precision = {});
 
 }  // namespace shardswap::lm::dec

@@ -128,7 +128,7 @@ class DecoderRun final : public RunModel {
                                              MemorySpace& space) const override {
     return std::make_unique<DecoderRank>(
         make_decoder(config_.shape, micro, config_.seq_len, dtype, space, config_.recompute_layers,
-                     config_.bit16_logits),
+                     config_.precision),
         config_.shape.vocab);
   }
   int recomputable_layers() const override { return config_.shape.layers; }

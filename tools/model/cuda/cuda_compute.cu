@@ -120,9 +120,11 @@ template <class T>
 class CudaCompute final : public Compute {
  public:
   CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-              std::byte* memory, CudaAttention attention, bool bit16_logits)
+              std::byte* memory, CudaAttention attention, bool bit16_logits,
+              bool bit16_swiglu_grad)
       : s_(s),
         bit16_logits_(bit16_logits),
+        bit16_swiglu_grad_(bit16_swiglu_grad),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
         recompute_(recompute),
@@ -690,9 +692,19 @@ class CudaCompute final : public Compute {
       T* up = gate + in;
       // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
       // d16 = dx rounded, by the norm backward that made dx.
-      linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
-      // act (recomputed) for the down projection's weight gradient in the same pass.
-      launch_swiglu_backward<T>(at(l_.dact), gate, up, active ? act : nullptr, n, in, 2 * in);
+      // act (recomputed) for the down projection's weight gradient in the same pass as SwiGLU's
+      // backward. Its output's gradient in fp32, or (model.bit16_swiglu_grad) in T in the same
+      // region: half the bytes written and read.
+      if (bit16_swiglu_grad_) {
+        T* dact = at<T>(l_.dact);
+        gemm(cublas_.get(), false, false, n, in, d, 1.0f, d16, t16, d, lw.down, t16, in, 0.0f,
+             dact, t16, in);
+        launch_swiglu_backward<T, T>(dact, gate, up, active ? act : nullptr, n, in, 2 * in);
+      } else {
+        linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
+        launch_swiglu_backward<T, float>(at(l_.dact), gate, up, active ? act : nullptr, n, in,
+                                         2 * in);
+      }
       if (active) {
         weight_grad(sink, {K::down, l}, n, d, in, alpha, d16, d, act, in);
         rms_norm(ys(l), lw.mlp_norm, n, normed, nullptr);
@@ -776,7 +788,8 @@ class CudaCompute final : public Compute {
   }
 
   DecoderShape s_;
-  bool bit16_logits_;  // model.bit16_logits: the head's logits in T, not fp32
+  bool bit16_logits_;       // model.bit16_logits: the head's logits in T, not fp32
+  bool bit16_swiglu_grad_;  // model.bit16_swiglu_grad: SwiGLU's output gradient in T
   int max_sequences_, seq_len_;
   int recompute_;  // the lowest layers that run their forward again in backward
   std::size_t n_max_;
@@ -845,10 +858,14 @@ std::string cuda_attention_name(const DecoderShape& s) {
 
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
-                                           int recompute, DType logits) {
-  if (logits != DType::f32 && logits != dtype)
-    throw ConfigError(std::string("make_cuda_compute: logits of dtype ") + dtype_name(logits) +
-                      ": fp32 or the weights' " + dtype_name(dtype));
+                                           int recompute, Precision precision) {
+  for (const auto& [what, of] : {std::pair{"logits", precision.logits},
+                                 std::pair{"SwiGLU's gradient", precision.swiglu_grad}})
+    if (of != DType::f32 && of != dtype)
+      throw ConfigError(std::string("make_cuda_compute: ") + what + " of dtype " +
+                        dtype_name(of) + ": fp32 or the weights' " + dtype_name(dtype));
+  const bool bit16_logits = precision.logits != DType::f32,
+             bit16_swiglu_grad = precision.swiglu_grad != DType::f32;
   const std::size_t expected = cuda_bytes(s, max_sequences, seq_len, recompute);
   if (bytes != expected)
     throw ConfigError("make_cuda_compute: the block has " + std::to_string(bytes) +
@@ -861,10 +878,11 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   switch (dtype) {
     case DType::bf16:
       return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
-                                                          base, attention, logits != DType::f32);
+                                                          base, attention, bit16_logits,
+                                                          bit16_swiglu_grad);
     case DType::f16:
       return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute, base,
-                                                   attention, logits != DType::f32);
+                                                   attention, bit16_logits, bit16_swiglu_grad);
     default:
       break;
   }

@@ -97,10 +97,10 @@ void launch_attention_backward(int sequences, int seq_len, int heads, int kv_hea
 template <class T>
 void launch_swiglu_forward(const T* gate, const T* up, int rows, int width, long long ld,
                            T* act);
-/// gate and up (as the forward's) replaced by their gradients from dact [rows, width]; act
-/// recomputed when not null.
-template <class T>
-void launch_swiglu_backward(const float* dact, T* gate, T* up, T* act, int rows, int width,
+/// gate and up (as the forward's) replaced by their gradients from dact [rows, width] (D: fp32,
+/// or T under model.bit16_swiglu_grad); act recomputed when not null.
+template <class T, class D>
+void launch_swiglu_backward(const D* dact, T* gate, T* up, T* act, int rows, int width,
                             long long ld);
 
 // cross_entropy.cu
