@@ -760,12 +760,12 @@ struct CudaRun {
 
 CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_scale,
                  const std::set<int>& active, int recompute = 0, bool packed = false,
-                 Precision precision = {}) {
+                 Precision precision = {}, Attention attention = Attention::automatic) {
   const DeviceParams dev(c.shape, p, c.dtype, packed);
   const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute);
   DeviceBlock block(bytes);
   auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
-                                   recompute, precision);
+                                   recompute, precision, attention);
   const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(),
                     b.positions.empty() ? nullptr : b.positions.data()};
   SlotSink sink(c.shape, active, c.slot_dtype);
@@ -971,6 +971,32 @@ TEST_CASE("cuda decoder: a bit16 SwiGLU gradient keeps the loss and stays within
     std::printf("cuda decoder %s, bit16 SwiGLU gradient: worst gradient error %.2e\n", c.label,
                 worst);
   }
+}
+
+// model.attention: the own kernels at every shape, and cuDNN's atomic backward wherever cuDNN
+// runs, stay within the float64 reference's tolerances as the default (cuDNN's deterministic
+// backward where it runs) does.
+TEST_CASE("cuda decoder: each model.attention stays within the float64 reference's tolerances",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases())
+    for (const Attention a : {Attention::own, Attention::cudnn_atomic}) {
+      if (a == Attention::cudnn_atomic && cuda_attention(c.shape) != Attention::cudnn) continue;
+      CAPTURE(c.label, attention_key_value(a));
+      Params p = random_params(c.shape, c.dtype, 11);
+      const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
+      const RefResult ref = reference(c.shape, p, b, kGradScale);
+      const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {}, a);
+      CAPTURE(got.problems);
+      REQUIRE(got.problems.empty());
+      const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
+      REQUIRE(loss_error < logits_tolerance(c.dtype));
+      REQUIRE(normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits) <
+              logits_tolerance(c.dtype));
+      const auto [worst, worst_name] = require_grads_near(c, got, ref);
+      std::printf("cuda decoder %s, model.attention = %s: loss error %.2e, worst gradient error "
+                  "%.2e (%s)\n",
+                  c.label, attention_key_value(a), loss_error, worst, worst_name.c_str());
+    }
 }
 
 TEST_CASE("cuda decoder: ignored targets add nothing, the loss and gradients are the reference's "

@@ -523,3 +523,29 @@ TEST_CASE("the precision options (model.bit16_logits, model.bit16_swiglu_grad) t
     REQUIRE(test::contains(msg, std::string("model.") + option));
   }
 }
+
+// model.attention picks among the CUDA backend's attentions: "auto" is the key left out, a value
+// it does not know is refused when the config is read, and a cuDNN or own-kernel choice on a
+// CPU run is refused before the first step, naming the key, never run as something else.
+TEST_CASE("model.attention: \"auto\" is the default, an unknown value and a CUDA choice on a CPU "
+          "run are refused naming the key",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-attention");
+  auto j = decoder_run(dir, "qwen2_untied");
+  j["steps"] = 2;
+  const auto plain = run(load(j));
+  j["model"]["attention"] = "auto";
+  require_same_steps(run(load(j)), plain);
+  j["model"]["attention"] = "flash";
+  std::string msg = test::message_of<ConfigError>([&] { (void)load(j); });
+  CHECK(test::contains(msg, "model.attention = \"flash\""));
+  CHECK(test::contains(msg, "\"cudnn-atomic\""));
+  for (const char* cuda_only : {"cudnn", "cudnn-atomic", "own"}) {
+    CAPTURE(cuda_only);
+    j["model"]["attention"] = cuda_only;
+    const TrainConfig config = load(j);  // a value the key knows
+    msg = test::message_of<ConfigError>([&] { (void)run(config); });
+    CHECK(test::contains(msg, std::string("model.attention = \"") + cuda_only + "\""));
+    CHECK(test::contains(msg, "CPU backend"));
+  }
+}

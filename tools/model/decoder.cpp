@@ -474,9 +474,24 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
                                                             recompute_layers));
 }
 
+void check_decoder_attention(const DecoderShape& shape, lm::dec::Attention attention,
+                             DeviceKind device) {
+  if (device == DeviceKind::cuda) {
+    (void)lm::dec::cuda_attention(shape, attention);
+    return;
+  }
+  if (attention != lm::dec::Attention::automatic)
+    throw ConfigError(fmt::format(
+        "model.attention = \"{}\": picks among the CUDA backend's attentions; the CPU backend "
+        "has one of its own (leave the key out, or \"auto\")",
+        lm::dec::attention_key_value(attention)));
+}
+
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
                                       DType dtype, MemorySpace& space, int recompute_layers,
-                                      const DecoderPrecision& precision) {
+                                      const DecoderPrecision& precision,
+                                      lm::dec::Attention attention) {
+  check_decoder_attention(shape, attention, space.device());
   const auto bytes = static_cast<std::size_t>(Decoder::activation_bytes(
       shape, max_sequences, seq_len, dtype, space.device(), recompute_layers));  // validates
   Buffer memory = space.allocate(
@@ -490,7 +505,7 @@ std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequenc
   if (space.device() == DeviceKind::cuda)
     model->set_compute(
         lm::dec::make_cuda_compute(shape, max_sequences, seq_len, dtype, base, bytes,
-                                   recompute_layers, kept));
+                                   recompute_layers, kept, attention));
   else
     model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes,
                                                  recompute_layers, kept));

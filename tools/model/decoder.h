@@ -122,15 +122,24 @@ struct DecoderPrecision {
   bool bit16_swiglu_grad = false;
 };
 
+/// Throws ConfigError naming model.attention where a decoder of `shape` on `device` cannot run
+/// `attention`: anything but automatic on the host (the CPU backend has one attention of its
+/// own), a cuDNN one where the build has no cuDNN or head_dim rules it out
+/// (lm::dec::cuda_attention). BackendUnavailable for a CUDA device in a build without CUDA.
+void check_decoder_attention(const DecoderShape& shape, lm::dec::Attention attention,
+                             DeviceKind device);
+
 /// The CPU (Eigen) backend when space.device() is the host, the CUDA one (cuBLAS GEMMs, own
 /// fused kernels and attention) on a CUDA device. All activation and workspace memory
 /// is allocated once, here, from `space` with Tag::activation (activation_bytes() of it,
 /// exactly). `dtype` is the weights' (the engine's config dtype: bf16 or fp16). Throws
 /// ConfigError for a bad shape, max_sequences or seq_len < 1, seq_len above max_positions or a
 /// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA.
-/// `precision` names the values kept in `dtype` instead of fp32 (DecoderPrecision).
+/// `precision` names the values kept in `dtype` instead of fp32 (DecoderPrecision); `attention`
+/// the CUDA backend's attention (model.attention), refused as check_decoder_attention says.
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
                                       DType dtype, MemorySpace& space, int recompute_layers = 0,
-                                      const DecoderPrecision& precision = {});
+                                      const DecoderPrecision& precision = {},
+                                      lm::dec::Attention attention = lm::dec::Attention::automatic);
 
 }  // namespace shardswap

@@ -311,6 +311,24 @@ struct Precision {
   DType swiglu_grad = DType::f32;  ///< the gradient at SwiGLU's output (model.bit16_swiglu_grad)
 };
 
+/// model.attention: which attention the CUDA backend runs (docs/models.md). `automatic` is
+/// cuDNN's fused flash attention with its deterministic backward where the build has cuDNN and
+/// head_dim allows it, else the backend's own kernels; `cudnn_atomic` is cuDNN's with the
+/// backward that sums dQ over key tiles with atomics (faster; two runs may differ in the last
+/// bits). The CPU backend has one attention of its own and takes `automatic` only.
+enum class Attention { automatic, cudnn, cudnn_atomic, own };
+
+/// The config's spelling of each: "auto", "cudnn", "cudnn-atomic", "own".
+inline const char* attention_key_value(Attention a) {
+  switch (a) {
+    case Attention::cudnn: return "cudnn";
+    case Attention::cudnn_atomic: return "cudnn-atomic";
+    case Attention::own: return "own";
+    case Attention::automatic: break;
+  }
+  return "auto";
+}
+
 /// A target the loss is not on (a prompt's token under a loss mask): its row adds nothing to the
 /// loss or the gradients, and the mean is over the other targets.
 inline constexpr std::int32_t kIgnoredTarget = -1;

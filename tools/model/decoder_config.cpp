@@ -99,6 +99,17 @@ DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
   d.recompute_layers = static_cast<int>(recompute);
   d.precision.bit16_logits = c.boolean("model.bit16_logits", false);
   d.precision.bit16_swiglu_grad = c.boolean("model.bit16_swiglu_grad", false);
+  const std::string attention = c.string("model.attention", "auto");
+  using lm::dec::Attention;
+  bool known = false;
+  for (const Attention a :
+       {Attention::automatic, Attention::cudnn, Attention::cudnn_atomic, Attention::own})
+    if (attention == lm::dec::attention_key_value(a)) {
+      d.attention = a;
+      known = true;
+    }
+  if (!known)
+    c.fail_value("model.attention", "must be \"auto\", \"cudnn\", \"cudnn-atomic\" or \"own\"");
   return d;
 }
 

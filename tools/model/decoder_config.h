@@ -31,6 +31,8 @@ struct DecoderConfig {
   /// model.bit16_logits and model.bit16_swiglu_grad: values kept in the weights' dtype instead
   /// of fp32 (precision options: docs/models.md).
   DecoderPrecision precision;
+  /// model.attention: "auto" (default), "cudnn", "cudnn-atomic" or "own" (lm::dec::Attention).
+  lm::dec::Attention attention = lm::dec::Attention::automatic;
   /// model.path's config.json, weight files and side files: what a run's outputs must never
   /// replace (empty from scratch).
   std::vector<std::filesystem::path> input_files() const;
@@ -42,9 +44,10 @@ struct DecoderConfig {
 };
 
 /// Reads model.path or the inline config.json fields (model.model_type, model.hidden_size, ...;
-/// model_type defaults to "llama"), model.recompute_layers and the precision options, checked at
-/// `seq_len` (data.seq_len); opens model.path's folder and checks its tensors now. Throws ConfigError naming the key and
-/// the file (the config's, or the folder's config.json or weights).
+/// model_type defaults to "llama"), model.recompute_layers, the precision options and
+/// model.attention, checked at `seq_len` (data.seq_len); opens model.path's folder and checks
+/// its tensors now. Throws ConfigError naming the key and the file (the config's, or the
+/// folder's config.json or weights).
 DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len);
 
 }  // namespace shardswap

@@ -241,8 +241,8 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.mean_loss = a.take(1, 8);
   l.partials = a.take(partials * std::max(d, qw + 2 * kw), f32);
   l.workspace = a.take(kCudaCublasWorkspaceBytes, 1);
-  // Kept whichever attention a run picks (SHARDSWAP_DECODER_ATTENTION): the plan of a build
-  // does not depend on the environment. Whether the build has cuDNN is a link-time choice
+  // Kept whichever attention a run picks (model.attention): the plan of a build does not
+  // depend on it. Whether the build has cuDNN is a link-time choice
   // (cudnn_attention.cpp or its stub), the same for every target of one build.
   l.attn_scratch = a.take(
       cudnn_attention_available() ? cuda_cudnn_scratch_bytes(s, max_sequences, seq_len) : 0, 1);
@@ -260,22 +260,18 @@ inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_
   return cuda_layout(s, max_sequences, seq_len, recompute).bytes;
 }
 
-/// Which attention the backend runs: cuDNN's fused flash attention with its deterministic
-/// backward (dQ without atomics; two runs give the same bits), the same with its atomic backward
-/// (dQ summed over key tiles with atomics: 4% more tokens/s at Qwen2.5-0.5B, docs/benchmarks.md;
-/// runs differ in the last bits), or the backend's own kernels.
-enum class CudaAttention { cudnn, cudnn_atomic, own };
-
-/// The attention for shape s, from the environment variable SHARDSWAP_DECODER_ATTENTION:
-/// "cudnn", "cudnn-atomic", "own", or unset (cudnn when the build has cuDNN and head_dim is a
-/// multiple of 8, as in every Llama, Qwen2 and Mistral checkpoint; else own). Throws ConfigError
-/// naming the variable for any other value, or for a cuDNN value where the build or head_dim
-/// rules cuDNN out.
-CudaAttention cuda_attention(const DecoderShape& s);
+/// The attention the backend runs for shape s when a run asks for `requested` (model.attention):
+/// cudnn, cudnn_atomic or own, never automatic. automatic is cudnn where the build has cuDNN and
+/// head_dim is a multiple of 8 (every Llama, Qwen2, Qwen3 and Mistral checkpoint), else own.
+/// Throws ConfigError naming model.attention for a cuDNN value where the build or head_dim rules
+/// cuDNN out. cuDNN's atomic backward: 4% more tokens/s at Qwen2.5-0.5B on 2026-12-01
+/// (docs/benchmarks.md); runs may differ in the last bits.
+Attention cuda_attention(const DecoderShape& s, Attention requested = Attention::automatic);
 /// What cuda_attention picks, in words: "cuDNN 9.14.0 fused flash attention, deterministic
-/// backward", the same with the atomic backward's warning, or
-/// "own kernels (...why...)". BackendUnavailable in a build without CUDA.
-std::string cuda_attention_name(const DecoderShape& s);
+/// backward", the same with the atomic backward's warning, or "own kernels (...why...)".
+/// BackendUnavailable in a build without CUDA.
+std::string cuda_attention_name(const DecoderShape& s,
+                                Attention requested = Attention::automatic);
 
 /// The backend's own attention kernels alone (what it runs without cuDNN), on packed rows:
 /// q, o [sequences * seq_len, heads * head_dim], k, v [.., kv_heads * head_dim] of dtype
@@ -301,9 +297,11 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
 /// (model.bit16_logits: half the bytes the head writes and the cross-entropy reads) and the
 /// gradient at SwiGLU's output (model.bit16_swiglu_grad: half the bytes the down projection's
 /// input-gradient GEMM writes and SwiGLU's backward reads); the loss and gradients then change
-/// in the last bits. Any other dtype is a ConfigError.
+/// in the last bits. Any other dtype is a ConfigError. `attention`: model.attention, resolved by
+/// cuda_attention (whose ConfigError it throws).
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
-                                           int recompute = 0, Precision precision = {});
+                                           int recompute = 0, Precision precision = {},
+                                           Attention attention = Attention::automatic);
 
 }  // namespace shardswap::lm::dec

@@ -128,8 +128,11 @@ class DecoderRun final : public RunModel {
                                              MemorySpace& space) const override {
     return std::make_unique<DecoderRank>(
         make_decoder(config_.shape, micro, config_.seq_len, dtype, space, config_.recompute_layers,
-                     config_.precision),
+                     config_.precision, config_.attention),
         config_.shape.vocab);
+  }
+  void check_device(DeviceKind device) const override {
+    check_decoder_attention(config_.shape, config_.attention, device);
   }
   int recomputable_layers() const override { return config_.shape.layers; }
   int recompute_layers() const override { return config_.recompute_layers; }
@@ -158,7 +161,9 @@ class DecoderRun final : public RunModel {
         s.kv_heads, s.head_dim, s.vocab, s.tied ? " (tied head)" : "", config_.seq_len,
         config_.path.empty() ? "from scratch" : "from " + config_.path,
         // Which attention a GPU run has is said, never left to guess (docs/models.md).
-        device == DeviceKind::cuda ? ", attention: " + lm::dec::cuda_attention_name(s) : "");
+        device == DeviceKind::cuda
+            ? ", attention: " + lm::dec::cuda_attention_name(s, config_.attention)
+            : "");
   }
   std::string type_name() const override { return "decoder"; }
   nlohmann::json checkpoint_extra(DType dtype) const override {

@@ -22,15 +22,15 @@
 // only to read the loss (or the logits) back.
 //
 // Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
-// head_dim is a multiple of 8, else (or with SHARDSWAP_DECODER_ATTENTION=own) the own kernels
+// head_dim is a multiple of 8, else (or with model.attention = "own") the own kernels
 // (attention_forward.cu, attention_backward.cu). A batch that keeps documents apart
 // (Batch::positions) runs the own kernels, which take each row's first key: the fused attention is
 // not yet given the document boundaries (cuDNN's ragged layout would take them). cuDNN keeps lse as
 // [sequence, head, position] and writes dQ, dK, dV in the operands' type (rounded from its fp32
 // sums, where the own kernels keep fp32), which the RoPE backward reads as they are. Its backward
 // is the deterministic one (dP in its workspace, in calls of a few sequences) unless
-// SHARDSWAP_DECODER_ATTENTION=cudnn-atomic asks for the one that sums dQ over key tiles with
-// atomics, whose runs differ in the last bits.
+// model.attention = "cudnn-atomic" asks for the one that sums dQ over key tiles with atomics,
+// whose runs differ in the last bits.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -38,7 +38,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
 #include <memory>
 #include <optional>
@@ -120,7 +119,7 @@ template <class T>
 class CudaCompute final : public Compute {
  public:
   CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-              std::byte* memory, CudaAttention attention, bool bit16_logits,
+              std::byte* memory, Attention attention, bool bit16_logits,
               bool bit16_swiglu_grad)
       : s_(s),
         bit16_logits_(bit16_logits),
@@ -134,10 +133,10 @@ class CudaCompute final : public Compute {
         device_(use_device_of(memory)),  // current before the handle is made on it
         cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
         inv_freq_(rope_inv_freq(s)) {
-    if (attention != CudaAttention::own) {
+    if (attention != Attention::own) {
       std::byte* scratch = memory + l_.attn_scratch;
       std::size_t bytes = cuda_cudnn_scratch_bytes(s, max_sequences, seq_len);
-      deterministic_ = attention == CudaAttention::cudnn;
+      deterministic_ = attention == Attention::cudnn;
       if (!deterministic_) {  // the fp32 dQ accumulator first, the workspace after it
         const std::size_t dq32 = cuda_cudnn_dq32_bytes(s, max_sequences, seq_len);
         dq32_ = reinterpret_cast<float*>(scratch);
@@ -815,50 +814,51 @@ class CudaCompute final : public Compute {
 
 }  // namespace
 
-CudaAttention cuda_attention(const DecoderShape& s) {
-  const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
-  const std::string value = v == nullptr ? "" : v;
+Attention cuda_attention(const DecoderShape& s, Attention requested) {
   // cuDNN's fused attention wants 16-byte head vectors.
   const bool fits = s.head_dim % 8 == 0 && s.head_dim <= kCudaMaxHeadDim;
-  if (value.empty())
-    return cudnn_attention_available() && fits ? CudaAttention::cudnn : CudaAttention::own;
-  if (value == "own") return CudaAttention::own;
-  if (value == "cudnn" || value == "cudnn-atomic") {
-    if (!cudnn_attention_available())
-      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value +
-                        ": this build has no cuDNN (SHARDSWAP_CUDNN)");
-    if (!fits)
-      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value + ": head_dim = " +
-                        std::to_string(s.head_dim) +
-                        " is not a multiple of 8, as cuDNN's fused attention needs");
-    return value == "cudnn" ? CudaAttention::cudnn : CudaAttention::cudnn_atomic;
+  switch (requested) {
+    case Attention::automatic:
+      return cudnn_attention_available() && fits ? Attention::cudnn : Attention::own;
+    case Attention::own:
+      return Attention::own;
+    case Attention::cudnn:
+    case Attention::cudnn_atomic: {
+      const std::string asked =
+          std::string("model.attention = \"") + attention_key_value(requested) + "\"";
+      if (!cudnn_attention_available())
+        throw ConfigError(asked + ": this build has no cuDNN (SHARDSWAP_CUDNN)");
+      if (!fits)
+        throw ConfigError(asked + ": head_dim = " + std::to_string(s.head_dim) +
+                          " is not a multiple of 8 up to " + std::to_string(kCudaMaxHeadDim) +
+                          ", as cuDNN's fused attention needs");
+      return requested;
+    }
   }
-  throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value +
-                    ": not \"cudnn\", \"cudnn-atomic\" or \"own\"");
+  throw ConfigError("model.attention: not a value cuda_attention knows");
 }
 
-std::string cuda_attention_name(const DecoderShape& s) {
-  const CudaAttention a = cuda_attention(s);
-  if (a == CudaAttention::own) {
-    const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
+std::string cuda_attention_name(const DecoderShape& s, Attention requested) {
+  const Attention a = cuda_attention(s, requested);
+  if (a == Attention::own)
     return std::string("own kernels (") +
-           (v != nullptr && std::string(v) == "own" ? "SHARDSWAP_DECODER_ATTENTION=own"
-            : !cudnn_attention_available()             ? "this build has no cuDNN"
-                                                       : "head_dim is not a multiple of 8") +
+           (requested == Attention::own     ? "model.attention = \"own\""
+            : !cudnn_attention_available() ? "this build has no cuDNN"
+                                           : "head_dim is not a multiple of 8") +
            ")";
-  }
   const long v = CudnnAttention::version();  // major * 10000 + minor * 100 + patch (cuDNN 9)
   return "cuDNN " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
          std::to_string(v % 100) + " fused flash attention" +
-         (a == CudaAttention::cudnn
+         (a == Attention::cudnn
               ? ", deterministic backward"
-              : " (SHARDSWAP_DECODER_ATTENTION=cudnn-atomic: its backward sums dQ with atomics, "
+              : " (model.attention = \"cudnn-atomic\": its backward sums dQ with atomics, "
                 "two runs may differ in the last bits)");
 }
 
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
-                                           int recompute, Precision precision) {
+                                           int recompute, Precision precision,
+                                           Attention requested) {
   for (const auto& [what, of] : {std::pair{"logits", precision.logits},
                                  std::pair{"SwiGLU's gradient", precision.swiglu_grad}})
     if (of != DType::f32 && of != dtype)
@@ -874,7 +874,7 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   if (reinterpret_cast<std::uintptr_t>(memory) % 256 != 0)
     throw ConfigError("make_cuda_compute: the block is not 256-byte aligned");
   auto* base = static_cast<std::byte*>(memory);
-  const CudaAttention attention = cuda_attention(s);
+  const Attention attention = cuda_attention(s, requested);
   switch (dtype) {
     case DType::bf16:
       return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
