@@ -732,20 +732,25 @@ class CudaCompute final : public Compute {
       clock_.mark(PhaseClock::attention_backward);
       const bool in_g16 = attention_backward(b, q, k, v, o, dout, lse, g32, g16, width);
       clock_.mark(PhaseClock::backward);
+      // RoPE's backward into g16; into g32 too only for Qwen3's head norms, which read it; and
+      // for a trained layer's biases their partial column sums in the same pass.
+      float* const g_kept = s_.qk_norm ? g32 : nullptr;
+      float* const bias_partials = active && s_.qkv_bias ? at(l_.partials) : nullptr;
       if (in_g16)
-        launch_qkv_backward<T, T>(n, g16, g32, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
-                                  s_.heads, s_.kv_heads, s_.head_dim, g16, doc_positions_);
+        launch_qkv_backward<T, T>(n, g16, g_kept, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
+                                  s_.heads, s_.kv_heads, s_.head_dim, g16, doc_positions_,
+                                  bias_partials);
       else
-        launch_qkv_backward<T, float>(n, g32, g32, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
-                                      s_.heads, s_.kv_heads, s_.head_dim, g16, doc_positions_);
+        launch_qkv_backward<T, float>(n, g32, g_kept, at(l_.rope_cos), at(l_.rope_sin),
+                                      b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, g16,
+                                      doc_positions_, bias_partials);
       if (s_.qk_norm) head_norm_backward(lw, l, n, active, sink, alpha, g32, g16);
       if (active) {
         rms_norm(xs(l), lw.attn_norm, n, normed, nullptr);
-        // The three biases' column sums in one pass over g32's q|k|v columns, each param's
-        // partials finished into its slot in the order the params are declared.
+        // The three biases' partials (made by RoPE's backward above, one row of q|k|v columns
+        // a chunk) finished into their slots in the order the params are declared.
         const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
         const int wi = static_cast<int>(width);
-        if (s_.qkv_bias) launch_column_partials(g32, n, wi, width, at(l_.partials));
         weight_grad(sink, {K::q, l}, n, qw, d, alpha, g16, width, normed, d);
         if (s_.qkv_bias) finish(sink, {K::q_bias, l}, chunks, qw, alpha, 0, wi);
         weight_grad(sink, {K::k, l}, n, kw, d, alpha, g16 + qw, width, normed, d);

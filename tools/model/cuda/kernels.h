@@ -49,11 +49,13 @@ void launch_qkv_forward(int n, const float* qkv, const T* bq, const T* bk, const
                         const float* rope_cos, const float* rope_sin, int seq_len, int heads,
                         int kv_heads, int hd, T* q, T* k, T* v, const int* positions);
 /// RoPE's backward from dq|dk|dv in `in` (In: fp32 or T; may be g or g16): the gradient at the
-/// projections into g (fp32) and rounded into g16. Positions as launch_qkv_forward's.
+/// projections rounded into g16, into g (fp32) unless g is null, and unless partials is null
+/// partials [chunks, (H + 2K) hd] of its column sums (the biases' gradients), chunks of
+/// kCudaRowsPerPartial rows, for launch_finish_columns. Positions as launch_qkv_forward's.
 template <class T, class In>
 void launch_qkv_backward(int n, const In* in, float* g, const float* rope_cos,
                          const float* rope_sin, int seq_len, int heads, int kv_heads, int hd,
-                         T* g16, const int* positions);
+                         T* g16, const int* positions, float* partials);
 
 // head_norm.cu: Qwen3's RMSNorm of each q and k head (DecoderShape::qk_norm), before RoPE.
 /// In place on the fp32 projections qkv [n, (H + 2K) hd] (rows ld apart), each of the H q heads
@@ -114,9 +116,6 @@ void launch_cross_entropy_rows(L* logits, int rows, int vocab, const int* target
 void launch_mean_of(const float* loss, int n, double denominator, double* out);
 
 // column_sums.cu
-/// partials [chunks, w] of the column sums of x [n, w] (rows ld apart), chunks of
-/// kCudaRowsPerPartial rows.
-void launch_column_partials(const float* x, int n, int w, long long ld, float* partials);
 /// slot[k] += alpha * the sum of partials[0 .. chunks)[k], in order, a chunk's partials stride
 /// floats apart (also the head norms').
 template <class G>
