@@ -106,7 +106,10 @@ __global__ void qkv_backward(const In* in, float* g, const float* __restrict__ r
   const QkvUnit p = unit_place(u, heads, kv_heads, hd);
   const int first = blockIdx.x * kCudaRowsPerPartial, end = min(n, first + kCudaRowsPerPartial);
   float sum_a = 0.0f, sum_b = 0.0f;
+  // Unrolled so that each thread has several rows' loads in flight (the rows are independent
+  // but for the sums).
   if (p.part == 2) {  // v: no rotation
+#pragma unroll 4
     for (int t = first; t < end; ++t) {
       const long long at = static_cast<long long>(t) * width + p.column;
       const float dv = to_float(in[at]);
@@ -115,6 +118,7 @@ __global__ void qkv_backward(const In* in, float* g, const float* __restrict__ r
       sum_a += dv;
     }
   } else {
+#pragma unroll 4
     for (int t = first; t < end; ++t) {
       const long long at = static_cast<long long>(t) * width + p.column;
       const long long pos = positions != nullptr ? positions[t] : t % seq_len;
