@@ -790,6 +790,20 @@ std::set<int> all_groups(const DecoderShape& s) {
 
 constexpr double kGradScale = 2.5;
 
+// Case c's weights and batch at the seeds the float64-reference cases share, and the
+// reference's logits, loss and gradients for them.
+struct Referenced {
+  Params p;
+  Tokens b;
+  RefResult ref;
+};
+Referenced referenced(const Case& c) {
+  Referenced r{random_params(c.shape, c.dtype, 11),
+               random_tokens(c.shape, c.sequences, c.batch_len, 12), {}};
+  r.ref = reference(c.shape, r.p, r.b, kGradScale);
+  return r;
+}
+
 // Every param's gradient within the dtype's tolerance of the reference's (each REQUIREd, named);
 // the worst normalized error and its param, for the case's printed line.
 std::pair<double, std::string> require_grads_near(const Case& c, const CudaRun& got,
@@ -892,9 +906,7 @@ TEST_CASE("cuda decoder: logits, loss and every gradient match the float64 refer
           "[decoder][gpu]") {
   for (const Case& c : shape_cases()) for (const bool packed : {false, true}) {
     CAPTURE(c.label, packed);
-    Params p = random_params(c.shape, c.dtype, 11);
-    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
-    const RefResult ref = reference(c.shape, p, b, kGradScale);
+    const auto [p, b, ref] = referenced(c);
     const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, packed);
     CAPTURE(got.problems);
     REQUIRE(got.problems.empty());
@@ -922,9 +934,7 @@ TEST_CASE("cuda decoder: bit16 logits are the loss's logits and stay within the 
           "[decoder][gpu]") {
   for (const Case& c : shape_cases()) {
     CAPTURE(c.label);
-    Params p = random_params(c.shape, c.dtype, 11);
-    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
-    const RefResult ref = reference(c.shape, p, b, kGradScale);
+    const auto [p, b, ref] = referenced(c);
     const CudaRun got =
         run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {.logits = c.dtype});
     CAPTURE(got.problems);
@@ -955,9 +965,7 @@ TEST_CASE("cuda decoder: a bit16 SwiGLU gradient keeps the loss and stays within
           "[decoder][gpu]") {
   for (const Case& c : shape_cases()) {
     CAPTURE(c.label);
-    Params p = random_params(c.shape, c.dtype, 11);
-    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
-    const RefResult ref = reference(c.shape, p, b, kGradScale);
+    const auto [p, b, ref] = referenced(c);
     const CudaRun fp32 = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
     const CudaRun got =
         run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {.swiglu_grad = c.dtype});
@@ -982,9 +990,7 @@ TEST_CASE("cuda decoder: each model.attention stays within the float64 reference
     for (const Attention a : {Attention::own, Attention::cudnn_atomic}) {
       if (a == Attention::cudnn_atomic && cuda_attention(c.shape) != Attention::cudnn) continue;
       CAPTURE(c.label, attention_key_value(a));
-      Params p = random_params(c.shape, c.dtype, 11);
-      const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
-      const RefResult ref = reference(c.shape, p, b, kGradScale);
+      const auto [p, b, ref] = referenced(c);
       const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {}, a);
       CAPTURE(got.problems);
       REQUIRE(got.problems.empty());
