@@ -760,12 +760,14 @@ struct CudaRun {
 
 CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_scale,
                  const std::set<int>& active, int recompute = 0, bool packed = false,
-                 Precision precision = {}, Attention attention = Attention::automatic) {
+                 Precision precision = {}, Attention attention = Attention::automatic,
+                 int loss_rows = 0) {
   const DeviceParams dev(c.shape, p, c.dtype, packed);
-  const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute);
+  const std::size_t bytes =
+      cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute, loss_rows);
   DeviceBlock block(bytes);
   auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
-                                   recompute, precision, attention);
+                                   recompute, precision, attention, loss_rows);
   const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(),
                     b.positions.empty() ? nullptr : b.positions.data()};
   SlotSink sink(c.shape, active, c.slot_dtype);
@@ -1003,6 +1005,42 @@ TEST_CASE("cuda decoder: each model.attention stays within the float64 reference
                   "%.2e (%s)\n",
                   c.label, attention_key_value(a), loss_error, worst, worst_name.c_str());
     }
+}
+
+// model.loss_chunk_rows: chunks of 64 rows and one chunk of the whole batch give the default's
+// loss, logits and (with fp32 slots) gradients up to summation order (cuBLAS may pick another
+// kernel for another row count; the chunks add into the head's gradient in another grouping),
+// and every gradient stays within the float64 reference's tolerances; the block is sized for
+// the chunk, the batch's tokens at most.
+TEST_CASE("cuda decoder: the loss's chunk of rows changes the block's bytes, not the loss or the "
+          "gradients",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases()) {
+    CAPTURE(c.label);
+    const auto [p, b, ref] = referenced(c);
+    const CudaRun plain = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    const int tokens = c.max_sequences * c.seq_len;
+    CHECK(cuda_bytes(c.shape, c.max_sequences, c.seq_len, 0, 64) <=
+          cuda_bytes(c.shape, c.max_sequences, c.seq_len));
+    CHECK(cuda_bytes(c.shape, c.max_sequences, c.seq_len, 0, tokens) ==
+          cuda_bytes(c.shape, c.max_sequences, c.seq_len, 0, tokens + 1000));
+    for (const int rows : {64, tokens}) {
+      CAPTURE(rows);
+      const CudaRun got =
+          run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {}, {}, rows);
+      CAPTURE(got.problems);
+      REQUIRE(got.problems.empty());
+      REQUIRE(std::fabs(got.loss - plain.loss) < 1e-5 * plain.loss);
+      REQUIRE(normalized_error(Vec(got.logits.begin(), got.logits.end()),
+                               Vec(plain.logits.begin(), plain.logits.end())) < 1e-5);
+      if (c.slot_dtype == DType::f32)  // bit16 slots round each chunk's addition
+        for (const auto& [name, g] : plain.grads) {
+          CAPTURE(name);
+          REQUIRE(normalized_error(got.grads.at(name), g) < 1e-5);
+        }
+      require_grads_near(c, got, ref);
+    }
+  }
 }
 
 TEST_CASE("cuda decoder: ignored targets add nothing, the loss and gradients are the reference's "

@@ -213,10 +213,10 @@ struct Backend {
   Block block;
   std::unique_ptr<lm::dec::Compute> compute;
   Backend(const DecoderShape& s, int max_sequences, int seq_len,
-          lm::dec::Precision precision = {})
-      : block(lm::dec::cpu_bytes(s, max_sequences, seq_len)),
+          lm::dec::Precision precision = {}, int loss_rows = 0)
+      : block(lm::dec::cpu_bytes(s, max_sequences, seq_len, 0, loss_rows)),
         compute(lm::dec::make_cpu_compute(s, max_sequences, seq_len, block.data(), block.bytes,
-                                          0, precision)) {}
+                                          0, precision, loss_rows)) {}
 };
 
 lm::dec::Batch batch_of(const DecoderTokens& t) {
@@ -443,6 +443,46 @@ TEST_CASE(
     }
     UNSCOPED_INFO(c.what << ": worst normalized gradient error " << worst);
     REQUIRE(be.block.guards_intact());
+  }
+}
+
+// model.loss_chunk_rows: the cross-entropy's rows a chunk size its logits block and how often
+// the head's gradient is added to; the loss is the same and the gradients the same up to the
+// order of those additions. A chunk above the batch's tokens is the batch; a negative one is
+// refused, naming it.
+TEST_CASE("decoder CPU: the loss's chunk of rows changes the block's bytes, not the loss or the "
+          "gradients",
+          "[decoder]") {
+  const DecoderShape s = tiny_qwen2(false);
+  const int sequences = 3, seq_len = 30;  // 90 tokens
+  const auto bytes = [&](int rows) { return lm::dec::cpu_bytes(s, sequences, seq_len, 0, rows); };
+  CHECK(bytes(7) < bytes(0));  // 0: kLossChunkRows (64)
+  CHECK(bytes(0) == bytes(lm::dec::kLossChunkRows));
+  CHECK(bytes(0) < bytes(90));
+  CHECK(bytes(90) == bytes(100000));
+  CHECK(test::contains(test::message_of<ConfigError>([&] { (void)bytes(-1); }),
+                       "loss_chunk_rows = -1"));
+  Model m = random_model(s, 51);
+  const DecoderTokens t = test_support::random_decoder_tokens(s, sequences, seq_len, 52);
+  const auto run = [&](int rows) {
+    Backend be(s, sequences, seq_len, {}, rows);
+    RecordingSink sink(s, RecordingSink::all(s));
+    const double loss = be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+    REQUIRE(sink.problems.empty());
+    REQUIRE(be.block.guards_intact());
+    std::map<std::string, std::vector<double>> grads;
+    for (const auto& p : test_support::decoder_reference_params(s)) grads[p.name] = sink.grad(p.name);
+    return std::pair{loss, grads};
+  };
+  const auto [loss, grads] = run(0);
+  for (const int rows : {7, 90, 100000}) {
+    CAPTURE(rows);
+    const auto [other_loss, other_grads] = run(rows);
+    REQUIRE(std::abs(other_loss - loss) < 1e-6 * loss);
+    for (const auto& [name, g] : grads) {
+      CAPTURE(name);
+      REQUIRE(test_support::decoder_normalized_error(other_grads.at(name), g) < 1e-6);
+    }
   }
 }
 

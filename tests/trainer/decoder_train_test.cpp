@@ -549,3 +549,36 @@ TEST_CASE("model.attention: \"auto\" is the default, an unknown value and a CUDA
     CHECK(test::contains(msg, "CPU backend"));
   }
 }
+
+// model.loss_chunk_rows sizes the cross-entropy's block of logits: a run with chunks of 8 rows
+// (6 a micro-batch of 2 x 24 tokens) trains as one with the backend's own (one chunk), up to the
+// order in which the head's gradient is summed, and plans (and holds: the trainer checks plan
+// = peak) fewer bytes; a value outside [1, 2^30] or not a number is refused naming the key.
+TEST_CASE("model.loss_chunk_rows trains as the default and plans its own bytes, a bad value is "
+          "refused naming the key",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-loss-rows");
+  auto j = decoder_run(dir, "qwen2_untied");
+  const TrainConfig plain_config = load(j);
+  const auto plain = run(plain_config);
+  j["model"]["loss_chunk_rows"] = 8;
+  const TrainConfig chunked_config = load(j);
+  const auto chunked = run(chunked_config);
+  REQUIRE(chunked.size() == plain.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) {
+    const double a = plain[i].at("loss").get<double>(), b = chunked[i].at("loss").get<double>();
+    CAPTURE(i, a, b);
+    REQUIRE(std::abs(a - b) < 1e-5 * a);
+  }
+  const auto activation = [](const TrainConfig& c) {
+    return c.model->activation_bytes(c.batches.micro_samples, c.engine.dtype, DeviceKind::host);
+  };
+  CHECK(activation(chunked_config) < activation(plain_config));
+  for (const nlohmann::json& bad : {nlohmann::json(0), nlohmann::json(-3),
+                                   nlohmann::json(std::int64_t{1} << 31), nlohmann::json("many")}) {
+    CAPTURE(bad.dump());
+    j["model"]["loss_chunk_rows"] = bad;
+    CHECK(test::contains(test::message_of<ConfigError>([&] { (void)load(j); }),
+                         "model.loss_chunk_rows"));
+  }
+}

@@ -119,7 +119,7 @@ template <class T>
 class CudaCompute final : public Compute {
  public:
   CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-              std::byte* memory, Attention attention, bool bit16_logits,
+              int loss_rows, std::byte* memory, Attention attention, bool bit16_logits,
               bool bit16_swiglu_grad)
       : s_(s),
         bit16_logits_(bit16_logits),
@@ -128,8 +128,9 @@ class CudaCompute final : public Compute {
         seq_len_(seq_len),
         recompute_(recompute),
         n_max_(static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len)),
+        loss_rows_(cuda_loss_rows(loss_rows, n_max_)),
         mem_(memory),
-        l_(cuda_layout(s, max_sequences, seq_len, recompute)),
+        l_(cuda_layout(s, max_sequences, seq_len, recompute, loss_rows)),
         device_(use_device_of(memory)),  // current before the handle is made on it
         cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
         inv_freq_(rope_inv_freq(s)) {
@@ -534,8 +535,8 @@ class CudaCompute final : public Compute {
       slot = sink->open(head_id);
       with_slot_type<T>(slot, head_id, [](auto) {});
     }
-    for (int r0 = 0; r0 < n; r0 += kCudaLossChunkRows) {
-      const int rows = std::min(kCudaLossChunkRows, n - r0);
+    for (int r0 = 0; r0 < n; r0 += loss_rows_) {
+      const int rows = std::min(loss_rows_, n - r0);
       gemm(cb, false, true, rows, vocab, d, 1.0f, f + static_cast<long long>(r0) * d, t16, d,
            head, t16, d, 0.0f, logits, bit16_logits_ ? t16 : CUDA_R_32F, vocab);
       if (out != nullptr) copy_logits_out(out + static_cast<long long>(r0) * vocab, rows, vocab);
@@ -797,6 +798,7 @@ class CudaCompute final : public Compute {
   int max_sequences_, seq_len_;
   int recompute_;  // the lowest layers that run their forward again in backward
   std::size_t n_max_;
+  int loss_rows_;  // token rows of the cross-entropy's chunk (model.loss_chunk_rows)
   std::byte* mem_;
   CudaLayout l_;
   int device_;
@@ -863,7 +865,7 @@ std::string cuda_attention_name(const DecoderShape& s, Attention requested) {
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
                                            int recompute, Precision precision,
-                                           Attention requested) {
+                                           Attention requested, int loss_rows) {
   for (const auto& [what, of] : {std::pair{"logits", precision.logits},
                                  std::pair{"SwiGLU's gradient", precision.swiglu_grad}})
     if (of != DType::f32 && of != dtype)
@@ -871,7 +873,7 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
                         dtype_name(of) + ": fp32 or the weights' " + dtype_name(dtype));
   const bool bit16_logits = precision.logits != DType::f32,
              bit16_swiglu_grad = precision.swiglu_grad != DType::f32;
-  const std::size_t expected = cuda_bytes(s, max_sequences, seq_len, recompute);
+  const std::size_t expected = cuda_bytes(s, max_sequences, seq_len, recompute, loss_rows);
   if (bytes != expected)
     throw ConfigError("make_cuda_compute: the block has " + std::to_string(bytes) +
                       " bytes, the layout " + std::to_string(expected));
@@ -883,11 +885,12 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   switch (dtype) {
     case DType::bf16:
       return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
-                                                          base, attention, bit16_logits,
-                                                          bit16_swiglu_grad);
+                                                          loss_rows, base, attention,
+                                                          bit16_logits, bit16_swiglu_grad);
     case DType::f16:
-      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute, base,
-                                                   attention, bit16_logits, bit16_swiglu_grad);
+      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute,
+                                                   loss_rows, base, attention, bit16_logits,
+                                                   bit16_swiglu_grad);
     default:
       break;
   }
