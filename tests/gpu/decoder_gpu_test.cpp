@@ -1008,10 +1008,12 @@ TEST_CASE("cuda decoder: each model.attention stays within the float64 reference
 }
 
 // model.loss_chunk_rows: chunks of 64 rows and one chunk of the whole batch give the default's
-// loss, logits and (with fp32 slots) gradients up to summation order (cuBLAS may pick another
-// kernel for another row count; the chunks add into the head's gradient in another grouping),
-// and every gradient stays within the float64 reference's tolerances; the block is sized for
-// the chunk, the batch's tokens at most.
+// loss and logits up to summation order, and (with fp32 slots) its gradients within 5e-3: cuBLAS
+// may pick another kernel for another row count, and the hidden state's gradient it sums in
+// another order is rounded to bf16 before the layers' backward, so one-ulp flips (4e-3 a value)
+// spread through it (measured 1.3e-3 on an H200, 2026-12-05); a lost or doubled chunk is off by
+// far more. Every gradient stays within the float64 reference's tolerances; the block is sized
+// for the chunk, the batch's tokens at most.
 TEST_CASE("cuda decoder: the loss's chunk of rows changes the block's bytes, not the loss or the "
           "gradients",
           "[decoder][gpu]") {
@@ -1036,7 +1038,7 @@ TEST_CASE("cuda decoder: the loss's chunk of rows changes the block's bytes, not
       if (c.slot_dtype == DType::f32)  // bit16 slots round each chunk's addition
         for (const auto& [name, g] : plain.grads) {
           CAPTURE(name);
-          REQUIRE(normalized_error(got.grads.at(name), g) < 1e-5);
+          REQUIRE(normalized_error(got.grads.at(name), g) < 5e-3);
         }
       require_grads_near(c, got, ref);
     }
