@@ -1008,12 +1008,12 @@ TEST_CASE("cuda decoder: each model.attention stays within the float64 reference
 }
 
 // model.loss_chunk_rows: chunks of 64 rows and one chunk of the whole batch give the default's
-// loss and logits up to summation order, and (with fp32 slots) its gradients within 5e-3: cuBLAS
-// may pick another kernel for another row count, and the hidden state's gradient it sums in
-// another order is rounded to bf16 before the layers' backward, so one-ulp flips (4e-3 a value)
-// spread through it (measured 1.3e-3 on an H200, 2026-12-05); a lost or doubled chunk is off by
-// far more. Every gradient stays within the float64 reference's tolerances; the block is sized
-// for the chunk, the batch's tokens at most.
+// loss and logits up to summation order, and with fp32 slots an untied head's gradient too: its
+// inputs are the same rows, only grouped into other GEMMs. The other gradients are checked against
+// the float64 reference alone: cuBLAS may pick another kernel for another row count, and the hidden
+// state's gradient it sums in another order is rounded to bf16 before the layers' backward, so
+// one-ulp flips spread through them (up to 5.0e-3 apart from the default's on an H200,
+// 2026-12-05). The block is sized for the chunk, the batch's tokens at most.
 TEST_CASE("cuda decoder: the loss's chunk of rows changes the block's bytes, not the loss or the "
           "gradients",
           "[decoder][gpu]") {
@@ -1035,11 +1035,8 @@ TEST_CASE("cuda decoder: the loss's chunk of rows changes the block's bytes, not
       REQUIRE(std::fabs(got.loss - plain.loss) < 1e-5 * plain.loss);
       REQUIRE(normalized_error(Vec(got.logits.begin(), got.logits.end()),
                                Vec(plain.logits.begin(), plain.logits.end())) < 1e-5);
-      if (c.slot_dtype == DType::f32)  // bit16 slots round each chunk's addition
-        for (const auto& [name, g] : plain.grads) {
-          CAPTURE(name);
-          REQUIRE(normalized_error(got.grads.at(name), g) < 5e-3);
-        }
+      if (c.slot_dtype == DType::f32 && !c.shape.tied)  // bit16 slots round each chunk's sum
+        REQUIRE(normalized_error(got.grads.at("head"), plain.grads.at("head")) < 1e-5);
       require_grads_near(c, got, ref);
     }
   }

@@ -4,7 +4,8 @@
 # preset cuda, runs the GPU tests of TESTS (default: the decoder's), then for each shape trains
 # from scratch on real text (tools/bench/train_bench.py: a text file's bytes, seq 2048, the
 # shape's micro-batch) from the same seed without any option, then with each of OPTION's
-# (space-separated key=value), one after the other: for each option tokens/s against the
+# (space-separated; an option of several keys joins its key=value pairs with commas), one after
+# the other: for each option tokens/s against the
 # default's and their ratio, and the two loss curves step by step (the largest difference, and
 # the mean of the last 10 steps of each). Logs and JSON under $OUT.
 #   usage: OUT=DIR [OPTION="model.bit16_logits=true ..."] [SHAPES="0.5b 1.5b"] [STEPS=150]
@@ -48,7 +49,10 @@ for shape in $SHAPES; do
   for i in "${!options[@]}"; do sides+=("option$i"); done
   for side in "${sides[@]}"; do
     extra=()
-    [ "$side" != default ] && extra=(--set "${options[${side#option}]}")
+    if [ "$side" != default ]; then
+      IFS=, read -ra pairs <<< "${options[${side#option}]}"
+      for kv in "${pairs[@]}"; do extra+=(--set "$kv"); done
+    fi
     python3 tools/bench/train_bench.py --bin build/cuda/tools/shardswap --out "$OUT/$shape-$side" \
       --shapes "$shape" --modes full --steps "$STEPS" --warmup 5 --text "$text" "${extra[@]}" \
       > "$OUT/$shape-$side.txt" 2>&1 || status=1
