@@ -356,46 +356,36 @@ TEST_CASE("cuDNN attention refuses a shape it cannot run, naming it, before queu
   CHECK_THROWS_AS(CudnnAttention(nullptr, 16), ConfigError);
 }
 
-TEST_CASE("SHARDSWAP_DECODER_ATTENTION picks the attention and refuses other values",
+TEST_CASE("model.attention picks the attention and refuses a cuDNN one the build or shape rules "
+          "out",
           "[cudnn][gpu]") {
-  const char* before = std::getenv("SHARDSWAP_DECODER_ATTENTION");
-  const std::string saved = before ? before : "";
   DecoderShape s;
   s.head_dim = 64;
   DecoderShape odd = s;
   odd.head_dim = 12;
+  CHECK(cuda_attention(s, Attention::own) == Attention::own);
+  CHECK(test::contains(cuda_attention_name(s, Attention::own), "model.attention = \"own\""));
+  CHECK(cuda_attention(odd) == Attention::own);  // the own kernels, as documented
   if (!cudnn_attention_available()) {  // the own kernels, and a cuDNN value refused
-    ::unsetenv("SHARDSWAP_DECODER_ATTENTION");
-    CHECK(cuda_attention(s) == CudaAttention::own);
+    CHECK(cuda_attention(s) == Attention::own);
     CHECK(test::contains(cuda_attention_name(s), "this build has no cuDNN"));
-    ::setenv("SHARDSWAP_DECODER_ATTENTION", "cudnn", 1);
-    CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention(s); }),
-                         "SHARDSWAP_DECODER_ATTENTION=cudnn: this build has no cuDNN"));
-    if (before)
-      ::setenv("SHARDSWAP_DECODER_ATTENTION", saved.c_str(), 1);
-    else
-      ::unsetenv("SHARDSWAP_DECODER_ATTENTION");
+    CHECK(test::contains(
+        test::message_of<ConfigError>([&] { cuda_attention(s, Attention::cudnn); }),
+        "model.attention = \"cudnn\": this build has no cuDNN"));
     return;
   }
-  ::setenv("SHARDSWAP_DECODER_ATTENTION", "own", 1);
-  CHECK(cuda_attention(s) == CudaAttention::own);
-  ::setenv("SHARDSWAP_DECODER_ATTENTION", "cudnn", 1);
-  CHECK(cuda_attention(s) == CudaAttention::cudnn);
-  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention(odd); }),
-                       "head_dim = 12"));
-  ::setenv("SHARDSWAP_DECODER_ATTENTION", "cudnn-atomic", 1);
-  CHECK(cuda_attention(s) == CudaAttention::cudnn_atomic);
-  CHECK(test::contains(cuda_attention_name(s), "atomics"));
-  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention(odd); }),
-                       "SHARDSWAP_DECODER_ATTENTION=cudnn-atomic: head_dim = 12"));
-  ::setenv("SHARDSWAP_DECODER_ATTENTION", "flash", 1);
-  CHECK(test::contains(test::message_of<ConfigError>([&] { cuda_attention(s); }),
-                       "SHARDSWAP_DECODER_ATTENTION=flash"));
-  ::unsetenv("SHARDSWAP_DECODER_ATTENTION");
-  CHECK(cuda_attention(s) == CudaAttention::cudnn);  // deterministic by default
+  CHECK(cuda_attention(s) == Attention::cudnn);  // deterministic by default
   CHECK(test::contains(cuda_attention_name(s), "deterministic backward"));
-  CHECK(cuda_attention(odd) == CudaAttention::own);  // the own kernels, as documented
-  if (before) ::setenv("SHARDSWAP_DECODER_ATTENTION", saved.c_str(), 1);
+  CHECK(test::contains(cuda_attention_name(odd), "head_dim is not a multiple of 8"));
+  CHECK(cuda_attention(s, Attention::cudnn) == Attention::cudnn);
+  CHECK(test::contains(
+      test::message_of<ConfigError>([&] { cuda_attention(odd, Attention::cudnn); }),
+      "model.attention = \"cudnn\": head_dim = 12"));
+  CHECK(cuda_attention(s, Attention::cudnn_atomic) == Attention::cudnn_atomic);
+  CHECK(test::contains(cuda_attention_name(s, Attention::cudnn_atomic), "atomics"));
+  CHECK(test::contains(
+      test::message_of<ConfigError>([&] { cuda_attention(odd, Attention::cudnn_atomic); }),
+      "model.attention = \"cudnn-atomic\": head_dim = 12"));
 }
 
 namespace {

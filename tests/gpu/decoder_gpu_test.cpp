@@ -760,12 +760,14 @@ struct CudaRun {
 
 CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_scale,
                  const std::set<int>& active, int recompute = 0, bool packed = false,
-                 DType logits = DType::f32) {
+                 Precision precision = {}, Attention attention = Attention::automatic,
+                 int loss_rows = 0) {
   const DeviceParams dev(c.shape, p, c.dtype, packed);
-  const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute);
+  const std::size_t bytes =
+      cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute, loss_rows);
   DeviceBlock block(bytes);
   auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
-                                   recompute, logits);
+                                   recompute, precision, attention, loss_rows);
   const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(),
                     b.positions.empty() ? nullptr : b.positions.data()};
   SlotSink sink(c.shape, active, c.slot_dtype);
@@ -789,6 +791,20 @@ std::set<int> all_groups(const DecoderShape& s) {
 }
 
 constexpr double kGradScale = 2.5;
+
+// Case c's weights and batch at the seeds the float64-reference cases share, and the
+// reference's logits, loss and gradients for them.
+struct Referenced {
+  Params p;
+  Tokens b;
+  RefResult ref;
+};
+Referenced referenced(const Case& c) {
+  Referenced r{random_params(c.shape, c.dtype, 11),
+               random_tokens(c.shape, c.sequences, c.batch_len, 12), {}};
+  r.ref = reference(c.shape, r.p, r.b, kGradScale);
+  return r;
+}
 
 // Every param's gradient within the dtype's tolerance of the reference's (each REQUIREd, named);
 // the worst normalized error and its param, for the case's printed line.
@@ -892,9 +908,7 @@ TEST_CASE("cuda decoder: logits, loss and every gradient match the float64 refer
           "[decoder][gpu]") {
   for (const Case& c : shape_cases()) for (const bool packed : {false, true}) {
     CAPTURE(c.label, packed);
-    Params p = random_params(c.shape, c.dtype, 11);
-    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
-    const RefResult ref = reference(c.shape, p, b, kGradScale);
+    const auto [p, b, ref] = referenced(c);
     const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, packed);
     CAPTURE(got.problems);
     REQUIRE(got.problems.empty());
@@ -922,10 +936,9 @@ TEST_CASE("cuda decoder: bit16 logits are the loss's logits and stay within the 
           "[decoder][gpu]") {
   for (const Case& c : shape_cases()) {
     CAPTURE(c.label);
-    Params p = random_params(c.shape, c.dtype, 11);
-    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 12);
-    const RefResult ref = reference(c.shape, p, b, kGradScale);
-    const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, c.dtype);
+    const auto [p, b, ref] = referenced(c);
+    const CudaRun got =
+        run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {.logits = c.dtype});
     CAPTURE(got.problems);
     REQUIRE(got.problems.empty());
     const auto v = static_cast<std::size_t>(c.shape.vocab);
@@ -942,6 +955,90 @@ TEST_CASE("cuda decoder: bit16 logits are the loss's logits and stay within the 
     const double worst = require_grads_near(c, got, ref).first;
     std::printf("cuda decoder %s, bit16 logits: loss error %.2e, worst gradient error %.2e\n",
                 c.label, std::fabs(got.loss - ref.loss) / ref.loss, worst);
+  }
+}
+
+// model.bit16_swiglu_grad: the down projection's input-gradient GEMM writes the gradient at
+// SwiGLU's output in the weights' dtype and SwiGLU's backward reads it. The forward is the
+// default's (the same loss, to the bit); every gradient stays within the float64 reference's
+// tolerances, and some move.
+TEST_CASE("cuda decoder: a bit16 SwiGLU gradient keeps the loss and stays within the float64 "
+          "reference's tolerances",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases()) {
+    CAPTURE(c.label);
+    const auto [p, b, ref] = referenced(c);
+    const CudaRun fp32 = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    const CudaRun got =
+        run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {.swiglu_grad = c.dtype});
+    CAPTURE(got.problems);
+    REQUIRE(got.problems.empty());
+    REQUIRE(got.loss == fp32.loss);
+    const double worst = require_grads_near(c, got, ref).first;
+    bool moved = false;
+    for (const auto& [name, g] : got.grads) moved = moved || g != fp32.grads.at(name);
+    REQUIRE(moved);
+    std::printf("cuda decoder %s, bit16 SwiGLU gradient: worst gradient error %.2e\n", c.label,
+                worst);
+  }
+}
+
+// model.attention: the own kernels at every shape, and cuDNN's atomic backward wherever cuDNN
+// runs, stay within the float64 reference's tolerances as the default (cuDNN's deterministic
+// backward where it runs) does.
+TEST_CASE("cuda decoder: each model.attention stays within the float64 reference's tolerances",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases())
+    for (const Attention a : {Attention::own, Attention::cudnn_atomic}) {
+      if (a == Attention::cudnn_atomic && cuda_attention(c.shape) != Attention::cudnn) continue;
+      CAPTURE(c.label, attention_key_value(a));
+      const auto [p, b, ref] = referenced(c);
+      const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {}, a);
+      CAPTURE(got.problems);
+      REQUIRE(got.problems.empty());
+      const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
+      REQUIRE(loss_error < logits_tolerance(c.dtype));
+      REQUIRE(normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits) <
+              logits_tolerance(c.dtype));
+      const auto [worst, worst_name] = require_grads_near(c, got, ref);
+      std::printf("cuda decoder %s, model.attention = %s: loss error %.2e, worst gradient error "
+                  "%.2e (%s)\n",
+                  c.label, attention_key_value(a), loss_error, worst, worst_name.c_str());
+    }
+}
+
+// model.loss_chunk_rows: chunks of 64 rows and one chunk of the whole batch give the default's
+// loss and logits up to summation order, and with fp32 slots an untied head's gradient too: its
+// inputs are the same rows, only grouped into other GEMMs. The other gradients are checked against
+// the float64 reference alone: cuBLAS may pick another kernel for another row count, and the hidden
+// state's gradient it sums in another order is rounded to bf16 before the layers' backward, so
+// one-ulp flips spread through them (up to 5.0e-3 apart from the default's on an H200,
+// 2026-12-05). The block is sized for the chunk, the batch's tokens at most.
+TEST_CASE("cuda decoder: the loss's chunk of rows changes the block's bytes, not the loss or the "
+          "gradients",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases()) {
+    CAPTURE(c.label);
+    const auto [p, b, ref] = referenced(c);
+    const CudaRun plain = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    const int tokens = c.max_sequences * c.seq_len;
+    CHECK(cuda_bytes(c.shape, c.max_sequences, c.seq_len, 0, 64) <=
+          cuda_bytes(c.shape, c.max_sequences, c.seq_len));
+    CHECK(cuda_bytes(c.shape, c.max_sequences, c.seq_len, 0, tokens) ==
+          cuda_bytes(c.shape, c.max_sequences, c.seq_len, 0, tokens + 1000));
+    for (const int rows : {64, tokens}) {
+      CAPTURE(rows);
+      const CudaRun got =
+          run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {}, {}, rows);
+      CAPTURE(got.problems);
+      REQUIRE(got.problems.empty());
+      REQUIRE(std::fabs(got.loss - plain.loss) < 1e-5 * plain.loss);
+      REQUIRE(normalized_error(Vec(got.logits.begin(), got.logits.end()),
+                               Vec(plain.logits.begin(), plain.logits.end())) < 1e-5);
+      if (c.slot_dtype == DType::f32 && !c.shape.tied)  // bit16 slots round each chunk's sum
+        REQUIRE(normalized_error(got.grads.at("head"), plain.grads.at("head")) < 1e-5);
+      require_grads_near(c, got, ref);
+    }
   }
 }
 

@@ -37,7 +37,8 @@ TEST_CASE("the decoder reads its inline config.json fields, llama by default", "
   CHECK(d.shape.layers == 3);
   CHECK(d.shape.kv_heads == 2);
   CHECK(d.shape.head_dim == 8);
-  CHECK(d.recompute_layers == 2);
+  CHECK(d.options.recompute_layers == 2);
+  CHECK(d.options.loss_chunk_rows == 0);  // the backend's own
   CHECK(d.seq_len == 24);
   CHECK(d.path.empty());
   CHECK(d.weights == nullptr);

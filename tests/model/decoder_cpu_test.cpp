@@ -212,10 +212,11 @@ struct Block {
 struct Backend {
   Block block;
   std::unique_ptr<lm::dec::Compute> compute;
-  Backend(const DecoderShape& s, int max_sequences, int seq_len, DType logits = DType::f32)
-      : block(lm::dec::cpu_bytes(s, max_sequences, seq_len)),
+  Backend(const DecoderShape& s, int max_sequences, int seq_len,
+          lm::dec::Precision precision = {}, int loss_rows = 0)
+      : block(lm::dec::cpu_bytes(s, max_sequences, seq_len, 0, loss_rows)),
         compute(lm::dec::make_cpu_compute(s, max_sequences, seq_len, block.data(), block.bytes,
-                                          0, logits)) {}
+                                          0, precision, loss_rows)) {}
 };
 
 lm::dec::Batch batch_of(const DecoderTokens& t) {
@@ -445,6 +446,46 @@ TEST_CASE(
   }
 }
 
+// model.loss_chunk_rows: the cross-entropy's rows a chunk size its logits block and how often
+// the head's gradient is added to; the loss is the same and the gradients the same up to the
+// order of those additions. A chunk above the batch's tokens is the batch; a negative one is
+// refused, naming it.
+TEST_CASE("decoder CPU: the loss's chunk of rows changes the block's bytes, not the loss or the "
+          "gradients",
+          "[decoder]") {
+  const DecoderShape s = tiny_qwen2(false);
+  const int sequences = 3, seq_len = 30;  // 90 tokens
+  const auto bytes = [&](int rows) { return lm::dec::cpu_bytes(s, sequences, seq_len, 0, rows); };
+  CHECK(bytes(7) < bytes(0));  // 0: kLossChunkRows (64)
+  CHECK(bytes(0) == bytes(lm::dec::kLossChunkRows));
+  CHECK(bytes(0) < bytes(90));
+  CHECK(bytes(90) == bytes(100000));
+  CHECK(test::contains(test::message_of<ConfigError>([&] { (void)bytes(-1); }),
+                       "loss_chunk_rows = -1"));
+  Model m = random_model(s, 51);
+  const DecoderTokens t = test_support::random_decoder_tokens(s, sequences, seq_len, 52);
+  const auto run = [&](int rows) {
+    Backend be(s, sequences, seq_len, {}, rows);
+    RecordingSink sink(s, RecordingSink::all(s));
+    const double loss = be.compute->train_step(m.weights, batch_of(t), 1.0, sink);
+    REQUIRE(sink.problems.empty());
+    REQUIRE(be.block.guards_intact());
+    std::map<std::string, std::vector<double>> grads;
+    for (const auto& p : test_support::decoder_reference_params(s)) grads[p.name] = sink.grad(p.name);
+    return std::pair{loss, grads};
+  };
+  const auto [loss, grads] = run(0);
+  for (const int rows : {7, 90, 100000}) {
+    CAPTURE(rows);
+    const auto [other_loss, other_grads] = run(rows);
+    REQUIRE(std::abs(other_loss - loss) < 1e-6 * loss);
+    for (const auto& [name, g] : grads) {
+      CAPTURE(name);
+      REQUIRE(test_support::decoder_normalized_error(other_grads.at(name), g) < 1e-6);
+    }
+  }
+}
+
 TEST_CASE("decoder CPU: ignored targets add nothing, loss and gradients are those of the mean "
           "over the others, against the float64 reference",
           "[decoder]") {
@@ -555,7 +596,7 @@ TEST_CASE("decoder CPU with bit16 logits: the cross-entropy of the fp32 logits r
     CAPTURE(shape.family == DecoderFamily::qwen2);
     const Model m = random_model(shape, 41);
     const DecoderTokens t = test_support::random_decoder_tokens(shape, 3, 30, 42);  // two chunks
-    Backend fp32(shape, 3, 30), bf16(shape, 3, 30, DType::bf16);
+    Backend fp32(shape, 3, 30), bf16(shape, 3, 30, {.logits = DType::bf16});
     const auto rows = static_cast<std::size_t>(3 * 30), v = static_cast<std::size_t>(shape.vocab);
     std::vector<float> z32(rows * v), z16(rows * v);
     fp32.compute->logits(m.weights, batch_of(t), z32.data());
@@ -590,13 +631,49 @@ TEST_CASE("decoder CPU with bit16 logits: the cross-entropy of the fp32 logits r
   }
 }
 
-TEST_CASE("decoder CPU refuses a logits dtype that is not fp32, bf16 or fp16", "[decoder]") {
+TEST_CASE("decoder CPU refuses a logits or SwiGLU-gradient dtype that is not fp32, bf16 or fp16",
+          "[decoder]") {
   const DecoderShape shape = tiny_llama();
   Block block(lm::dec::cpu_bytes(shape, 1, 4));
-  const std::string msg = test::message_of<ConfigError>([&] {
-    (void)lm::dec::make_cpu_compute(shape, 1, 4, block.data(), block.bytes, 0, DType::f64);
+  const std::string logits = test::message_of<ConfigError>([&] {
+    (void)lm::dec::make_cpu_compute(shape, 1, 4, block.data(), block.bytes, 0,
+                                    {.logits = DType::f64});
   });
-  REQUIRE(test::contains(msg, "logits of dtype fp64"));
+  REQUIRE(test::contains(logits, "logits of dtype fp64"));
+  const std::string swiglu = test::message_of<ConfigError>([&] {
+    (void)lm::dec::make_cpu_compute(shape, 1, 4, block.data(), block.bytes, 0,
+                                    {.swiglu_grad = DType::f64});
+  });
+  REQUIRE(test::contains(swiglu, "SwiGLU's gradient of dtype fp64"));
+}
+
+// model.bit16_swiglu_grad: the gradient at SwiGLU's output rounded to bf16 before SwiGLU's
+// backward. The forward is untouched (the same loss and logits to the bit); the gradients of
+// everything below the first MLP's output move by about a bf16 rounding and no more, and the
+// head's, above every MLP, not at all.
+TEST_CASE("decoder CPU with a bit16 SwiGLU gradient: the same loss, gradients within a bf16 "
+          "rounding of the fp32 run's",
+          "[decoder]") {
+  for (const DecoderShape& shape : {tiny_qwen2(true), tiny_llama()}) {
+    CAPTURE(shape.family == DecoderFamily::qwen2);
+    const Model m = random_model(shape, 45);
+    const DecoderTokens t = test_support::random_decoder_tokens(shape, 3, 30, 46);
+    Backend fp32(shape, 3, 30), bf16(shape, 3, 30, {.swiglu_grad = DType::bf16});
+    RecordingSink g32(shape, RecordingSink::all(shape)), g16(shape, RecordingSink::all(shape));
+    const double loss32 = fp32.compute->train_step(m.weights, batch_of(t), 1.0, g32);
+    REQUIRE(bf16.compute->train_step(m.weights, batch_of(t), 1.0, g16) == loss32);
+    std::size_t moved = 0;
+    for (const auto& p : test_support::decoder_reference_params(shape)) {
+      const double err = test_support::decoder_normalized_error(g16.grad(p.name), g32.grad(p.name));
+      CAPTURE(p.name, err);
+      REQUIRE(err < 1e-2);
+      moved += g16.grad(p.name) != g32.grad(p.name) ? 1 : 0;
+    }
+    REQUIRE(moved > 0);
+    // The final norm and an untied head sit above every MLP: their gradients keep every bit.
+    REQUIRE(g16.grad("model.norm.weight") == g32.grad("model.norm.weight"));
+    if (!shape.tied) REQUIRE(g16.grad("lm_head.weight") == g32.grad("lm_head.weight"));
+  }
 }
 
 TEST_CASE("decoder CPU refuses positions that do not cut rows into documents, naming the token",

@@ -496,25 +496,89 @@ TEST_CASE("a LISA run with the update overlapping the next forward takes the ste
   }
 }
 
-TEST_CASE("model.bit16_logits trains through the bf16-rounded logits: close to the fp32 run, "
-          "not its bits, and a non-boolean value is refused naming the key",
+// A precision option trains close to the fp32 run, not to its bits (its first step's loss is
+// the same when only the backward changes), and a non-boolean value is refused naming the key.
+TEST_CASE("the precision options (model.bit16_logits, model.bit16_swiglu_grad) train close to the "
+          "fp32 run, not its bits, and a non-boolean value is refused naming the key",
           "[decoder]") {
-  const ScratchFolder dir("decoder-bit16-logits");
-  auto j = decoder_run(dir, "qwen2_untied");
-  const auto fp32 = run(load(j));
-  j["model"]["bit16_logits"] = true;
-  const auto bf16 = run(load(j));
-  REQUIRE(fp32.size() == 8);
-  REQUIRE(bf16.size() == fp32.size());
-  bool differs = false;
-  for (std::size_t i = 0; i < bf16.size(); ++i) {
-    const double a = fp32[i].at("loss").get<double>(), b = bf16[i].at("loss").get<double>();
-    CAPTURE(i, a, b);
-    REQUIRE(std::abs(a - b) / a < 1e-2);
-    differs = differs || a != b;
+  for (const char* option : {"bit16_logits", "bit16_swiglu_grad"}) {
+    CAPTURE(option);
+    const ScratchFolder dir(std::string("decoder-") + option);
+    auto j = decoder_run(dir, "qwen2_untied");
+    const auto fp32 = run(load(j));
+    j["model"][option] = true;
+    const auto bf16 = run(load(j));
+    REQUIRE(fp32.size() == 8);
+    REQUIRE(bf16.size() == fp32.size());
+    bool differs = false;
+    for (std::size_t i = 0; i < bf16.size(); ++i) {
+      const double a = fp32[i].at("loss").get<double>(), b = bf16[i].at("loss").get<double>();
+      CAPTURE(i, a, b);
+      REQUIRE(std::abs(a - b) / a < 1e-2);
+      differs = differs || a != b;
+    }
+    REQUIRE(differs);
+    j["model"][option] = "yes";
+    const std::string msg = test::message_of<ConfigError>([&] { (void)load(j); });
+    REQUIRE(test::contains(msg, std::string("model.") + option));
   }
-  REQUIRE(differs);
-  j["model"]["bit16_logits"] = "yes";
-  const std::string msg = test::message_of<ConfigError>([&] { (void)load(j); });
-  REQUIRE(test::contains(msg, "model.bit16_logits"));
+}
+
+// model.attention picks among the CUDA backend's attentions: "auto" is the key left out, a value
+// it does not know is refused when the config is read, and a cuDNN or own-kernel choice on a
+// CPU run is refused before the first step, naming the key, never run as something else.
+TEST_CASE("model.attention: \"auto\" is the default, an unknown value and a CUDA choice on a CPU "
+          "run are refused naming the key",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-attention");
+  auto j = decoder_run(dir, "qwen2_untied");
+  j["steps"] = 2;
+  const auto plain = run(load(j));
+  j["model"]["attention"] = "auto";
+  require_same_steps(run(load(j)), plain);
+  j["model"]["attention"] = "flash";
+  std::string msg = test::message_of<ConfigError>([&] { (void)load(j); });
+  CHECK(test::contains(msg, "model.attention = \"flash\""));
+  CHECK(test::contains(msg, "\"cudnn-atomic\""));
+  for (const char* cuda_only : {"cudnn", "cudnn-atomic", "own"}) {
+    CAPTURE(cuda_only);
+    j["model"]["attention"] = cuda_only;
+    const TrainConfig config = load(j);  // a value the key knows
+    msg = test::message_of<ConfigError>([&] { (void)run(config); });
+    CHECK(test::contains(msg, std::string("model.attention = \"") + cuda_only + "\""));
+    CHECK(test::contains(msg, "CPU backend"));
+  }
+}
+
+// model.loss_chunk_rows sizes the cross-entropy's block of logits: a run with chunks of 8 rows
+// (6 a micro-batch of 2 x 24 tokens) trains as one with the backend's own (one chunk), up to the
+// order in which the head's gradient is summed, and plans (and holds: the trainer checks plan
+// = peak) fewer bytes; a value outside [1, 2^30] or not a number is refused naming the key.
+TEST_CASE("model.loss_chunk_rows trains as the default and plans its own bytes, a bad value is "
+          "refused naming the key",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-loss-rows");
+  auto j = decoder_run(dir, "qwen2_untied");
+  const TrainConfig plain_config = load(j);
+  const auto plain = run(plain_config);
+  j["model"]["loss_chunk_rows"] = 8;
+  const TrainConfig chunked_config = load(j);
+  const auto chunked = run(chunked_config);
+  REQUIRE(chunked.size() == plain.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) {
+    const double a = plain[i].at("loss").get<double>(), b = chunked[i].at("loss").get<double>();
+    CAPTURE(i, a, b);
+    REQUIRE(std::abs(a - b) < 1e-5 * a);
+  }
+  const auto activation = [](const TrainConfig& c) {
+    return c.model->activation_bytes(c.batches.micro_samples, c.engine.dtype, DeviceKind::host);
+  };
+  CHECK(activation(chunked_config) < activation(plain_config));
+  for (const nlohmann::json& bad : {nlohmann::json(0), nlohmann::json(-3),
+                                   nlohmann::json(std::int64_t{1} << 31), nlohmann::json("many")}) {
+    CAPTURE(bad.dump());
+    j["model"]["loss_chunk_rows"] = bad;
+    CHECK(test::contains(test::message_of<ConfigError>([&] { (void)load(j); }),
+                         "model.loss_chunk_rows"));
+  }
 }

@@ -3,10 +3,12 @@
 # should show no loss difference at all), on a machine with an NVIDIA GPU: builds with
 # preset cuda, runs the GPU tests of TESTS (default: the decoder's), then for each shape trains
 # from scratch on real text (tools/bench/train_bench.py: a text file's bytes, seq 2048, the
-# shape's micro-batch) twice from the same seed, without and with OPTION, one after the other:
-# tokens/s and their ratio, and the two loss curves step by step (the largest difference, and the
-# mean of the last 10 steps of each). Logs and JSON under $OUT.
-#   usage: OUT=DIR [OPTION=model.bit16_logits=true] [SHAPES="0.5b 1.5b"] [STEPS=150]
+# shape's micro-batch) from the same seed without any option, then with each of OPTION's
+# (space-separated; an option of several keys joins its key=value pairs with commas), one after
+# the other: for each option tokens/s against the
+# default's and their ratio, and the two loss curves step by step (the largest difference, and
+# the mean of the last 10 steps of each). Logs and JSON under $OUT.
+#   usage: OUT=DIR [OPTION="model.bit16_logits=true ..."] [SHAPES="0.5b 1.5b"] [STEPS=150]
 #          [TESTS="cuda decoder*"] bash tools/checks/gpu-precision-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,37 +42,45 @@ if [ -n "$TESTS" ]; then
 fi
 
 text=$(python3 -c "import sys; sys.path.insert(0, 'tools/bench'); import train_bench; print(train_bench.text_file('$OUT', None))")
+read -ra options <<< "$OPTION"
 for shape in $SHAPES; do
-  step "$shape: without and with $OPTION, $STEPS steps"
-  for side in default option; do
+  step "$shape: without any option, then with each of ${options[*]}, $STEPS steps"
+  sides=(default)
+  for i in "${!options[@]}"; do sides+=("option$i"); done
+  for side in "${sides[@]}"; do
     extra=()
-    [ $side = option ] && extra=(--set "$OPTION")
+    if [ "$side" != default ]; then
+      IFS=, read -ra pairs <<< "${options[${side#option}]}"
+      for kv in "${pairs[@]}"; do extra+=(--set "$kv"); done
+    fi
     python3 tools/bench/train_bench.py --bin build/cuda/tools/shardswap --out "$OUT/$shape-$side" \
       --shapes "$shape" --modes full --steps "$STEPS" --warmup 5 --text "$text" "${extra[@]}" \
       > "$OUT/$shape-$side.txt" 2>&1 || status=1
-    echo "$side $(tail -1 "$OUT/$shape-$side.txt")"
+    echo "$side ${extra[*]} $(tail -1 "$OUT/$shape-$side.txt")"
   done
-  python3 - "$OUT" "$shape" "$OPTION" <<'PY' || status=1
+  for i in "${!options[@]}"; do
+  python3 - "$OUT" "$shape" "${options[$i]}" "option$i" <<'PY' || status=1
 import json, os, statistics, sys
-out, shape, option = sys.argv[1:4]
+out, shape, option, side = sys.argv[1:5]
 def run(side):
     d = os.path.join(out, f"{shape}-{side}")
     row = json.load(open(os.path.join(d, "train-bench.json")))["rows"][0]
     losses = [json.loads(l)["loss"] for l in open(os.path.join(d, f"train-bench-{shape}-full.jsonl"))
               if '"loss"' in l]
     return row, losses
-(a, la), (b, lb) = run("default"), run("option")
+(a, la), (b, lb) = run("default"), run(side)
 n = min(len(la), len(lb))
 diff = max(abs(x - y) for x, y in zip(la[:n], lb[:n])) if n else float("nan")
 tail_a, tail_b = statistics.fmean(la[n - 10:n]), statistics.fmean(lb[n - 10:n])
 ratio = b["tokens_per_s"] / a["tokens_per_s"]
-print(f"{shape}: tokens/s {a['tokens_per_s']:.0f} -> {b['tokens_per_s']:.0f} (ratio {ratio:.3f}); "
+print(f"{shape}, {option}: tokens/s {a['tokens_per_s']:.0f} -> {b['tokens_per_s']:.0f} (ratio {ratio:.3f}); "
       f"loss over {n} steps: first {la[0]:.5f} / {lb[0]:.5f}, largest difference {diff:.5f}, "
       f"mean of the last 10 {tail_a:.5f} / {tail_b:.5f} ({(tail_b - tail_a) / tail_a:+.3%})")
 json.dump({"shape": shape, "option": option, "default": a, "with_option": b, "ratio": ratio,
            "losses_default": la, "losses_option": lb, "largest_difference": diff,
            "last10_default": tail_a, "last10_option": tail_b},
-          open(os.path.join(out, f"{shape}-precision.json"), "w"), indent=1)
+          open(os.path.join(out, f"{shape}-{side}-precision.json"), "w"), indent=1)
 PY
+  done
 done
 exit $status

@@ -454,9 +454,9 @@ void Decoder::init(const DecoderShape& shape, const ParamInfo& param, std::span<
 
 std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequences,
                                        int seq_len, DType dtype, DeviceKind device,
-                                       int recompute_layers) {
+                                       const DecoderOptions& options) {
   validate_decoder_shape(shape);
-  // (cpu_bytes and cuda_bytes check recompute_layers' range.)
+  // (cpu_bytes and cuda_bytes check recompute_layers' range and loss_chunk_rows' sign.)
   if (max_sequences < 1)
     throw ConfigError(fmt::format(
         "Decoder::activation_bytes: max_sequences = {} must be at least 1", max_sequences));
@@ -469,30 +469,50 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
                                   dtype_name(dtype)));
   return static_cast<std::int64_t>(device == DeviceKind::cuda
                                        ? lm::dec::cuda_bytes(shape, max_sequences, seq_len,
-                                                             recompute_layers)
+                                                             options.recompute_layers,
+                                                             options.loss_chunk_rows)
                                        : lm::dec::cpu_bytes(shape, max_sequences, seq_len,
-                                                            recompute_layers));
+                                                            options.recompute_layers,
+                                                            options.loss_chunk_rows));
+}
+
+void check_decoder_attention(const DecoderShape& shape, lm::dec::Attention attention,
+                             DeviceKind device) {
+  if (device == DeviceKind::cuda) {
+    (void)lm::dec::cuda_attention(shape, attention);
+    return;
+  }
+  if (attention != lm::dec::Attention::automatic)
+    throw ConfigError(fmt::format(
+        "model.attention = \"{}\": picks among the CUDA backend's attentions; the CPU backend "
+        "has one of its own (leave the key out, or \"auto\")",
+        lm::dec::attention_key_value(attention)));
 }
 
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
-                                      DType dtype, MemorySpace& space, int recompute_layers,
-                                      bool bit16_logits) {
+                                      DType dtype, MemorySpace& space,
+                                      const DecoderOptions& options) {
+  check_decoder_attention(shape, options.attention, space.device());
   const auto bytes = static_cast<std::size_t>(Decoder::activation_bytes(
-      shape, max_sequences, seq_len, dtype, space.device(), recompute_layers));  // validates
+      shape, max_sequences, seq_len, dtype, space.device(), options));  // validates
   Buffer memory = space.allocate(
       bytes, Tag::activation,
       fmt::format("decoder activations ({} x {} tokens)", max_sequences, seq_len));
   void* const base = memory.data();
-  const DType logits = bit16_logits ? dtype : DType::f32;
+  const DecoderPrecision& precision = options.precision;
+  const lm::dec::Precision kept{precision.bit16_logits ? dtype : DType::f32,
+                                precision.bit16_swiglu_grad ? dtype : DType::f32};
   auto model = std::make_unique<EngineDecoder>(shape, max_sequences, seq_len, dtype,
                                                std::move(memory));
   if (space.device() == DeviceKind::cuda)
     model->set_compute(
         lm::dec::make_cuda_compute(shape, max_sequences, seq_len, dtype, base, bytes,
-                                   recompute_layers, logits));
+                                   options.recompute_layers, kept, options.attention,
+                                   options.loss_chunk_rows));
   else
     model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes,
-                                                 recompute_layers, logits));
+                                                 options.recompute_layers, kept,
+                                                 options.loss_chunk_rows));
   return model;
 }
 

@@ -65,6 +65,31 @@ std::int64_t decoder_param_count_unchecked(const DecoderShape& shape);
 /// plus 12 L (H hd) seq_len for attention's two matrix products, the causal mask not discounted.
 double decoder_step_flops(const DecoderShape& shape, std::int64_t tokens, int seq_len);
 
+/// Precision options (docs/models.md): values a backend keeps in the weights' dtype instead of
+/// fp32, each rounded as a bit16 store leaves it: fewer bytes, not the same bits. Off by default.
+struct DecoderPrecision {
+  /// model.bit16_logits: the head's logits, before the cross-entropy.
+  bool bit16_logits = false;
+  /// model.bit16_swiglu_grad: the gradient at SwiGLU's output (the down projection's input
+  /// gradient), before SwiGLU's backward.
+  bool bit16_swiglu_grad = false;
+};
+
+/// How make_decoder builds a decoder beyond its shape and batch: the model.* keys of a run
+/// (docs/config.md) that change what a backend keeps or runs. The defaults are every key left out.
+struct DecoderOptions {
+  /// model.recompute_layers: the lowest layers keep only their input for backward and run their
+  /// forward again there (the same bits in fewer activation bytes).
+  int recompute_layers = 0;
+  /// model.loss_chunk_rows: token rows of logits the cross-entropy holds at once; 0 is the
+  /// backend's own (1024 on CUDA, 64 on the CPU). More rows: more activation bytes (rows x vocab
+  /// x 4), fewer passes over the head's fp32 gradient.
+  int loss_chunk_rows = 0;
+  DecoderPrecision precision;
+  /// model.attention: the CUDA backend's attention (check_decoder_attention).
+  lm::dec::Attention attention = lm::dec::Attention::automatic;
+};
+
 /// Token ids of `sequences` rows of `seq_len`: inputs and the targets that follow them.
 struct DecoderBatch {
   int sequences = 0;
@@ -104,24 +129,31 @@ class Decoder {
   virtual void time_phases(bool on) = 0;
   virtual lm::dec::PhaseTimes take_phase_times() = 0;
 
-  /// Exact bytes of Tag::activation (requested) that the model made by make_decoder holds in
-  /// its MemorySpace for batches of up to max_sequences x seq_len, with the lowest
-  /// recompute_layers layers keeping only their input for backward (model.recompute_layers).
+  /// Exact bytes of Tag::activation (requested) that the model made by make_decoder with
+  /// `options` holds in its MemorySpace for batches of up to max_sequences x seq_len (the
+  /// options that size it: recompute_layers and loss_chunk_rows).
   static std::int64_t activation_bytes(const DecoderShape& shape, int max_sequences,
                                        int seq_len, DType dtype, DeviceKind device,
-                                       int recompute_layers = 0);
+                                       const DecoderOptions& options = {});
 };
+
+/// Throws ConfigError naming model.attention where a decoder of `shape` on `device` cannot run
+/// `attention`: anything but automatic on the host (the CPU backend has one attention of its
+/// own), a cuDNN one where the build has no cuDNN or head_dim rules it out
+/// (lm::dec::cuda_attention). BackendUnavailable for a CUDA device in a build without CUDA.
+void check_decoder_attention(const DecoderShape& shape, lm::dec::Attention attention,
+                             DeviceKind device);
 
 /// The CPU (Eigen) backend when space.device() is the host, the CUDA one (cuBLAS GEMMs, own
 /// fused kernels and attention) on a CUDA device. All activation and workspace memory
 /// is allocated once, here, from `space` with Tag::activation (activation_bytes() of it,
 /// exactly). `dtype` is the weights' (the engine's config dtype: bf16 or fp16). Throws
 /// ConfigError for a bad shape, max_sequences or seq_len < 1, seq_len above max_positions or a
-/// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA. With
-/// bit16_logits (model.bit16_logits) the head's logits are rounded to `dtype` before the
-/// cross-entropy, as a GEMM with a bit16 output leaves them: fewer bytes, not the same bits.
+/// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA.
+/// `options`: the run's model keys (DecoderOptions); an attention the device cannot run is
+/// refused as check_decoder_attention says.
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
-                                      DType dtype, MemorySpace& space, int recompute_layers = 0,
-                                      bool bit16_logits = false);
+                                      DType dtype, MemorySpace& space,
+                                      const DecoderOptions& options = {});
 
 }  // namespace shardswap

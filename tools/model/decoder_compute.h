@@ -303,6 +303,32 @@ class GradSink {
   virtual void close(ParamId param) = 0;
 };
 
+/// Where a backend keeps values in fewer bits than fp32 (precision options, each fp32 unless a
+/// run asks: docs/models.md). Each is fp32 or a bit16 dtype (the CUDA backend: the weights');
+/// the CPU backend rounds each value to it and back, as a bit16 store leaves it.
+struct Precision {
+  DType logits = DType::f32;       ///< the head's logits (model.bit16_logits)
+  DType swiglu_grad = DType::f32;  ///< the gradient at SwiGLU's output (model.bit16_swiglu_grad)
+};
+
+/// model.attention: which attention the CUDA backend runs (docs/models.md). `automatic` is
+/// cuDNN's fused flash attention with its deterministic backward where the build has cuDNN and
+/// head_dim allows it, else the backend's own kernels; `cudnn_atomic` is cuDNN's with the
+/// backward that sums dQ over key tiles with atomics (faster; two runs may differ in the last
+/// bits). The CPU backend has one attention of its own and takes `automatic` only.
+enum class Attention { automatic, cudnn, cudnn_atomic, own };
+
+/// The config's spelling of each: "auto", "cudnn", "cudnn-atomic", "own".
+inline const char* attention_key_value(Attention a) {
+  switch (a) {
+    case Attention::cudnn: return "cudnn";
+    case Attention::cudnn_atomic: return "cudnn-atomic";
+    case Attention::own: return "own";
+    case Attention::automatic: break;
+  }
+  return "auto";
+}
+
 /// A target the loss is not on (a prompt's token under a loss mask): its row adds nothing to the
 /// loss or the gradients, and the mean is over the other targets.
 inline constexpr std::int32_t kIgnoredTarget = -1;

@@ -96,8 +96,29 @@ DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
   if (recompute < 0 || recompute > d.shape.layers)
     c.fail("model.recompute_layers", fmt::format("{}", recompute),
            fmt::format("must lie in [0, num_hidden_layers = {}]", d.shape.layers));
-  d.recompute_layers = static_cast<int>(recompute);
-  d.bit16_logits = c.boolean("model.bit16_logits", false);
+  d.options.recompute_layers = static_cast<int>(recompute);
+  if (c.has("model.loss_chunk_rows")) {
+    // A chunk above the batch's tokens is the batch (min(rows, tokens) is what is allocated).
+    constexpr std::int64_t kMaxRows = std::int64_t{1} << 30;
+    const auto rows = c.integer("model.loss_chunk_rows", 0);
+    if (rows < 1 || rows > kMaxRows)
+      c.fail("model.loss_chunk_rows", fmt::format("{}", rows),
+             fmt::format("must lie in [1, {}]", kMaxRows));
+    d.options.loss_chunk_rows = static_cast<int>(rows);
+  }
+  d.options.precision.bit16_logits = c.boolean("model.bit16_logits", false);
+  d.options.precision.bit16_swiglu_grad = c.boolean("model.bit16_swiglu_grad", false);
+  const std::string attention = c.string("model.attention", "auto");
+  using lm::dec::Attention;
+  bool known = false;
+  for (const Attention a :
+       {Attention::automatic, Attention::cudnn, Attention::cudnn_atomic, Attention::own})
+    if (attention == lm::dec::attention_key_value(a)) {
+      d.options.attention = a;
+      known = true;
+    }
+  if (!known)
+    c.fail_value("model.attention", "must be \"auto\", \"cudnn\", \"cudnn-atomic\" or \"own\"");
   return d;
 }
 

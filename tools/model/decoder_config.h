@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "shardswap/config_reader.h"
+#include "model/decoder.h"
 #include "model/decoder_compute.h"
 #include "model/hf_checkpoint.h"
 
@@ -25,11 +26,10 @@ struct DecoderConfig {
   /// recorded when the config is read: a checkpoint names them so that an export can copy them.
   std::vector<HfSideFile> side_files;
   int seq_len = 0;  ///< data.seq_len, as the trainer read it
-  /// model.recompute_layers: the lowest layers run forward again in backward.
-  int recompute_layers = 0;
-  /// model.bit16_logits: the head's logits in the weights' dtype instead of fp32 (a precision
-  /// option: docs/models.md).
-  bool bit16_logits = false;
+  /// model.recompute_layers, model.loss_chunk_rows, the precision options (model.bit16_logits,
+  /// model.bit16_swiglu_grad: docs/models.md) and model.attention ("auto", "cudnn",
+  /// "cudnn-atomic" or "own"), as make_decoder takes them.
+  DecoderOptions options;
   /// model.path's config.json, weight files and side files: what a run's outputs must never
   /// replace (empty from scratch).
   std::vector<std::filesystem::path> input_files() const;
@@ -41,9 +41,10 @@ struct DecoderConfig {
 };
 
 /// Reads model.path or the inline config.json fields (model.model_type, model.hidden_size, ...;
-/// model_type defaults to "llama"), model.recompute_layers and model.bit16_logits, checked at
-/// `seq_len` (data.seq_len); opens model.path's folder and checks its tensors now. Throws ConfigError naming the key and
-/// the file (the config's, or the folder's config.json or weights).
+/// model_type defaults to "llama") and the DecoderOptions keys, checked at `seq_len`
+/// (data.seq_len); opens model.path's folder and checks
+/// its tensors now. Throws ConfigError naming the key and the file (the config's, or the
+/// folder's config.json or weights).
 DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len);
 
 }  // namespace shardswap

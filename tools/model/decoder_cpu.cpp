@@ -117,14 +117,21 @@ struct Layout {
   std::size_t d_head;           // n * q: a per-head norm's input gradient (qk_norm)
   std::size_t head_norm_grads;  // 2 hd: q_norm's and k_norm's gradients (qk_norm)
   std::size_t scores, dscores;  // seq_len^2: one (sequence, head)'s probabilities
-  std::size_t logits;           // kLossChunkRows * V
+  std::size_t logits;           // cpu_loss_rows(.., n) * V
   std::size_t weights;          // one group's weights upcast
   std::size_t grad;             // one layer param's gradient
   std::size_t head_grad;        // V * d: the head's gradient, then the lookup's
   std::size_t bytes;
 };
 
-Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len, int recompute) {
+// The rows of the cross-entropy's chunk for a requested count (0: kLossChunkRows) and batches
+// of up to n tokens.
+std::size_t cpu_loss_rows(int requested, std::size_t n) {
+  return std::min(static_cast<std::size_t>(requested > 0 ? requested : kLossChunkRows), n);
+}
+
+Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
+                 int loss_rows) {
   const Sizes z = sizes_of(s, max_sequences, seq_len);
   const std::size_t n = z.n, d = z.d, L = z.layers;
   const std::size_t S = kept_slots(L, static_cast<std::size_t>(recompute));
@@ -163,7 +170,7 @@ Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len, int reco
   l.head_norm_grads = a.take_floats(qk * 4 * z.half);
   l.scores = a.take_floats(z.t * z.t);
   l.dscores = a.take_floats(z.t * z.t);
-  l.logits = a.take_floats(std::min<std::size_t>(kLossChunkRows, n) * z.v);
+  l.logits = a.take_floats(cpu_loss_rows(loss_rows, n) * z.v);
   l.weights = a.take_floats(
       std::max(layer_upcast_floats(z, s.qkv_bias, s.qk_norm), padded(d) + z.v * d));
   l.grad = a.take_floats(std::max({z.q * d, z.kv * d, z.inter * d}));
@@ -173,10 +180,12 @@ Layout layout_of(const DecoderShape& s, int max_sequences, int seq_len, int reco
 }
 
 void validate(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-              const char* fn) {
+              int loss_rows, const char* fn) {
   if (recompute < 0 || recompute > s.layers)
     throw ConfigError(fmt::format("{}: recompute_layers = {} is outside [0, layers = {}]", fn,
                                   recompute, s.layers));
+  if (loss_rows < 0)
+    throw ConfigError(fmt::format("{}: loss_chunk_rows = {} is negative", fn, loss_rows));
   validate_decoder_shape(s, fn);
   if (max_sequences < 1)
     throw ConfigError(fmt::format("{}: max_sequences = {} must be at least 1", fn, max_sequences));
@@ -230,15 +239,17 @@ void rms_norm_backward(const float* x, std::size_t rows, std::size_t d, const fl
 class CpuCompute final : public Compute {
  public:
   CpuCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-             std::byte* memory, DType logits)
+             int loss_rows, std::byte* memory, Precision precision)
       : s_(s),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
         recompute_(static_cast<std::size_t>(recompute)),
-        logits_(logits),
+        logits_(precision.logits),
+        swiglu_grad_(precision.swiglu_grad),
         z_(sizes_of(s, max_sequences, seq_len)),
+        loss_rows_(cpu_loss_rows(loss_rows, z_.n)),
         mem_(memory),
-        l_(layout_of(s, max_sequences, seq_len, recompute)) {
+        l_(layout_of(s, max_sequences, seq_len, recompute, loss_rows)) {
     // cos / sin of float(p) * inv_freq[i], the product in float32 as transformers forms it.
     const std::vector<float> inv_freq = rope_inv_freq(s);
     float* const c = at(l_.rope_cos);
@@ -284,8 +295,8 @@ class CpuCompute final : public Compute {
     const Head hw = upcast_head(w);
     const std::size_t n = tokens(b);
     final_norm(hw, n);
-    for (std::size_t r0 = 0; r0 < n; r0 += kLossChunkRows) {
-      const std::size_t rows = std::min<std::size_t>(kLossChunkRows, n - r0);
+    for (std::size_t r0 = 0; r0 < n; r0 += loss_rows_) {
+      const std::size_t rows = std::min(loss_rows_, n - r0);
       MapR(out + r0 * z_.v, rows_i(rows), cols(z_.v)).noalias() =
           CMapR(at(l_.normed) + r0 * z_.d, rows_i(rows), cols(z_.d)) * hw.w.transpose();
       if (logits_ != DType::f32) round_through(logits_, out + r0 * z_.v, rows * z_.v);
@@ -641,8 +652,8 @@ class CpuCompute final : public Compute {
     MapR head_grad(at(l_.head_grad), cols(v), cols(d));
     if (head_matrix) head_grad.setZero();
     double total = 0.0;
-    for (std::size_t r0 = 0; r0 < n; r0 += kLossChunkRows) {
-      const std::size_t rows = std::min<std::size_t>(kLossChunkRows, n - r0);
+    for (std::size_t r0 = 0; r0 < n; r0 += loss_rows_) {
+      const std::size_t rows = std::min(loss_rows_, n - r0);
       const CMapR f(at(l_.normed) + r0 * d, rows_i(rows), cols(d));
       MapR z(at(l_.logits), rows_i(rows), cols(v));
       z.noalias() = f * hw.w.transpose();
@@ -670,8 +681,8 @@ class CpuCompute final : public Compute {
     return counted == 0 ? 0.0 : total / static_cast<double>(counted);
   }
 
-  // Each value rounded to `dtype` and back (model.bit16_logits: the logits as a GEMM with a
-  // bit16 output leaves them).
+  // Each value rounded to `dtype` and back, as a GEMM with a bit16 output leaves it (the logits
+  // under model.bit16_logits, SwiGLU's output gradient under model.bit16_swiglu_grad).
   static void round_through(DType dtype, float* values, std::size_t count) {
     for (std::size_t i = 0; i < count; ++i) {
       std::uint16_t bits = 0;
@@ -821,6 +832,7 @@ class CpuCompute final : public Compute {
     // act holds sigmoid(gate) first, then silu(gate) * up for the down projection's gradient.
     act.array() = (1.0f + (-gate.array()).exp()).inverse();
     dgate.noalias() = dxm * CMapR(lw.down, cols(d), cols(in));  // d(silu(gate) * up)
+    if (swiglu_grad_ != DType::f32) round_through(swiglu_grad_, dgate.data(), n * in);
     dup.array() = dgate.array() * gate.array() * act.array();
     dgate.array() *= up.array() * act.array() * (1.0f + gate.array() * (1.0f - act.array()));
     if (active) {
@@ -880,8 +892,10 @@ class CpuCompute final : public Compute {
   DecoderShape s_;
   int max_sequences_, seq_len_;
   std::size_t recompute_;  // the lowest layers that run their forward again in backward
-  DType logits_;  // fp32, or bf16 / fp16 with model.bit16_logits (see round_through)
+  DType logits_;       // fp32, or bf16 / fp16 with model.bit16_logits (see round_through)
+  DType swiglu_grad_;  // fp32, or bf16 / fp16 with model.bit16_swiglu_grad
   Sizes z_;
+  std::size_t loss_rows_;  // token rows of the cross-entropy's chunk (model.loss_chunk_rows)
   std::byte* mem_;
   Layout l_;
 };
@@ -889,19 +903,23 @@ class CpuCompute final : public Compute {
 }  // namespace
 
 std::size_t cpu_bytes(const DecoderShape& s, int max_sequences, int seq_len,
-                      int recompute_layers) {
-  validate(s, max_sequences, seq_len, recompute_layers, "cpu_bytes");
-  return layout_of(s, max_sequences, seq_len, recompute_layers).bytes;
+                      int recompute_layers, int loss_rows) {
+  validate(s, max_sequences, seq_len, recompute_layers, loss_rows, "cpu_bytes");
+  return layout_of(s, max_sequences, seq_len, recompute_layers, loss_rows).bytes;
 }
 
 std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                           void* memory, std::size_t bytes,
-                                          int recompute_layers, DType logits) {
-  validate(s, max_sequences, seq_len, recompute_layers, "make_cpu_compute");
-  if (logits != DType::f32 && !is_bit16(logits))
-    throw ConfigError(fmt::format("make_cpu_compute: logits of dtype {}: fp32, bf16 or fp16",
-                                  dtype_name(logits)));
-  const std::size_t need = layout_of(s, max_sequences, seq_len, recompute_layers).bytes;
+                                          int recompute_layers, Precision precision,
+                                          int loss_rows) {
+  validate(s, max_sequences, seq_len, recompute_layers, loss_rows, "make_cpu_compute");
+  for (const auto& [what, dtype] : {std::pair{"logits", precision.logits},
+                                    std::pair{"SwiGLU's gradient", precision.swiglu_grad}})
+    if (dtype != DType::f32 && !is_bit16(dtype))
+      throw ConfigError(fmt::format("make_cpu_compute: {} of dtype {}: fp32, bf16 or fp16", what,
+                                    dtype_name(dtype)));
+  const std::size_t need =
+      layout_of(s, max_sequences, seq_len, recompute_layers, loss_rows).bytes;
   if (memory == nullptr || bytes < need)
     throw ConfigError(
         fmt::format("make_cpu_compute: a block of {} bytes at {}; the backend needs {} (cpu_bytes)",
@@ -909,8 +927,8 @@ std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequenc
   if (reinterpret_cast<std::uintptr_t>(memory) % kAlign != 0)
     throw ConfigError(
         fmt::format("make_cpu_compute: the block at {} is not {}-byte aligned", memory, kAlign));
-  return std::make_unique<CpuCompute>(s, max_sequences, seq_len, recompute_layers,
-                                      static_cast<std::byte*>(memory), logits);
+  return std::make_unique<CpuCompute>(s, max_sequences, seq_len, recompute_layers, loss_rows,
+                                      static_cast<std::byte*>(memory), precision);
 }
 
 }  // namespace shardswap::lm::dec

@@ -15,12 +15,18 @@
 
 namespace shardswap::lm::dec {
 
-/// Token rows of fp32 logits the cross-entropy holds at once ([rows, vocab]): 594 MiB for a
-/// 152k vocabulary. Each chunk adds its head gradient into the fp32 [vocab, hidden] slot (read
-/// and written whole), so fewer, larger chunks are faster: at Qwen2.5-0.5B, 8 x 2048 tokens,
-/// chunks of 128 rows made the head and loss 98 ms of a 241 ms step on an H200, chunks of 1024
-/// 29 ms (docs/benchmarks.md).
+/// Token rows of fp32 logits the cross-entropy holds at once ([rows, vocab]) unless a run asks
+/// for another count (model.loss_chunk_rows): 594 MiB for a 152k vocabulary. Each chunk adds its
+/// head gradient into the fp32 [vocab, hidden] slot (read and written whole), so fewer, larger
+/// chunks are faster: at Qwen2.5-0.5B, 8 x 2048 tokens, chunks of 128 rows made the head and
+/// loss 98 ms of a 241 ms step on an H200, chunks of 1024 29 ms (docs/benchmarks.md).
 inline constexpr int kCudaLossChunkRows = 1024;
+/// The rows of a chunk for a requested count (model.loss_chunk_rows; 0: kCudaLossChunkRows) and
+/// batches of up to n tokens.
+inline int cuda_loss_rows(int requested, std::size_t n) {
+  const auto rows = static_cast<std::size_t>(requested > 0 ? requested : kCudaLossChunkRows);
+  return static_cast<int>(std::min(rows, n));
+}
 /// Rows per partial sum of the deterministic column sums (bias and norm gradients): partials
 /// of this many token rows, then one ordered sum of the partials.
 inline constexpr int kCudaRowsPerPartial = 64;
@@ -72,7 +78,7 @@ struct CudaLayout {
   std::size_t d16;     // b16 n D: dx rounded, a GEMM input
   std::size_t dout;    // b16 n H hd: gradient of attention's output
   std::size_t delta;   // f32 n H: rowsum(dout * o) per head
-  std::size_t logits;  // f32 min(n, kCudaLossChunkRows) V; its rows' gradient in place (b16)
+  std::size_t logits;  // f32 cuda_loss_rows(.., n) V; its rows' gradient in place (b16)
   std::size_t row_loss;   // f32 n
   std::size_t mean_loss;  // f64 1
   std::size_t partials;   // f32 ceil(n / kCudaRowsPerPartial) max(D, (H + 2K) hd)
@@ -178,11 +184,14 @@ inline std::size_t cuda_slot_of(int l, int recompute) {
 }
 
 inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_len,
-                              int recompute) {
+                              int recompute, int loss_rows = 0) {
   check_cuda_shape(s, max_sequences, seq_len);
   if (recompute < 0 || recompute > s.layers)
     throw ConfigError("decoder (cuda): recompute_layers = " + std::to_string(recompute) +
                       " is outside [0, layers = " + std::to_string(s.layers) + "]");
+  if (loss_rows < 0)
+    throw ConfigError("decoder (cuda): loss_chunk_rows = " + std::to_string(loss_rows) +
+                      " is negative");
   struct Arena {  // regions at multiples of 256 bytes
     std::size_t bytes = 0;
     std::size_t take(std::size_t count, std::size_t size) {
@@ -198,7 +207,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
              v = static_cast<std::size_t>(s.vocab);
   const auto qw = static_cast<std::size_t>(s.q_width()),
              kw = static_cast<std::size_t>(s.kv_width());
-  const std::size_t rows = std::min<std::size_t>(n, kCudaLossChunkRows);
+  const auto rows = static_cast<std::size_t>(cuda_loss_rows(loss_rows, n));
   const std::size_t partials = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
   CudaLayout l{};
   l.inv_freq = a.take(static_cast<std::size_t>(s.head_dim / 2), f32);
@@ -241,8 +250,8 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.mean_loss = a.take(1, 8);
   l.partials = a.take(partials * std::max(d, qw + 2 * kw), f32);
   l.workspace = a.take(kCudaCublasWorkspaceBytes, 1);
-  // Kept whichever attention a run picks (SHARDSWAP_DECODER_ATTENTION): the plan of a build
-  // does not depend on the environment. Whether the build has cuDNN is a link-time choice
+  // Kept whichever attention a run picks (model.attention): the plan of a build does not
+  // depend on it. Whether the build has cuDNN is a link-time choice
   // (cudnn_attention.cpp or its stub), the same for every target of one build.
   l.attn_scratch = a.take(
       cudnn_attention_available() ? cuda_cudnn_scratch_bytes(s, max_sequences, seq_len) : 0, 1);
@@ -252,30 +261,27 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
 
 /// Exact bytes of the CUDA backend's device block for batches of up to max_sequences x seq_len
 /// tokens with the lowest `recompute` layers recomputed in backward: every activation it keeps,
-/// its scratch, the chunked cross-entropy's logits rows, the cuBLAS workspace and, with cuDNN,
-/// its fp32 dQ and workspace. Nothing else is allocated on the device by train_step or loss.
-/// Throws ConfigError as check_cuda_shape, or naming recompute_layers outside [0, layers].
+/// its scratch, the chunked cross-entropy's logits rows (cuda_loss_rows(loss_rows, tokens) of
+/// them), the cuBLAS workspace and, with cuDNN, its fp32 dQ and workspace. Nothing else is
+/// allocated on the device by train_step or loss. Throws ConfigError as check_cuda_shape, or
+/// naming recompute_layers outside [0, layers] or a negative loss_chunk_rows.
 inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_len,
-                              int recompute = 0) {
-  return cuda_layout(s, max_sequences, seq_len, recompute).bytes;
+                              int recompute = 0, int loss_rows = 0) {
+  return cuda_layout(s, max_sequences, seq_len, recompute, loss_rows).bytes;
 }
 
-/// Which attention the backend runs: cuDNN's fused flash attention with its deterministic
-/// backward (dQ without atomics; two runs give the same bits), the same with its atomic backward
-/// (dQ summed over key tiles with atomics: 4% more tokens/s at Qwen2.5-0.5B, docs/benchmarks.md;
-/// runs differ in the last bits), or the backend's own kernels.
-enum class CudaAttention { cudnn, cudnn_atomic, own };
-
-/// The attention for shape s, from the environment variable SHARDSWAP_DECODER_ATTENTION:
-/// "cudnn", "cudnn-atomic", "own", or unset (cudnn when the build has cuDNN and head_dim is a
-/// multiple of 8, as in every Llama, Qwen2 and Mistral checkpoint; else own). Throws ConfigError
-/// naming the variable for any other value, or for a cuDNN value where the build or head_dim
-/// rules cuDNN out.
-CudaAttention cuda_attention(const DecoderShape& s);
+/// The attention the backend runs for shape s when a run asks for `requested` (model.attention):
+/// cudnn, cudnn_atomic or own, never automatic. automatic is cudnn where the build has cuDNN and
+/// head_dim is a multiple of 8 (every Llama, Qwen2, Qwen3 and Mistral checkpoint), else own.
+/// Throws ConfigError naming model.attention for a cuDNN value where the build or head_dim rules
+/// cuDNN out. cuDNN's atomic backward: 4% more tokens/s at Qwen2.5-0.5B on 2026-12-01
+/// (docs/benchmarks.md); runs may differ in the last bits.
+Attention cuda_attention(const DecoderShape& s, Attention requested = Attention::automatic);
 /// What cuda_attention picks, in words: "cuDNN 9.14.0 fused flash attention, deterministic
-/// backward", the same with the atomic backward's warning, or
-/// "own kernels (...why...)". BackendUnavailable in a build without CUDA.
-std::string cuda_attention_name(const DecoderShape& s);
+/// backward", the same with the atomic backward's warning, or "own kernels (...why...)".
+/// BackendUnavailable in a build without CUDA.
+std::string cuda_attention_name(const DecoderShape& s,
+                                Attention requested = Attention::automatic);
 
 /// The backend's own attention kernels alone (what it runs without cuDNN), on packed rows:
 /// q, o [sequences * seq_len, heads * head_dim], k, v [.., kv_heads * head_dim] of dtype
@@ -297,11 +303,17 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
 /// Defined in cuda/cuda_compute.cu, or in the stub of a build without CUDA (BackendUnavailable).
 /// The lowest `recompute` layers keep only their input and run their forward again at the start
 /// of their backward (model.recompute_layers): the same bits in cuda_bytes(..., recompute).
-/// `logits`: the head's logits in fp32 (the default), or in the weights' dtype
-/// (model.bit16_logits: half the bytes the head writes and the cross-entropy reads; the loss and
-/// gradients change in the last bits); any other dtype is a ConfigError.
+/// `precision`: fp32 everywhere (the default), or in the weights' dtype the head's logits
+/// (model.bit16_logits: half the bytes the head writes and the cross-entropy reads) and the
+/// gradient at SwiGLU's output (model.bit16_swiglu_grad: half the bytes the down projection's
+/// input-gradient GEMM writes and SwiGLU's backward reads); the loss and gradients then change
+/// in the last bits. Any other dtype is a ConfigError. `attention`: model.attention, resolved by
+/// cuda_attention (whose ConfigError it throws). `loss_rows`: the cross-entropy's chunk
+/// (model.loss_chunk_rows; 0: kCudaLossChunkRows), as cuda_bytes was given it.
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
-                                           int recompute = 0, DType logits = DType::f32);
+                                           int recompute = 0, Precision precision = {},
+                                           Attention attention = Attention::automatic,
+                                           int loss_rows = 0);
 
 }  // namespace shardswap::lm::dec

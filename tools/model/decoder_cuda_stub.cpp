@@ -6,11 +6,15 @@
 namespace shardswap::lm::dec {
 
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape&, int, int, DType, void*,
-                                           std::size_t, int, DType) {
+                                           std::size_t, int, Precision, Attention, int) {
   throw BackendUnavailable("make_cuda_compute: ShardSwap was built without CUDA");
 }
 
-std::string cuda_attention_name(const DecoderShape&) {
+Attention cuda_attention(const DecoderShape&, Attention) {
+  throw BackendUnavailable("cuda_attention: ShardSwap was built without CUDA");
+}
+
+std::string cuda_attention_name(const DecoderShape&, Attention) {
   throw BackendUnavailable("cuda_attention_name: ShardSwap was built without CUDA");
 }
 

@@ -122,23 +122,25 @@ class DecoderRun final : public RunModel {
   std::vector<std::filesystem::path> input_files() const override { return config_.input_files(); }
   std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const override {
     return Decoder::activation_bytes(config_.shape, micro, config_.seq_len, dtype, device,
-                                     config_.recompute_layers);
+                                     config_.options);
   }
   std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
                                              MemorySpace& space) const override {
     return std::make_unique<DecoderRank>(
-        make_decoder(config_.shape, micro, config_.seq_len, dtype, space, config_.recompute_layers,
-                     config_.bit16_logits),
+        make_decoder(config_.shape, micro, config_.seq_len, dtype, space, config_.options),
         config_.shape.vocab);
   }
+  void check_device(DeviceKind device) const override {
+    check_decoder_attention(config_.shape, config_.options.attention, device);
+  }
   int recomputable_layers() const override { return config_.shape.layers; }
-  int recompute_layers() const override { return config_.recompute_layers; }
+  int recompute_layers() const override { return config_.options.recompute_layers; }
   std::shared_ptr<const RunModel> with_recompute(int layers) const override {
     if (layers < 0 || layers > config_.shape.layers)
       throw ConfigError(fmt::format("model.recompute_layers = {}: must lie in [0, {}] (layers)",
                                     layers, config_.shape.layers));
     DecoderConfig config = config_;
-    config.recompute_layers = layers;
+    config.options.recompute_layers = layers;
     return std::make_shared<const DecoderRun>(std::move(config), seed_);
   }
   std::int64_t tokens_per_sample() const override { return config_.seq_len; }
@@ -158,7 +160,9 @@ class DecoderRun final : public RunModel {
         s.kv_heads, s.head_dim, s.vocab, s.tied ? " (tied head)" : "", config_.seq_len,
         config_.path.empty() ? "from scratch" : "from " + config_.path,
         // Which attention a GPU run has is said, never left to guess (docs/models.md).
-        device == DeviceKind::cuda ? ", attention: " + lm::dec::cuda_attention_name(s) : "");
+        device == DeviceKind::cuda
+            ? ", attention: " + lm::dec::cuda_attention_name(s, config_.options.attention)
+            : "");
   }
   std::string type_name() const override { return "decoder"; }
   nlohmann::json checkpoint_extra(DType dtype) const override {

@@ -93,6 +93,10 @@ class RunModel {
   virtual std::int64_t activation_bytes(int micro, DType dtype, DeviceKind device) const = 0;
   virtual std::unique_ptr<RankModel> make_rank_model(int micro, DType dtype,
                                                      MemorySpace& space) const = 0;
+  /// ConfigError naming the key where the model's config asks for what a run on `device`
+  /// cannot do (the decoder: a model.attention the backend or this build lacks), called before
+  /// a run builds or writes anything; make_rank_model would refuse the same later.
+  virtual void check_device(DeviceKind device) const { (void)device; }
   /// Layers that can run their forward again in backward instead of keeping their activations
   /// (model.recompute_layers' range; 0: the model cannot), and how many this one recomputes.
   virtual int recomputable_layers() const { return 0; }

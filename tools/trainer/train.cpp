@@ -316,6 +316,7 @@ EvalSummary evaluate(const TrainConfig& config, const std::filesystem::path& che
   const RunData& data = data_of(config);
   const RunModel& run = *config.model;
   const Backend backend = open_backend(config.backend);
+  run.check_device(backend.kind());
   check_plan_fits(config, plan_memory(config, run, 0));
   const int world = config.world_size;
   EvalSummary summary;
@@ -526,6 +527,7 @@ TrainSummary train(const TrainConfig& config, const TrainOutput& out) {
   const RunData& data = data_of(config);
   const RunModel& model = *config.model;
   const Backend backend = open_backend(config.backend);
+  model.check_device(backend.kind());
   const PlannedMemory predicted = plan_memory(config, model, 0);
   check_plan_fits(config, predicted);
   TrainRun run(config, out, model, data, backend);

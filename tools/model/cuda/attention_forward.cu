@@ -1,5 +1,5 @@
 // The decoder's own causal GQA attention, forward (tools/model/cuda/kernels.h): what it runs
-// without cuDNN, or with SHARDSWAP_DECODER_ATTENTION=own. Flash style: the scores are never
+// without cuDNN, or with model.attention = "own". Flash style: the scores are never
 // stored, only o and each row's logsumexp; the softmax is fp32, o is rounded to the operands'
 // type.
 #include <cmath>

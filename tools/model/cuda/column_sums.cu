@@ -1,6 +1,7 @@
 // Sums over token rows for the gradients of the q/k/v biases and of the RMSNorm weights
-// (tools/model/cuda/kernels.h): partials of kCudaRowsPerPartial rows, then one ordered sum of the
-// partials added into the grad slot.
+// (tools/model/cuda/kernels.h): partials of kCudaRowsPerPartial rows, made by the backward
+// kernels that compute the values (RoPE's in rope_qkv.cu, the norms' in rms_norm.cu and
+// head_norm.cu), then here one ordered sum of the partials added into the grad slot.
 //
 // Reproducibility: no atomics; a fixed two-pass tree, the same bits run to run.
 #include "model/cuda/common.cuh"
@@ -10,34 +11,7 @@
 namespace shardswap::lm::dec {
 namespace {
 
-// First pass of a column sum of x [n, w] (rows ld apart): partials[chunk * w + k] = the sum
-// over the chunk's kCudaRowsPerPartial rows.
-__global__ void column_partials(const float* __restrict__ x, int n, int w, long long ld,
-                                float* __restrict__ partials) {
-  const int k = blockIdx.y * blockDim.x + threadIdx.x, chunk = blockIdx.x;
-  if (k >= w) return;
-  const int end = min(n, (chunk + 1) * kCudaRowsPerPartial);
-  float acc = 0.0f;
-  for (int s = chunk * kCudaRowsPerPartial; s < end; ++s) acc += x[s * ld + k];
-  partials[static_cast<long long>(chunk) * w + k] = acc;
-}
-
-// First pass of an RMSNorm's weight gradient: per chunk, sum of dz * x * rstd.
-__global__ void norm_partials(const float* __restrict__ dz, const float* __restrict__ x,
-                              const float* __restrict__ rstd, int n, int d,
-                              float* __restrict__ partials) {
-  const int k = blockIdx.y * blockDim.x + threadIdx.x, chunk = blockIdx.x;
-  if (k >= d) return;
-  const int end = min(n, (chunk + 1) * kCudaRowsPerPartial);
-  float acc = 0.0f;
-  for (int s = chunk * kCudaRowsPerPartial; s < end; ++s) {
-    const long long i = static_cast<long long>(s) * d + k;
-    acc += dz[i] * x[i] * rstd[s];
-  }
-  partials[static_cast<long long>(chunk) * d + k] = acc;
-}
-
-// Second pass: slot[k] += alpha * (the partials summed over the chunks, in order); a chunk's
+// slot[k] += alpha * (the partials summed over the chunks, in order); a chunk's
 // partials are `stride` floats apart (w, or more when they hold several params' columns).
 template <class G>
 __global__ void finish_columns(const float* __restrict__ partials, int chunks, int w, int stride,
@@ -50,21 +24,6 @@ __global__ void finish_columns(const float* __restrict__ partials, int chunks, i
 }
 
 }  // namespace
-
-void launch_column_partials(const float* x, int n, int w, long long ld, float* partials) {
-  const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
-  column_partials<<<dim3(chunks, (w + 127) / 128), 128, 0, cudaStreamPerThread>>>(x, n, w, ld,
-                                                                                  partials);
-  check_launch();
-}
-
-void launch_norm_partials(const float* dz, const float* x, const float* rstd, int n, int d,
-                          float* partials) {
-  const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
-  norm_partials<<<dim3(chunks, (d + 127) / 128), 128, 0, cudaStreamPerThread>>>(dz, x, rstd, n, d,
-                                                                                 partials);
-  check_launch();
-}
 
 template <class G>
 void launch_finish_columns(const float* partials, int chunks, int w, int stride, float alpha,

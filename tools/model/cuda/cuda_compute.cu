@@ -22,15 +22,15 @@
 // only to read the loss (or the logits) back.
 //
 // Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
-// head_dim is a multiple of 8, else (or with SHARDSWAP_DECODER_ATTENTION=own) the own kernels
+// head_dim is a multiple of 8, else (or with model.attention = "own") the own kernels
 // (attention_forward.cu, attention_backward.cu). A batch that keeps documents apart
 // (Batch::positions) runs the own kernels, which take each row's first key: the fused attention is
 // not yet given the document boundaries (cuDNN's ragged layout would take them). cuDNN keeps lse as
 // [sequence, head, position] and writes dQ, dK, dV in the operands' type (rounded from its fp32
 // sums, where the own kernels keep fp32), which the RoPE backward reads as they are. Its backward
 // is the deterministic one (dP in its workspace, in calls of a few sequences) unless
-// SHARDSWAP_DECODER_ATTENTION=cudnn-atomic asks for the one that sums dQ over key tiles with
-// atomics, whose runs differ in the last bits.
+// model.attention = "cudnn-atomic" asks for the one that sums dQ over key tiles with atomics,
+// whose runs differ in the last bits.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -38,9 +38,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -119,22 +119,25 @@ template <class T>
 class CudaCompute final : public Compute {
  public:
   CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-              std::byte* memory, CudaAttention attention, bool bit16_logits)
+              int loss_rows, std::byte* memory, Attention attention, bool bit16_logits,
+              bool bit16_swiglu_grad)
       : s_(s),
         bit16_logits_(bit16_logits),
+        bit16_swiglu_grad_(bit16_swiglu_grad),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
         recompute_(recompute),
         n_max_(static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len)),
+        loss_rows_(cuda_loss_rows(loss_rows, n_max_)),
         mem_(memory),
-        l_(cuda_layout(s, max_sequences, seq_len, recompute)),
+        l_(cuda_layout(s, max_sequences, seq_len, recompute, loss_rows)),
         device_(use_device_of(memory)),  // current before the handle is made on it
         cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
         inv_freq_(rope_inv_freq(s)) {
-    if (attention != CudaAttention::own) {
+    if (attention != Attention::own) {
       std::byte* scratch = memory + l_.attn_scratch;
       std::size_t bytes = cuda_cudnn_scratch_bytes(s, max_sequences, seq_len);
-      deterministic_ = attention == CudaAttention::cudnn;
+      deterministic_ = attention == Attention::cudnn;
       if (!deterministic_) {  // the fp32 dQ accumulator first, the workspace after it
         const std::size_t dq32 = cuda_cudnn_dq32_bytes(s, max_sequences, seq_len);
         dq32_ = reinterpret_cast<float*>(scratch);
@@ -532,8 +535,8 @@ class CudaCompute final : public Compute {
       slot = sink->open(head_id);
       with_slot_type<T>(slot, head_id, [](auto) {});
     }
-    for (int r0 = 0; r0 < n; r0 += kCudaLossChunkRows) {
-      const int rows = std::min(kCudaLossChunkRows, n - r0);
+    for (int r0 = 0; r0 < n; r0 += loss_rows_) {
+      const int rows = std::min(loss_rows_, n - r0);
       gemm(cb, false, true, rows, vocab, d, 1.0f, f + static_cast<long long>(r0) * d, t16, d,
            head, t16, d, 0.0f, logits, bit16_logits_ ? t16 : CUDA_R_32F, vocab);
       if (out != nullptr) copy_logits_out(out + static_cast<long long>(r0) * vocab, rows, vocab);
@@ -601,15 +604,6 @@ class CudaCompute final : public Compute {
     sink.close(id);
   }
 
-  // An RMSNorm's weight gradient, slot [D] += alpha sum_t dz x rstd.
-  void norm_grad(GradSink& sink, ParamId id, int n, float alpha, const float* dz, const float* x,
-                 const float* r) {
-    const int d = s_.hidden;
-    const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
-    launch_norm_partials(dz, x, r, n, d, at(l_.partials));
-    finish(sink, id, chunks, d, alpha);
-  }
-
   // Qwen3's q/k head norms, backward, from g32's q|k columns = the gradient at their output
   // (RoPE's backward): when `active`, their weight gradients, slot [hd] += alpha sum over the
   // tokens and the norm's heads of dz xhat (k_norm's, then q_norm's: both read dz before it is
@@ -645,12 +639,22 @@ class CudaCompute final : public Compute {
     sink.close(id);
   }
 
-  // dx (= or +=) the gradient at the norm's input, and rounded into d16 (every later use of dx
-  // but the embedding's gradient starts from d16).
+  // An RMSNorm's backward from dz at its output, in one pass over dz and x: with `with_dx`, dx
+  // (= or +=) the gradient at its input, and rounded into d16 (every later use of dx but the
+  // embedding's gradient starts from d16); with `grad`, its weight gradient, slot [D] +=
+  // alpha sum_t dz x rstd.
   void norm_backward(const float* dz, const float* x, const float* r, const void* w, int n,
-                     bool accumulate) {
-    launch_rms_norm_backward<T>(dz, x, r, cw(w), n, s_.hidden, at(l_.dx), accumulate,
-                                at<T>(l_.d16));
+                     bool with_dx, bool accumulate, GradSink& sink, std::optional<ParamId> grad,
+                     float alpha) {
+    if (!with_dx && !grad) return;
+    launch_rms_norm_backward<T>(dz, x, r, cw(w), n, s_.hidden, with_dx ? at(l_.dx) : nullptr,
+                                accumulate, with_dx ? at<T>(l_.d16) : nullptr,
+                                grad ? at(l_.partials) : nullptr);
+    if (grad)
+      finish(sink, *grad, (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial, s_.hidden, alpha);
+  }
+  static std::optional<ParamId> if_active(bool active, ParamId id) {
+    return active ? std::optional<ParamId>(id) : std::nullopt;
   }
 
   // Entered with dz = the gradient at the final norm's output (head_and_loss): the final
@@ -660,8 +664,8 @@ class CudaCompute final : public Compute {
     const int n = b.sequences * b.seq_len, L = s_.layers;
     const float alpha = mean_factor(grad_scale);
     float* dz = at(l_.dz);
-    if (sink.active(L + 1)) norm_grad(sink, {K::final_norm}, n, alpha, dz, xs(L), rstd_final());
-    if (lowest <= L) norm_backward(dz, xs(L), rstd_final(), h.final_norm, n, false);
+    norm_backward(dz, xs(L), rstd_final(), h.final_norm, n, lowest <= L, false, sink,
+                  if_active(sink.active(L + 1), {K::final_norm}), alpha);
   }
 
   // The layers' backward from the gradient at x_L (final_norm_backward).
@@ -688,9 +692,19 @@ class CudaCompute final : public Compute {
       T* up = gate + in;
       // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
       // d16 = dx rounded, by the norm backward that made dx.
-      linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
-      // act (recomputed) for the down projection's weight gradient in the same pass.
-      launch_swiglu_backward<T>(at(l_.dact), gate, up, active ? act : nullptr, n, in, 2 * in);
+      // act (recomputed) for the down projection's weight gradient in the same pass as SwiGLU's
+      // backward. Its output's gradient in fp32, or (model.bit16_swiglu_grad) in T in the same
+      // region: half the bytes written and read.
+      if (bit16_swiglu_grad_) {
+        T* dact = at<T>(l_.dact);
+        gemm(cublas_.get(), false, false, n, in, d, 1.0f, d16, t16, d, lw.down, t16, in, 0.0f,
+             dact, t16, in);
+        launch_swiglu_backward<T, T>(dact, gate, up, active ? act : nullptr, n, in, 2 * in);
+      } else {
+        linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
+        launch_swiglu_backward<T, float>(at(l_.dact), gate, up, active ? act : nullptr, n, in,
+                                         2 * in);
+      }
       if (active) {
         weight_grad(sink, {K::down, l}, n, d, in, alpha, d16, d, act, in);
         rms_norm(ys(l), lw.mlp_norm, n, normed, nullptr);
@@ -703,8 +717,8 @@ class CudaCompute final : public Compute {
         linear_input_grad(n, in, d, gate, 2 * in, lw.gate, 0.0f, dz);
         linear_input_grad(n, in, d, up, 2 * in, lw.up, 1.0f, dz);
       }
-      if (active) norm_grad(sink, {K::mlp_norm, l}, n, alpha, dz, ys(l), rstd_mlp(l));
-      norm_backward(dz, ys(l), rstd_mlp(l), lw.mlp_norm, n, true);  // dx: now at y
+      norm_backward(dz, ys(l), rstd_mlp(l), lw.mlp_norm, n, true, true, sink,  // dx: now at y
+                    if_active(active, {K::mlp_norm, l}), alpha);
       // Attention: y = x + o Wo^T.
       clock_.mark(PhaseClock::backward);
       const T* q = layer<T>(l_.q, l, qw);
@@ -719,20 +733,25 @@ class CudaCompute final : public Compute {
       clock_.mark(PhaseClock::attention_backward);
       const bool in_g16 = attention_backward(b, q, k, v, o, dout, lse, g32, g16, width);
       clock_.mark(PhaseClock::backward);
+      // RoPE's backward into g16; into g32 too only for Qwen3's head norms, which read it; and
+      // for a trained layer's biases their partial column sums in the same pass.
+      float* const g_kept = s_.qk_norm ? g32 : nullptr;
+      float* const bias_partials = active && s_.qkv_bias ? at(l_.partials) : nullptr;
       if (in_g16)
-        launch_qkv_backward<T, T>(n, g16, g32, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
-                                  s_.heads, s_.kv_heads, s_.head_dim, g16, doc_positions_);
+        launch_qkv_backward<T, T>(n, g16, g_kept, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
+                                  s_.heads, s_.kv_heads, s_.head_dim, g16, doc_positions_,
+                                  bias_partials);
       else
-        launch_qkv_backward<T, float>(n, g32, g32, at(l_.rope_cos), at(l_.rope_sin), b.seq_len,
-                                      s_.heads, s_.kv_heads, s_.head_dim, g16, doc_positions_);
+        launch_qkv_backward<T, float>(n, g32, g_kept, at(l_.rope_cos), at(l_.rope_sin),
+                                      b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, g16,
+                                      doc_positions_, bias_partials);
       if (s_.qk_norm) head_norm_backward(lw, l, n, active, sink, alpha, g32, g16);
       if (active) {
         rms_norm(xs(l), lw.attn_norm, n, normed, nullptr);
-        // The three biases' column sums in one pass over g32's q|k|v columns, each param's
-        // partials finished into its slot in the order the params are declared.
+        // The three biases' partials (made by RoPE's backward above, one row of q|k|v columns
+        // a chunk) finished into their slots in the order the params are declared.
         const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
         const int wi = static_cast<int>(width);
-        if (s_.qkv_bias) launch_column_partials(g32, n, wi, width, at(l_.partials));
         weight_grad(sink, {K::q, l}, n, qw, d, alpha, g16, width, normed, d);
         if (s_.qkv_bias) finish(sink, {K::q_bias, l}, chunks, qw, alpha, 0, wi);
         weight_grad(sink, {K::k, l}, n, kw, d, alpha, g16 + qw, width, normed, d);
@@ -742,8 +761,8 @@ class CudaCompute final : public Compute {
       }
       // dz = dq|dk|dv (Wq|Wk|Wv): one GEMM over the three projections' rows.
       linear_input_grad(n, static_cast<int>(width), d, g16, width, qkv_weights(lw), 0.0f, dz);
-      if (active) norm_grad(sink, {K::attn_norm, l}, n, alpha, dz, xs(l), rstd_attn(l));
-      if (l + 1 > lowest) norm_backward(dz, xs(l), rstd_attn(l), lw.attn_norm, n, true);  // at x_l
+      norm_backward(dz, xs(l), rstd_attn(l), lw.attn_norm, n, l + 1 > lowest, true, sink,  // x_l
+                    if_active(active, {K::attn_norm, l}), alpha);
     }
     if (lowest > 0) return;
     const ParamId id{K::embed};
@@ -774,10 +793,12 @@ class CudaCompute final : public Compute {
   }
 
   DecoderShape s_;
-  bool bit16_logits_;  // model.bit16_logits: the head's logits in T, not fp32
+  bool bit16_logits_;       // model.bit16_logits: the head's logits in T, not fp32
+  bool bit16_swiglu_grad_;  // model.bit16_swiglu_grad: SwiGLU's output gradient in T
   int max_sequences_, seq_len_;
   int recompute_;  // the lowest layers that run their forward again in backward
   std::size_t n_max_;
+  int loss_rows_;  // token rows of the cross-entropy's chunk (model.loss_chunk_rows)
   std::byte* mem_;
   CudaLayout l_;
   int device_;
@@ -800,54 +821,59 @@ class CudaCompute final : public Compute {
 
 }  // namespace
 
-CudaAttention cuda_attention(const DecoderShape& s) {
-  const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
-  const std::string value = v == nullptr ? "" : v;
+Attention cuda_attention(const DecoderShape& s, Attention requested) {
   // cuDNN's fused attention wants 16-byte head vectors.
   const bool fits = s.head_dim % 8 == 0 && s.head_dim <= kCudaMaxHeadDim;
-  if (value.empty())
-    return cudnn_attention_available() && fits ? CudaAttention::cudnn : CudaAttention::own;
-  if (value == "own") return CudaAttention::own;
-  if (value == "cudnn" || value == "cudnn-atomic") {
-    if (!cudnn_attention_available())
-      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value +
-                        ": this build has no cuDNN (SHARDSWAP_CUDNN)");
-    if (!fits)
-      throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value + ": head_dim = " +
-                        std::to_string(s.head_dim) +
-                        " is not a multiple of 8, as cuDNN's fused attention needs");
-    return value == "cudnn" ? CudaAttention::cudnn : CudaAttention::cudnn_atomic;
+  switch (requested) {
+    case Attention::automatic:
+      return cudnn_attention_available() && fits ? Attention::cudnn : Attention::own;
+    case Attention::own:
+      return Attention::own;
+    case Attention::cudnn:
+    case Attention::cudnn_atomic: {
+      const std::string asked =
+          std::string("model.attention = \"") + attention_key_value(requested) + "\"";
+      if (!cudnn_attention_available())
+        throw ConfigError(asked + ": this build has no cuDNN (SHARDSWAP_CUDNN)");
+      if (!fits)
+        throw ConfigError(asked + ": head_dim = " + std::to_string(s.head_dim) +
+                          " is not a multiple of 8 up to " + std::to_string(kCudaMaxHeadDim) +
+                          ", as cuDNN's fused attention needs");
+      return requested;
+    }
   }
-  throw ConfigError("SHARDSWAP_DECODER_ATTENTION=" + value +
-                    ": not \"cudnn\", \"cudnn-atomic\" or \"own\"");
+  throw ConfigError("model.attention: not a value cuda_attention knows");
 }
 
-std::string cuda_attention_name(const DecoderShape& s) {
-  const CudaAttention a = cuda_attention(s);
-  if (a == CudaAttention::own) {
-    const char* v = std::getenv("SHARDSWAP_DECODER_ATTENTION");
+std::string cuda_attention_name(const DecoderShape& s, Attention requested) {
+  const Attention a = cuda_attention(s, requested);
+  if (a == Attention::own)
     return std::string("own kernels (") +
-           (v != nullptr && std::string(v) == "own" ? "SHARDSWAP_DECODER_ATTENTION=own"
-            : !cudnn_attention_available()             ? "this build has no cuDNN"
-                                                       : "head_dim is not a multiple of 8") +
+           (requested == Attention::own     ? "model.attention = \"own\""
+            : !cudnn_attention_available() ? "this build has no cuDNN"
+                                           : "head_dim is not a multiple of 8") +
            ")";
-  }
   const long v = CudnnAttention::version();  // major * 10000 + minor * 100 + patch (cuDNN 9)
   return "cuDNN " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
          std::to_string(v % 100) + " fused flash attention" +
-         (a == CudaAttention::cudnn
+         (a == Attention::cudnn
               ? ", deterministic backward"
-              : " (SHARDSWAP_DECODER_ATTENTION=cudnn-atomic: its backward sums dQ with atomics, "
+              : " (model.attention = \"cudnn-atomic\": its backward sums dQ with atomics, "
                 "two runs may differ in the last bits)");
 }
 
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
-                                           int recompute, DType logits) {
-  if (logits != DType::f32 && logits != dtype)
-    throw ConfigError(std::string("make_cuda_compute: logits of dtype ") + dtype_name(logits) +
-                      ": fp32 or the weights' " + dtype_name(dtype));
-  const std::size_t expected = cuda_bytes(s, max_sequences, seq_len, recompute);
+                                           int recompute, Precision precision,
+                                           Attention requested, int loss_rows) {
+  for (const auto& [what, of] : {std::pair{"logits", precision.logits},
+                                 std::pair{"SwiGLU's gradient", precision.swiglu_grad}})
+    if (of != DType::f32 && of != dtype)
+      throw ConfigError(std::string("make_cuda_compute: ") + what + " of dtype " +
+                        dtype_name(of) + ": fp32 or the weights' " + dtype_name(dtype));
+  const bool bit16_logits = precision.logits != DType::f32,
+             bit16_swiglu_grad = precision.swiglu_grad != DType::f32;
+  const std::size_t expected = cuda_bytes(s, max_sequences, seq_len, recompute, loss_rows);
   if (bytes != expected)
     throw ConfigError("make_cuda_compute: the block has " + std::to_string(bytes) +
                       " bytes, the layout " + std::to_string(expected));
@@ -855,14 +881,16 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   if (reinterpret_cast<std::uintptr_t>(memory) % 256 != 0)
     throw ConfigError("make_cuda_compute: the block is not 256-byte aligned");
   auto* base = static_cast<std::byte*>(memory);
-  const CudaAttention attention = cuda_attention(s);
+  const Attention attention = cuda_attention(s, requested);
   switch (dtype) {
     case DType::bf16:
       return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
-                                                          base, attention, logits != DType::f32);
+                                                          loss_rows, base, attention,
+                                                          bit16_logits, bit16_swiglu_grad);
     case DType::f16:
-      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute, base,
-                                                   attention, logits != DType::f32);
+      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute,
+                                                   loss_rows, base, attention, bit16_logits,
+                                                   bit16_swiglu_grad);
     default:
       break;
   }

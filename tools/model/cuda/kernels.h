@@ -29,11 +29,13 @@ void launch_rms_norm_forward(const float* x, const T* w, int n, int d, float eps
 template <class T>
 void launch_residual_rms_norm_forward(const float* residual, float* sum, const T* w, int n, int d,
                                       float eps, T* y, float* rstd);
-/// From dz at the norm's output: dx (= or += with accumulate) the gradient at its input, and
-/// the new dx rounded to T into d16 when d16 is not null.
+/// From dz at the norm's output, in one pass: when dx is not null, dx (= or += with accumulate)
+/// the gradient at its input, and the new dx rounded to T into d16 when d16 is not null; when
+/// partials is not null, partials [chunks, d] of the column sums of dz * x * rstd (its weight
+/// gradient), chunks of kCudaRowsPerPartial rows, for launch_finish_columns.
 template <class T>
 void launch_rms_norm_backward(const float* dz, const float* x, const float* rstd, const T* w,
-                              int n, int d, float* dx, bool accumulate, T* d16);
+                              int n, int d, float* dx, bool accumulate, T* d16, float* partials);
 
 // rope_qkv.cu
 /// cos and sin of RoPE's angles pos * inv_freq[f], [seq_len, half] each.
@@ -47,11 +49,13 @@ void launch_qkv_forward(int n, const float* qkv, const T* bq, const T* bk, const
                         const float* rope_cos, const float* rope_sin, int seq_len, int heads,
                         int kv_heads, int hd, T* q, T* k, T* v, const int* positions);
 /// RoPE's backward from dq|dk|dv in `in` (In: fp32 or T; may be g or g16): the gradient at the
-/// projections into g (fp32) and rounded into g16. Positions as launch_qkv_forward's.
+/// projections rounded into g16, into g (fp32) unless g is null, and unless partials is null
+/// partials [chunks, (H + 2K) hd] of its column sums (the biases' gradients), chunks of
+/// kCudaRowsPerPartial rows, for launch_finish_columns. Positions as launch_qkv_forward's.
 template <class T, class In>
 void launch_qkv_backward(int n, const In* in, float* g, const float* rope_cos,
                          const float* rope_sin, int seq_len, int heads, int kv_heads, int hd,
-                         T* g16, const int* positions);
+                         T* g16, const int* positions, float* partials);
 
 // head_norm.cu: Qwen3's RMSNorm of each q and k head (DecoderShape::qk_norm), before RoPE.
 /// In place on the fp32 projections qkv [n, (H + 2K) hd] (rows ld apart), each of the H q heads
@@ -95,10 +99,10 @@ void launch_attention_backward(int sequences, int seq_len, int heads, int kv_hea
 template <class T>
 void launch_swiglu_forward(const T* gate, const T* up, int rows, int width, long long ld,
                            T* act);
-/// gate and up (as the forward's) replaced by their gradients from dact [rows, width]; act
-/// recomputed when not null.
-template <class T>
-void launch_swiglu_backward(const float* dact, T* gate, T* up, T* act, int rows, int width,
+/// gate and up (as the forward's) replaced by their gradients from dact [rows, width] (D: fp32,
+/// or T under model.bit16_swiglu_grad); act recomputed when not null.
+template <class T, class D>
+void launch_swiglu_backward(const D* dact, T* gate, T* up, T* act, int rows, int width,
                             long long ld);
 
 // cross_entropy.cu
@@ -112,12 +116,6 @@ void launch_cross_entropy_rows(L* logits, int rows, int vocab, const int* target
 void launch_mean_of(const float* loss, int n, double denominator, double* out);
 
 // column_sums.cu
-/// partials [chunks, w] of the column sums of x [n, w] (rows ld apart), chunks of
-/// kCudaRowsPerPartial rows.
-void launch_column_partials(const float* x, int n, int w, long long ld, float* partials);
-/// partials [chunks, d] of the column sums of dz * x * rstd (an RMSNorm's weight gradient).
-void launch_norm_partials(const float* dz, const float* x, const float* rstd, int n, int d,
-                          float* partials);
 /// slot[k] += alpha * the sum of partials[0 .. chunks)[k], in order, a chunk's partials stride
 /// floats apart (also the head norms').
 template <class G>

@@ -1,13 +1,15 @@
-// RMSNorm forward and backward at its input (tools/model/cuda/kernels.h); its weight gradient is a
-// column sum (column_sums.cu).
+// RMSNorm forward and backward (tools/model/cuda/kernels.h): the gradient at its input and the
+// partials of its weight gradient's column sum in one pass (column_sums.cu finishes the sum).
 //
 // Precision: the statistics and the gradient are fp32 from the fp32 residual stream; only the
 // output, and the gradient's copy for the next GEMMs, are rounded to the weights' type.
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 
 #include "model/cuda/common.cuh"
 #include "model/cuda/kernels.h"
+#include "model/decoder_cuda.h"
 
 namespace shardswap::lm::dec {
 namespace {
@@ -64,46 +66,80 @@ __global__ void rms_norm_forward(const float* __restrict__ x, const T* __restric
   if (rstd != nullptr && lane == 0) rstd[row] = r;
 }
 
-// One warp per row, given dz at the norm's output: dx (= or +=) the gradient at its input,
-// r (g - xhat mean(g xhat)) with g = dz w, xhat = x r; and the new dx rounded to T into d16 (the
-// next GEMMs' input) when d16 is not null. N columns a lane at a time, as the forward.
+// Given dz at the norm's output, block b takes rows [b R, b R + R) (R = kCudaRowsPerPartial), its
+// warps the rows w, w + warps, ..., each lane its N-column packs of every row:
+// - with dx: dx (= or +=) the gradient at the norm's input, r (g - xhat mean(g xhat)) with
+//   g = dz w and xhat = x r; and the new dx rounded to T into d16 when d16 is not null;
+// - with partials: partials[b d + k] = the sum over the block's rows of dz x r in column k (the
+//   weight gradient's first pass), each warp summing its rows in a shared-memory row of d floats,
+//   then the warps' rows added in warp order. A fixed assignment and order: the same bits run to
+//   run. One read of dz and x for both, where a separate pass over the columns read them again.
 template <class T, int N>
 __global__ void rms_norm_backward(const float* __restrict__ dz, const float* __restrict__ x,
                                   const float* __restrict__ rstd, const T* __restrict__ w, int n,
                                   int d, float* __restrict__ dx, bool accumulate,
-                                  T* __restrict__ d16) {
-  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (row >= n) return;
-  const long long base = static_cast<long long>(row) * d;
-  const auto* dzr = reinterpret_cast<const FloatPack<N>*>(dz + base);
-  const auto* xr = reinterpret_cast<const FloatPack<N>*>(x + base);
-  const auto* wr = reinterpret_cast<const Pack<T, N>*>(w);
-  auto* dxr = reinterpret_cast<FloatPack<N>*>(dx + base);
-  auto* d16r = d16 != nullptr ? reinterpret_cast<Pack<T, N>*>(d16 + base) : nullptr;
+                                  T* __restrict__ d16, float* __restrict__ partials) {
+  extern __shared__ float sums[];  // [warps][d], with partials
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int packs = d / N;
-  const float r = rstd[row];
-  float s = 0.0f;
-  for (int k = lane; k < packs; k += 32) {
-    const FloatPack<N> g = dzr[k], xv = xr[k];
-    const Pack<T, N> wv = wr[k];
+  auto* mine = reinterpret_cast<FloatPack<N>*>(sums + static_cast<long long>(warp) * d);
+  if (partials != nullptr)
+    for (int k = lane; k < packs; k += 32) mine[k] = FloatPack<N>{};
+  const auto* wr = reinterpret_cast<const Pack<T, N>*>(w);
+  const int r0 = blockIdx.x * kCudaRowsPerPartial, rows = min(n - r0, kCudaRowsPerPartial);
+  for (int i = warp; i < rows; i += warps) {
+    const long long base = static_cast<long long>(r0 + i) * d;
+    const auto* dzr = reinterpret_cast<const FloatPack<N>*>(dz + base);
+    const auto* xr = reinterpret_cast<const FloatPack<N>*>(x + base);
+    const float r = rstd[r0 + i];
+    if (dx == nullptr) {  // the weight gradient's partials alone
+      for (int k = lane; k < packs; k += 32) {
+        const FloatPack<N> g = dzr[k], xv = xr[k];
+        FloatPack<N> acc = mine[k];
 #pragma unroll
-    for (int e = 0; e < N; ++e) s += g.v[e] * to_float(wv.v[e]) * xv.v[e] * r;
-  }
-  const float mean = warp_sum(s) / d;
-  for (int k = lane; k < packs; k += 32) {
-    const FloatPack<N> g = dzr[k], xv = xr[k];
-    const Pack<T, N> wv = wr[k];
-    FloatPack<N> out;
-    if (accumulate) out = dxr[k];
-    Pack<T, N> out16;
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const float v = r * (g.v[e] * to_float(wv.v[e]) - xv.v[e] * r * mean);
-      out.v[e] = accumulate ? out.v[e] + v : v;
-      out16.v[e] = from_float<T>(out.v[e]);
+        for (int e = 0; e < N; ++e) acc.v[e] += g.v[e] * xv.v[e] * r;
+        mine[k] = acc;
+      }
+      continue;
     }
-    dxr[k] = out;
-    if (d16r != nullptr) d16r[k] = out16;
+    float s = 0.0f;
+    for (int k = lane; k < packs; k += 32) {
+      const FloatPack<N> g = dzr[k], xv = xr[k];
+      const Pack<T, N> wv = wr[k];
+#pragma unroll
+      for (int e = 0; e < N; ++e) s += g.v[e] * to_float(wv.v[e]) * xv.v[e] * r;
+    }
+    const float mean = warp_sum(s) / d;
+    auto* dxr = reinterpret_cast<FloatPack<N>*>(dx + base);
+    auto* d16r = d16 != nullptr ? reinterpret_cast<Pack<T, N>*>(d16 + base) : nullptr;
+    for (int k = lane; k < packs; k += 32) {
+      const FloatPack<N> g = dzr[k], xv = xr[k];
+      const Pack<T, N> wv = wr[k];
+      FloatPack<N> out;
+      if (accumulate) out = dxr[k];
+      Pack<T, N> out16;
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const float v = r * (g.v[e] * to_float(wv.v[e]) - xv.v[e] * r * mean);
+        out.v[e] = accumulate ? out.v[e] + v : v;
+        out16.v[e] = from_float<T>(out.v[e]);
+      }
+      dxr[k] = out;
+      if (d16r != nullptr) d16r[k] = out16;
+      if (partials != nullptr) {
+        FloatPack<N> acc = mine[k];
+#pragma unroll
+        for (int e = 0; e < N; ++e) acc.v[e] += g.v[e] * xv.v[e] * r;
+        mine[k] = acc;
+      }
+    }
+  }
+  if (partials == nullptr) return;
+  __syncthreads();
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    float s = 0.0f;
+    for (int v = 0; v < warps; ++v) s += sums[static_cast<long long>(v) * d + c];
+    partials[static_cast<long long>(blockIdx.x) * d + c] = s;
   }
 }
 
@@ -147,15 +183,37 @@ void launch_residual_rms_norm_forward(const float* residual, float* sum, const T
   check_launch();
 }
 
+// Warps a block of the backward: kWarpsPerBlock, fewer where their shared-memory rows of the
+// weight gradient's sums would pass kNormSumBytes.
+constexpr int kNormSumBytes = 192 * 1024;
+int norm_backward_warps(int d, bool sums) {
+  if (!sums) return kWarpsPerBlock;
+  const long long fit = kNormSumBytes / (static_cast<long long>(d) * sizeof(float));
+  return static_cast<int>(fit < kWarpsPerBlock ? (fit < 1 ? 1 : fit) : kWarpsPerBlock);
+}
+
+template <class T, int N>
+void launch_norm_backward(const float* dz, const float* x, const float* rstd, const T* w, int n,
+                          int d, float* dx, bool accumulate, T* d16, float* partials) {
+  const int warps = norm_backward_warps(d, partials != nullptr);
+  const std::size_t bytes =
+      partials != nullptr ? static_cast<std::size_t>(warps) * d * sizeof(float) : 0;
+  if (bytes > 48 * 1024)  // past the default: the kernel must be allowed it
+    SHARDSWAP_CUDA_CHECK(cudaFuncSetAttribute(
+        rms_norm_backward<T, N>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(bytes)));
+  const int blocks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+  rms_norm_backward<T, N><<<blocks, 32 * warps, bytes, cudaStreamPerThread>>>(
+      dz, x, rstd, w, n, d, dx, accumulate, d16, partials);
+}
+
 template <class T>
 void launch_rms_norm_backward(const float* dz, const float* x, const float* rstd, const T* w,
-                              int n, int d, float* dx, bool accumulate, T* d16) {
-  if (four_a_lane(d, {dz, x, dx}, {w, d16}))
-    rms_norm_backward<T, 4><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
-        dz, x, rstd, w, n, d, dx, accumulate, d16);
+                              int n, int d, float* dx, bool accumulate, T* d16, float* partials) {
+  if (four_a_lane(d, {dz, x, dx, partials}, {w, d16}))
+    launch_norm_backward<T, 4>(dz, x, rstd, w, n, d, dx, accumulate, d16, partials);
   else
-    rms_norm_backward<T, 1><<<warp_blocks(n), 32 * kWarpsPerBlock, 0, cudaStreamPerThread>>>(
-        dz, x, rstd, w, n, d, dx, accumulate, d16);
+    launch_norm_backward<T, 1>(dz, x, rstd, w, n, d, dx, accumulate, d16, partials);
   check_launch();
 }
 
@@ -169,8 +227,8 @@ template void launch_residual_rms_norm_forward(const float*, float*, const __hal
                                                float, __half*, float*);
 template void launch_rms_norm_backward(const float*, const float*, const float*,
                                        const __nv_bfloat16*, int, int, float*, bool,
-                                       __nv_bfloat16*);
+                                       __nv_bfloat16*, float*);
 template void launch_rms_norm_backward(const float*, const float*, const float*, const __half*,
-                                       int, int, float*, bool, __half*);
+                                       int, int, float*, bool, __half*, float*);
 
 }  // namespace shardswap::lm::dec

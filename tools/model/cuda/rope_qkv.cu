@@ -2,15 +2,19 @@
 // (tools/model/cuda/kernels.h).
 //
 // Precision: the projections arrive in fp32 from their GEMMs; bias and rotation are fp32 and
-// only q, k, v (and the gradients' GEMM inputs) are rounded to the weights' type.
+// only q, k, v (and the gradients' GEMM inputs) are rounded to the weights' type. The biases'
+// gradients are summed over token rows by the backward itself (first pass of column_sums.cu's
+// two), from the fp32 values, so no fp32 copy of the gradient is written for them.
 #include "model/cuda/common.cuh"
 #include "model/cuda/kernels.h"
+#include "model/decoder_cuda.h"
 
 namespace shardswap::lm::dec {
 namespace {
 
-// A block per token row, its threads over the row's RoPE pairs and v columns (640 of them at
-// Qwen2.5-0.5B's shape).
+// Threads a block: forward, a block per token row, its threads over the row's RoPE pairs and v
+// columns (640 of them at Qwen2.5-0.5B's shape); backward, a thread per pair or v column over
+// kCudaRowsPerPartial rows.
 constexpr int kQkvThreads = 128;
 
 // The q|k|v projections' units of work: a rotated pair (i, i + hd/2) of a q or k head, or one
@@ -82,39 +86,59 @@ __global__ void qkv_forward(const float* __restrict__ qkv, const T* __restrict__
   }
 }
 
-// Backward of qkv_forward's RoPE: from dq|dk|dv [n, (H + 2K) hd] in `in` (fp32 from the own
-// attention kernels, T from cuDNN's), the gradient at the projections into g (fp32, which the
-// bias gradients sum) and the same rounded to T into g16 (the GEMMs' input). `in` may be g or
-// g16: each unit reads its elements before it writes them. One block per token row.
+// Backward of qkv_forward's RoPE, a block for kCudaRowsPerPartial token rows (blockIdx.x) and a
+// thread for a unit (unit_place; blockIdx.y * blockDim.x + threadIdx.x) over those rows: from
+// dq|dk|dv [n, (H + 2K) hd] in `in` (fp32 from the own attention kernels, T from cuDNN's), the
+// gradient at the projections rounded to T into g16 (the GEMMs' input), in fp32 into g unless g
+// is null (only Qwen3's head norms read it), and with `partials` (the biases' gradients) the
+// sums of each column over the block's rows, added in row order from 0 as column_partials did
+// (the same bits), into partials[blockIdx.x * width + column] for finish_columns. `in` may be g
+// or g16: a thread reads each row's elements of its unit before it writes them.
 template <class T, class In>
 __global__ void qkv_backward(const In* in, float* g, const float* __restrict__ rope_cos,
-                             const float* __restrict__ rope_sin, int seq_len, int heads,
-                             int kv_heads, int hd, T* g16, const int* __restrict__ positions) {
+                             const float* __restrict__ rope_sin, int n, int seq_len, int heads,
+                             int kv_heads, int hd, T* g16, const int* __restrict__ positions,
+                             float* __restrict__ partials) {
   const int half = hd / 2, width = (heads + 2 * kv_heads) * hd;
   const int units = (heads + kv_heads) * half + kv_heads * hd;
-  const long long t = blockIdx.x;
-  const In* row_in = in + t * width;
-  float* row = g + t * width;
-  T* row16 = g16 + t * width;
-  const long long pos = positions != nullptr ? positions[t] : t % seq_len;
-  const float* cr = rope_cos + pos * half;
-  const float* sr = rope_sin + pos * half;
-  for (int u = threadIdx.x; u < units; u += blockDim.x) {
-    const QkvUnit p = unit_place(u, heads, kv_heads, hd);
-    if (p.part == 2) {
-      const float dv = to_float(row_in[p.column]);
-      row[p.column] = dv;
-      row16[p.column] = from_float<T>(dv);
-      continue;
+  const int u = blockIdx.y * blockDim.x + threadIdx.x;
+  if (u >= units) return;
+  const QkvUnit p = unit_place(u, heads, kv_heads, hd);
+  const int first = blockIdx.x * kCudaRowsPerPartial, end = min(n, first + kCudaRowsPerPartial);
+  float sum_a = 0.0f, sum_b = 0.0f;
+  // Unrolled so that each thread has several rows' loads in flight (the rows are independent
+  // but for the sums).
+  if (p.part == 2) {  // v: no rotation
+#pragma unroll 4
+    for (int t = first; t < end; ++t) {
+      const long long at = static_cast<long long>(t) * width + p.column;
+      const float dv = to_float(in[at]);
+      if (g != nullptr) g[at] = dv;
+      g16[at] = from_float<T>(dv);
+      sum_a += dv;
     }
-    const float da = to_float(row_in[p.column]), db = to_float(row_in[p.column + half]);
-    const float c = cr[p.freq], s = sr[p.freq];
-    const float ga = da * c + db * s, gb = db * c - da * s;  // the rotation's transpose
-    row[p.column] = ga;
-    row[p.column + half] = gb;
-    row16[p.column] = from_float<T>(ga);
-    row16[p.column + half] = from_float<T>(gb);
+  } else {
+#pragma unroll 4
+    for (int t = first; t < end; ++t) {
+      const long long at = static_cast<long long>(t) * width + p.column;
+      const long long pos = positions != nullptr ? positions[t] : t % seq_len;
+      const float c = rope_cos[pos * half + p.freq], s = rope_sin[pos * half + p.freq];
+      const float da = to_float(in[at]), db = to_float(in[at + half]);
+      const float ga = da * c + db * s, gb = db * c - da * s;  // the rotation's transpose
+      if (g != nullptr) {
+        g[at] = ga;
+        g[at + half] = gb;
+      }
+      g16[at] = from_float<T>(ga);
+      g16[at + half] = from_float<T>(gb);
+      sum_a += ga;
+      sum_b += gb;
+    }
   }
+  if (partials == nullptr) return;
+  float* const sums = partials + static_cast<long long>(blockIdx.x) * width + p.column;
+  sums[0] = sum_a;
+  if (p.part != 2) sums[half] = sum_b;
 }
 
 }  // namespace
@@ -138,9 +162,12 @@ void launch_qkv_forward(int n, const float* qkv, const T* bq, const T* bk, const
 template <class T, class In>
 void launch_qkv_backward(int n, const In* in, float* g, const float* rope_cos,
                          const float* rope_sin, int seq_len, int heads, int kv_heads, int hd,
-                         T* g16, const int* positions) {
-  qkv_backward<T, In><<<n, kQkvThreads, 0, cudaStreamPerThread>>>(
-      in, g, rope_cos, rope_sin, seq_len, heads, kv_heads, hd, g16, positions);
+                         T* g16, const int* positions, float* partials) {
+  const int units = (heads + kv_heads) * (hd / 2) + kv_heads * hd;
+  const dim3 grid((n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial,
+                  (units + kQkvThreads - 1) / kQkvThreads);
+  qkv_backward<T, In><<<grid, kQkvThreads, 0, cudaStreamPerThread>>>(
+      in, g, rope_cos, rope_sin, n, seq_len, heads, kv_heads, hd, g16, positions, partials);
   check_launch();
 }
 
@@ -152,12 +179,12 @@ template void launch_qkv_forward(int, const float*, const __half*, const __half*
                                  const float*, const float*, int, int, int, int, __half*, __half*,
                                  __half*, const int*);
 template void launch_qkv_backward(int, const __nv_bfloat16*, float*, const float*, const float*,
-                                  int, int, int, int, __nv_bfloat16*, const int*);
+                                  int, int, int, int, __nv_bfloat16*, const int*, float*);
 template void launch_qkv_backward(int, const float*, float*, const float*, const float*, int, int,
-                                  int, int, __nv_bfloat16*, const int*);
+                                  int, int, __nv_bfloat16*, const int*, float*);
 template void launch_qkv_backward(int, const __half*, float*, const float*, const float*, int,
-                                  int, int, int, __half*, const int*);
+                                  int, int, int, __half*, const int*, float*);
 template void launch_qkv_backward(int, const float*, float*, const float*, const float*, int, int,
-                                  int, int, __half*, const int*);
+                                  int, int, __half*, const int*, float*);
 
 }  // namespace shardswap::lm::dec

@@ -28,6 +28,20 @@ __device__ __forceinline__ long long strided(long long i, int width, long long l
   return (i / per_row) * ld + (i % per_row) * N;
 }
 
+// Pack i of D (fp32, or a bit16 type) as fp32 values.
+template <int N, class D>
+__device__ __forceinline__ FloatPack<N> load_floats(const D* p, long long i) {
+  if constexpr (std::is_same_v<D, float>) {
+    return reinterpret_cast<const FloatPack<N>*>(p)[i];
+  } else {
+    const Pack<D, N> v = reinterpret_cast<const Pack<D, N>*>(p)[i];
+    FloatPack<N> out;
+#pragma unroll
+    for (int e = 0; e < N; ++e) out.v[e] = to_float(v.v[e]);
+    return out;
+  }
+}
+
 // act = silu(gate) * up in T, N elements a thread.
 template <class T, int N>
 __global__ void swiglu_forward(const T* __restrict__ gate, const T* __restrict__ up,
@@ -43,16 +57,17 @@ __global__ void swiglu_forward(const T* __restrict__ gate, const T* __restrict__
   }
 }
 
-// Given dact (fp32): gate and up are replaced by their gradients (T; they are not needed after),
-// and, when act is not null, act = silu(gate) * up is recomputed for the down projection's
-// weight gradient in the same pass (backward does not keep act from forward).
-template <class T, int N>
-__global__ void swiglu_backward(const float* __restrict__ dact, T* __restrict__ gate,
+// Given dact (D: fp32, or T with model.bit16_swiglu_grad): gate and up are replaced by their
+// gradients (T; they are not needed after), and, when act is not null, act = silu(gate) * up is
+// recomputed for the down projection's weight gradient in the same pass (backward does not keep
+// act from forward).
+template <class T, class D, int N>
+__global__ void swiglu_backward(const D* __restrict__ dact, T* __restrict__ gate,
                                 T* __restrict__ up, T* __restrict__ act, long long packs,
                                 int width, long long ld) {
   GRID_STRIDE(i, packs) {
     const long long at = strided<N>(i, width, ld);
-    const FloatPack<N> da = reinterpret_cast<const FloatPack<N>*>(dact)[i];
+    const FloatPack<N> da = load_floats<N>(dact, i);
     Pack<T, N> g = *reinterpret_cast<const Pack<T, N>*>(gate + at);
     Pack<T, N> u = *reinterpret_cast<const Pack<T, N>*>(up + at);
     Pack<T, N> a;
@@ -97,13 +112,13 @@ void launch_swiglu_forward(const T* gate, const T* up, int rows, int width, long
   });
 }
 
-template <class T>
-void launch_swiglu_backward(const float* dact, T* gate, T* up, T* act, int rows, int width,
+template <class T, class D>
+void launch_swiglu_backward(const D* dact, T* gate, T* up, T* act, int rows, int width,
                             long long ld) {
   const long long count = static_cast<long long>(rows) * width;
   with_pack(width, ld, {dact, gate, up, act}, [&](auto pack) {
     constexpr int N = decltype(pack)::value;
-    swiglu_backward<T, N><<<blocks_for(count / N), 256, 0, cudaStreamPerThread>>>(
+    swiglu_backward<T, D, N><<<blocks_for(count / N), 256, 0, cudaStreamPerThread>>>(
         dact, gate, up, act, count / N, width, ld);
   });
 }
@@ -113,7 +128,11 @@ template void launch_swiglu_forward(const __nv_bfloat16*, const __nv_bfloat16*, 
 template void launch_swiglu_forward(const __half*, const __half*, int, int, long long, __half*);
 template void launch_swiglu_backward(const float*, __nv_bfloat16*, __nv_bfloat16*,
                                      __nv_bfloat16*, int, int, long long);
+template void launch_swiglu_backward(const __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*,
+                                     __nv_bfloat16*, int, int, long long);
 template void launch_swiglu_backward(const float*, __half*, __half*, __half*, int, int,
+                                     long long);
+template void launch_swiglu_backward(const __half*, __half*, __half*, __half*, int, int,
                                      long long);
 
 }  // namespace shardswap::lm::dec
