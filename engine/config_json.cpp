@@ -357,11 +357,6 @@ void read_offload(ConfigReader& c, EngineConfig& cfg) {
   else if (grads != "device")
     c.fail_value("shardswap.gradient_placement", "expected \"device\" or \"host\"");
   cfg.overlap_update = c.boolean("shardswap.overlap_update", false);
-  const auto sms = c.integer("shardswap.overlap_update_sms", 0);
-  if (sms < 0 || sms > 4096)
-    c.fail("shardswap.overlap_update_sms", fmt::format("{}", sms),
-           "must lie in [0, 4096] (0: no limit)");
-  cfg.overlap_update_sms = static_cast<int>(sms);
   const std::string frozen = c.string("shardswap.frozen_weight_placement", "device");
   if (frozen == "host")
     cfg.frozen_weight_placement = Placement::host;

@@ -617,7 +617,7 @@ std::string Engine::Impl::describe_hand_over(std::size_t i) const {
 void Engine::Impl::begin_side_update() {
   settle_update();  // one update beside the caller's work at a time
   update_marks.assign(groups.size(), 0);
-  ops.begin_side(config.overlap_update_sms);
+  ops.begin_side();
 }
 
 void Engine::Impl::end_side_update() {

@@ -101,14 +101,6 @@ void validate_engine_config(const EngineConfig& c, const ConfigNames& name) {
                      "device ({} = {})",
                      name("zero_optimization.offload_optimizer.device", "optimizer_placement"),
                      name.json ? quote_value("cpu") : quote_value("host")));
-  if (c.overlap_update_sms < 0 || c.overlap_update_sms > 4096)
-    fail("shardswap.overlap_update_sms", "overlap_update_sms",
-         fmt::format("{}", c.overlap_update_sms), "must lie in [0, 4096] (0: no limit)");
-  if (c.overlap_update_sms > 0 && !c.overlap_update)
-    fail("shardswap.overlap_update_sms", "overlap_update_sms",
-         fmt::format("{}", c.overlap_update_sms),
-         fmt::format("limits the SMs of an update that overlaps the next forward: needs {} = true",
-                     name("shardswap.overlap_update", "overlap_update")));
   validate_optimizer_config(c.optimizer, name.nested("optimizer.params", "optimizer"));
   // The weight is the master's high half: the master can only be split beside bf16 weights.
   if (c.optimizer.master == MasterStorage::bf16_remainder && c.dtype != DType::bf16)

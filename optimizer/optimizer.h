@@ -108,10 +108,9 @@ struct DeviceOps {
   /// Until end_side, queues this thread's later work (kernels, copies, collectives) on its side
   /// stream, after the work queued so far on its stream, so that what the caller queues on its
   /// stream meanwhile runs beside it: the engine's update beside the next forward
-  /// (EngineConfig::overlap_update). With max_sms > 0 the update kernels queued meanwhile take
-  /// at most that many SMs (EngineConfig::overlap_update_sms). The CPU backend runs all work at
-  /// once; there these four only count the marks.
-  void (*begin_side)(int max_sms);
+  /// (EngineConfig::overlap_update). The CPU backend runs all work at once; there these four
+  /// only count the marks.
+  void (*begin_side)();
   void (*end_side)();
   /// Marks the side work queued so far (between begin_side and end_side); returns the mark,
   /// counting up from 1.

@@ -205,32 +205,6 @@ TEST_CASE("shardswap.overlap_update reads true or false and needs the optimizer 
   REQUIRE(test::contains(fields, "optimizer_placement = \"host\""));
 }
 
-TEST_CASE("shardswap.overlap_update_sms limits an overlapped update's SMs: read, refused when "
-          "negative or without overlap_update naming the keys, the same bits on the CPU") {
-  const auto read = [](const nlohmann::json& shardswap) {
-    nlohmann::json j = {{"train_micro_batch_size_per_gpu", 1},
-                        {"bf16", {{"enabled", true}}},
-                        {"zero_optimization", {{"stage", 2}}},
-                        {"shardswap", shardswap}};
-    ConfigReader reader(j, "test.json");
-    return engine_config_from_json(reader, BatchSizes{});
-  };
-  REQUIRE(read({{"overlap_update", true}, {"overlap_update_sms", 16}}).overlap_update_sms == 16);
-  REQUIRE(read({{"overlap_update", true}}).overlap_update_sms == 0);
-  const std::string negative = test::message_of<ConfigError>(
-      [&] { read({{"overlap_update", true}, {"overlap_update_sms", -1}}); });
-  REQUIRE(test::contains(negative, "shardswap.overlap_update_sms = -1"));
-  const std::string alone =
-      test::message_of<ConfigError>([&] { read({{"overlap_update_sms", 16}}); });
-  REQUIRE(test::contains(alone, "shardswap.overlap_update_sms = 16"));
-  REQUIRE(test::contains(alone, "shardswap.overlap_update = true"));
-  EngineConfig capped = config_of(Placement::device);
-  capped.overlap_update = true;
-  capped.overlap_update_sms = 16;
-  require_same_bits(run(capped, DeactivatePolicy::drop),
-                    run(config_of(Placement::device), DeactivatePolicy::drop));
-}
-
 TEST_CASE("frozen weights on the host: the plan puts every group's weights on the host, the "
           "active ones and two windows on the device") {
   MemorySpace space(0, make_host_allocator());

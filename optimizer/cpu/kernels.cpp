@@ -317,7 +317,7 @@ void finish_copies() {}
 
 // Side work runs at once like all other work: only the marks are counted, per thread.
 thread_local std::uint64_t side_marks = 0;
-void begin_side(int) {}
+void begin_side() {}
 void end_side() {}
 std::uint64_t mark_side() { return ++side_marks; }
 void await_side(std::uint64_t) {}

@@ -24,8 +24,6 @@ namespace shardswap::detail {
 namespace {
 
 constexpr int kThreads = 256;  // block_sum below assumes exactly this many threads per block
-// An update's blocks when the side work limits its SMs (support/work_stream.h): one an SM.
-constexpr int kSideThreads = 1024;
 // Elements per vector unit: one 16-byte access of fp32, one 8-byte access of bit16, so every
 // warp-wide load or store is one contiguous run (fully coalesced). Measured on the H200
 // (2026-11-29): 8 elements per unit as two float4 reached 83% of the copy bandwidth.
@@ -208,8 +206,8 @@ __device__ __forceinline__ std::size_t grid_threads() {
 
 // S: the state's element type (F32, or BF16: read into fp32, stored rounded to nearest even);
 // M: how the master is stored (MasterF32, MasterLow).
-template <class P, class G, class S, class M, int Threads = kThreads>
-__global__ void __launch_bounds__(Threads)
+template <class P, class G, class S, class M>
+__global__ void __launch_bounds__(kThreads)
     adam_kernel(AdamScalars s, typename M::Storage* __restrict__ master,
                 typename S::Storage* __restrict__ m,
                 typename S::Storage* __restrict__ v, const typename G::Storage* __restrict__ grad,
@@ -237,8 +235,8 @@ __global__ void __launch_bounds__(Threads)
   }
 }
 
-template <class P, class G, class S, class M, int Threads = kThreads>
-__global__ void __launch_bounds__(Threads)
+template <class P, class G, class S, class M>
+__global__ void __launch_bounds__(kThreads)
     sgd_kernel(SgdScalars s, typename M::Storage* __restrict__ master,
                typename S::Storage* __restrict__ buf,
                const typename G::Storage* __restrict__ grad,
@@ -385,22 +383,6 @@ int grid_size(std::size_t count, std::size_t vec_units, std::size_t max_blocks) 
 
 constexpr std::size_t kNoLimit = std::size_t{1} << 30;
 
-// The update kernels by their block size, for launch_update.
-template <class P, class G, class S, class M>
-struct AdamOf {
-  template <int Threads>
-  struct K {
-    static constexpr auto kernel = adam_kernel<P, G, S, M, Threads>;
-  };
-};
-template <class P, class G, class S, class M>
-struct SgdOf {
-  template <int Threads>
-  struct K {
-    static constexpr auto kernel = sgd_kernel<P, G, S, M, Threads>;
-  };
-};
-
 // Calls f(T{}) with the element type of e.
 template <class F>
 void with_elem(Elem e, F&& f) {
@@ -448,21 +430,6 @@ void with_update_types(const UpdateLaunch& t, F&& f) {
   }
 }
 
-// Launches an update kernel K<Threads> over `count` elements (`units` vector units): as many
-// blocks of kThreads as they ask, or, while the side work limits its SMs, at most that many
-// blocks of kSideThreads (grid-stride loops: any grid covers every element, the same bits).
-template <template <int> class K, class... Args>
-void launch_update(std::size_t count, std::size_t units, Args... args) {
-  const int sms = detail::side_work_sms();
-  const int blocks = grid_size(count, units, kNoLimit);
-  if (sms > 0)
-    K<kSideThreads>::kernel<<<std::min(blocks, sms), kSideThreads, 0, detail::work_stream()>>>(
-        args...);
-  else
-    K<kThreads>::kernel<<<blocks, kThreads, 0, detail::work_stream()>>>(args...);
-  SHARDSWAP_CUDA_CHECK(cudaGetLastError());
-}
-
 }  // namespace
 
 void launch_adam(const AdamScalars& s, const UpdateLaunch& t) {
@@ -473,11 +440,14 @@ void launch_adam(const AdamScalars& s, const UpdateLaunch& t) {
     using M = decltype(master_type);
     const std::size_t units =
         vector_units(t.count, {t.master, t.state0, t.state1, t.grad, t.param});
-    launch_update<AdamOf<P, G, S, M>::template K>(
-        t.count, units, s, static_cast<typename M::Storage*>(t.master),
-        static_cast<typename S::Storage*>(t.state0), static_cast<typename S::Storage*>(t.state1),
-        static_cast<const typename G::Storage*>(t.grad), static_cast<typename P::Storage*>(t.param),
-        t.count, units);
+    adam_kernel<P, G, S, M>
+        <<<grid_size(t.count, units, kNoLimit), kThreads, 0, detail::work_stream()>>>(
+            s, static_cast<typename M::Storage*>(t.master),
+            static_cast<typename S::Storage*>(t.state0),
+            static_cast<typename S::Storage*>(t.state1),
+            static_cast<const typename G::Storage*>(t.grad),
+            static_cast<typename P::Storage*>(t.param), t.count, units);
+    SHARDSWAP_CUDA_CHECK(cudaGetLastError());
   });
 }
 
@@ -489,10 +459,11 @@ void launch_sgd(const SgdScalars& s, const UpdateLaunch& t) {
     using M = decltype(master_type);
     auto* buf = static_cast<typename S::Storage*>(s.has_momentum ? t.state0 : nullptr);
     const std::size_t units = vector_units(t.count, {t.master, buf, t.grad, t.param});
-    launch_update<SgdOf<P, G, S, M>::template K>(
-        t.count, units, s, static_cast<typename M::Storage*>(t.master), buf,
-        static_cast<const typename G::Storage*>(t.grad), static_cast<typename P::Storage*>(t.param),
-        t.count, units);
+    sgd_kernel<P, G, S, M>
+        <<<grid_size(t.count, units, kNoLimit), kThreads, 0, detail::work_stream()>>>(
+        s, static_cast<typename M::Storage*>(t.master), buf, static_cast<const typename G::Storage*>(t.grad),
+        static_cast<typename P::Storage*>(t.param), t.count, units);
+    SHARDSWAP_CUDA_CHECK(cudaGetLastError());
   });
 }
 

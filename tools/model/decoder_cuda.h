@@ -27,9 +27,12 @@ inline int cuda_loss_rows(int requested, std::size_t n) {
   const auto rows = static_cast<std::size_t>(requested > 0 ? requested : kCudaLossChunkRows);
   return static_cast<int>(std::min(rows, n));
 }
-/// Rows per partial sum of the deterministic column sums (bias and norm gradients): partials
-/// of this many token rows, then one ordered sum of the partials.
+/// Rows per partial sum of the deterministic column sums (bias and head-norm gradients):
+/// partials of this many token rows, then one ordered sum of the partials.
 inline constexpr int kCudaRowsPerPartial = 64;
+/// The same for the RMSNorm weights' gradients, whose backward runs a block per partial: fewer
+/// rows a block give it blocks enough to fill the GPU (1024 at 16,384 tokens, 384 at 6,144).
+inline constexpr int kCudaNormRowsPerPartial = 16;
 /// The attention kernel keeps a head's vector spread over a warp, at most 4 values a lane.
 inline constexpr int kCudaMaxHeadDim = 128;
 /// cuBLAS workspace, handed to cuBLAS from the block so that it allocates none itself (32 MiB:
@@ -81,7 +84,8 @@ struct CudaLayout {
   std::size_t logits;  // f32 cuda_loss_rows(.., n) V; its rows' gradient in place (b16)
   std::size_t row_loss;   // f32 n
   std::size_t mean_loss;  // f64 1
-  std::size_t partials;   // f32 ceil(n / kCudaRowsPerPartial) max(D, (H + 2K) hd)
+  std::size_t partials;   // f32 max(ceil(n / kCudaRowsPerPartial) (H + 2K) hd,
+                          //         ceil(n / kCudaNormRowsPerPartial) D)
   std::size_t workspace;  // kCudaCublasWorkspaceBytes
   // Attention through cuDNN (a build with cuDNN; 0 bytes in one without):
   std::size_t attn_scratch;  // cuda_cudnn_scratch_bytes: its workspace (and fp32 dQ, atomic form)
@@ -208,7 +212,8 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   const auto qw = static_cast<std::size_t>(s.q_width()),
              kw = static_cast<std::size_t>(s.kv_width());
   const auto rows = static_cast<std::size_t>(cuda_loss_rows(loss_rows, n));
-  const std::size_t partials = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+  const std::size_t partials = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial,
+                    norm_partials = (n + kCudaNormRowsPerPartial - 1) / kCudaNormRowsPerPartial;
   CudaLayout l{};
   l.inv_freq = a.take(static_cast<std::size_t>(s.head_dim / 2), f32);
   l.rope_cos = a.take(static_cast<std::size_t>(seq_len) * (s.head_dim / 2), f32);
@@ -248,7 +253,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.logits = a.take(rows * v, f32);
   l.row_loss = a.take(n, f32);
   l.mean_loss = a.take(1, 8);
-  l.partials = a.take(partials * std::max(d, qw + 2 * kw), f32);
+  l.partials = a.take(std::max(partials * (qw + 2 * kw), norm_partials * d), f32);
   l.workspace = a.take(kCudaCublasWorkspaceBytes, 1);
   // Kept whichever attention a run picks (model.attention): the plan of a build does not
   // depend on it. Whether the build has cuDNN is a link-time choice

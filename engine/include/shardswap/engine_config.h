@@ -69,9 +69,6 @@ struct EngineConfig {
   /// again before it is read (the decoder asks for each layer's just before its use). Needs the
   /// optimizer state on the device. The same bits as false.
   bool overlap_update = false;
-  /// shardswap.overlap_update_sms: with overlap_update, the most SMs the update may take (blocks
-  /// of 1024 threads, one an SM), so that the forward's GEMMs keep the others; 0: no limit.
-  int overlap_update_sms = 0;
   /// Gradients are averaged over ranks and over this many micro-batches per step.
   int gradient_accumulation_steps = 1;
   double gradient_clipping = 0.0;  ///< max global norm; 0 turns clipping off

@@ -36,7 +36,6 @@ struct Side {
 struct ThreadSides {
   std::map<int, Side> by_device;
   Side* current = nullptr;  // between begin_side_work and end_side_work
-  int max_sms = 0;          // begin_side_work's, while current is set
   std::uint64_t marked = 0;
 };
 
@@ -63,22 +62,18 @@ cudaStream_t work_stream() {
   return side != nullptr ? side->stream : cudaStreamPerThread;
 }
 
-void begin_side_work(int max_sms) {
+void begin_side_work() {
   if (sides().current != nullptr)
     throw StateError("begin_side_work: this thread's side work has begun already");
   Side& side = side_of_current_device();
   SHARDSWAP_CUDA_CHECK(cudaEventRecord(side.joined, cudaStreamPerThread));
   SHARDSWAP_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.joined, 0));
   sides().current = &side;
-  sides().max_sms = max_sms;
 }
 
 void end_side_work() {
   sides().current = nullptr;
-  sides().max_sms = 0;
 }
-
-int side_work_sms() { return sides().current != nullptr ? sides().max_sms : 0; }
 
 std::uint64_t mark_side_work() {
   ThreadSides& s = sides();

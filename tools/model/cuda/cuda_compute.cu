@@ -651,7 +651,8 @@ class CudaCompute final : public Compute {
                                 accumulate, with_dx ? at<T>(l_.d16) : nullptr,
                                 grad ? at(l_.partials) : nullptr);
     if (grad)
-      finish(sink, *grad, (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial, s_.hidden, alpha);
+      finish(sink, *grad, (n + kCudaNormRowsPerPartial - 1) / kCudaNormRowsPerPartial, s_.hidden,
+             alpha);
   }
   static std::optional<ParamId> if_active(bool active, ParamId id) {
     return active ? std::optional<ParamId>(id) : std::nullopt;

@@ -32,7 +32,7 @@ void launch_residual_rms_norm_forward(const float* residual, float* sum, const T
 /// From dz at the norm's output, in one pass: when dx is not null, dx (= or += with accumulate)
 /// the gradient at its input, and the new dx rounded to T into d16 when d16 is not null; when
 /// partials is not null, partials [chunks, d] of the column sums of dz * x * rstd (its weight
-/// gradient), chunks of kCudaRowsPerPartial rows, for launch_finish_columns.
+/// gradient), chunks of kCudaNormRowsPerPartial rows, for launch_finish_columns.
 template <class T>
 void launch_rms_norm_backward(const float* dz, const float* x, const float* rstd, const T* w,
                               int n, int d, float* dx, bool accumulate, T* d16, float* partials);
@@ -116,8 +116,8 @@ void launch_cross_entropy_rows(L* logits, int rows, int vocab, const int* target
 void launch_mean_of(const float* loss, int n, double denominator, double* out);
 
 // column_sums.cu
-/// slot[k] += alpha * the sum of partials[0 .. chunks)[k], in order, a chunk's partials stride
-/// floats apart (also the head norms').
+/// slot[k] += alpha * the sum of partials[0 .. chunks)[k] in a fixed order (the same bits run to
+/// run), a chunk's partials stride floats apart (also the head norms').
 template <class G>
 void launch_finish_columns(const float* partials, int chunks, int w, int stride, float alpha,
                            G* slot);

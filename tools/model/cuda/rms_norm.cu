@@ -66,7 +66,7 @@ __global__ void rms_norm_forward(const float* __restrict__ x, const T* __restric
   if (rstd != nullptr && lane == 0) rstd[row] = r;
 }
 
-// Given dz at the norm's output, block b takes rows [b R, b R + R) (R = kCudaRowsPerPartial), its
+// Given dz at the norm's output, block b takes rows [b R, b R + R) (R = kCudaNormRowsPerPartial), its
 // warps the rows w, w + warps, ..., each lane its N-column packs of every row:
 // - with dx: dx (= or +=) the gradient at the norm's input, r (g - xhat mean(g xhat)) with
 //   g = dz w and xhat = x r; and the new dx rounded to T into d16 when d16 is not null;
@@ -86,7 +86,8 @@ __global__ void rms_norm_backward(const float* __restrict__ dz, const float* __r
   if (partials != nullptr)
     for (int k = lane; k < packs; k += 32) mine[k] = FloatPack<N>{};
   const auto* wr = reinterpret_cast<const Pack<T, N>*>(w);
-  const int r0 = blockIdx.x * kCudaRowsPerPartial, rows = min(n - r0, kCudaRowsPerPartial);
+  const int r0 = blockIdx.x * kCudaNormRowsPerPartial,
+            rows = min(n - r0, kCudaNormRowsPerPartial);
   for (int i = warp; i < rows; i += warps) {
     const long long base = static_cast<long long>(r0 + i) * d;
     const auto* dzr = reinterpret_cast<const FloatPack<N>*>(dz + base);
@@ -183,13 +184,17 @@ void launch_residual_rms_norm_forward(const float* residual, float* sum, const T
   check_launch();
 }
 
-// Warps a block of the backward: kWarpsPerBlock, fewer where their shared-memory rows of the
-// weight gradient's sums would pass kNormSumBytes.
+// Warps a block of the backward: 4 (4 rows each of the block's 16), fewer where their
+// shared-memory rows of the weight gradient's sums would pass kNormSumBytes. Small blocks, many
+// of them: one of 8 warps a 64-row chunk left the 0.5B shape's backward at 256 blocks, 88 us a
+// norm, about half the GPU's bandwidth (Nsight Compute, H200, 2026-12-05).
+constexpr int kNormWarps = 4;
+static_assert(kCudaNormRowsPerPartial % kNormWarps == 0);
 constexpr int kNormSumBytes = 192 * 1024;
 int norm_backward_warps(int d, bool sums) {
-  if (!sums) return kWarpsPerBlock;
+  if (!sums) return kNormWarps;
   const long long fit = kNormSumBytes / (static_cast<long long>(d) * sizeof(float));
-  return static_cast<int>(fit < kWarpsPerBlock ? (fit < 1 ? 1 : fit) : kWarpsPerBlock);
+  return static_cast<int>(fit < kNormWarps ? (fit < 1 ? 1 : fit) : kNormWarps);
 }
 
 template <class T, int N>
@@ -202,7 +207,7 @@ void launch_norm_backward(const float* dz, const float* x, const float* rstd, co
     SHARDSWAP_CUDA_CHECK(cudaFuncSetAttribute(
         rms_norm_backward<T, N>, cudaFuncAttributeMaxDynamicSharedMemorySize,
         static_cast<int>(bytes)));
-  const int blocks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
+  const int blocks = (n + kCudaNormRowsPerPartial - 1) / kCudaNormRowsPerPartial;
   rms_norm_backward<T, N><<<blocks, 32 * warps, bytes, cudaStreamPerThread>>>(
       dz, x, rstd, w, n, d, dx, accumulate, d16, partials);
 }

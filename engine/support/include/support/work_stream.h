@@ -19,13 +19,8 @@ cudaStream_t work_stream();
 
 /// Until end_side_work(), work_stream() is this thread's side stream on the current device (one
 /// per thread and device, made on first use), which first waits for everything queued on the
-/// thread's stream so far, and side_work_sms() is `max_sms` (0: no limit). Not nested:
-/// StateError if already begun.
-void begin_side_work(int max_sms = 0);
-/// The most SMs the optimizer's kernels queued now may take (begin_side_work's max_sms; 0: all):
-/// they then run as that many blocks of 1024 threads, one an SM, leaving the others to the work
-/// on the thread's stream.
-int side_work_sms();
+/// thread's stream so far. Not nested: StateError if already begun.
+void begin_side_work();
 /// work_stream() is cudaStreamPerThread again. The side stream's work goes on.
 void end_side_work();
 /// Marks the work queued so far on the side stream (between begin and end only); returns the
