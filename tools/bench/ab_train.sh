@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # Decoder training speed of this tree against another commit's, in one run on a machine with an
-# NVIDIA GPU: the other commit checked out in a git worktree under OUT, both built with preset
+# NVIDIA GPU: the other commit checked out in a git worktree under OUT (or, where BASE names a
+# folder, that folder's sources copied there: for a commit the machine's clone may not have,
+# made by `git archive <commit> | tar x -C FOLDER`; a relative path is from the repository root),
+# both built with preset
 # cuda (target shardswap_cli), then tools/bench/train_bench.py for each shape and mode with the
 # two binaries in turn (BASE, this tree, BASE, ...), so that both see the same machine state.
 # Prints each pair's tokens/s, the ratio and the phase split, and writes OUT/ab.json.
-#   usage: OUT=DIR BASE=<commit> [SHAPES="0.5b 1.5b"] [MODES=full] [STEPS=25] [ROUNDS=1]
+#   usage: OUT=DIR BASE=<commit or folder> [SHAPES="0.5b 1.5b"] [MODES=full] [STEPS=25] [ROUNDS=1]
 #          [TESTS="<GPU test filter>"] bash tools/bench/ab_train.sh
 # TESTS, when set, runs those GPU test cases of this tree first (shardswap_gpu_tests).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:?set OUT to the folder for the results}
-BASE=${BASE:?set BASE to the commit to compare against}
+BASE=${BASE:?set BASE to the commit, or a folder of the sources, to compare against}
 SHAPES=${SHAPES:-0.5b 1.5b}
 MODES=${MODES:-full}
 STEPS=${STEPS:-25}
 ROUNDS=${ROUNDS:-1}
+if [ -d "$BASE" ] && [ ! -f "$BASE/CMakeLists.txt" ]; then
+  echo "BASE=$BASE: a folder without CMakeLists.txt" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 status=0
@@ -35,7 +42,12 @@ cmake --preset cuda > "$OUT/build.log" 2>&1 &&
 base_tree="$OUT/base-tree"
 rm -rf "$base_tree"
 git worktree prune
-git worktree add --detach "$base_tree" "$BASE" > "$OUT/base-build.log" 2>&1 &&
+if [ -d "$BASE" ]; then
+  mkdir -p "$base_tree" && (cd "$BASE" && tar cf - --exclude=./build --exclude=./.git .) |
+    (cd "$base_tree" && tar xf -)
+else
+  git worktree add --detach "$base_tree" "$BASE"
+fi > "$OUT/base-build.log" 2>&1 &&
   (cd "$base_tree" && cmake --preset cuda && cmake --build --preset cuda -j "$(nproc)" \
     --target shardswap_cli) >> "$OUT/base-build.log" 2>&1 ||
   { tail -40 "$OUT/base-build.log"; exit 1; }
@@ -88,5 +100,5 @@ for shape in shapes:
                   f"{ratio:.3f}" if ratio else f"{shape} {mode} round {r}: a run failed")
 json.dump({"pairs": pairs}, open(os.path.join(out, "ab.json"), "w"), indent=1)
 PY
-git worktree remove --force "$base_tree" 2>/dev/null
+git worktree remove --force "$base_tree" 2>/dev/null || rm -rf "$base_tree"
 exit $status
