@@ -3,9 +3,9 @@
 # NVIDIA GPU: the other commit checked out in a git worktree under OUT (or, where BASE names a
 # folder, that folder's sources copied there: for a commit the machine's clone may not have,
 # made by `git archive <commit> | tar x -C FOLDER`; a relative path is from the repository root),
-# both built with preset
-# cuda (target shardswap_cli), then tools/bench/train_bench.py for each shape and mode with the
-# two binaries in turn (BASE, this tree, BASE, ...), so that both see the same machine state.
+# both built with preset cuda (target shardswap_cli), then tools/bench/train_bench.py for each
+# shape and mode with the two binaries in turn (BASE, this tree, BASE, ...), so that both see
+# the same machine state.
 # Prints each pair's tokens/s, the ratio and the phase split, and writes OUT/ab.json.
 #   usage: OUT=DIR BASE=<commit or folder> [SHAPES="0.5b 1.5b"] [MODES=full] [STEPS=25] [ROUNDS=1]
 #          [TESTS="<GPU test filter>"] bash tools/bench/ab_train.sh
