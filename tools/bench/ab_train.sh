@@ -9,7 +9,10 @@
 # Prints each pair's tokens/s, the ratio and the phase split, and writes OUT/ab.json.
 #   usage: OUT=DIR BASE=<commit or folder> [SHAPES="0.5b 1.5b"] [MODES=full] [STEPS=25] [ROUNDS=1]
 #          [TESTS="<GPU test filter>"] bash tools/bench/ab_train.sh
-# TESTS, when set, runs those GPU test cases of this tree first (shardswap_gpu_tests).
+# TESTS, when set, runs those GPU test cases of this tree first (shardswap_gpu_tests). PROFILE=1
+# then times every kernel of one step of this tree at Qwen2.5-0.5B, micro 8, seq 2048 on the same
+# text (tools/bench/profile_step.sh, needs ncu): OUT/profile/, and the table by kind of kernel in
+# OUT/profile-kinds.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
@@ -101,4 +104,13 @@ for shape in shapes:
 json.dump({"pairs": pairs}, open(os.path.join(out, "ab.json"), "w"), indent=1)
 PY
 git worktree remove --force "$base_tree" 2>/dev/null || rm -rf "$base_tree"
+
+if [ "${PROFILE:-0}" = 1 ]; then
+  step "kernels of one step of this tree (Qwen2.5-0.5B, micro 8, seq 2048)"
+  bash tools/bench/profile_step.sh "$OUT/profile" configs/qwen2.5-0.5b.json \
+    --set data.seq_len=2048 --set "data.train=$text" --set train_micro_batch_size_per_gpu=8 \
+    > "$OUT/profile.log" 2>&1 || status=1
+  python3 tools/bench/kernel_table.py --by kind "$OUT/profile/qwen2.5-0.5b.csv" |
+    tee "$OUT/profile-kinds.txt" || status=1
+fi
 exit $status
