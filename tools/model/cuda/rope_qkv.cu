@@ -91,9 +91,9 @@ __global__ void qkv_forward(const float* __restrict__ qkv, const T* __restrict__
 // dq|dk|dv [n, (H + 2K) hd] in `in` (fp32 from the own attention kernels, T from cuDNN's), the
 // gradient at the projections rounded to T into g16 (the GEMMs' input), in fp32 into g unless g
 // is null (only Qwen3's head norms read it), and with `partials` (the biases' gradients) the
-// sums of each column over the block's rows, added in row order from 0 as column_partials did
-// (the same bits), into partials[blockIdx.x * width + column] for finish_columns. `in` may be g
-// or g16: a thread reads each row's elements of its unit before it writes them.
+// sums of each column over the block's rows, added in row order from 0, into
+// partials[blockIdx.x * width + column] for finish_columns. `in` may be g or g16: a thread
+// reads each row's elements of its unit before it writes them.
 template <class T, class In>
 __global__ void qkv_backward(const In* in, float* g, const float* __restrict__ rope_cos,
                              const float* __restrict__ rope_sin, int n, int seq_len, int heads,
