@@ -526,10 +526,12 @@ TEST_CASE("the precision options (model.bit16_logits, model.bit16_swiglu_grad) t
 
 // model.attention picks among the CUDA backend's attentions: "auto" is the key left out, a value
 // it does not know is refused when the config is read, and a cuDNN or own-kernel choice on a
-// CPU run is refused before the first step, naming the key, never run as something else.
-TEST_CASE("model.attention: \"auto\" is the default, an unknown value and a CUDA choice on a CPU "
-          "run are refused naming the key",
-          "[decoder]") {
+// CPU run is refused before the first step, and by `shardswap plan`, naming the key, never run
+// or planned as something else.
+TEST_CASE(
+    "model.attention: \"auto\" is the default, an unknown value and a CUDA choice on a CPU "
+    "run or plan are refused naming the key",
+    "[decoder]") {
   const ScratchFolder dir("decoder-attention");
   auto j = decoder_run(dir, "qwen2_untied");
   j["steps"] = 2;
@@ -547,6 +549,10 @@ TEST_CASE("model.attention: \"auto\" is the default, an unknown value and a CUDA
     msg = test::message_of<ConfigError>([&] { (void)run(config); });
     CHECK(test::contains(msg, std::string("model.attention = \"") + cuda_only + "\""));
     CHECK(test::contains(msg, "CPU backend"));
+    std::ostringstream plan;
+    msg = test::message_of<ConfigError>([&] { print_plan(config, plan); });
+    CHECK(test::contains(msg, std::string("model.attention = \"") + cuda_only + "\""));
+    CHECK(plan.str().empty());
   }
 }
 

@@ -262,6 +262,13 @@ PlannedMemory plan_memory(const TrainConfig& config, const RunModel& model, int 
 
 void print_plan(const TrainConfig& config, std::ostream& out) {
   const RunModel& model = *config.model;
+  // What the run would refuse before its first step, the plan refuses too (a CUDA-only option on
+  // a CPU backend): never a plan of a run that cannot start. A CUDA run is still planned on a
+  // build without CUDA (for another machine), where its CUDA choices cannot be checked.
+  try {
+    model.check_device(config.backend.kind);
+  } catch (const BackendUnavailable&) {
+  }
   const auto params = model.param_count();
   const int n = config.world_size;
   out << fmt::format(
