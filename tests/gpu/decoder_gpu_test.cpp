@@ -761,13 +761,13 @@ struct CudaRun {
 CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_scale,
                  const std::set<int>& active, int recompute = 0, bool packed = false,
                  Precision precision = {}, Attention attention = Attention::automatic,
-                 int loss_rows = 0) {
+                 int loss_rows = 0, bool keep_norms = false) {
   const DeviceParams dev(c.shape, p, c.dtype, packed);
   const std::size_t bytes =
-      cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute, loss_rows);
+      cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute, loss_rows, keep_norms);
   DeviceBlock block(bytes);
   auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
-                                   recompute, precision, attention, loss_rows);
+                                   recompute, precision, attention, loss_rows, keep_norms);
   const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(),
                     b.positions.empty() ? nullptr : b.positions.data()};
   SlotSink sink(c.shape, active, c.slot_dtype);
@@ -1195,6 +1195,44 @@ TEST_CASE("cuda decoder: recomputed layers give the same bits in fewer bytes",
           REQUIRE(bytes == all_kept);
         else
           REQUIRE(bytes < cuda_bytes(c.shape, c.max_sequences, c.seq_len, r - 1));
+      }
+    }
+  }
+}
+
+// model.keep_norm_outputs: the norms' outputs kept from forward are the ones backward made again,
+// so every bit is the same, with every group and with LISA's, alone and beside recomputed
+// layers (whose shared slot then holds them too); the block grows by 2 tokens x hidden values
+// a kept slot.
+TEST_CASE("cuda decoder: kept norm outputs give the same bits in their own bytes",
+          "[decoder][gpu]") {
+  for (const Case& c : shape_cases()) {
+    CAPTURE(c.label);
+    const Params p = random_params(c.shape, c.dtype, 61);
+    const Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, 62);
+    const int L = c.shape.layers, head = L + 1;
+    for (const std::set<int>& active : {all_groups(c.shape), std::set<int>{0, L, head}}) {
+      CAPTURE(std::vector<int>(active.begin(), active.end()));
+      for (const int recompute : {0, L}) {
+        CAPTURE(recompute);
+        const CudaRun made = run_cuda(c, p, b, kGradScale, active, recompute);
+        const CudaRun kept =
+            run_cuda(c, p, b, kGradScale, active, recompute, false, {}, {}, 0, true);
+        CAPTURE(kept.problems);
+        REQUIRE(kept.problems.empty());
+        REQUIRE(kept.loss == made.loss);
+        REQUIRE(kept.eval_loss == made.eval_loss);
+        REQUIRE(kept.logits == made.logits);
+        REQUIRE(kept.opened == made.opened);
+        REQUIRE(kept.grads == made.grads);
+        const std::size_t slots = cuda_kept_slots(L, recompute);
+        const std::size_t norms = slots * 2 * static_cast<std::size_t>(c.max_sequences) *
+                                  c.seq_len * c.shape.hidden * dtype_size(c.dtype);
+        const std::size_t more =
+            cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute, 0, true) -
+            cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute);
+        REQUIRE(more >= norms);
+        REQUIRE(more < norms + 256);  // the region's rounding to 256 bytes
       }
     }
   }

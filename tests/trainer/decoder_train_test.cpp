@@ -556,6 +556,44 @@ TEST_CASE(
   }
 }
 
+// model.keep_norm_outputs is the CUDA backend's (tests/gpu/decoder_gpu_test.cpp checks its bits
+// and bytes): false is the key left out; true on a CPU run is refused before the first step and
+// by the plan's bytes, naming the key; a value that is not a boolean when the config is read.
+TEST_CASE("model.keep_norm_outputs: false is the default, true on a CPU run and a non-boolean "
+          "are refused naming the key",
+          "[decoder]") {
+  const ScratchFolder dir("decoder-keep-norms");
+  auto j = decoder_run(dir, "qwen2_untied");
+  j["steps"] = 2;
+  const auto plain = run(load(j));
+  j["model"]["keep_norm_outputs"] = false;
+  require_same_steps(run(load(j)), plain);
+  j["model"]["keep_norm_outputs"] = true;
+  const TrainConfig config = load(j);
+  std::string msg = test::message_of<ConfigError>([&] { (void)run(config); });
+  CHECK(test::contains(msg, "model.keep_norm_outputs = true"));
+  CHECK(test::contains(msg, "CPU backend"));
+  DecoderShape shape;  // a small Llama
+  shape.family = DecoderFamily::llama;
+  shape.vocab = 37;
+  shape.hidden = 16;
+  shape.intermediate = 24;
+  shape.layers = 2;
+  shape.heads = 4;
+  shape.kv_heads = 2;
+  shape.head_dim = 4;
+  shape.max_positions = 32;
+  DecoderOptions options;
+  options.keep_norm_outputs = true;
+  msg = test::message_of<ConfigError>([&] {
+    (void)Decoder::activation_bytes(shape, 2, 8, DType::bf16, DeviceKind::host, options);
+  });
+  CHECK(test::contains(msg, "model.keep_norm_outputs"));
+  j["model"]["keep_norm_outputs"] = "yes";
+  msg = test::message_of<ConfigError>([&] { (void)load(j); });
+  CHECK(test::contains(msg, "model.keep_norm_outputs"));
+}
+
 // model.loss_chunk_rows sizes the cross-entropy's block of logits: a run with chunks of 8 rows
 // (6 a micro-batch of 2 x 24 tokens) trains as one with the backend's own (one chunk), up to the
 // order in which the head's gradient is summed, and plans (and holds: the trainer checks plan

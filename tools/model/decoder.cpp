@@ -457,6 +457,8 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
                                        const DecoderOptions& options) {
   validate_decoder_shape(shape);
   // (cpu_bytes and cuda_bytes check recompute_layers' range and loss_chunk_rows' sign.)
+  if (device != DeviceKind::cuda && options.keep_norm_outputs)
+    check_decoder_options(shape, options, device);  // throws, naming the key
   if (max_sequences < 1)
     throw ConfigError(fmt::format(
         "Decoder::activation_bytes: max_sequences = {} must be at least 1", max_sequences));
@@ -470,18 +472,24 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
   return static_cast<std::int64_t>(device == DeviceKind::cuda
                                        ? lm::dec::cuda_bytes(shape, max_sequences, seq_len,
                                                              options.recompute_layers,
-                                                             options.loss_chunk_rows)
+                                                             options.loss_chunk_rows,
+                                                             options.keep_norm_outputs)
                                        : lm::dec::cpu_bytes(shape, max_sequences, seq_len,
                                                             options.recompute_layers,
                                                             options.loss_chunk_rows));
 }
 
-void check_decoder_attention(const DecoderShape& shape, lm::dec::Attention attention,
-                             DeviceKind device) {
+void check_decoder_options(const DecoderShape& shape, const DecoderOptions& options,
+                           DeviceKind device) {
+  const lm::dec::Attention attention = options.attention;
   if (device == DeviceKind::cuda) {
     (void)lm::dec::cuda_attention(shape, attention);
     return;
   }
+  if (options.keep_norm_outputs)
+    throw ConfigError(
+        "model.keep_norm_outputs = true: a CUDA backend's choice; the CPU backend makes each "
+        "norm's output again in backward (leave the key out, or false)");
   if (attention != lm::dec::Attention::automatic)
     throw ConfigError(fmt::format(
         "model.attention = \"{}\": picks among the CUDA backend's attentions; the CPU backend "
@@ -492,7 +500,7 @@ void check_decoder_attention(const DecoderShape& shape, lm::dec::Attention atten
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
                                       DType dtype, MemorySpace& space,
                                       const DecoderOptions& options) {
-  check_decoder_attention(shape, options.attention, space.device());
+  check_decoder_options(shape, options, space.device());
   const auto bytes = static_cast<std::size_t>(Decoder::activation_bytes(
       shape, max_sequences, seq_len, dtype, space.device(), options));  // validates
   Buffer memory = space.allocate(
@@ -508,7 +516,7 @@ std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequenc
     model->set_compute(
         lm::dec::make_cuda_compute(shape, max_sequences, seq_len, dtype, base, bytes,
                                    options.recompute_layers, kept, options.attention,
-                                   options.loss_chunk_rows));
+                                   options.loss_chunk_rows, options.keep_norm_outputs));
   else
     model->set_compute(lm::dec::make_cpu_compute(shape, max_sequences, seq_len, base, bytes,
                                                  options.recompute_layers, kept,

@@ -85,8 +85,12 @@ struct DecoderOptions {
   /// backend's own (1024 on CUDA, 64 on the CPU). More rows: more activation bytes (rows x vocab
   /// x 4), fewer passes over the head's fp32 gradient.
   int loss_chunk_rows = 0;
+  /// model.keep_norm_outputs (CUDA backend): each layer's two norm outputs kept from forward for
+  /// its weight gradients, not made again in backward; the same bits in 2 x tokens x hidden x 2
+  /// more activation bytes a kept layer (check_decoder_options).
+  bool keep_norm_outputs = false;
   DecoderPrecision precision;
-  /// model.attention: the CUDA backend's attention (check_decoder_attention).
+  /// model.attention: the CUDA backend's attention (check_decoder_options).
   lm::dec::Attention attention = lm::dec::Attention::automatic;
 };
 
@@ -131,18 +135,20 @@ class Decoder {
 
   /// Exact bytes of Tag::activation (requested) that the model made by make_decoder with
   /// `options` holds in its MemorySpace for batches of up to max_sequences x seq_len (the
-  /// options that size it: recompute_layers and loss_chunk_rows).
+  /// options that size it: recompute_layers, loss_chunk_rows and keep_norm_outputs).
   static std::int64_t activation_bytes(const DecoderShape& shape, int max_sequences,
                                        int seq_len, DType dtype, DeviceKind device,
                                        const DecoderOptions& options = {});
 };
 
-/// Throws ConfigError naming model.attention where a decoder of `shape` on `device` cannot run
-/// `attention`: anything but automatic on the host (the CPU backend has one attention of its
-/// own), a cuDNN one where the build has no cuDNN or head_dim rules it out
-/// (lm::dec::cuda_attention). BackendUnavailable for a CUDA device in a build without CUDA.
-void check_decoder_attention(const DecoderShape& shape, lm::dec::Attention attention,
-                             DeviceKind device);
+/// Throws ConfigError naming the key of `options` that a decoder of `shape` on `device` cannot
+/// honour: model.attention, anything but automatic on the host (the CPU backend has one
+/// attention of its own), a cuDNN one where the build has no cuDNN or head_dim rules it out
+/// (lm::dec::cuda_attention); model.keep_norm_outputs on the host (the CPU backend makes each
+/// norm's output again in backward). BackendUnavailable for a CUDA device in a build without
+/// CUDA.
+void check_decoder_options(const DecoderShape& shape, const DecoderOptions& options,
+                           DeviceKind device);
 
 /// The CPU (Eigen) backend when space.device() is the host, the CUDA one (cuBLAS GEMMs, own
 /// fused kernels and attention) on a CUDA device. All activation and workspace memory
@@ -150,8 +156,8 @@ void check_decoder_attention(const DecoderShape& shape, lm::dec::Attention atten
 /// exactly). `dtype` is the weights' (the engine's config dtype: bf16 or fp16). Throws
 /// ConfigError for a bad shape, max_sequences or seq_len < 1, seq_len above max_positions or a
 /// dtype that is not bit16; BackendUnavailable for a CUDA space in a build without CUDA.
-/// `options`: the run's model keys (DecoderOptions); an attention the device cannot run is
-/// refused as check_decoder_attention says.
+/// `options`: the run's model keys (DecoderOptions); one the device cannot honour is refused
+/// as check_decoder_options says.
 std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequences, int seq_len,
                                       DType dtype, MemorySpace& space,
                                       const DecoderOptions& options = {});

@@ -106,6 +106,7 @@ DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
              fmt::format("must lie in [1, {}]", kMaxRows));
     d.options.loss_chunk_rows = static_cast<int>(rows);
   }
+  d.options.keep_norm_outputs = c.boolean("model.keep_norm_outputs", false);
   d.options.precision.bit16_logits = c.boolean("model.bit16_logits", false);
   d.options.precision.bit16_swiglu_grad = c.boolean("model.bit16_swiglu_grad", false);
   const std::string attention = c.string("model.attention", "auto");

@@ -68,8 +68,12 @@ struct CudaLayout {
   std::size_t qk_rstd;  // f32 S n (H + K): 1 / rms of each of those head rows
   std::size_t gate_up;  // b16 S n 2I: the MLP's two input projections, a token's gate row
                         // then its up row (one GEMM writes both where Wgate|Wup lie together)
+  // model.keep_norm_outputs only, 0 bytes without: the two norms' outputs of each slot (n D of
+  // the attention's norm, then n D of the MLP's), the inputs of the q|k|v and gate|up weight
+  // gradients, which backward otherwise makes again in `normed`.
+  std::size_t norms;    // b16 S 2 n D
   // Scratch, one of each:
-  std::size_t normed;  // b16 n D: a norm's output (recomputed in backward)
+  std::size_t normed;  // b16 n D: a norm's output (recomputed in backward unless kept)
   std::size_t qkv32;   // f32 n (H + 2K) hd: q|k|v projections; in backward dq|dk|dv
   std::size_t qkv16;   // b16 n (H + 2K) hd: dq|dk|dv before RoPE, as GEMM inputs
   std::size_t wqkv;    // b16 (H + 2K) hd D: Wq|Wk|Wv side by side, where they are not already
@@ -188,7 +192,7 @@ inline std::size_t cuda_slot_of(int l, int recompute) {
 }
 
 inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_len,
-                              int recompute, int loss_rows = 0) {
+                              int recompute, int loss_rows = 0, bool keep_norms = false) {
   check_cuda_shape(s, max_sequences, seq_len);
   if (recompute < 0 || recompute > s.layers)
     throw ConfigError("decoder (cuda): recompute_layers = " + std::to_string(recompute) +
@@ -239,6 +243,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.qk_hat = a.take(slots * head_rows * static_cast<std::size_t>(s.head_dim), b16);
   l.qk_rstd = a.take(slots * head_rows, f32);
   l.gate_up = a.take(slots * n * 2 * in, b16);
+  l.norms = a.take(keep_norms ? slots * 2 * n * d : 0, b16);
   l.normed = a.take(n * d, b16);
   l.qkv32 = a.take(n * (qw + 2 * kw), f32);
   l.qkv16 = a.take(n * (qw + 2 * kw), b16);
@@ -267,12 +272,13 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
 /// Exact bytes of the CUDA backend's device block for batches of up to max_sequences x seq_len
 /// tokens with the lowest `recompute` layers recomputed in backward: every activation it keeps,
 /// its scratch, the chunked cross-entropy's logits rows (cuda_loss_rows(loss_rows, tokens) of
-/// them), the cuBLAS workspace and, with cuDNN, its fp32 dQ and workspace. Nothing else is
-/// allocated on the device by train_step or loss. Throws ConfigError as check_cuda_shape, or
-/// naming recompute_layers outside [0, layers] or a negative loss_chunk_rows.
+/// them), with keep_norms (model.keep_norm_outputs) each kept layer's two norm outputs, the
+/// cuBLAS workspace and, with cuDNN, its fp32 dQ and workspace. Nothing else is allocated on the
+/// device by train_step or loss. Throws ConfigError as check_cuda_shape, or naming
+/// recompute_layers outside [0, layers] or a negative loss_chunk_rows.
 inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_len,
-                              int recompute = 0, int loss_rows = 0) {
-  return cuda_layout(s, max_sequences, seq_len, recompute, loss_rows).bytes;
+                              int recompute = 0, int loss_rows = 0, bool keep_norms = false) {
+  return cuda_layout(s, max_sequences, seq_len, recompute, loss_rows, keep_norms).bytes;
 }
 
 /// The attention the backend runs for shape s when a run asks for `requested` (model.attention):
@@ -314,11 +320,13 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
 /// input-gradient GEMM writes and SwiGLU's backward reads); the loss and gradients then change
 /// in the last bits. Any other dtype is a ConfigError. `attention`: model.attention, resolved by
 /// cuda_attention (whose ConfigError it throws). `loss_rows`: the cross-entropy's chunk
-/// (model.loss_chunk_rows; 0: kCudaLossChunkRows), as cuda_bytes was given it.
+/// (model.loss_chunk_rows; 0: kCudaLossChunkRows), and `keep_norms` (model.keep_norm_outputs:
+/// each layer's norm outputs kept from forward for the weight gradients, not made again in
+/// backward; the same bits), as cuda_bytes was given them.
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
                                            int recompute = 0, Precision precision = {},
                                            Attention attention = Attention::automatic,
-                                           int loss_rows = 0);
+                                           int loss_rows = 0, bool keep_norms = false);
 
 }  // namespace shardswap::lm::dec

@@ -6,7 +6,7 @@
 namespace shardswap::lm::dec {
 
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape&, int, int, DType, void*,
-                                           std::size_t, int, Precision, Attention, int) {
+                                           std::size_t, int, Precision, Attention, int, bool) {
   throw BackendUnavailable("make_cuda_compute: ShardSwap was built without CUDA");
 }
 

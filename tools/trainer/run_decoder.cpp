@@ -131,7 +131,7 @@ class DecoderRun final : public RunModel {
         config_.shape.vocab);
   }
   void check_device(DeviceKind device) const override {
-    check_decoder_attention(config_.shape, config_.options.attention, device);
+    check_decoder_options(config_.shape, config_.options, device);
   }
   int recomputable_layers() const override { return config_.shape.layers; }
   int recompute_layers() const override { return config_.options.recompute_layers; }

@@ -119,18 +119,19 @@ template <class T>
 class CudaCompute final : public Compute {
  public:
   CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
-              int loss_rows, std::byte* memory, Attention attention, bool bit16_logits,
-              bool bit16_swiglu_grad)
+              int loss_rows, bool keep_norms, std::byte* memory, Attention attention,
+              bool bit16_logits, bool bit16_swiglu_grad)
       : s_(s),
         bit16_logits_(bit16_logits),
         bit16_swiglu_grad_(bit16_swiglu_grad),
+        keep_norms_(keep_norms),
         max_sequences_(max_sequences),
         seq_len_(seq_len),
         recompute_(recompute),
         n_max_(static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len)),
         loss_rows_(cuda_loss_rows(loss_rows, n_max_)),
         mem_(memory),
-        l_(cuda_layout(s, max_sequences, seq_len, recompute, loss_rows)),
+        l_(cuda_layout(s, max_sequences, seq_len, recompute, loss_rows, keep_norms)),
         device_(use_device_of(memory)),  // current before the handle is made on it
         cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
         inv_freq_(rope_inv_freq(s)) {
@@ -243,6 +244,14 @@ class CudaCompute final : public Compute {
     return cw(lw.up) == cw(lw.gate) + static_cast<std::size_t>(s_.intermediate) * s_.hidden;
   }
   float* ys(int l) const { return layer<float>(l_.ys, l, s_.hidden); }
+  // Where layer l's attention norm (which = 0) or MLP norm (1) writes its output: its slot's
+  // kept rows with model.keep_norm_outputs, else the scratch `normed`, which backward fills
+  // again for the weight gradients.
+  T* norm_out(int l, int which) const {
+    if (!keep_norms_) return at<T>(l_.normed);
+    return layer<T>(l_.norms, l, 2 * std::int64_t{s_.hidden}) +
+           static_cast<std::size_t>(which) * n_max_ * static_cast<std::size_t>(s_.hidden);
+  }
   float* rstd_attn(int l) const { return layer<float>(l_.rstd_attn, l, 1); }
   float* rstd_mlp(int l) const { return layer<float>(l_.rstd_mlp, l, 1); }
   float* rstd_final() const { return at(l_.rstd_final); }
@@ -442,8 +451,9 @@ class CudaCompute final : public Compute {
   // layer's norm, or final_norm, completes it); a recompute starts from the finished x_l. A
   // recompute (at the start of the layer's backward) stops at what backward reads, gate and up:
   // act and x_{l+1} are not rewritten, and no phase is marked (its time counts in backward MLP).
-  // It writes only the slot (qk_hat and qk_rstd too, with qk_norm) and the scratch normed and
-  // qkv32, both rewritten by backward before it reads them.
+  // It writes only the slot (qk_hat and qk_rstd too, with qk_norm; the norms' outputs with
+  // model.keep_norm_outputs) and the scratch normed and qkv32, both rewritten by backward before
+  // it reads them.
   void forward_layer(const LayerWeights& lw, const Batch& b, int l, bool recompute) {
     const int n = b.sequences * b.seq_len, d = s_.hidden, in = s_.intermediate;
     const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
@@ -451,7 +461,7 @@ class CudaCompute final : public Compute {
     const auto mark = [&](PhaseClock::Phase p) {
       if (!recompute) clock_.mark(p);
     };
-    T* normed = at<T>(l_.normed);
+    T* normed = norm_out(l, 0);
     float* qkv = at(l_.qkv32);
     T* q = layer<T>(l_.q, l, qw);
     T* k = layer<T>(l_.k, l, kw);
@@ -479,6 +489,7 @@ class CudaCompute final : public Compute {
     // y = x + o Wo^T: the product into y, the sum (fp32) made by the MLP norm's pass.
     linear(n, d, qw, o, qw, lw.o, 0.0f, ys(l), CUDA_R_32F, d);
     mark(PhaseClock::forward_mlp);
+    normed = norm_out(l, 1);
     residual_rms_norm(xs(l), ys(l), lw.mlp_norm, n, normed, rstd_mlp(l));
     T* gate = gate_up(l);
     T* up = gate + in;
@@ -677,7 +688,7 @@ class CudaCompute final : public Compute {
     const long long width = qkv_width();
     const float alpha = mean_factor(grad_scale);
     float *dx = at(l_.dx), *dz = at(l_.dz), *g32 = at(l_.qkv32);
-    T *d16 = at<T>(l_.d16), *normed = at<T>(l_.normed), *g16 = at<T>(l_.qkv16);
+    T *d16 = at<T>(l_.d16), *g16 = at<T>(l_.qkv16);
     T *act = at<T>(l_.act), *dout = at<T>(l_.dout);
 
     for (int l = L - 1; l >= 0 && l + 1 >= lowest; --l) {
@@ -708,7 +719,8 @@ class CudaCompute final : public Compute {
       }
       if (active) {
         weight_grad(sink, {K::down, l}, n, d, in, alpha, d16, d, act, in);
-        rms_norm(ys(l), lw.mlp_norm, n, normed, nullptr);
+        T* const normed = norm_out(l, 1);
+        if (!keep_norms_) rms_norm(ys(l), lw.mlp_norm, n, normed, nullptr);
         weight_grad(sink, {K::gate, l}, n, in, d, alpha, gate, 2 * in, normed, d);
         weight_grad(sink, {K::up, l}, n, in, d, alpha, up, 2 * in, normed, d);
       }
@@ -748,7 +760,8 @@ class CudaCompute final : public Compute {
                                       doc_positions_, bias_partials);
       if (s_.qk_norm) head_norm_backward(lw, l, n, active, sink, alpha, g32, g16);
       if (active) {
-        rms_norm(xs(l), lw.attn_norm, n, normed, nullptr);
+        T* const normed = norm_out(l, 0);
+        if (!keep_norms_) rms_norm(xs(l), lw.attn_norm, n, normed, nullptr);
         // The three biases' partials (made by RoPE's backward above, one row of q|k|v columns
         // a chunk) finished into their slots in the order the params are declared.
         const int chunks = (n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial;
@@ -796,6 +809,7 @@ class CudaCompute final : public Compute {
   DecoderShape s_;
   bool bit16_logits_;       // model.bit16_logits: the head's logits in T, not fp32
   bool bit16_swiglu_grad_;  // model.bit16_swiglu_grad: SwiGLU's output gradient in T
+  bool keep_norms_;         // model.keep_norm_outputs: norm_out
   int max_sequences_, seq_len_;
   int recompute_;  // the lowest layers that run their forward again in backward
   std::size_t n_max_;
@@ -866,7 +880,7 @@ std::string cuda_attention_name(const DecoderShape& s, Attention requested) {
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
                                            int recompute, Precision precision,
-                                           Attention requested, int loss_rows) {
+                                           Attention requested, int loss_rows, bool keep_norms) {
   for (const auto& [what, of] : {std::pair{"logits", precision.logits},
                                  std::pair{"SwiGLU's gradient", precision.swiglu_grad}})
     if (of != DType::f32 && of != dtype)
@@ -874,7 +888,8 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
                         dtype_name(of) + ": fp32 or the weights' " + dtype_name(dtype));
   const bool bit16_logits = precision.logits != DType::f32,
              bit16_swiglu_grad = precision.swiglu_grad != DType::f32;
-  const std::size_t expected = cuda_bytes(s, max_sequences, seq_len, recompute, loss_rows);
+  const std::size_t expected =
+      cuda_bytes(s, max_sequences, seq_len, recompute, loss_rows, keep_norms);
   if (bytes != expected)
     throw ConfigError("make_cuda_compute: the block has " + std::to_string(bytes) +
                       " bytes, the layout " + std::to_string(expected));
@@ -886,12 +901,12 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   switch (dtype) {
     case DType::bf16:
       return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
-                                                          loss_rows, base, attention,
+                                                          loss_rows, keep_norms, base, attention,
                                                           bit16_logits, bit16_swiglu_grad);
     case DType::f16:
       return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute,
-                                                   loss_rows, base, attention, bit16_logits,
-                                                   bit16_swiglu_grad);
+                                                   loss_rows, keep_norms, base, attention,
+                                                   bit16_logits, bit16_swiglu_grad);
     default:
       break;
   }
