@@ -620,3 +620,61 @@ TEST_CASE("on one rank, a budget that only gradients on the host fit puts them t
   two["shardswap"]["device_memory"] = state_on_host * 2;
   REQUIRE_FALSE(load(two).budget->gradients_free);
 }
+
+// On the CUDA backend the search also weighs keeping each layer's norm outputs for backward (the
+// same bits, more activation bytes, less of backward's traffic): kept where the budget holds
+// them, not where it does not, and never where the config says.
+TEST_CASE(
+    "on a CUDA run the search keeps the norm outputs where the budget holds them, and "
+    "leaves the config's choice alone") {
+  auto j = small_run();
+  j["world_size"] = 1;
+  j["shardswap"]["backend"] = "cuda";
+  const auto keeping = [&](bool keep) {
+    auto k = j;
+    k["model"]["keep_norm_outputs"] = keep;
+    return k;
+  };
+  const std::int64_t plain = largest_plan(keeping(false)), kept = largest_plan(keeping(true));
+  REQUIRE(plain == largest_plan(j));  // false is the default
+  REQUIRE(kept > plain);
+  auto roomy = j;
+  roomy["shardswap"]["device_memory"] = kept;
+  roomy["shardswap"]["device_reserve"] = 0;  // the plan's share is the whole budget
+  const TrainConfig t = load(roomy);
+  REQUIRE(t.budget->keep_norms_free);
+  REQUIRE(t.budget->chosen.keep_norms);
+  REQUIRE(t.budget->chosen.recompute_layers == 0);
+  REQUIRE(t.budget->chosen.plan_bytes == kept);
+  REQUIRE(t.model->keeps_norms());
+  REQUIRE(plan_memory(t, *t.model, 0).total() == kept);  // the run plans what was chosen
+  REQUIRE(t.budget->chosen.step_s() < t.budget->configured.step_s());
+  const std::string text = fmt::format("{}", fmt::join(t.budget->lines(), "\n"));
+  CAPTURE(text);
+  REQUIRE(test::contains(text, "0 of 4 layers recomputed, norm outputs kept): plan"));
+  REQUIRE(test::contains(text, "whether the norms' outputs are kept"));
+  REQUIRE(test::contains(text, "kept norm outputs sparing backward's norms at 3.2 TB/s"));
+
+  // One byte short, with the rest fixed: only the plan without them fits.
+  auto tight = with(roomy, "none", 0);
+  tight["shardswap"]["gradient_placement"] = "device";
+  tight["shardswap"]["device_memory"] = kept - 1;
+  const TrainConfig short_one = load(tight);
+  REQUIRE(short_one.budget->arrangements == 2);
+  REQUIRE(short_one.budget->fitting == 1);
+  REQUIRE_FALSE(short_one.budget->chosen.keep_norms);
+  REQUIRE_FALSE(short_one.model->keeps_norms());
+
+  // Set by the config, either way, it is not searched: half the arrangements.
+  for (const bool keep : {false, true}) {
+    CAPTURE(keep);
+    auto fixed = keeping(keep);
+    fixed["shardswap"]["device_memory"] = kept;
+    fixed["shardswap"]["device_reserve"] = 0;
+    const TrainConfig f = load(fixed);
+    REQUIRE_FALSE(f.budget->keep_norms_free);
+    REQUIRE(f.budget->chosen.keep_norms == keep);
+    REQUIRE(f.model->keeps_norms() == keep);
+    REQUIRE(2 * f.budget->arrangements == t.budget->arrangements);
+  }
+}

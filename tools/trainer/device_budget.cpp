@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <utility>
 
 #include <unistd.h>
@@ -41,6 +42,9 @@ constexpr std::int64_t kCudaReserve = std::int64_t{1536} << 20;
 constexpr double kModelFlopsPerS = 4.0e14;
 constexpr double kStreamedBytesPerS = 98e9;
 constexpr double kCpuParamsPerS = 2.2e9;
+// The norms backward makes again (model.keep_norm_outputs spares them): the 48 of a Qwen2.5-0.5B
+// step (micro 8, seq 2048) moved their 4.2 GB in 1.33 ms (kernel profile, docs/benchmarks.md).
+constexpr double kNormBytesPerS = 3.2e12;
 // Gradients on the host: each micro-batch's windows come down whole and (after the first) go up
 // whole, one direction at a time, not overlapped with the model: half the link's two-way rate.
 constexpr double kWindowBytesPerS = kStreamedBytesPerS / 2;
@@ -174,19 +178,26 @@ std::int64_t largest_engine_plan(const TrainConfig& t, const EngineConfig& engin
   return most;
 }
 
+// The config's model with `recompute` layers recomputed and its norm outputs kept or not.
+std::shared_ptr<const RunModel> arranged_model(const TrainConfig& t, int recompute, bool keep) {
+  std::shared_ptr<const RunModel> model = t.model;
+  if (recompute != model->recompute_layers()) model = model->with_recompute(recompute);
+  if (keep != model->keeps_norms()) model = model->with_kept_norms(keep);
+  return model;
+}
+
 const char* placement_words(Placement p) {
   return p == Placement::host ? "state on the host" : "state on the device";
 }
 
 // `micro`: the config's micro-batch; another is named with its accumulation.
 std::string describe(const Arrangement& a, int layers, int micro) {
-  return fmt::format("{}{}{}, {} of {} layers recomputed",
-                     a.micro == micro ? ""
-                                      : fmt::format("micro-batch {} x {} accumulated, ", a.micro,
-                                                    a.accumulation),
-                     placement_words(a.optimizer),
-                     a.gradients == Placement::host ? ", gradients on the host" : "",
-                     a.recompute_layers, layers);
+  return fmt::format(
+      "{}{}{}, {} of {} layers recomputed{}",
+      a.micro == micro ? ""
+                       : fmt::format("micro-batch {} x {} accumulated, ", a.micro, a.accumulation),
+      placement_words(a.optimizer), a.gradients == Placement::host ? ", gradients on the host" : "",
+      a.recompute_layers, layers, a.keep_norms ? ", norm outputs kept" : "");
 }
 
 }  // namespace
@@ -281,6 +292,7 @@ std::vector<std::string> BudgetChoice::lines() const {
   if (placement_free) searched.emplace_back("where the master and optimizer state live");
   if (gradients_free) searched.emplace_back("where the gradients live");
   if (recompute_free) searched.emplace_back("how many layers are recomputed");
+  if (keep_norms_free) searched.emplace_back("whether the norms' outputs are kept");
   if (micro_free && chosen.micro != configured.micro)
     searched.emplace_back("the micro-batch (the same global batch; a smaller one only when no "
                           "arrangement at a larger one fits: the estimate does not count a smaller "
@@ -288,12 +300,15 @@ std::vector<std::string> BudgetChoice::lines() const {
   out.push_back(fmt::format(
       "  searched: {} ({} arrangements, {} within the budget); chosen as the fastest by "
       "estimate: forward and backward at {:.0f} TFLOP/s, a recomputed layer's forward again "
-      "in backward, state on the host streamed at {:.0f} GB/s ({:.0f} bytes a param) or updated "
-      "on the CPU at {:.1f} Gparam/s (an NVIDIA H200's measured rates){}",
+      "in backward, {}state on the host streamed at {:.0f} GB/s ({:.0f} bytes a param) or "
+      "updated on the CPU at {:.1f} Gparam/s (an NVIDIA H200's measured rates){}",
       searched.empty() ? std::string("nothing (the config sets every choice)")
                        : fmt::format("{}", fmt::join(searched, " and ")),
-      arrangements, fitting, kModelFlopsPerS / 1e12, kStreamedBytesPerS / 1e9,
-      streamed_bytes_per_param, kCpuParamsPerS / 1e9,
+      arrangements, fitting, kModelFlopsPerS / 1e12,
+      keep_norms_free ? fmt::format("kept norm outputs sparing backward's norms at {:.1f} TB/s, ",
+                                    kNormBytesPerS / 1e12)
+                      : std::string(),
+      kStreamedBytesPerS / 1e9, streamed_bytes_per_param, kCpuParamsPerS / 1e9,
       gradients_free || chosen.gradients == Placement::host
           ? fmt::format(", gradients on the host down and up each micro-batch at {:.0f} GB/s",
                         kWindowBytesPerS / 1e9)
@@ -311,6 +326,8 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   choice.placement_free = !c.has("zero_optimization.offload_optimizer") && !t.engine.overlap_update;
   choice.recompute_free = !c.has("model.recompute_layers") && t.model->recomputable_layers() > 0;
   choice.recomputable = t.model->recomputable_layers();
+  choice.keep_norms_free =
+      !c.has("model.keep_norm_outputs") && t.model->kept_norms_saved_bytes(1, t.backend.kind) > 0.0;
   // Up and down: the master as stored and each state slot (24 bytes for AdamW's fp32 master, m
   // and v; 12 with bf16 m and v and the master as its low halves).
   choice.streamed_bytes_per_param =
@@ -337,6 +354,8 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
     recomputes.clear();
     for (int r = 0; r <= choice.recomputable; ++r) recomputes.push_back(r);
   }
+  std::vector<bool> keeps{t.model->keeps_norms()};
+  if (choice.keep_norms_free) keeps = {false, true};
   const double layers = std::max(1, choice.recomputable);
   // Every arrangement at one micro-batch, the global batch kept.
   const auto arrangements_at = [&](int micro, int accumulation) {
@@ -354,26 +373,31 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
                        ? static_cast<double>(shard) / kCpuParamsPerS
                        : static_cast<double>(shard) * choice.streamed_bytes_per_param /
                              kStreamedBytesPerS;
-      for (const int r : recomputes) {
-        Arrangement a;
-        a.optimizer = placement;
-        a.gradients = gradients;
-        a.gradients_s = 2.0 * accumulation * static_cast<double>(host_grads) / kWindowBytesPerS;
-        a.recompute_layers = r;
-        a.micro = micro;
-        a.accumulation = accumulation;
-        const auto model =
-            r == t.model->recompute_layers() ? t.model : t.model->with_recompute(r);
-        a.plan_bytes =
-            engine_bytes + model->activation_bytes(micro, t.engine.dtype, t.backend.kind);
-        a.machine_bytes =
-            (host + (t.backend.kind == DeviceKind::host ? a.plan_bytes : 0)) *
-            budget->ranks_on_machine;
-        // A recomputed layer runs its forward twice: a third more of its forward and backward.
-        a.compute_s = compute_s * (1.0 + r / (3.0 * layers));
-        a.update_s = update_s;
-        all.push_back(a);
-      }
+      for (const int r : recomputes)
+        for (const bool keep : keeps) {
+          Arrangement a;
+          a.optimizer = placement;
+          a.gradients = gradients;
+          a.gradients_s = 2.0 * accumulation * static_cast<double>(host_grads) / kWindowBytesPerS;
+          a.recompute_layers = r;
+          a.keep_norms = keep;
+          a.micro = micro;
+          a.accumulation = accumulation;
+          const auto model = arranged_model(t, r, keep);
+          a.plan_bytes =
+              engine_bytes + model->activation_bytes(micro, t.engine.dtype, t.backend.kind);
+          a.machine_bytes = (host + (t.backend.kind == DeviceKind::host ? a.plan_bytes : 0)) *
+                            budget->ranks_on_machine;
+          // A recomputed layer runs its forward twice: a third more of its forward and
+          // backward. Kept norm outputs spare backward's norms their bytes.
+          a.compute_s =
+              compute_s * (1.0 + r / (3.0 * layers)) -
+              (keep ? accumulation * t.model->kept_norms_saved_bytes(micro, t.backend.kind) /
+                          kNormBytesPerS
+                    : 0.0);
+          a.update_s = update_s;
+          all.push_back(a);
+        }
     }
     return all;
   };
@@ -395,9 +419,8 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   at_micro.push_back(arrangements_at(micros.front().first, micros.front().second));
   const Arrangement* smallest = &at_micro.front().front();
   for (const auto& a : at_micro.front()) {
-    if (a.optimizer == t.engine.optimizer_placement &&
-        a.gradients == t.engine.gradient_placement &&
-        a.recompute_layers == t.model->recompute_layers())
+    if (a.optimizer == t.engine.optimizer_placement && a.gradients == t.engine.gradient_placement &&
+        a.recompute_layers == t.model->recompute_layers() && a.keep_norms == t.model->keeps_norms())
       choice.configured = a;
     if (a.plan_bytes < smallest->plan_bytes) smallest = &a;
   }
@@ -476,8 +499,7 @@ std::optional<BudgetChoice> apply_device_budget(ConfigReader& c, TrainConfig& t)
   t.batches.micro_samples = best->micro;
   t.batches.gradient_accumulation_steps = best->accumulation;
   t.engine.gradient_accumulation_steps = best->accumulation;
-  if (best->recompute_layers != t.model->recompute_layers())
-    t.model = t.model->with_recompute(best->recompute_layers);
+  t.model = arranged_model(t, best->recompute_layers, best->keep_norms);
   return choice;
 }
 

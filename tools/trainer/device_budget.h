@@ -1,10 +1,10 @@
 // A device budget (shardswap.device_memory): the bytes of a GPU a run may take, as if it ran on a
 // card of that size. Before anything is allocated, the planner picks the arrangement the budget
 // holds that it estimates fastest among what the config leaves free (where the fp32 master and
-// optimizer state live, how many layers run their forward again in backward), or refuses the
-// config naming the smallest budget any arrangement fits; then every rank's space is capped at
-// its share, so an allocation past the plan fails naming its tag (docs/memory.md, "A device
-// budget").
+// optimizer state live, how many layers run their forward again in backward, whether the norms'
+// outputs are kept for backward), or refuses the config naming the smallest budget any
+// arrangement fits; then every rank's space is capped at its share, so an allocation past the
+// plan fails naming its tag (docs/memory.md, "A device budget").
 #pragma once
 
 #include <cstdint>
@@ -56,6 +56,7 @@ struct Arrangement {
   Placement optimizer = Placement::device;  ///< the fp32 master and optimizer state
   Placement gradients = Placement::device;  ///< the active groups' gradient buffers
   int recompute_layers = 0;
+  bool keep_norms = false;  ///< model.keep_norm_outputs
   int micro = 0;         ///< train_micro_batch_size_per_gpu
   int accumulation = 0;  ///< gradient_accumulation_steps (micro x accumulation x ranks: the
                          ///< config's global batch, whichever micro-batch)
@@ -79,6 +80,8 @@ struct BudgetChoice {
   std::optional<Arrangement> other_placement;
   bool placement_free = false;  ///< zero_optimization.offload_optimizer not given
   bool recompute_free = false;  ///< model.recompute_layers not given
+  /// model.keep_norm_outputs not given, and the model can keep them on the run's device.
+  bool keep_norms_free = false;
   /// shardswap.gradient_placement not given, one rank, and the state may go to the host.
   bool gradients_free = false;
   /// train_batch_size given, the micro-batch and the accumulation not: a smaller micro-batch

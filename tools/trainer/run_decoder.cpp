@@ -143,6 +143,19 @@ class DecoderRun final : public RunModel {
     config.options.recompute_layers = layers;
     return std::make_shared<const DecoderRun>(std::move(config), seed_);
   }
+  double kept_norms_saved_bytes(int micro, DeviceKind device) const override {
+    if (device != DeviceKind::cuda) return 0.0;  // the CPU backend cannot keep them
+    // Each layer's two norms run again in backward: fp32 rows read, rows of the weights'
+    // dtype written (2 bytes: the CUDA backend's weights are bf16 or fp16).
+    const double rows = static_cast<double>(micro) * config_.seq_len;
+    return 2.0 * config_.shape.layers * rows * config_.shape.hidden * (4.0 + 2.0);
+  }
+  bool keeps_norms() const override { return config_.options.keep_norm_outputs; }
+  std::shared_ptr<const RunModel> with_kept_norms(bool keep) const override {
+    DecoderConfig config = config_;
+    config.options.keep_norm_outputs = keep;
+    return std::make_shared<const DecoderRun>(std::move(config), seed_);
+  }
   std::int64_t tokens_per_sample() const override { return config_.seq_len; }
   double micro_flops(int micro) const override {
     return decoder_step_flops(config_.shape, std::int64_t{micro} * config_.seq_len,

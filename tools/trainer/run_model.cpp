@@ -26,6 +26,13 @@ std::shared_ptr<const RunModel> RunModel::with_recompute(int layers) const {
   return nullptr;  // unreachable for a model that keeps the default: asked only for layers > 0
 }
 
+std::shared_ptr<const RunModel> RunModel::with_kept_norms(bool keep) const {
+  if (keep)
+    throw ConfigError(fmt::format(
+        "model.keep_norm_outputs = true: the {} model keeps no norm outputs", type_name()));
+  return nullptr;  // unreachable for a model that keeps the default: asked only to keep them
+}
+
 std::string read_model_type(ConfigReader& c) {
   // One built-in model family: model.type may be left out. The byte-level MLP LM it once chose
   // between was removed; its configs are refused rather than read as a decoder's with the

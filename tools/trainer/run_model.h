@@ -104,6 +104,18 @@ class RunModel {
   /// This model with `layers` of them recomputed (a device budget's choice): ConfigError outside
   /// [0, recomputable_layers()].
   virtual std::shared_ptr<const RunModel> with_recompute(int layers) const;
+  /// The bytes a step over `micro` samples on `device` reads and writes again in backward that
+  /// keeping them from forward would spare (the decoder's norm outputs, model.keep_norm_outputs:
+  /// its weight gradients' inputs); 0 where the model cannot keep them there. Whether this one
+  /// keeps them, and this model with them kept or not (a device budget's choice; ConfigError
+  /// for `true` where nothing can be kept).
+  virtual double kept_norms_saved_bytes(int micro, DeviceKind device) const {
+    (void)micro;
+    (void)device;
+    return 0.0;
+  }
+  virtual bool keeps_norms() const { return false; }
+  virtual std::shared_ptr<const RunModel> with_kept_norms(bool keep) const;
   /// Tokens whose loss one sample carries (the decoder: seq_len).
   virtual std::int64_t tokens_per_sample() const = 0;
   /// FLOPs of forward + backward over one micro-batch with every group active.
