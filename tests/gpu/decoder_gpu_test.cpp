@@ -784,6 +784,18 @@ CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_sc
   return r;
 }
 
+// `got` ran cleanly and is `want` to the bit: loss, eval loss, logits, the slots it opened and
+// every gradient.
+void require_same_bits(const CudaRun& got, const CudaRun& want) {
+  CAPTURE(got.problems);
+  REQUIRE(got.problems.empty());
+  REQUIRE(got.loss == want.loss);
+  REQUIRE(got.eval_loss == want.eval_loss);
+  REQUIRE(got.logits == want.logits);
+  REQUIRE(got.opened == want.opened);
+  REQUIRE(got.grads == want.grads);
+}
+
 std::set<int> all_groups(const DecoderShape& s) {
   std::set<int> g;
   for (int i = 0; i <= s.layers + 1; ++i) g.insert(i);
@@ -1159,9 +1171,7 @@ TEST_CASE("cuda decoder: two runs from the same weights and tokens give the same
     const CudaRun first = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
     const CudaRun second = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
     REQUIRE(first.problems.empty());
-    REQUIRE(first.loss == second.loss);
-    REQUIRE(first.logits == second.logits);
-    REQUIRE(first.grads == second.grads);
+    require_same_bits(second, first);
   }
 }
 
@@ -1181,14 +1191,7 @@ TEST_CASE("cuda decoder: recomputed layers give the same bits in fewer bytes",
       const std::size_t all_kept = cuda_bytes(c.shape, c.max_sequences, c.seq_len);
       for (int r = 1; r <= L; ++r) {
         CAPTURE(r);
-        const CudaRun got = run_cuda(c, p, b, kGradScale, active, r);
-        CAPTURE(got.problems);
-        REQUIRE(got.problems.empty());
-        REQUIRE(got.loss == kept.loss);
-        REQUIRE(got.eval_loss == kept.eval_loss);
-        REQUIRE(got.logits == kept.logits);
-        REQUIRE(got.opened == kept.opened);
-        REQUIRE(got.grads == kept.grads);
+        require_same_bits(run_cuda(c, p, b, kGradScale, active, r), kept);
         // r layers share one slot: r - 1 layers' activations fewer.
         const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, r);
         if (r == 1)
@@ -1216,15 +1219,8 @@ TEST_CASE("cuda decoder: kept norm outputs give the same bits in their own bytes
       for (const int recompute : {0, L}) {
         CAPTURE(recompute);
         const CudaRun made = run_cuda(c, p, b, kGradScale, active, recompute);
-        const CudaRun kept =
-            run_cuda(c, p, b, kGradScale, active, recompute, false, {}, {}, 0, true);
-        CAPTURE(kept.problems);
-        REQUIRE(kept.problems.empty());
-        REQUIRE(kept.loss == made.loss);
-        REQUIRE(kept.eval_loss == made.eval_loss);
-        REQUIRE(kept.logits == made.logits);
-        REQUIRE(kept.opened == made.opened);
-        REQUIRE(kept.grads == made.grads);
+        require_same_bits(
+            run_cuda(c, p, b, kGradScale, active, recompute, false, {}, {}, 0, true), made);
         const std::size_t slots = cuda_kept_slots(L, recompute);
         const std::size_t norms = slots * 2 * static_cast<std::size_t>(c.max_sequences) *
                                   c.seq_len * c.shape.hidden * dtype_size(c.dtype);
