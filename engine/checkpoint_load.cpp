@@ -125,13 +125,17 @@ Weights read_weights(const fs::path& dir, const json& meta, const std::vector<Sa
   return w;
 }
 
+[[noreturn]] void different_model(const fs::path& meta_file, const char* what,
+                                  const std::string& saved, const std::string& here) {
+  throw ConfigError(fmt::format("load_checkpoint: '{}' is a checkpoint of a different model: "
+                                "{} '{}' saved, '{}' here",
+                                meta_file.string(), what, saved, here));
+}
+
 // Throws unless what the checkpoint saved is what this engine has here.
 void require_same(const fs::path& meta_file, const char* what, const std::string& saved,
                   const std::string& here) {
-  if (saved != here)
-    throw ConfigError(fmt::format("load_checkpoint: '{}' is a checkpoint of a different model: "
-                                  "{} '{}' saved, '{}' here",
-                                  meta_file.string(), what, saved, here));
+  if (saved != here) different_model(meta_file, what, saved, here);
 }
 
 // The checkpoint's params, checked to be this engine's model: bit16 type, optimizer, params (name,
@@ -185,7 +189,8 @@ TrainingState read_state_for(const Engine& engine, const fs::path& dir, LoadedCh
   std::vector<std::int64_t> shard_numel;
   for (const auto& name : engine.groups()) {
     auto it = saved_groups.find(name);
-    if (it == saved_groups.end()) require_same(meta_file, "group", "(none)", name);
+    // (Not require_same: a group may be named "(none)".)
+    if (it == saved_groups.end()) different_model(meta_file, "group", "(none)", name);
     GroupTrainingState s;
     s.group = name;
     const auto holding = field<std::string>(it->second, "state", meta_file);
