@@ -1082,49 +1082,100 @@ TEST_CASE("cuda decoder: ignored targets add nothing, the loss and gradients are
     for (const double g : none.grads.at(spec.name)) REQUIRE(g == 0.0);
 }
 
-TEST_CASE("cuda decoder: documents apart, as positions cut the rows, match the float64 reference",
-          "[decoder][gpu]") {
-  // A Qwen2 shape with biases and a Qwen3 one, rows of 70 tokens (three key tiles of the own
-  // kernels) cut into documents of 1 to 40 tokens, some across tile boundaries.
+// Documents apart: every attention within the float64 reference's tolerances. With cuDNN the
+// documents go in padded calls of length classes (tools/model/apart_calls.h): rows of 70 tokens
+// make classes of 64 and 70; these small shapes' act and dact scratch holds 152 (qwen2) and 77
+// (qwen3) padded rows, so most calls hold one or two documents and a class takes several calls.
+std::vector<Case> apart_cases() {
   Case qwen2{"documents apart, qwen2", small_shape(), 3, 70, 3, 70};
   qwen2.shape.qkv_bias = true;
   Case qwen3{"documents apart, qwen3", small_shape(), 3, 70, 2, 64};
   qwen3.shape.family = DecoderFamily::qwen3;
   qwen3.shape.qk_norm = true;
   qwen3.shape.head_dim = 32;
+  Case fp16{"documents apart, fp16, whole rows among them", small_shape(), 4, 70, 4, 70};
+  fp16.dtype = DType::f16;
+  return {qwen2, qwen3, fp16};
+}
+
+// Rows cut into documents of 1 to `longest` tokens (a row's first token starts one), and with
+// `whole`, the last row one document.
+void cut_into_documents(Tokens& b, int longest, bool whole, std::mt19937& rng) {
+  b.positions.clear();
+  for (int r = 0; r < b.sequences; ++r)
+    for (int col = 0, pos = 0; col < b.seq_len; ++col, ++pos) {
+      const bool last_whole = whole && r == b.sequences - 1;
+      if (col > 0 && !last_whole &&
+          (rng() % 12 == 0 || pos == longest)) pos = 0;
+      b.positions.push_back(pos);
+    }
+}
+
+TEST_CASE("cuda decoder: documents apart, as positions cut the rows, match the float64 reference",
+          "[decoder][gpu]") {
   unsigned seed = 41;
-  for (const Case& c : {qwen2, qwen3}) {
+  for (const Case& c : apart_cases()) {
     CAPTURE(c.label);
     Params p = random_params(c.shape, c.dtype, seed++);
     Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, seed++);
     std::mt19937 rng(seed++);
-    for (int r = 0; r < b.sequences; ++r)
-      for (int col = 0, pos = 0; col < b.seq_len; ++col, ++pos) {
-        if (col > 0 && (rng() % 12 == 0 || pos == 40)) pos = 0;
-        b.positions.push_back(pos);
-      }
+    const bool fp16 = c.dtype == DType::f16;
+    cut_into_documents(b, fp16 ? 70 : 40, fp16, rng);
     const RefResult ref = reference(c.shape, p, b, kGradScale);
     Tokens joined = b;
     joined.positions.clear();
     // The positions matter: without them the same tokens give other logits.
     REQUIRE(normalized_error(reference(c.shape, p, joined, kGradScale).logits, ref.logits) > 1e-2);
-    const CudaRun got = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
-    CAPTURE(got.problems);
-    REQUIRE(got.problems.empty());
-    const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
-    const double logits_error =
-        normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits);
-    const double worst = require_grads_near(c, got, ref).first;
-    std::printf("cuda decoder %s: loss error %.2e, logits error %.2e, worst gradient error %.2e\n",
-                c.label, loss_error, logits_error, worst);
-    REQUIRE(loss_error < logits_tolerance(c.dtype));
-    REQUIRE(logits_error < logits_tolerance(c.dtype));
-    REQUIRE(got.eval_loss == got.loss);
+    std::map<Attention, CudaRun> runs;
+    for (const Attention a : {Attention::automatic, Attention::own, Attention::cudnn_atomic}) {
+      if (a == Attention::cudnn_atomic && cuda_attention(c.shape) != Attention::cudnn) continue;
+      CAPTURE(attention_key_value(a));
+      const CudaRun got =
+          run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {}, a);
+      CAPTURE(got.problems);
+      REQUIRE(got.problems.empty());
+      const double loss_error = std::fabs(got.loss - ref.loss) / ref.loss;
+      const double logits_error =
+          normalized_error(Vec(got.logits.begin(), got.logits.end()), ref.logits);
+      const double worst = require_grads_near(c, got, ref).first;
+      std::printf("cuda decoder %s, model.attention = %s: loss error %.2e, logits error %.2e, "
+                  "worst gradient error %.2e\n",
+                  c.label, attention_key_value(a), loss_error, logits_error, worst);
+      REQUIRE(loss_error < logits_tolerance(c.dtype));
+      REQUIRE(logits_error < logits_tolerance(c.dtype));
+      REQUIRE(got.eval_loss == got.loss);
+      runs.emplace(a, got);
+    }
+    // cuDNN took the documents (its dq, dk, dv are rounded where the own kernels' are fp32: other
+    // bits), not the own kernels behind its name.
+    if (cuda_attention(c.shape) == Attention::cudnn) {
+      REQUIRE(cuda_apart_call_tokens(c.shape, c.max_sequences, c.seq_len) > 0);
+      REQUIRE(runs.at(Attention::automatic).grads != runs.at(Attention::own).grads);
+    }
     // A batch without positions after one with them: the backend's own state follows the batch.
     const CudaRun plain = run_cuda(c, p, joined, kGradScale, all_groups(c.shape));
     REQUIRE(normalized_error(Vec(plain.logits.begin(), plain.logits.end()),
                              reference(c.shape, p, joined, kGradScale).logits) <
             logits_tolerance(c.dtype));
+  }
+}
+
+// The padded calls live in the act and dact scratch while attention runs, which a recomputed
+// layer's forward (at the start of its backward) reaches too: documents apart give the same
+// bits twice, and with every layer recomputed.
+TEST_CASE("cuda decoder: documents apart give the same bits twice and with recomputed layers",
+          "[decoder][gpu]") {
+  unsigned seed = 61;
+  for (const Case& c : apart_cases()) {
+    CAPTURE(c.label);
+    const Params p = random_params(c.shape, c.dtype, seed++);
+    Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, seed++);
+    std::mt19937 rng(seed++);
+    cut_into_documents(b, 70, true, rng);
+    const CudaRun first = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    REQUIRE(first.problems.empty());
+    require_same_bits(run_cuda(c, p, b, kGradScale, all_groups(c.shape)), first);
+    require_same_bits(run_cuda(c, p, b, kGradScale, all_groups(c.shape), c.shape.layers), first);
   }
 }
 
@@ -1376,6 +1427,20 @@ TEST_CASE("cuda decoder: a step uses the cuda_bytes block and no other device me
       compute->train_step(dev.w, batch, 1.0, sink);
       compute->loss(dev.w, batch);
       REQUIRE(free_now() == warm);
+    }
+    // Documents apart: cuDNN's padded calls live in the block's act and dact scratch. Their
+    // first step builds plans (and cuDNN may load kernels for them), later ones take nothing.
+    Tokens cut = b;
+    std::mt19937 rng(43);
+    cut_into_documents(cut, 12, false, rng);
+    const Batch apart{cut.sequences, cut.seq_len, cut.inputs.data(), cut.targets.data(),
+                      cut.positions.data()};
+    compute->train_step(dev.w, apart, 1.0, sink);
+    const std::int64_t warm_apart = free_now();
+    for (int step = 0; step < 3; ++step) {
+      compute->train_step(dev.w, apart, 1.0, sink);
+      compute->loss(dev.w, apart);
+      REQUIRE(free_now() == warm_apart);
     }
     std::printf(
         "cuda decoder %s: block %zu bytes; its cuBLAS (and cuDNN) handles took %lld bytes of "

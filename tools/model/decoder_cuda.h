@@ -51,6 +51,8 @@ struct CudaLayout {
   std::size_t embed_rows;     // i32 n: the distinct input tokens, ascending
   std::size_t embed_starts;   // i32 n + 1: where each one's positions start in embed_positions
   std::size_t embed_positions;  // i32 n: positions grouped by token, ascending within a token
+  std::size_t documents;  // i32 2 n: (start, length) of each document, documents apart through
+                          // cuDNN (tools/model/apart_calls.h)
   // Kept from forward for backward. xs holds every layer's input; the other per-layer regions
   // hold S = cuda_kept_slots(L, R) slots, layer l's at cuda_slot_of(l, R) (R = recompute_layers:
   // the lowest R layers share slot 0 and refill it in backward).
@@ -80,6 +82,8 @@ struct CudaLayout {
                        // (biases or head norms between them in the group)
   std::size_t act;     // b16 n I: silu(gate) * up
   std::size_t dact;    // f32 n I: its gradient
+  // act and dact together (free while attention runs, forward and backward) also hold a call's
+  // padded buffers when documents apart go through cuDNN (cuda_apart_call_tokens).
   std::size_t dx;      // f32 n D: gradient of the residual stream
   std::size_t dz;      // f32 n D: gradient at a norm's output
   std::size_t d16;     // b16 n D: dx rounded, a GEMM input
@@ -228,6 +232,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.embed_rows = a.take(n, i32);
   l.embed_starts = a.take(n + 1, i32);
   l.embed_positions = a.take(n, i32);
+  l.documents = a.take(2 * n, i32);
   const std::size_t slots = cuda_kept_slots(s.layers, recompute);
   l.xs = a.take((layers + 1) * n * d, f32);
   l.ys = a.take(slots * n * d, f32);
@@ -269,6 +274,27 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   return l;
 }
 
+/// Documents apart through cuDNN (tools/model/apart_calls.h): the bytes one padded row takes in
+/// a call's buffers, q, k, v, o, dout and dq|dk|dv in the weights' type and lse in fp32.
+inline std::size_t cuda_apart_row_bytes(const DecoderShape& s) {
+  return 2 * (4 * static_cast<std::size_t>(s.q_width()) + 4 * static_cast<std::size_t>(s.kv_width())) +
+         4 * static_cast<std::size_t>(s.heads);
+}
+
+/// The padded rows one cuDNN call of documents apart may take: as many as the act and dact
+/// scratch holds (the call's buffers live there, each at a multiple of 256 bytes), at most the
+/// batch's n tokens (what cuDNN's workspace, dQ and delta regions are sized for); 0 when that is
+/// not one row of seq_len, and batches that keep documents apart then run the own kernels.
+inline long long cuda_apart_call_tokens(const DecoderShape& s, int max_sequences, int seq_len) {
+  const CudaLayout l = cuda_layout(s, max_sequences, seq_len, 0);
+  const std::size_t arena = l.dx - l.act, slack = 7 * 256;
+  const long long n = static_cast<long long>(max_sequences) * seq_len;
+  const long long fit =
+      arena > slack ? static_cast<long long>((arena - slack) / cuda_apart_row_bytes(s)) : 0;
+  const long long tokens = std::min(n, fit);
+  return tokens >= seq_len ? tokens : 0;
+}
+
 /// Exact bytes of the CUDA backend's device block for batches of up to max_sequences x seq_len
 /// tokens with the lowest `recompute` layers recomputed in backward: every activation it keeps,
 /// its scratch, the chunked cross-entropy's logits rows (cuda_loss_rows(loss_rows, tokens) of
@@ -293,6 +319,13 @@ Attention cuda_attention(const DecoderShape& s, Attention requested = Attention:
 /// BackendUnavailable in a build without CUDA.
 std::string cuda_attention_name(const DecoderShape& s,
                                 Attention requested = Attention::automatic);
+
+/// How a batch that keeps documents apart is attended to, in words (the run's first lines):
+/// through cuDNN in padded length classes where the run has cuDNN and cuda_apart_call_tokens > 0,
+/// else the own kernels and why. ConfigError as cuda_attention; BackendUnavailable in a build
+/// without CUDA.
+std::string cuda_apart_attention_name(const DecoderShape& s, int max_sequences, int seq_len,
+                                      Attention requested = Attention::automatic);
 
 /// The backend's own attention kernels alone (what it runs without cuDNN), on packed rows:
 /// q, o [sequences * seq_len, heads * head_dim], k, v [.., kv_heads * head_dim] of dtype

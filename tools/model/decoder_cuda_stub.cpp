@@ -18,4 +18,8 @@ std::string cuda_attention_name(const DecoderShape&, Attention) {
   throw BackendUnavailable("cuda_attention_name: ShardSwap was built without CUDA");
 }
 
+std::string cuda_apart_attention_name(const DecoderShape&, int, int, Attention) {
+  throw BackendUnavailable("cuda_apart_attention_name: ShardSwap was built without CUDA");
+}
+
 }  // namespace shardswap::lm::dec

@@ -177,6 +177,11 @@ class DecoderRun final : public RunModel {
             ? ", attention: " + lm::dec::cuda_attention_name(s, config_.options.attention)
             : "");
   }
+  std::string documents_apart_attention(DeviceKind device, int micro) const override {
+    if (device != DeviceKind::cuda) return {};
+    return lm::dec::cuda_apart_attention_name(config_.shape, micro, config_.seq_len,
+                                              config_.options.attention);
+  }
   std::string type_name() const override { return "decoder"; }
   nlohmann::json checkpoint_extra(DType dtype) const override {
     return config_.checkpoint_extra(dtype);

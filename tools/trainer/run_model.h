@@ -124,6 +124,13 @@ class RunModel {
   virtual std::vector<int> reference_gemm(int micro) const = 0;
   /// "decoder llama 1234 params, ...": the start-up line's part, for a run on `device`.
   virtual std::string describe(DeviceKind device) const = 0;
+  /// How the model attends within documents kept apart (data.documents) on `device` with
+  /// micro-batches of `micro`: a start-up line's part; empty where there is nothing to say.
+  virtual std::string documents_apart_attention(DeviceKind device, int micro) const {
+    (void)device;
+    (void)micro;
+    return {};
+  }
   /// "decoder": the plan's first line.
   virtual std::string type_name() const = 0;
   /// The model's fields of a checkpoint's `extra` with weights of `dtype`, beside the trainer's

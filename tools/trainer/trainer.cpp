@@ -162,10 +162,10 @@ void Trainer::open_log() {
       comm_description(config_), config_.engine.stage, dtype_name(config_.engine.dtype),
       optimizer_type_name(config_.engine.optimizer.type), config_.batches.train_samples, micro,
       config_.batches.gradient_accumulation_steps, world_, run_.data.describe());
-  if (run_.data.documents_apart() && run_.backend.kind() == DeviceKind::cuda)
-    out.log << "documents apart: attention runs the decoder's own kernels, which take document "
-               "boundaries (cuDNN's fused attention is not given them yet): about 9 times slower "
-               "steps at Qwen2.5-0.5B (docs/data.md); data.documents = \"packed\" keeps cuDNN\n";
+  if (run_.data.documents_apart())
+    if (const std::string how = run_.model.documents_apart_attention(run_.backend.kind(), micro);
+        !how.empty())
+      out.log << "documents apart: attention through " << how << " (docs/data.md)\n";
   if (config_.budget)
     for (const auto& line : config_.budget->lines()) out.log << line << "\n";
   const LayerSchedule& schedule = *config_.schedule;

@@ -24,13 +24,15 @@
 // Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
 // head_dim is a multiple of 8, else (or with model.attention = "own") the own kernels
 // (attention_forward.cu, attention_backward.cu). A batch that keeps documents apart
-// (Batch::positions) runs the own kernels, which take each row's first key: the fused attention is
-// not yet given the document boundaries (cuDNN's ragged layout would take them). cuDNN keeps lse as
-// [sequence, head, position] and writes dQ, dK, dV in the operands' type (rounded from its fp32
-// sums, where the own kernels keep fp32), which the RoPE backward reads as they are. Its backward
-// is the deterministic one (dP in its workspace, in calls of a few sequences) unless
-// model.attention = "cudnn-atomic" asks for the one that sums dQ over key tiles with atomics,
-// whose runs differ in the last bits.
+// (Batch::positions) goes through cuDNN too, in calls of padded length classes (apart_calls.h:
+// each document a sequence of its own, gathered into padded buffers in the act and dact scratch
+// and scattered back, apart.cu); the own kernels take it only where those buffers cannot hold a
+// row (cuda_apart_call_tokens = 0). cuDNN keeps lse as [sequence, head, position] (the kept lse of
+// documents apart is [token, head], as the own kernels keep it) and writes dQ, dK, dV in the
+// operands' type (rounded from its fp32 sums, where the own kernels keep fp32), which the RoPE
+// backward reads as they are. Its backward is the deterministic one (dP in its workspace, in
+// calls of a few sequences) unless model.attention = "cudnn-atomic" asks for the one that sums
+// dQ over key tiles with atomics, whose runs differ in the last bits.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -50,6 +52,7 @@
 #include "model/cuda/kernels.h"
 #include "model/cuda/phase_clock.h"
 #include "model/cuda/profile_window.h"
+#include "model/apart_calls.h"
 #include "model/decoder_cuda.h"
 
 namespace shardswap::lm::dec {
@@ -148,6 +151,7 @@ class CudaCompute final : public Compute {
       cudnn_ = std::make_unique<CudnnAttention>(scratch, bytes);
       // The largest batch's plans now, so that a shape cuDNN refuses fails here.
       cudnn_->prepare(attention_shape(max_sequences, seq_len));
+      apart_tokens_ = cuda_apart_call_tokens(s, max_sequences, seq_len);
     }
     SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at(l_.inv_freq), inv_freq_.data(),
                                          inv_freq_.size() * sizeof(float), cudaMemcpyHostToDevice,
@@ -352,6 +356,14 @@ class CudaCompute final : public Compute {
     if (doc_positions_ != nullptr)
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(doc_positions_, b.positions, n * sizeof(int),
                                            cudaMemcpyHostToDevice, stream));
+    // The documents of prepare_attention's calls, when they go through cuDNN.
+    apart_cudnn_ = doc_positions_ != nullptr && cudnn_ && apart_tokens_ > 0;
+    if (apart_cudnn_) {
+      apart_docs_ = apart_document_table(apart_);
+      SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.documents), apart_docs_.data(),
+                                           apart_docs_.size() * sizeof(int),
+                                           cudaMemcpyHostToDevice, stream));
+    }
     if (!embed_groups) return;
     positions_.resize(n);
     for (std::size_t i = 0; i < n; ++i) positions_[i] = static_cast<int>(i);
@@ -508,20 +520,107 @@ class CudaCompute final : public Compute {
   AttentionShape attention_shape(int sequences, int seq_len) const {
     return cuda_attention_shape(s_, sequences, seq_len, dtype_of<T>(), deterministic_);
   }
-  // Plans for the batch's shape before anything is queued (a refusal changes nothing).
+  // Plans for the batch's shape before anything is queued (a refusal changes nothing): the
+  // batch's, or with documents apart each call's (the calls kept for upload and the layers).
   void prepare_attention(const Batch& b) {
-    if (cudnn_ && b.positions == nullptr) cudnn_->prepare(attention_shape(b.sequences, b.seq_len));
-  }
-  // cuDNN for the uploaded batch: not when it keeps documents apart.
-  bool use_cudnn() const { return cudnn_ && doc_positions_ == nullptr; }
-
-  void attention(const Batch& b, const T* q, const T* k, const T* v, T* o, float* lse) {
-    if (use_cudnn()) {
-      cudnn_->forward(attention_shape(b.sequences, b.seq_len), {q, k, v, o, lse});
+    if (!cudnn_) return;
+    if (b.positions == nullptr) {
+      cudnn_->prepare(attention_shape(b.sequences, b.seq_len));
       return;
     }
-    launch_attention_forward<T>(b.sequences, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, q, k,
-                                v, o, lse, doc_positions_);
+    if (apart_tokens_ == 0) return;  // the own kernels
+    ApartCalls calls = plan_apart_calls(b.positions, b.sequences, b.seq_len, apart_tokens_);
+    for (const ApartCall& c : calls.calls) cudnn_->prepare(attention_shape(c.sequences, c.seq_len));
+    apart_ = std::move(calls);
+  }
+  // cuDNN for the uploaded batch: documents apart too unless their calls do not fit.
+  bool use_cudnn() const { return cudnn_ && (doc_positions_ == nullptr || apart_cudnn_); }
+
+  void attention(const Batch& b, const T* q, const T* k, const T* v, T* o, float* lse) {
+    if (!use_cudnn()) {
+      launch_attention_forward<T>(b.sequences, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, q,
+                                  k, v, o, lse, doc_positions_);
+    } else if (apart_cudnn_) {
+      apart_forward(q, k, v, o, lse);
+    } else {
+      cudnn_->forward(attention_shape(b.sequences, b.seq_len), {q, k, v, o, lse});
+    }
+  }
+
+  // A call's padded buffers in the act and dact scratch (cuda_apart_call_tokens rows each).
+  struct ApartBuffers {
+    T *q, *k, *v, *o, *dout, *dqkv;  // dqkv: dq|dk|dv side by side, rows of qkv_width()
+    float* lse;                      // cuDNN's [sequences, heads, seq_len]
+  };
+  ApartBuffers apart_buffers() const {
+    const auto rows = static_cast<std::size_t>(apart_tokens_);
+    const std::size_t qw = s_.q_width(), kw = s_.kv_width();
+    std::byte* next = mem_ + l_.act;
+    const auto take = [&](std::size_t elements, std::size_t size) {
+      std::byte* at = next;
+      next += (rows * elements * size + 255) / 256 * 256;
+      return at;
+    };
+    ApartBuffers a{};
+    a.q = reinterpret_cast<T*>(take(qw, sizeof(T)));
+    a.k = reinterpret_cast<T*>(take(kw, sizeof(T)));
+    a.v = reinterpret_cast<T*>(take(kw, sizeof(T)));
+    a.o = reinterpret_cast<T*>(take(qw, sizeof(T)));
+    a.dout = reinterpret_cast<T*>(take(qw, sizeof(T)));
+    a.dqkv = reinterpret_cast<T*>(take(qw + 2 * kw, sizeof(T)));
+    a.lse = reinterpret_cast<float*>(take(static_cast<std::size_t>(s_.heads), sizeof(float)));
+    return a;  // within [act, dx): cuda_apart_call_tokens left 7 x 256 bytes for the rounding
+  }
+
+  // Documents apart through cuDNN, forward: each call's documents gathered, attended to and o
+  // and lse scattered back (lse as [token, head]).
+  void apart_forward(const T* q, const T* k, const T* v, T* o, float* lse) {
+    const ApartBuffers a = apart_buffers();
+    const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
+    for (const ApartCall& c : apart_.calls) {
+      const int* docs = at<int>(l_.documents) + 2 * static_cast<std::size_t>(c.first);
+      ApartTensors<T> in;
+      in.count = 3;
+      in.t[0] = {q, a.q, qw, qw};
+      in.t[1] = {k, a.k, kw, kw};
+      in.t[2] = {v, a.v, kw, kw};
+      launch_apart_gather<T>(docs, c.count, c.sequences, c.seq_len, in, nullptr, nullptr,
+                             s_.heads);
+      const AttentionForward io{a.q, a.k, a.v, a.o, a.lse};
+      cudnn_->forward(attention_shape(c.sequences, c.seq_len), io);
+      ApartTensors<T> out;
+      out.count = 1;
+      out.t[0] = {a.o, o, qw, qw};
+      launch_apart_scatter<T>(docs, c.count, c.sequences, c.seq_len, out, a.lse, lse, s_.heads);
+    }
+  }
+
+  // Backward: q, k, v, o, dout and lse gathered (the padding's lse 0, its rows zero: they add
+  // nothing), dq|dk|dv of the documents' rows scattered into g16.
+  void apart_backward(const T* q, const T* k, const T* v, const T* o, const T* dout,
+                      const float* lse, T* g16) {
+    const ApartBuffers a = apart_buffers();
+    const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
+    const int width = static_cast<int>(qkv_width());
+    for (const ApartCall& c : apart_.calls) {
+      const int* docs = at<int>(l_.documents) + 2 * static_cast<std::size_t>(c.first);
+      ApartTensors<T> in;
+      in.count = 5;
+      in.t[0] = {q, a.q, qw, qw};
+      in.t[1] = {k, a.k, kw, kw};
+      in.t[2] = {v, a.v, kw, kw};
+      in.t[3] = {o, a.o, qw, qw};
+      in.t[4] = {dout, a.dout, qw, qw};
+      launch_apart_gather<T>(docs, c.count, c.sequences, c.seq_len, in, lse, a.lse, s_.heads);
+      const AttentionBackward io{a.q,    a.k,         a.v,         a.o,   a.dout,      a.lse,
+                                 a.dqkv, a.dqkv + qw, a.dqkv + qw + kw, dq32_, at(l_.delta)};
+      cudnn_->backward(attention_shape(c.sequences, c.seq_len), io);
+      ApartTensors<T> out;
+      out.count = 1;
+      out.t[0] = {a.dqkv, g16, width, width};
+      launch_apart_scatter<T>(docs, c.count, c.sequences, c.seq_len, out, nullptr, nullptr,
+                              s_.heads);
+    }
   }
 
   // The head over chunks of token rows: logits, per-row loss and the mean loss; with a sink,
@@ -794,6 +893,10 @@ class CudaCompute final : public Compute {
   // g32 (false).
   bool attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* o,
                           const T* dout, const float* lse, float* g32, T* g16, long long width) {
+    if (use_cudnn() && apart_cudnn_) {
+      apart_backward(q, k, v, o, dout, lse, g16);
+      return true;
+    }
     if (use_cudnn()) {
       const long long qw = s_.q_width(), kw = s_.kv_width();
       cudnn_->backward(attention_shape(b.sequences, b.seq_len),
@@ -822,6 +925,13 @@ class CudaCompute final : public Compute {
   std::vector<int> positions_, rows_, starts_;  // the embedding gradient's grouping (host)
   std::size_t counted_ = 0;  // the uploaded batch's counted targets (not kIgnoredTarget)
   int* doc_positions_ = nullptr;  // the uploaded batch's positions on the device (documents apart)
+  // Documents apart through cuDNN: the padded rows a call may take (0: the own kernels take
+  // such batches), the prepared batch's calls, their documents as uploaded (start, length
+  // pairs), and whether the uploaded batch runs them.
+  long long apart_tokens_ = 0;
+  ApartCalls apart_;
+  std::vector<int> apart_docs_;
+  bool apart_cudnn_ = false;
 
   // What a param gradient of the mean loss over the counted targets is multiplied by.
   float mean_factor(double grad_scale) const {
@@ -875,6 +985,16 @@ std::string cuda_attention_name(const DecoderShape& s, Attention requested) {
               ? ", deterministic backward"
               : " (model.attention = \"cudnn-atomic\": its backward sums dQ with atomics, "
                 "two runs may differ in the last bits)");
+}
+
+std::string cuda_apart_attention_name(const DecoderShape& s, int max_sequences, int seq_len,
+                                      Attention requested) {
+  if (cuda_attention(s, requested) == Attention::own)
+    return "the decoder's own attention kernels, as for every batch of this run";
+  if (cuda_apart_call_tokens(s, max_sequences, seq_len) == 0)
+    return "the decoder's own attention kernels (a padded row of " + std::to_string(seq_len) +
+           " tokens does not fit the scratch that holds cuDNN's calls)";
+  return "cuDNN, each document a sequence of its own, padded to its length class";
 }
 
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,

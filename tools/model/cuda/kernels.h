@@ -94,6 +94,39 @@ void launch_attention_backward(int sequences, int seq_len, int heads, int kv_hea
                                const float* lse, float* delta, float* grads, long long ld,
                                const int* positions);
 
+// apart.cu: documents apart through cuDNN (tools/model/apart_calls.h), a call's rows moved
+// between the batch and padded buffers. A call is `sequences` padded sequences of seq_len rows;
+// padded row r is position r % seq_len of document r / seq_len, whose (start, length) pair is
+// docs[2 (r / seq_len)] (device ints; `count` documents, the sequences past them all padding).
+/// One tensor: rows of `width` elements, `ld` apart on the batch's side and packed on the padded
+/// side. width and ld multiples of 8, pointers 16-byte aligned (the launchers check).
+template <class T>
+struct ApartTensor {
+  const T* from;
+  T* to;
+  int width;
+  long long ld;
+};
+inline constexpr int kApartMaxTensors = 5;
+template <class T>
+struct ApartTensors {
+  int count = 0;
+  ApartTensor<T> t[kApartMaxTensors];
+};
+/// The padded rows of each tensor (from the batch, to the padded buffer): a document's rows, and
+/// zeros past its length. With lse_to, also lse_to [sequences, heads, seq_len] (cuDNN's layout)
+/// from lse_from [batch rows, heads], 0 on the padding.
+template <class T>
+void launch_apart_gather(const int* docs, int count, int sequences, int seq_len,
+                         const ApartTensors<T>& tensors, const float* lse_from, float* lse_to,
+                         int heads);
+/// The reverse, for the documents' rows only (from the padded buffer, to the batch): lse_to
+/// [batch rows, heads] from lse_from in cuDNN's layout, when lse_to is not null.
+template <class T>
+void launch_apart_scatter(const int* docs, int count, int sequences, int seq_len,
+                          const ApartTensors<T>& tensors, const float* lse_from, float* lse_to,
+                          int heads);
+
 // swiglu.cu
 /// act [rows, width] = silu(gate) * up, gate and up rows of width elements ld apart.
 template <class T>
