@@ -22,7 +22,7 @@ first step's.
 
     python3 tools/bench/train_bench.py --bin build/cuda/tools/shardswap --out DIR \\
         [--shapes 0.5b,1.5b] [--modes full,lisa] [--steps 30] [--warmup 5] [--micro 0.5b=8,1.5b=4]
-        [--global-batch N] [--set KEY=VALUE ...]
+        [--global-batch N] [--documents LO-HI] [--set KEY=VALUE ...]
 Writes DIR/train-bench.json and each run's log and metrics; prints the table.
 """
 import argparse
@@ -64,6 +64,37 @@ def text_file(out, given):
     return path
 
 
+def document_files(out, text, lengths, seed=1):
+    """The text's bytes as token files of documents (llm.c's format, version 1, with ShardSwap's
+    loss mask: every token a target, bit 1 where a document starts; tools/data/token_data.h):
+    documents of LO to HI tokens, uniform, the last 5% of the bytes for validation. Returns the
+    train and validation paths. (Chat files from tokenize_data.py --chat are marked the same
+    way; these need no tokenizer.)"""
+    import random
+    import struct
+    lo, hi = (int(x) for x in lengths.split("-"))
+    data = open(text, "rb").read()
+    cut = len(data) * 95 // 100
+    rng = random.Random(seed)
+    paths = []
+    for name, part in (("train", data[:cut]), ("val", data[cut:])):
+        path = os.path.join(out, f"bench-docs-{lo}-{hi}-{name}.bin")
+        paths.append(path)
+        if os.path.exists(path):
+            continue
+        mask = bytearray(len(part))
+        at = 0
+        while at < len(part):
+            mask[at] = 2
+            at += rng.randint(lo, hi)
+        for i in range(len(part)):
+            mask[i] |= 1
+        header = struct.pack("<256i", 20240520, 1, len(part), 1, *([0] * 252))
+        with open(path, "wb") as f:
+            f.write(header + struct.pack(f"<{len(part)}H", *part) + bytes(mask))
+    return paths
+
+
 def model_of(shape):
     config = json.load(open(f"configs/qwen2.5-{shape}.json"))
     return config["model"]
@@ -88,6 +119,9 @@ def run(args, shape, mode, text):
     sets = {"steps": args.steps, "data.seq_len": 2048, "data.train": text,
             "logging.timing": "true", "logging.eval_interval": 100000, "logging.eval_batches": 1,
             "logging.interval": args.steps}
+    if args.documents:  # token files of documents, kept apart unless --set says packed
+        train, val = document_files(args.out, text, args.documents)
+        sets.update({"data.tokenizer": "llmc", "data.train": train, "data.val": val})
     if micro > 0:  # 0: the config's batch keys as they are (--global-batch)
         sets["train_micro_batch_size_per_gpu"] = micro
     config = f"configs/qwen2.5-{shape}.json"
@@ -182,6 +216,9 @@ def main():
     p.add_argument("--global-batch", type=int, default=0,
                    help="give the configs train_batch_size N alone (no micro-batch or "
                         "accumulation), e.g. for a device budget to choose the micro-batch")
+    p.add_argument("--documents", default="", metavar="LO-HI",
+                   help="train on the text cut into documents of LO to HI tokens, marked as "
+                        "--chat files mark theirs (data.documents then defaults to apart)")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every run (e.g. gradient_accumulation_steps=4)")
