@@ -82,16 +82,16 @@ def document_files(out, text, lengths, seed=1):
         paths.append(path)
         if os.path.exists(path):
             continue
-        mask = bytearray(len(part))
+        mask = bytearray(b"\x01" * len(part))  # every token a target
         at = 0
         while at < len(part):
-            mask[at] = 2
+            mask[at] = 3  # and a document's first
             at += rng.randint(lo, hi)
-        for i in range(len(part)):
-            mask[i] |= 1
+        tokens = bytearray(2 * len(part))  # little-endian uint16: the byte, then 0
+        tokens[0::2] = part
         header = struct.pack("<256i", 20240520, 1, len(part), 1, *([0] * 252))
         with open(path, "wb") as f:
-            f.write(header + struct.pack(f"<{len(part)}H", *part) + bytes(mask))
+            f.write(header + tokens + mask)
     return paths
 
 
