@@ -6,7 +6,7 @@
 # classes, docs/data.md) and "apart" with model.attention = "own" (the decoder's own kernels,
 # which take the boundaries themselves). Builds preset cuda first unless BIN names a binary.
 # Prints each run's tokens/s and phase split, and apart / packed for both attentions.
-#   usage: OUT=DIR [SHAPES="0.5b"] [DOCS=100-900] [STEPS=20] [BIN=build/cuda/tools/shardswap]
+#   usage: OUT=DIR [SHAPES="0.5b"] [DOCS=100-900] [STEPS=30] [BIN=build/cuda/tools/shardswap]
 #          [TESTS="<GPU test filter>"] bash tools/bench/apart_bench.sh
 # TESTS, when set, runs those GPU test cases first (shardswap_gpu_tests).
 set -uo pipefail
@@ -15,7 +15,7 @@ export NCCL_NVLS_ENABLE=0
 OUT=${OUT:?set OUT to the folder for the results}
 SHAPES=${SHAPES:-0.5b}
 DOCS=${DOCS:-100-900}
-STEPS=${STEPS:-20}
+STEPS=${STEPS:-30}
 BIN=${BIN:-}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
