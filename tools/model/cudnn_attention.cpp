@@ -470,7 +470,8 @@ struct CudnnAttention::Impl {
     bool backward;
     Plan plan;
   };
-  std::deque<Entry> plans;  // a handful of shapes: a linear search is enough; stable references
+  std::deque<Entry> plans;  // tens of shapes at most (documents apart: one a call shape):
+                            // a linear search is enough; stable references
 
   const Plan& plan_for(AttentionShape s, bool backward) {
     if (!backward) s.deterministic = false;  // one forward graph for both backwards
