@@ -1082,10 +1082,12 @@ TEST_CASE("cuda decoder: ignored targets add nothing, the loss and gradients are
     for (const double g : none.grads.at(spec.name)) REQUIRE(g == 0.0);
 }
 
-// Documents apart: every attention within the float64 reference's tolerances. With cuDNN the
-// documents go in padded calls of length classes (tools/model/apart_calls.h): rows of 70 tokens
-// make classes of 64 and 70; these small shapes' act and dact scratch holds 152 (qwen2) and 77
-// (qwen3) padded rows, so most calls hold one or two documents and a class takes several calls.
+// Documents apart: every attention within the float64 reference's tolerances. With
+// model.attention "cudnn" or "cudnn-atomic" the documents go to cuDNN in padded calls of length
+// classes (tools/model/apart_calls.h): rows of 70 tokens make classes of 64 and 70; these small
+// shapes' act and dact scratch holds 152 (qwen2), 77 (qwen3) and 203 (fp16) padded rows, so most
+// calls hold one or two documents and a class takes several calls. "auto" keeps them on the own
+// kernels (cuda_apart_through_cudnn).
 std::vector<Case> apart_cases() {
   Case qwen2{"documents apart, qwen2", small_shape(), 3, 70, 3, 70};
   qwen2.shape.qkv_bias = true;
@@ -1126,9 +1128,11 @@ TEST_CASE("cuda decoder: documents apart, as positions cut the rows, match the f
     joined.positions.clear();
     // The positions matter: without them the same tokens give other logits.
     REQUIRE(normalized_error(reference(c.shape, p, joined, kGradScale).logits, ref.logits) > 1e-2);
+    const bool cudnn = cuda_attention(c.shape) == Attention::cudnn;
     std::map<Attention, CudaRun> runs;
-    for (const Attention a : {Attention::automatic, Attention::own, Attention::cudnn_atomic}) {
-      if (a == Attention::cudnn_atomic && cuda_attention(c.shape) != Attention::cudnn) continue;
+    for (const Attention a :
+         {Attention::automatic, Attention::own, Attention::cudnn, Attention::cudnn_atomic}) {
+      if (a != Attention::automatic && a != Attention::own && !cudnn) continue;
       CAPTURE(attention_key_value(a));
       const CudaRun got =
           run_cuda(c, p, b, kGradScale, all_groups(c.shape), 0, false, {}, a);
@@ -1146,11 +1150,13 @@ TEST_CASE("cuda decoder: documents apart, as positions cut the rows, match the f
       REQUIRE(got.eval_loss == got.loss);
       runs.emplace(a, got);
     }
-    // cuDNN took the documents (its dq, dk, dv are rounded where the own kernels' are fp32: other
-    // bits), not the own kernels behind its name.
-    if (cuda_attention(c.shape) == Attention::cudnn) {
-      REQUIRE(cuda_apart_call_tokens(c.shape, c.max_sequences, c.seq_len) > 0);
-      REQUIRE(runs.at(Attention::automatic).grads != runs.at(Attention::own).grads);
+    // "auto" is the own kernels for documents apart, to the bit; "cudnn" took the documents
+    // (its dq, dk, dv are rounded where the own kernels' are fp32: other bits), not the own
+    // kernels behind its name.
+    require_same_bits(runs.at(Attention::automatic), runs.at(Attention::own));
+    if (cudnn) {
+      REQUIRE(cuda_apart_through_cudnn(c.shape, c.max_sequences, c.seq_len, Attention::cudnn));
+      REQUIRE(runs.at(Attention::cudnn).grads != runs.at(Attention::own).grads);
     }
     // A batch without positions after one with them: the backend's own state follows the batch.
     const CudaRun plain = run_cuda(c, p, joined, kGradScale, all_groups(c.shape));
@@ -1160,22 +1166,27 @@ TEST_CASE("cuda decoder: documents apart, as positions cut the rows, match the f
   }
 }
 
-// The padded calls live in the act and dact scratch while attention runs, which a recomputed
-// layer's forward (at the start of its backward) reaches too: documents apart give the same
-// bits twice, and with every layer recomputed.
-TEST_CASE("cuda decoder: documents apart give the same bits twice and with recomputed layers",
+// cuDNN's padded calls live in the act and dact scratch while attention runs, which a
+// recomputed layer's forward (at the start of its backward) reaches too: documents apart through
+// cuDNN give the same bits twice, and with every layer recomputed.
+TEST_CASE("cuda decoder: documents apart through cuDNN give the same bits twice and recomputed",
           "[decoder][gpu]") {
   unsigned seed = 61;
   for (const Case& c : apart_cases()) {
+    if (cuda_attention(c.shape) != Attention::cudnn) continue;
     CAPTURE(c.label);
     const Params p = random_params(c.shape, c.dtype, seed++);
     Tokens b = random_tokens(c.shape, c.sequences, c.batch_len, seed++);
     std::mt19937 rng(seed++);
     cut_into_documents(b, 70, true, rng);
-    const CudaRun first = run_cuda(c, p, b, kGradScale, all_groups(c.shape));
+    const auto run = [&](int recompute) {
+      return run_cuda(c, p, b, kGradScale, all_groups(c.shape), recompute, false, {},
+                      Attention::cudnn);
+    };
+    const CudaRun first = run(0);
     REQUIRE(first.problems.empty());
-    require_same_bits(run_cuda(c, p, b, kGradScale, all_groups(c.shape)), first);
-    require_same_bits(run_cuda(c, p, b, kGradScale, all_groups(c.shape), c.shape.layers), first);
+    require_same_bits(run(0), first);
+    require_same_bits(run(c.shape.layers), first);
   }
 }
 
@@ -1418,8 +1429,10 @@ TEST_CASE("cuda decoder: a step uses the cuda_bytes block and no other device me
     SlotSink sink(c.shape, all_groups(c.shape), DType::f32);
     const Batch batch{b.sequences, b.seq_len, b.inputs.data(), b.targets.data(), nullptr};
     const std::int64_t before = free_now();
-    auto compute =
-        make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes);
+    // cuDNN by name where the build has it: documents apart go through it too (below).
+    const Attention attention = cuda_attention(c.shape);
+    auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p,
+                                     bytes, 0, {}, attention);
     const std::int64_t built = free_now();
     compute->train_step(dev.w, batch, 1.0, sink);  // warm: our kernels and cuBLAS's load once
     const std::int64_t warm = free_now();
@@ -1430,6 +1443,10 @@ TEST_CASE("cuda decoder: a step uses the cuda_bytes block and no other device me
     }
     // Documents apart: cuDNN's padded calls live in the block's act and dact scratch. Their
     // first step builds plans (and cuDNN may load kernels for them), later ones take nothing.
+    const bool as_asked =  // (own: no cuDNN for this build or shape)
+        attention == Attention::own ||
+        cuda_apart_through_cudnn(c.shape, c.max_sequences, c.seq_len, attention);
+    REQUIRE(as_asked);
     Tokens cut = b;
     std::mt19937 rng(43);
     cut_into_documents(cut, 12, false, rng);

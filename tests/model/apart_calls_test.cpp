@@ -391,7 +391,7 @@ TEST_CASE("attention over padded calls is each document's alone, forward and bac
   CHECK(worst(gdv, dv) > 1e-3);
 }
 
-TEST_CASE("cuda_apart_attention_name: cuDNN's padded calls, or the own kernels and why") {
+TEST_CASE("cuda_apart_attention_name: the own kernels unless the run names cuDNN, then its padded calls") {
   DecoderShape s;
   s.family = DecoderFamily::qwen2;
   s.qkv_bias = true;
@@ -408,16 +408,29 @@ TEST_CASE("cuda_apart_attention_name: cuDNN's padded calls, or the own kernels a
     automatic = cuda_apart_attention_name(s, 8, 2048);
   } catch (const BackendUnavailable&) {  // a build without CUDA says so for every form
     CHECK_THROWS_AS(cuda_apart_attention_name(s, 8, 2048, Attention::own), BackendUnavailable);
+    CHECK_THROWS_AS(cuda_apart_through_cudnn(s, 8, 2048, Attention::cudnn), BackendUnavailable);
     return;
   }
-  CHECK(cuda_apart_attention_name(s, 8, 2048, Attention::own).find("own attention kernels") !=
-        std::string::npos);
+  const auto own = [](const std::string& name) {
+    return name.find("own attention kernels") != std::string::npos;
+  };
+  CHECK(own(cuda_apart_attention_name(s, 8, 2048, Attention::own)));
+  CHECK_FALSE(cuda_apart_through_cudnn(s, 8, 2048, Attention::own));
+  // "auto" keeps documents apart on the own kernels, and says how to send them to cuDNN.
+  CHECK(own(automatic));
+  CHECK_FALSE(cuda_apart_through_cudnn(s, 8, 2048, Attention::automatic));
   if (!cudnn_attention_available()) {
-    CHECK(automatic.find("own attention kernels") != std::string::npos);
+    CHECK_THROWS_AS(cuda_apart_through_cudnn(s, 8, 2048, Attention::cudnn), ConfigError);
     return;
   }
-  CHECK(automatic.rfind("cuDNN", 0) == 0);
+  CHECK(automatic.find("\"cudnn\"") != std::string::npos);
+  for (const Attention a : {Attention::cudnn, Attention::cudnn_atomic}) {
+    CHECK(cuda_apart_through_cudnn(s, 8, 2048, a));
+    CHECK(cuda_apart_attention_name(s, 8, 2048, a).rfind("cuDNN", 0) == 0);
+  }
   DecoderShape narrow = s;  // an MLP too narrow to hold a padded row: the own kernels, and why
   narrow.intermediate = 64;
-  CHECK(cuda_apart_attention_name(narrow, 4, 256).find("does not fit") != std::string::npos);
+  CHECK_FALSE(cuda_apart_through_cudnn(narrow, 4, 256, Attention::cudnn));
+  CHECK(cuda_apart_attention_name(narrow, 4, 256, Attention::cudnn).find("does not fit") !=
+        std::string::npos);
 }

@@ -2,9 +2,9 @@
 # Documents apart against packed, in one run on a machine with an NVIDIA GPU: the same tokens
 # (a text's bytes cut into documents of DOCS tokens and marked as --chat files mark theirs,
 # tools/bench/train_bench.py --documents) trained at each SHAPE three ways: data.documents =
-# "packed" (one stream a row, cuDNN), "apart" (the default for such files: cuDNN in padded length
-# classes, docs/data.md) and "apart" with model.attention = "own" (the decoder's own kernels,
-# which take the boundaries themselves). Builds preset cuda first unless BIN names a binary.
+# "packed" (one stream a row, cuDNN), "apart" (the default for such files) with model.attention =
+# "cudnn" (cuDNN in padded length classes, docs/data.md), and "apart" with model.attention = "own"
+# (the decoder's own kernels, which take the boundaries themselves). Builds preset cuda first unless BIN names a binary.
 # Prints each run's tokens/s and phase split, and apart / packed for both attentions.
 #   usage: OUT=DIR [SHAPES="0.5b"] [DOCS=100-900] [STEPS=30] [BIN=build/cuda/tools/shardswap]
 #          [TESTS="<GPU test filter>"] bash tools/bench/apart_bench.sh
@@ -40,6 +40,7 @@ for shape in $SHAPES; do
     sets=()
     case $way in
       packed) sets=(--set data.documents=packed) ;;
+      apart) sets=(--set model.attention=cudnn) ;;
       own) sets=(--set model.attention=own) ;;
     esac
     python3 tools/bench/train_bench.py --bin "$BIN" --out "$OUT/$way" --shapes "$shape" \

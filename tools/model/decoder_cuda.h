@@ -320,10 +320,14 @@ Attention cuda_attention(const DecoderShape& s, Attention requested = Attention:
 std::string cuda_attention_name(const DecoderShape& s,
                                 Attention requested = Attention::automatic);
 
-/// How a batch that keeps documents apart is attended to, in words (the run's first lines):
-/// through cuDNN in padded length classes where the run has cuDNN and cuda_apart_call_tokens > 0,
-/// else the own kernels and why. ConfigError as cuda_attention; BackendUnavailable in a build
-/// without CUDA.
+/// Whether batches that keep documents apart go to cuDNN in padded length-class calls
+/// (tools/model/apart_calls.h) rather than to the own kernels: where the run names cuDNN
+/// (`requested` cudnn or cudnn_atomic; automatic keeps them on the own kernels until those calls
+/// have been checked on a GPU, docs/data.md) and cuda_apart_call_tokens > 0. ConfigError as
+/// cuda_attention; BackendUnavailable in a build without CUDA.
+bool cuda_apart_through_cudnn(const DecoderShape& s, int max_sequences, int seq_len,
+                              Attention requested);
+/// The same in words, for the run's first lines: cuDNN's padded calls, or the own kernels and why.
 std::string cuda_apart_attention_name(const DecoderShape& s, int max_sequences, int seq_len,
                                       Attention requested = Attention::automatic);
 

@@ -18,6 +18,10 @@ std::string cuda_attention_name(const DecoderShape&, Attention) {
   throw BackendUnavailable("cuda_attention_name: ShardSwap was built without CUDA");
 }
 
+bool cuda_apart_through_cudnn(const DecoderShape&, int, int, Attention) {
+  throw BackendUnavailable("cuda_apart_through_cudnn: ShardSwap was built without CUDA");
+}
+
 std::string cuda_apart_attention_name(const DecoderShape&, int, int, Attention) {
   throw BackendUnavailable("cuda_apart_attention_name: ShardSwap was built without CUDA");
 }

@@ -24,10 +24,10 @@
 // Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
 // head_dim is a multiple of 8, else (or with model.attention = "own") the own kernels
 // (attention_forward.cu, attention_backward.cu). A batch that keeps documents apart
-// (Batch::positions) goes through cuDNN too, in calls of padded length classes (apart_calls.h:
-// each document a sequence of its own, gathered into padded buffers in the act and dact scratch
-// and scattered back, apart.cu); the own kernels take it only where those buffers cannot hold a
-// row (cuda_apart_call_tokens = 0). cuDNN keeps lse as [sequence, head, position] (the kept lse of
+// (Batch::positions) runs the own kernels, which take each row's first key, unless the run names
+// cuDNN (cuda_apart_through_cudnn): then it goes through cuDNN too, in calls of padded length
+// classes (apart_calls.h: each document a sequence of its own, gathered into padded buffers in
+// the act and dact scratch and scattered back, apart.cu). cuDNN keeps lse as [sequence, head, position] (the kept lse of
 // documents apart is [token, head], as the own kernels keep it) and writes dQ, dK, dV in the
 // operands' type (rounded from its fp32 sums, where the own kernels keep fp32), which the RoPE
 // backward reads as they are. Its backward is the deterministic one (dP in its workspace, in
@@ -123,7 +123,7 @@ class CudaCompute final : public Compute {
  public:
   CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
               int loss_rows, bool keep_norms, std::byte* memory, Attention attention,
-              bool bit16_logits, bool bit16_swiglu_grad)
+              bool bit16_logits, bool bit16_swiglu_grad, bool apart_through_cudnn)
       : s_(s),
         bit16_logits_(bit16_logits),
         bit16_swiglu_grad_(bit16_swiglu_grad),
@@ -151,7 +151,7 @@ class CudaCompute final : public Compute {
       cudnn_ = std::make_unique<CudnnAttention>(scratch, bytes);
       // The largest batch's plans now, so that a shape cuDNN refuses fails here.
       cudnn_->prepare(attention_shape(max_sequences, seq_len));
-      apart_tokens_ = cuda_apart_call_tokens(s, max_sequences, seq_len);
+      if (apart_through_cudnn) apart_tokens_ = cuda_apart_call_tokens(s, max_sequences, seq_len);
     }
     SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at(l_.inv_freq), inv_freq_.data(),
                                          inv_freq_.size() * sizeof(float), cudaMemcpyHostToDevice,
@@ -926,8 +926,8 @@ class CudaCompute final : public Compute {
   std::size_t counted_ = 0;  // the uploaded batch's counted targets (not kIgnoredTarget)
   int* doc_positions_ = nullptr;  // the uploaded batch's positions on the device (documents apart)
   // Documents apart through cuDNN: the padded rows a call may take (0: the own kernels take
-  // such batches), the prepared batch's calls, their documents as uploaded (start, length
-  // pairs), and whether the uploaded batch runs them.
+  // such batches: cuda_apart_through_cudnn), the prepared batch's calls, their documents as
+  // uploaded (start, length pairs), and whether the uploaded batch runs them.
   long long apart_tokens_ = 0;
   ApartCalls apart_;
   std::vector<int> apart_docs_;
@@ -987,11 +987,21 @@ std::string cuda_attention_name(const DecoderShape& s, Attention requested) {
                 "two runs may differ in the last bits)");
 }
 
+bool cuda_apart_through_cudnn(const DecoderShape& s, int max_sequences, int seq_len,
+                              Attention requested) {
+  return (requested == Attention::cudnn || requested == Attention::cudnn_atomic) &&
+         cuda_attention(s, requested) != Attention::own &&
+         cuda_apart_call_tokens(s, max_sequences, seq_len) > 0;
+}
+
 std::string cuda_apart_attention_name(const DecoderShape& s, int max_sequences, int seq_len,
                                       Attention requested) {
   if (cuda_attention(s, requested) == Attention::own)
     return "the decoder's own attention kernels, as for every batch of this run";
-  if (cuda_apart_call_tokens(s, max_sequences, seq_len) == 0)
+  if (requested == Attention::automatic)
+    return "the decoder's own attention kernels (model.attention \"auto\" keeps documents apart "
+           "there; \"cudnn\" or \"cudnn-atomic\" sends them to cuDNN in padded length classes)";
+  if (!cuda_apart_through_cudnn(s, max_sequences, seq_len, requested))
     return "the decoder's own attention kernels (a padded row of " + std::to_string(seq_len) +
            " tokens does not fit the scratch that holds cuDNN's calls)";
   return "cuDNN, each document a sequence of its own, padded to its length class";
@@ -1018,15 +1028,16 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
     throw ConfigError("make_cuda_compute: the block is not 256-byte aligned");
   auto* base = static_cast<std::byte*>(memory);
   const Attention attention = cuda_attention(s, requested);
+  const bool apart = cuda_apart_through_cudnn(s, max_sequences, seq_len, requested);
   switch (dtype) {
     case DType::bf16:
       return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
                                                           loss_rows, keep_norms, base, attention,
-                                                          bit16_logits, bit16_swiglu_grad);
+                                                          bit16_logits, bit16_swiglu_grad, apart);
     case DType::f16:
       return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute,
                                                    loss_rows, keep_norms, base, attention,
-                                                   bit16_logits, bit16_swiglu_grad);
+                                                   bit16_logits, bit16_swiglu_grad, apart);
     default:
       break;
   }
