@@ -999,8 +999,9 @@ std::string cuda_apart_attention_name(const DecoderShape& s, int max_sequences, 
   if (cuda_attention(s, requested) == Attention::own)
     return "the decoder's own attention kernels, as for every batch of this run";
   if (requested == Attention::automatic)
-    return "the decoder's own attention kernels (model.attention \"auto\" keeps documents apart "
-           "there; \"cudnn\" or \"cudnn-atomic\" sends them to cuDNN in padded length classes)";
+    return "the decoder's own attention kernels, about 9 times slower steps than packed at "
+           "Qwen2.5-0.5B (model.attention \"auto\" keeps documents apart there; \"cudnn\" or "
+           "\"cudnn-atomic\" sends them to cuDNN in padded length classes)";
   if (!cuda_apart_through_cudnn(s, max_sequences, seq_len, requested))
     return "the decoder's own attention kernels (a padded row of " + std::to_string(seq_len) +
            " tokens does not fit the scratch that holds cuDNN's calls)";
