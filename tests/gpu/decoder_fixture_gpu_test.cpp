@@ -168,31 +168,41 @@ TEST_CASE("cuda decoder gives transformers' logits, loss and gradients on its fi
     w.final_norm = at({ParamKind::final_norm});
     w.head = shape.tied ? w.embed : at({ParamKind::head});
 
-    const std::size_t bytes = lm::dec::cuda_bytes(shape, sequences, seq_len);
-    DeviceBuffer block(bytes);
-    auto compute = lm::dec::make_cuda_compute(shape, sequences, seq_len, DType::bf16, block.p, bytes);
-    const lm::dec::Batch b{sequences, seq_len, in.data(), targets.data(),
-                           positions.empty() ? nullptr : positions.data()};
-    std::vector<float> logits(in.size() * static_cast<std::size_t>(shape.vocab));
-    compute->logits(w, b, logits.data());
-    const double logits_error = normalized_error(logits, floats(batch, "logits"));
-    DeviceSink sink(shape);
-    const double loss = compute->train_step(w, b, 1.0, sink);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    const double their_loss = floats(batch, "loss").at(0);
-    double worst = 0.0;
-    std::string worst_name;
-    for (const auto& p : decoder_params(shape)) {
-      INFO("gradient of " << p.name);
-      const double e = normalized_error(sink.read(p.name), floats(batch, "grad." + p.name));
-      if (e > worst) worst = e, worst_name = p.name;
-      CHECK(e < kGradTolerance);
+    // The packed documents also through cuDNN's padded calls, where the config names cuDNN
+    // (model.attention "cudnn"; "auto" keeps them on the own kernels: docs/data.md).
+    std::vector<lm::dec::Attention> attentions{lm::dec::Attention::automatic};
+    if (!positions.empty() && lm::dec::cuda_attention(shape) == lm::dec::Attention::cudnn)
+      attentions.push_back(lm::dec::Attention::cudnn);
+    for (const lm::dec::Attention attention : attentions) {
+      INFO("model.attention = " << lm::dec::attention_key_value(attention));
+      const std::size_t bytes = lm::dec::cuda_bytes(shape, sequences, seq_len);
+      DeviceBuffer block(bytes);
+      auto compute = lm::dec::make_cuda_compute(shape, sequences, seq_len, DType::bf16, block.p,
+                                                bytes, 0, {}, attention);
+      const lm::dec::Batch b{sequences, seq_len, in.data(), targets.data(),
+                             positions.empty() ? nullptr : positions.data()};
+      std::vector<float> logits(in.size() * static_cast<std::size_t>(shape.vocab));
+      compute->logits(w, b, logits.data());
+      const double logits_error = normalized_error(logits, floats(batch, "logits"));
+      DeviceSink sink(shape);
+      const double loss = compute->train_step(w, b, 1.0, sink);
+      check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      const double their_loss = floats(batch, "loss").at(0);
+      double worst = 0.0;
+      std::string worst_name;
+      for (const auto& p : decoder_params(shape)) {
+        INFO("gradient of " << p.name);
+        const double e = normalized_error(sink.read(p.name), floats(batch, "grad." + p.name));
+        if (e > worst) worst = e, worst_name = p.name;
+        CHECK(e < kGradTolerance);
+      }
+      std::printf("%s %s (cuda, bf16, model.attention %s): logits error %.2e, loss %.6f vs "
+                  "transformers' %.6f, worst gradient error %.2e (%s)\n",
+                  model.c_str(), positions.empty() ? "" : "packed apart",
+                  lm::dec::attention_key_value(attention), logits_error, loss, their_loss, worst,
+                  worst_name.c_str());
+      CHECK(logits_error < kLogitsTolerance);
+      CHECK(std::abs(loss - their_loss) < 1e-2 * std::abs(their_loss));
     }
-    std::printf("%s %s (cuda, bf16): logits error %.2e, loss %.6f vs transformers' %.6f, worst "
-                "gradient error %.2e (%s)\n",
-                model.c_str(), positions.empty() ? "" : "packed apart", logits_error, loss,
-                their_loss, worst, worst_name.c_str());
-    CHECK(logits_error < kLogitsTolerance);
-    CHECK(std::abs(loss - their_loss) < 1e-2 * std::abs(their_loss));
   }
 }
