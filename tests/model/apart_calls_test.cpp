@@ -391,7 +391,7 @@ TEST_CASE("attention over padded calls is each document's alone, forward and bac
   CHECK(worst(gdv, dv) > 1e-3);
 }
 
-TEST_CASE("cuda_apart_attention_name: the own kernels unless the run names cuDNN, then its padded calls") {
+TEST_CASE("cuda_apart_attention_name: the own kernels unless the run names cuDNN, then its calls") {
   DecoderShape s;
   s.family = DecoderFamily::qwen2;
   s.qkv_bias = true;

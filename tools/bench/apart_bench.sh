@@ -4,7 +4,8 @@
 # tools/bench/train_bench.py --documents) trained at each SHAPE three ways: data.documents =
 # "packed" (one stream a row, cuDNN), "apart" (the default for such files) with model.attention =
 # "cudnn" (cuDNN in padded length classes, docs/data.md), and "apart" with model.attention = "own"
-# (the decoder's own kernels, which take the boundaries themselves). Builds preset cuda first unless BIN names a binary.
+# (the decoder's own kernels, which take the boundaries themselves). Builds preset cuda first
+# unless BIN names a binary.
 # Prints each run's tokens/s and phase split, and apart / packed for both attentions.
 #   usage: OUT=DIR [SHAPES="0.5b"] [DOCS=100-900] [STEPS=30] [BIN=build/cuda/tools/shardswap]
 #          [TESTS="<GPU test filter>"] bash tools/bench/apart_bench.sh

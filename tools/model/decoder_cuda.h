@@ -277,8 +277,9 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
 /// Documents apart through cuDNN (tools/model/apart_calls.h): the bytes one padded row takes in
 /// a call's buffers, q, k, v, o, dout and dq|dk|dv in the weights' type and lse in fp32.
 inline std::size_t cuda_apart_row_bytes(const DecoderShape& s) {
-  return 2 * (4 * static_cast<std::size_t>(s.q_width()) + 4 * static_cast<std::size_t>(s.kv_width())) +
-         4 * static_cast<std::size_t>(s.heads);
+  const auto qw = static_cast<std::size_t>(s.q_width());
+  const auto kw = static_cast<std::size_t>(s.kv_width());
+  return 2 * (4 * qw + 4 * kw) + 4 * static_cast<std::size_t>(s.heads);
 }
 
 /// The padded rows one cuDNN call of documents apart may take: as many as the act and dact
