@@ -357,8 +357,7 @@ class CudaCompute final : public Compute {
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(doc_positions_, b.positions, n * sizeof(int),
                                            cudaMemcpyHostToDevice, stream));
     // The documents of prepare_attention's calls, when they go through cuDNN.
-    apart_cudnn_ = doc_positions_ != nullptr && cudnn_ && apart_tokens_ > 0;
-    if (apart_cudnn_) {
+    if (apart_cudnn()) {
       apart_docs_ = apart_document_table(apart_);
       SHARDSWAP_CUDA_CHECK(cudaMemcpyAsync(at<int>(l_.documents), apart_docs_.data(),
                                            apart_docs_.size() * sizeof(int),
@@ -534,13 +533,16 @@ class CudaCompute final : public Compute {
     apart_ = std::move(calls);
   }
   // cuDNN for the uploaded batch: documents apart too unless their calls do not fit.
-  bool use_cudnn() const { return cudnn_ && (doc_positions_ == nullptr || apart_cudnn_); }
+  bool use_cudnn() const { return cudnn_ && (doc_positions_ == nullptr || apart_cudnn()); }
+  // The uploaded batch keeps documents apart and sends them to cuDNN's padded calls
+  // (apart_tokens_ > 0 only with cuDNN).
+  bool apart_cudnn() const { return doc_positions_ != nullptr && apart_tokens_ > 0; }
 
   void attention(const Batch& b, const T* q, const T* k, const T* v, T* o, float* lse) {
     if (!use_cudnn()) {
       launch_attention_forward<T>(b.sequences, b.seq_len, s_.heads, s_.kv_heads, s_.head_dim, q,
                                   k, v, o, lse, doc_positions_);
-    } else if (apart_cudnn_) {
+    } else if (apart_cudnn()) {
       apart_forward(q, k, v, o, lse);
     } else {
       cudnn_->forward(attention_shape(b.sequences, b.seq_len), {q, k, v, o, lse});
@@ -893,7 +895,7 @@ class CudaCompute final : public Compute {
   // g32 (false).
   bool attention_backward(const Batch& b, const T* q, const T* k, const T* v, const T* o,
                           const T* dout, const float* lse, float* g32, T* g16, long long width) {
-    if (use_cudnn() && apart_cudnn_) {
+    if (apart_cudnn()) {
       apart_backward(q, k, v, o, dout, lse, g16);
       return true;
     }
@@ -926,12 +928,11 @@ class CudaCompute final : public Compute {
   std::size_t counted_ = 0;  // the uploaded batch's counted targets (not kIgnoredTarget)
   int* doc_positions_ = nullptr;  // the uploaded batch's positions on the device (documents apart)
   // Documents apart through cuDNN: the padded rows a call may take (0: the own kernels take
-  // such batches: cuda_apart_through_cudnn), the prepared batch's calls, their documents as
-  // uploaded (start, length pairs), and whether the uploaded batch runs them.
+  // such batches: cuda_apart_through_cudnn), the prepared batch's calls and their documents as
+  // uploaded (start, length pairs).
   long long apart_tokens_ = 0;
   ApartCalls apart_;
   std::vector<int> apart_docs_;
-  bool apart_cudnn_ = false;
 
   // What a param gradient of the mean loss over the counted targets is multiplied by.
   float mean_factor(double grad_scale) const {
