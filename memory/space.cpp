@@ -241,19 +241,23 @@ std::uint64_t Pin::buffer_id() const {
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
   if (this != &other) {
-    if (storage_) release("Buffer replaced by assignment", ReleasePolicy::allow_pinned);
+    drop("Buffer replaced by assignment", "replaced");
     storage_ = std::move(other.storage_);
   }
   return *this;
 }
 
 Buffer::~Buffer() {
+  drop("Buffer destroyed", "destroyed");
+}
+
+void Buffer::drop(const char* event, const char* verb) noexcept {
   if (!storage_) return;
   try {
     const std::string label = storage_->label;
-    const auto held = release("Buffer destroyed", ReleasePolicy::allow_pinned);
+    const auto held = release(event, ReleasePolicy::allow_pinned);
     if (held > 0)
-      spdlog::warn("Buffer: '{}' destroyed while pinned; {} bytes stay held by its Pins", label,
+      spdlog::warn("Buffer: '{}' {} while pinned; {} bytes stay held by its Pins", label, verb,
                    held);
   } catch (...) {
     // release() with allow_pinned only throws on allocation of its message; never propagate.

@@ -193,6 +193,23 @@ TEST_CASE("an allowed release of a pinned buffer reports the bytes the pins stil
   REQUIRE(space.report().empty());
 }
 
+TEST_CASE("a pinned buffer replaced by move-assignment is released as the destructor would") {
+  auto space = host_space();
+  Buffer b = space.allocate(512, Tag::grad, "grad layers.0");
+  View v = b.view(0, 128, DType::f32, "grad view");
+  Pin p = b.pin("user pin");
+  b = space.allocate(256, Tag::grad, "grad layers.1");  // noexcept, pinned or not
+  REQUIRE(b.label() == "grad layers.1");
+  REQUIRE(v.stale());
+  REQUIRE(test::contains(test::message_of<StaleView>([&] { (void)v.raw(); }),
+                         "Buffer replaced by assignment"));
+  REQUIRE(space.stats().requested.current == 512 + 256);  // the Pin still holds the old block
+  p.reset();
+  REQUIRE(space.stats().requested.current == 256);
+  b = Buffer();
+  REQUIRE(space.stats().requested.current == 0);
+}
+
 TEST_CASE("buffers views and pins may outlive their memory space") {
   View v;
   Pin p;

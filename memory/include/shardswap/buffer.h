@@ -104,6 +104,7 @@ class Buffer {
  public:
   Buffer() = default;
   Buffer(Buffer&& other) noexcept = default;
+  /// Releases what this one held first, as the destructor does.
   Buffer& operator=(Buffer&& other) noexcept;
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -146,6 +147,10 @@ class Buffer {
  private:
   friend class MemorySpace;
   explicit Buffer(std::shared_ptr<detail::Storage> storage) : storage_(std::move(storage)) {}
+  /// release(event, allow_pinned) for the destructor and move-assignment, which cannot throw:
+  /// warns naming the buffer if Pins still hold the block; a failure to build a message is
+  /// swallowed.
+  void drop(const char* event, const char* verb) noexcept;
   std::shared_ptr<detail::Storage> storage_;
 };
 
