@@ -5,6 +5,10 @@
 // only q, k, v (and the gradients' GEMM inputs) are rounded to the weights' type. The biases'
 // gradients are summed over token rows by the backward itself (first pass of column_sums.cu's
 // two), from the fp32 values, so no fp32 copy of the gradient is written for them.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+
 #include "model/cuda/common.cuh"
 #include "model/cuda/kernels.h"
 #include "model/decoder_cuda.h"
@@ -12,9 +16,8 @@
 namespace shardswap::lm::dec {
 namespace {
 
-// Threads a block: forward, a block per token row, its threads over the row's RoPE pairs and v
-// columns (640 of them at Qwen2.5-0.5B's shape); backward, a thread per pair or v column over
-// kCudaRowsPerPartial rows.
+// Threads a block of the backward, each over kCudaRowsPerPartial rows (the forward's block, a
+// token row, takes as many as the row has packs of units: launch_qkv_forward).
 constexpr int kQkvThreads = 128;
 
 // The q|k|v projections' units of work: a rotated pair (i, i + hd/2) of a q or k head, or one
@@ -53,92 +56,148 @@ __global__ void rope_table(const float* __restrict__ inv_freq, int seq_len, int 
 
 // From the projections qkv [n, (H + 2K) hd] (fp32): q, k with their bias and RoPE (rotate-half:
 // (a, b) -> (a cos - b sin, b cos + a sin) at angle pos * inv_freq[i]), v with its bias, in T.
-// One block per token row.
-template <class T>
+// One block per token row; each thread takes P units that lie side by side (P pairs of one
+// head, or P columns of v), moved as packs (rope_pack).
+template <class T, int P>
 __global__ void qkv_forward(const float* __restrict__ qkv, const T* __restrict__ bq,
                             const T* __restrict__ bk, const T* __restrict__ bv,
                             const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
                             int seq_len, int heads, int kv_heads, int hd, T* __restrict__ q,
                             T* __restrict__ k, T* __restrict__ v,
                             const int* __restrict__ positions) {
+  using F = Pack<float, P>;
+  using B = Pack<T, P>;
   const int half = hd / 2, width = (heads + 2 * kv_heads) * hd;
-  const int units = (heads + kv_heads) * half + kv_heads * hd;
+  const int packs = ((heads + kv_heads) * half + kv_heads * hd) / P;
   const long long t = blockIdx.x;
   const float* row = qkv + t * width;
   const long long pos = positions != nullptr ? positions[t] : t % seq_len;
   const float* cr = rope_cos + pos * half;
   const float* sr = rope_sin + pos * half;
-  for (int u = threadIdx.x; u < units; u += blockDim.x) {
-    const QkvUnit p = unit_place(u, heads, kv_heads, hd);
+  // The bias at column c of a part, or zeros where the model has none.
+  const auto bias_at = [](const T* bias, int c) {
+    B out;
+    if (bias != nullptr) return *reinterpret_cast<const B*>(bias + c);
+#pragma unroll
+    for (int j = 0; j < P; ++j) out.v[j] = from_float<T>(0.0f);
+    return out;
+  };
+  for (int w = threadIdx.x; w < packs; w += blockDim.x) {
+    const QkvUnit p = unit_place(w * P, heads, kv_heads, hd);
     if (p.part == 2) {
-      v[t * kv_heads * hd + p.out_column] =
-          from_float<T>(row[p.column] + (bv ? to_float(bv[p.out_column]) : 0.0f));
+      const F x = *reinterpret_cast<const F*>(row + p.column);
+      const B bias = bias_at(bv, p.out_column);
+      B out;
+#pragma unroll
+      for (int j = 0; j < P; ++j) out.v[j] = from_float<T>(x.v[j] + to_float(bias.v[j]));
+      *reinterpret_cast<B*>(v + t * kv_heads * hd + p.out_column) = out;
       continue;
     }
     const T* bias = p.part == 0 ? bq : bk;
-    T* out = p.part == 0 ? q : k;
-    const long long ld = static_cast<long long>(p.part == 0 ? heads : kv_heads) * hd;
-    const float a = row[p.column] + (bias ? to_float(bias[p.out_column]) : 0.0f);
-    const float b = row[p.column + half] + (bias ? to_float(bias[p.out_column + half]) : 0.0f);
-    const float c = cr[p.freq], s = sr[p.freq];
-    out[t * ld + p.out_column] = from_float<T>(a * c - b * s);
-    out[t * ld + p.out_column + half] = from_float<T>(b * c + a * s);
+    T* out = (p.part == 0 ? q : k) + t * (p.part == 0 ? heads : kv_heads) * hd + p.out_column;
+    const F xa = *reinterpret_cast<const F*>(row + p.column);
+    const F xb = *reinterpret_cast<const F*>(row + p.column + half);
+    const B ba = bias_at(bias, p.out_column), bb = bias_at(bias, p.out_column + half);
+    const F c = *reinterpret_cast<const F*>(cr + p.freq);
+    const F s = *reinterpret_cast<const F*>(sr + p.freq);
+    B oa, ob;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      const float a = xa.v[j] + to_float(ba.v[j]), b = xb.v[j] + to_float(bb.v[j]);
+      oa.v[j] = from_float<T>(a * c.v[j] - b * s.v[j]);
+      ob.v[j] = from_float<T>(b * c.v[j] + a * s.v[j]);
+    }
+    *reinterpret_cast<B*>(out) = oa;
+    *reinterpret_cast<B*>(out + half) = ob;
   }
 }
 
 // Backward of qkv_forward's RoPE, a block for kCudaRowsPerPartial token rows (blockIdx.x) and a
-// thread for a unit (unit_place; blockIdx.y * blockDim.x + threadIdx.x) over those rows: from
-// dq|dk|dv [n, (H + 2K) hd] in `in` (fp32 from the own attention kernels, T from cuDNN's), the
-// gradient at the projections rounded to T into g16 (the GEMMs' input), in fp32 into g unless g
-// is null (only Qwen3's head norms read it), and with `partials` (the biases' gradients) the
-// sums of each column over the block's rows, added in row order from 0, into
-// partials[blockIdx.x * width + column] for finish_columns. `in` may be g or g16: a thread
-// reads each row's elements of its unit before it writes them.
-template <class T, class In>
+// thread for P units side by side (unit_place; (blockIdx.y * blockDim.x + threadIdx.x) * P) over
+// those rows: from dq|dk|dv [n, (H + 2K) hd] in `in` (fp32 from the own attention kernels, T
+// from cuDNN's), the gradient at the projections rounded to T into g16 (the GEMMs' input), in
+// fp32 into g unless g is null (only Qwen3's head norms read it), and with `partials` (the
+// biases' gradients) the sums of each column over the block's rows, added in row order from 0,
+// into partials[blockIdx.x * width + column] for finish_columns. `in` may be g or g16: a thread
+// reads each row's elements of its units before it writes them.
+template <class T, class In, int P>
 __global__ void qkv_backward(const In* in, float* g, const float* __restrict__ rope_cos,
                              const float* __restrict__ rope_sin, int n, int seq_len, int heads,
                              int kv_heads, int hd, T* g16, const int* __restrict__ positions,
                              float* __restrict__ partials) {
+  using F = Pack<float, P>;
+  using B = Pack<T, P>;
+  using I = Pack<In, P>;
   const int half = hd / 2, width = (heads + 2 * kv_heads) * hd;
-  const int units = (heads + kv_heads) * half + kv_heads * hd;
-  const int u = blockIdx.y * blockDim.x + threadIdx.x;
-  if (u >= units) return;
-  const QkvUnit p = unit_place(u, heads, kv_heads, hd);
+  const int packs = ((heads + kv_heads) * half + kv_heads * hd) / P;
+  const int w = blockIdx.y * blockDim.x + threadIdx.x;
+  if (w >= packs) return;
+  const QkvUnit p = unit_place(w * P, heads, kv_heads, hd);
   const int first = blockIdx.x * kCudaRowsPerPartial, end = min(n, first + kCudaRowsPerPartial);
-  float sum_a = 0.0f, sum_b = 0.0f;
+  F sum_a, sum_b;
+#pragma unroll
+  for (int j = 0; j < P; ++j) sum_a.v[j] = sum_b.v[j] = 0.0f;
   // Unrolled so that each thread has several rows' loads in flight (the rows are independent
   // but for the sums).
   if (p.part == 2) {  // v: no rotation
 #pragma unroll 4
     for (int t = first; t < end; ++t) {
       const long long at = static_cast<long long>(t) * width + p.column;
-      const float dv = to_float(in[at]);
-      if (g != nullptr) g[at] = dv;
-      g16[at] = from_float<T>(dv);
-      sum_a += dv;
+      const I d = *reinterpret_cast<const I*>(in + at);
+      F f;
+      B h;
+#pragma unroll
+      for (int j = 0; j < P; ++j) {
+        f.v[j] = to_float(d.v[j]);
+        h.v[j] = from_float<T>(f.v[j]);
+        sum_a.v[j] += f.v[j];
+      }
+      if (g != nullptr) *reinterpret_cast<F*>(g + at) = f;
+      *reinterpret_cast<B*>(g16 + at) = h;
     }
   } else {
 #pragma unroll 4
     for (int t = first; t < end; ++t) {
       const long long at = static_cast<long long>(t) * width + p.column;
       const long long pos = positions != nullptr ? positions[t] : t % seq_len;
-      const float c = rope_cos[pos * half + p.freq], s = rope_sin[pos * half + p.freq];
-      const float da = to_float(in[at]), db = to_float(in[at + half]);
-      const float ga = da * c + db * s, gb = db * c - da * s;  // the rotation's transpose
-      if (g != nullptr) {
-        g[at] = ga;
-        g[at + half] = gb;
+      const F c = *reinterpret_cast<const F*>(rope_cos + pos * half + p.freq);
+      const F s = *reinterpret_cast<const F*>(rope_sin + pos * half + p.freq);
+      const I da = *reinterpret_cast<const I*>(in + at);
+      const I db = *reinterpret_cast<const I*>(in + at + half);
+      F ga, gb;
+      B ha, hb;
+#pragma unroll
+      for (int j = 0; j < P; ++j) {
+        const float a = to_float(da.v[j]), b = to_float(db.v[j]);
+        ga.v[j] = a * c.v[j] + b * s.v[j];  // the rotation's transpose
+        gb.v[j] = b * c.v[j] - a * s.v[j];
+        ha.v[j] = from_float<T>(ga.v[j]);
+        hb.v[j] = from_float<T>(gb.v[j]);
+        sum_a.v[j] += ga.v[j];
+        sum_b.v[j] += gb.v[j];
       }
-      g16[at] = from_float<T>(ga);
-      g16[at + half] = from_float<T>(gb);
-      sum_a += ga;
-      sum_b += gb;
+      if (g != nullptr) {
+        *reinterpret_cast<F*>(g + at) = ga;
+        *reinterpret_cast<F*>(g + at + half) = gb;
+      }
+      *reinterpret_cast<B*>(g16 + at) = ha;
+      *reinterpret_cast<B*>(g16 + at + half) = hb;
     }
   }
   if (partials == nullptr) return;
   float* const sums = partials + static_cast<long long>(blockIdx.x) * width + p.column;
-  sums[0] = sum_a;
-  if (p.part != 2) sums[half] = sum_b;
+  *reinterpret_cast<F*>(sums) = sum_a;
+  if (p.part != 2) *reinterpret_cast<F*>(sums + half) = sum_b;
+}
+
+// Units a thread: 4 where a head's half (hd / 2) is a multiple of 4 (then every pack lies
+// within one head's half or one run of v columns, and every row, column and table offset is a
+// multiple of 4 elements) and every operand starts 16-byte aligned; else 1.
+int rope_pack(int hd, std::initializer_list<const void*> operands) {
+  bool four = hd % 8 == 0;
+  for (const void* ptr : operands)
+    four = four && reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
+  return four ? 4 : 1;
 }
 
 }  // namespace
@@ -154,8 +213,19 @@ template <class T>
 void launch_qkv_forward(int n, const float* qkv, const T* bq, const T* bk, const T* bv,
                         const float* rope_cos, const float* rope_sin, int seq_len, int heads,
                         int kv_heads, int hd, T* q, T* k, T* v, const int* positions) {
-  qkv_forward<T><<<n, kQkvThreads, 0, cudaStreamPerThread>>>(
-      qkv, bq, bk, bv, rope_cos, rope_sin, seq_len, heads, kv_heads, hd, q, k, v, positions);
+  // A null bias is no operand (its pack is zeros).
+  const auto or_aligned = [&](const void* ptr) { return ptr != nullptr ? ptr : rope_cos; };
+  const int units = (heads + kv_heads) * (hd / 2) + kv_heads * hd;
+  const int pack = rope_pack(hd, {qkv, or_aligned(bq), or_aligned(bk), or_aligned(bv), rope_cos,
+                                  rope_sin, q, k, v});
+  // Enough whole warps for a row's packs in one pass, up to 256 threads (160 at Qwen2.5-0.5B).
+  const int threads = std::min(256, (units / pack + 31) / 32 * 32);
+  if (pack == 4)
+    qkv_forward<T, 4><<<n, threads, 0, cudaStreamPerThread>>>(
+        qkv, bq, bk, bv, rope_cos, rope_sin, seq_len, heads, kv_heads, hd, q, k, v, positions);
+  else
+    qkv_forward<T, 1><<<n, threads, 0, cudaStreamPerThread>>>(
+        qkv, bq, bk, bv, rope_cos, rope_sin, seq_len, heads, kv_heads, hd, q, k, v, positions);
   check_launch();
 }
 
@@ -164,10 +234,21 @@ void launch_qkv_backward(int n, const In* in, float* g, const float* rope_cos,
                          const float* rope_sin, int seq_len, int heads, int kv_heads, int hd,
                          T* g16, const int* positions, float* partials) {
   const int units = (heads + kv_heads) * (hd / 2) + kv_heads * hd;
-  const dim3 grid((n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial,
-                  (units + kQkvThreads - 1) / kQkvThreads);
-  qkv_backward<T, In><<<grid, kQkvThreads, 0, cudaStreamPerThread>>>(
-      in, g, rope_cos, rope_sin, n, seq_len, heads, kv_heads, hd, g16, positions, partials);
+  const auto or_aligned = [&](const void* ptr) { return ptr != nullptr ? ptr : rope_cos; };
+  const int pack =
+      rope_pack(hd, {in, or_aligned(g), rope_cos, rope_sin, g16, or_aligned(partials)});
+  const auto launch = [&](auto kernel) {
+    const int threads = units / pack;
+    const dim3 grid((n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial,
+                    (threads + kQkvThreads - 1) / kQkvThreads);
+    kernel<<<grid, kQkvThreads, 0, cudaStreamPerThread>>>(in, g, rope_cos, rope_sin, n, seq_len,
+                                                          heads, kv_heads, hd, g16, positions,
+                                                          partials);
+  };
+  if (pack == 4)
+    launch(qkv_backward<T, In, 4>);
+  else
+    launch(qkv_backward<T, In, 1>);
   check_launch();
 }
 
