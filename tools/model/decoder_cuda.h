@@ -322,10 +322,9 @@ std::string cuda_attention_name(const DecoderShape& s,
                                 Attention requested = Attention::automatic);
 
 /// Whether batches that keep documents apart go to cuDNN in padded length-class calls
-/// (tools/model/apart_calls.h) rather than to the own kernels: where the run names cuDNN
-/// (`requested` cudnn or cudnn_atomic; automatic keeps them on the own kernels until those calls
-/// have been checked on a GPU, docs/data.md) and cuda_apart_call_tokens > 0. ConfigError as
-/// cuda_attention; BackendUnavailable in a build without CUDA.
+/// (tools/model/apart_calls.h) rather than to the own kernels: where cuda_attention(s, requested)
+/// is cuDNN and cuda_apart_call_tokens > 0 (docs/data.md). ConfigError as cuda_attention;
+/// BackendUnavailable in a build without CUDA.
 bool cuda_apart_through_cudnn(const DecoderShape& s, int max_sequences, int seq_len,
                               Attention requested);
 /// The same in words, for the run's first lines: cuDNN's padded calls, or the own kernels and why.

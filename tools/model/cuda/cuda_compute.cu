@@ -24,9 +24,9 @@
 // Attention: cuDNN's fused flash attention where the build has cuDNN (cudnn_attention.h) and
 // head_dim is a multiple of 8, else (or with model.attention = "own") the own kernels
 // (attention_forward.cu, attention_backward.cu). A batch that keeps documents apart
-// (Batch::positions) runs the own kernels, which take each row's first key, unless the run names
-// cuDNN (cuda_apart_through_cudnn): then it goes through cuDNN too, in calls of padded length
-// classes (apart_calls.h: each document a sequence of its own, gathered into padded buffers in
+// (Batch::positions) goes through cuDNN too wherever the rest of the run does
+// (cuda_apart_through_cudnn; the own kernels, which take each row's first key, otherwise), in
+// calls of padded length classes (apart_calls.h: each document a sequence of its own, gathered into padded buffers in
 // the act and dact scratch and scattered back, apart.cu). cuDNN keeps lse as [sequence, head, position] (the kept lse of
 // documents apart is [token, head], as the own kernels keep it) and writes dQ, dK, dV in the
 // operands' type (rounded from its fp32 sums, where the own kernels keep fp32), which the RoPE
@@ -990,8 +990,7 @@ std::string cuda_attention_name(const DecoderShape& s, Attention requested) {
 
 bool cuda_apart_through_cudnn(const DecoderShape& s, int max_sequences, int seq_len,
                               Attention requested) {
-  return (requested == Attention::cudnn || requested == Attention::cudnn_atomic) &&
-         cuda_attention(s, requested) != Attention::own &&
+  return cuda_attention(s, requested) != Attention::own &&
          cuda_apart_call_tokens(s, max_sequences, seq_len) > 0;
 }
 
@@ -999,10 +998,6 @@ std::string cuda_apart_attention_name(const DecoderShape& s, int max_sequences, 
                                       Attention requested) {
   if (cuda_attention(s, requested) == Attention::own)
     return "the decoder's own attention kernels, as for every batch of this run";
-  if (requested == Attention::automatic)
-    return "the decoder's own attention kernels, about 9 times slower steps than packed at "
-           "Qwen2.5-0.5B (model.attention \"auto\" keeps documents apart there; \"cudnn\" or "
-           "\"cudnn-atomic\" sends them to cuDNN in padded length classes)";
   if (!cuda_apart_through_cudnn(s, max_sequences, seq_len, requested))
     return "the decoder's own attention kernels (a padded row of " + std::to_string(seq_len) +
            " tokens does not fit the scratch that holds cuDNN's calls)";
