@@ -45,6 +45,14 @@ PHASES = ["forward", "forward MLP", "attention forward", "head and loss", "backw
           "backward", "attention backward", "engine.step()", "host and gaps"]
 
 
+def failure_line(text_log):
+    """The line that says why a run stopped: its first "error:" line (a refused allocation is
+    followed by the memory report's lines), else its last."""
+    lines = text_log.strip().splitlines()
+    errors = [l for l in lines if "error:" in l]
+    return (errors[0] if errors else lines[-1]) if lines else ""
+
+
 def text_file(out, given):
     """One file of real text, at least 16 MiB: the bytes tokenizer reads one file."""
     if given:
@@ -154,7 +162,7 @@ def run(args, shape, mode, text):
     text_log = open(log).read()
     row["rc"] = rc
     if rc != 0:
-        row["void"] = "exit %d: %s" % (rc, text_log.strip().splitlines()[-1] if text_log else "")
+        row["void"] = "exit %d: %s" % (rc, failure_line(text_log))
         return row
     lines = [json.loads(l) for l in open(metrics)]
     losses = [l["loss"] for l in lines]
