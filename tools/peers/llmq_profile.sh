@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One training step of llm.q and one of ShardSwap at the Qwen2.5-0.5B shape (micro 8, seq 2048),
-# every kernel timed alone under Nsight Compute (--clock-control none: the GPU's own clocks), on a
+# One training step of llm.q and one of ShardSwap at a Qwen2.5 shape (SHAPE: 0.5b at micro 8, the
+# default, or 1.5b at micro 4; seq 2048), every kernel timed alone under Nsight Compute (--clock-control none: the GPU's own clocks), on a
 # machine with an NVIDIA GPU, ncu, and llm.q's archive unpacked at the repository root as
 # .llmq-src/ (../shared/peers/llmq: `tar xzf llmq-src.tgz`). Issue 32's first item: where llm.q's
 # step is shorter, kernel by kernel.
@@ -9,18 +9,27 @@
 #     step's launches, those after its classifier kernel's SEGMENT-th launch (counted from 0) up to
 #     and with the next (tools/bench/kernel_table.py --segment): that step's backward, optimizer
 #     (its AdamW kernel runs once a tensor, so it cannot mark steps), next forward and head.
-#  2. ShardSwap: tools/bench/profile_step.sh over configs/qwen2.5-0.5b.json on real text (train_step
-#     only: engine.step() is outside its capture; its time is in train_bench's split).
+#  2. ShardSwap: tools/bench/profile_step.sh over configs/qwen2.5-SHAPE.json on real text
+#     (train_step only: engine.step() is outside its capture; its time is in train_bench's split),
+#     with OPTIONS (space-separated KEY=VALUE config overrides, e.g. "model.bit16_logits=true").
 # Writes under OUT: llmq-build/ (gpu_run.sh's files), llmq.csv, llmq.txt (the table),
 # llmq-sequence.txt (the step's launches in order), shardswap/ (profile_step.sh's files), and
 # llmq-kinds.txt and shardswap-kinds.txt: both steps by kind of kernel, row for row.
-#   usage: OUT=DIR [STEPS=4] [SEGMENT=1] bash tools/peers/llmq_profile.sh
+#   usage: OUT=DIR [SHAPE=0.5b] [OPTIONS="..."] [STEPS=4] [SEGMENT=1]
+#          bash tools/peers/llmq_profile.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:?set OUT to the folder for the results}
 STEPS=${STEPS:-4}
 SEGMENT=${SEGMENT:-1}
+SHAPE=${SHAPE:-0.5b}
+OPTIONS=${OPTIONS:-}
+case $SHAPE in
+  0.5b) micro=8 ;;
+  1.5b) micro=4 ;;
+  *) echo "SHAPE=$SHAPE: 0.5b or 1.5b" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 status=0
@@ -28,8 +37,8 @@ step() { echo; echo "=== $* ==="; }
 [ -f .llmq-src/bench/gpu_run.sh ] || { echo "no .llmq-src/: unpack llm.q's archive first" >&2; exit 2; }
 command -v ncu > /dev/null || { echo "no ncu on the PATH" >&2; exit 2; }
 
-step "llm.q: build, 3 steps (bf16, 0.5B, micro 8)"
-LLMQ_RUNS="bf16:0.5B:8:1:3" LLMQ_BUDGET_S=400 bash .llmq-src/bench/gpu_run.sh "$OUT/llmq-build" \
+step "llm.q: build, 3 steps (bf16, ${SHAPE^^}, micro $micro)"
+LLMQ_RUNS="bf16:${SHAPE^^}:$micro:1:3" LLMQ_BUDGET_S=400 bash .llmq-src/bench/gpu_run.sh "$OUT/llmq-build" \
   > "$OUT/llmq-build.txt" 2>&1 || status=1
 cmd_file=$(ls "$OUT"/llmq-build/*.cmd 2>/dev/null | head -1)
 if [ -z "$cmd_file" ]; then
@@ -55,9 +64,11 @@ cmake --preset cuda > "$OUT/build.log" 2>&1 &&
   cmake --build --preset cuda -j "$(nproc)" --target shardswap_cli >> "$OUT/build.log" 2>&1 ||
   { tail -40 "$OUT/build.log"; exit 1; }
 text=$(python3 -c "import sys; sys.path.insert(0, 'tools/bench'); import train_bench; print(train_bench.text_file('$OUT', None))")
-bash tools/bench/profile_step.sh "$OUT/shardswap" configs/qwen2.5-0.5b.json \
-  --set data.seq_len=2048 --set "data.train=$text" --set train_micro_batch_size_per_gpu=8 |
-  head -60 || status=1
-python3 tools/bench/kernel_table.py --by kind "$OUT/shardswap/qwen2.5-0.5b.csv" |
+sets=()
+for kv in $OPTIONS; do sets+=(--set "$kv"); done
+bash tools/bench/profile_step.sh "$OUT/shardswap" "configs/qwen2.5-$SHAPE.json" \
+  --set data.seq_len=2048 --set "data.train=$text" --set "train_micro_batch_size_per_gpu=$micro" \
+  "${sets[@]}" | head -60 || status=1
+python3 tools/bench/kernel_table.py --by kind "$OUT/shardswap/qwen2.5-$SHAPE.csv" |
   tee "$OUT/shardswap-kinds.txt" || status=1
 exit $status
