@@ -1083,11 +1083,11 @@ TEST_CASE("cuda decoder: ignored targets add nothing, the loss and gradients are
 }
 
 // Documents apart: every attention within the float64 reference's tolerances. With
-// model.attention "cudnn" or "cudnn-atomic" the documents go to cuDNN in padded calls of length
-// classes (tools/model/apart_calls.h): rows of 70 tokens make classes of 64 and 70; these small
-// shapes' act and dact scratch holds 152 (qwen2), 76 (qwen3) and 203 (fp16) padded rows, so most
-// calls hold one or two documents and a class takes several calls. "auto" sends them to cuDNN
-// where the rest of the run goes there (cuda_apart_through_cudnn).
+// model.attention "auto" (where the build and shape have cuDNN: cuda_apart_through_cudnn),
+// "cudnn" or "cudnn-atomic" the documents go to cuDNN in padded calls of length classes
+// (tools/model/apart_calls.h): rows of 70 tokens make classes of 64 and 70; these small shapes'
+// act and dact scratch holds 152 (qwen2), 76 (qwen3) and 203 (fp16) padded rows, so most calls
+// hold one or two documents and a class takes several calls.
 std::vector<Case> apart_cases() {
   Case qwen2{"documents apart, qwen2", small_shape(), 3, 70, 3, 70};
   qwen2.shape.qkv_bias = true;

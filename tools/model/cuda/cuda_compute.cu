@@ -26,13 +26,14 @@
 // (attention_forward.cu, attention_backward.cu). A batch that keeps documents apart
 // (Batch::positions) goes through cuDNN too wherever the rest of the run does
 // (cuda_apart_through_cudnn; the own kernels, which take each row's first key, otherwise), in
-// calls of padded length classes (apart_calls.h: each document a sequence of its own, gathered into padded buffers in
-// the act and dact scratch and scattered back, apart.cu). cuDNN keeps lse as [sequence, head, position] (the kept lse of
-// documents apart is [token, head], as the own kernels keep it) and writes dQ, dK, dV in the
-// operands' type (rounded from its fp32 sums, where the own kernels keep fp32), which the RoPE
-// backward reads as they are. Its backward is the deterministic one (dP in its workspace, in
-// calls of a few sequences) unless model.attention = "cudnn-atomic" asks for the one that sums
-// dQ over key tiles with atomics, whose runs differ in the last bits.
+// calls of padded length classes (apart_calls.h: each document a sequence of its own, gathered
+// into padded buffers in the act and dact scratch and scattered back, apart.cu). cuDNN keeps lse
+// as [sequence, head, position] (the kept lse of documents apart is [token, head], as the own
+// kernels keep it) and writes dQ, dK, dV in the operands' type (rounded from its fp32 sums,
+// where the own kernels keep fp32), which the RoPE backward reads as they are. Its backward is
+// the deterministic one (dP in its workspace, in calls of a few sequences) unless
+// model.attention = "cudnn-atomic" asks for the one that sums dQ over key tiles with atomics,
+// whose runs differ in the last bits.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
