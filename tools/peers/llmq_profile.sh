@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One training step of llm.q and one of ShardSwap at a Qwen2.5 shape (SHAPE: 0.5b at micro 8, the
-# default, or 1.5b at micro 4; seq 2048), every kernel timed alone under Nsight Compute (--clock-control none: the GPU's own clocks), on a
-# machine with an NVIDIA GPU, ncu, and llm.q's archive unpacked at the repository root as
-# .llmq-src/ (../shared/peers/llmq: `tar xzf llmq-src.tgz`). Issue 32's first item: where llm.q's
-# step is shorter, kernel by kernel.
+# default, or 1.5b at micro 4; seq 2048), every kernel timed alone under Nsight Compute
+# (--clock-control none: the GPU's own clocks), on a machine with an NVIDIA GPU, ncu, and llm.q's
+# archive unpacked at the repository root as .llmq-src/ (../shared/peers/llmq: `tar xzf
+# llmq-src.tgz`). Issue 32's first item: where llm.q's step is shorter, kernel by kernel.
 #  1. llm.q: built and run for 3 steps by its own bench/gpu_run.sh (bf16 setting, CUDA graphs),
 #     then its exact command run again under ncu for STEPS steps from its start; the table is one
 #     step's launches, those after its classifier kernel's SEGMENT-th launch (counted from 0) up to
@@ -38,8 +38,8 @@ step() { echo; echo "=== $* ==="; }
 command -v ncu > /dev/null || { echo "no ncu on the PATH" >&2; exit 2; }
 
 step "llm.q: build, 3 steps (bf16, ${SHAPE^^}, micro $micro)"
-LLMQ_RUNS="bf16:${SHAPE^^}:$micro:1:3" LLMQ_BUDGET_S=400 bash .llmq-src/bench/gpu_run.sh "$OUT/llmq-build" \
-  > "$OUT/llmq-build.txt" 2>&1 || status=1
+LLMQ_RUNS="bf16:${SHAPE^^}:$micro:1:3" LLMQ_BUDGET_S=400 \
+  bash .llmq-src/bench/gpu_run.sh "$OUT/llmq-build" > "$OUT/llmq-build.txt" 2>&1 || status=1
 cmd_file=$(ls "$OUT"/llmq-build/*.cmd 2>/dev/null | head -1)
 if [ -z "$cmd_file" ]; then
   tail -20 "$OUT/llmq-build.txt"

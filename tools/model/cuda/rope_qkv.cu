@@ -192,11 +192,12 @@ __global__ void qkv_backward(const In* in, float* g, const float* __restrict__ r
 
 // Units a thread: 4 where a head's half (hd / 2) is a multiple of 4 (then every pack lies
 // within one head's half or one run of v columns, and every row, column and table offset is a
-// multiple of 4 elements) and every operand starts 16-byte aligned; else 1.
+// multiple of 4 elements) and every operand starts 16-byte aligned; else 1. A null operand (no
+// bias, no fp32 copy, no partials) is not read or written and does not count.
 int rope_pack(int hd, std::initializer_list<const void*> operands) {
   bool four = hd % 8 == 0;
   for (const void* ptr : operands)
-    four = four && reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
+    four = four && reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;  // nullptr: 0, passes
   return four ? 4 : 1;
 }
 
@@ -213,11 +214,8 @@ template <class T>
 void launch_qkv_forward(int n, const float* qkv, const T* bq, const T* bk, const T* bv,
                         const float* rope_cos, const float* rope_sin, int seq_len, int heads,
                         int kv_heads, int hd, T* q, T* k, T* v, const int* positions) {
-  // A null bias is no operand (its pack is zeros).
-  const auto or_aligned = [&](const void* ptr) { return ptr != nullptr ? ptr : rope_cos; };
   const int units = (heads + kv_heads) * (hd / 2) + kv_heads * hd;
-  const int pack = rope_pack(hd, {qkv, or_aligned(bq), or_aligned(bk), or_aligned(bv), rope_cos,
-                                  rope_sin, q, k, v});
+  const int pack = rope_pack(hd, {qkv, bq, bk, bv, rope_cos, rope_sin, q, k, v});
   // Enough whole warps for a row's packs in one pass, up to 256 threads (160 at Qwen2.5-0.5B).
   const int threads = std::min(256, (units / pack + 31) / 32 * 32);
   if (pack == 4)
@@ -234,9 +232,7 @@ void launch_qkv_backward(int n, const In* in, float* g, const float* rope_cos,
                          const float* rope_sin, int seq_len, int heads, int kv_heads, int hd,
                          T* g16, const int* positions, float* partials) {
   const int units = (heads + kv_heads) * (hd / 2) + kv_heads * hd;
-  const auto or_aligned = [&](const void* ptr) { return ptr != nullptr ? ptr : rope_cos; };
-  const int pack =
-      rope_pack(hd, {in, or_aligned(g), rope_cos, rope_sin, g16, or_aligned(partials)});
+  const int pack = rope_pack(hd, {in, g, rope_cos, rope_sin, g16, partials});
   const auto launch = [&](auto kernel) {
     const int threads = units / pack;
     const dim3 grid((n + kCudaRowsPerPartial - 1) / kCudaRowsPerPartial,
