@@ -827,9 +827,7 @@ StepResult Engine::step() {
   result.loss_scale = impl_->scaler.scale();
   const double unscale =
       1.0 / (result.loss_scale * impl_->comm.world_size() * impl_->config.gradient_accumulation_steps);
-  double squares = 0.0;
-  for (auto& g : groups)
-    if (g.active) squares += impl_->partition_squares(g, unscale);
+  double squares = impl_->gradient_squares(unscale);
   // One all-reduce gives both the norm and the overflow flag: Inf/NaN anywhere poisons the sum.
   squares = sum_across_ranks(squares);
   result.grad_norm = std::sqrt(squares);

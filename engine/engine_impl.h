@@ -204,10 +204,12 @@ struct Engine::Impl {
   /// step()'s update of active group g, span by span of its weight decay: queued on the device,
   /// or on the host (update_on_host) with the state there.
   void update_group(Group& g, StepArgs args);
-  /// The sum of (scale * gradient)^2 over the group's partition, in pieces of
-  /// offload_chunk_elements summed in order: the same pieces wherever the gradients live, so
-  /// the norm has the same bits; gradients on the host go up a piece at a time into a slot.
-  double partition_squares(const Group& g, double scale);
+  /// The sum of (scale * gradient)^2 over the active groups' partitions: each partition in
+  /// pieces of offload_chunk_elements summed in order, the groups' sums in group order. The
+  /// same pieces wherever the gradients live, so the norm has the same bits; on the device every
+  /// piece's reduction is queued before one wait, gradients on the host go up a piece at a time
+  /// into a slot.
+  double gradient_squares(double scale);
   std::vector<StreamedPiece> streaming;  // the step's queued pieces
   void update_on_cpu(Group& g, const StepArgs& args, std::int64_t at, std::int64_t count);
   /// Host buffers for a group's state kept under keep_host (labelled "... (kept on host)").

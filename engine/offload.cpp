@@ -3,6 +3,7 @@
 // the kernel, down), or on the CPU, the gradient partition coming down and the updated bit16
 // shard going up through two host staging buffers.
 #include <algorithm>
+#include <vector>
 
 #include "engine/engine_impl.h"
 #include "shardswap/dtype.h"
@@ -112,21 +113,36 @@ void Engine::Impl::flush_host_updates() {
   ops.update_streamed(config.optimizer, s);
 }
 
-double Engine::Impl::partition_squares(const Group& g, double scale) {
+double Engine::Impl::gradient_squares(double scale) {
   const DType grad_dtype = config.grad_type();
   const auto gsize = dtype_size(grad_dtype);
-  const std::byte* grads = reducer->partition(g);
-  const auto n = static_cast<std::size_t>(g.shard.numel());
   const std::size_t piece = config.offload_chunk_elements;  // <= chunk, the slots' size
-  double squares = 0.0;
-  for (std::size_t at = 0; at < n; at += piece) {
-    const std::size_t count = std::min(piece, n - at);
-    const std::byte* data = grads + at * gsize;
-    if (grads_on_host()) {
-      space.upload(slot_grad.data(), data, count * gsize);
-      data = slot_grad.as<std::byte>();
+  std::vector<ConstSpan> pieces;
+  std::vector<std::size_t> first_piece;  // of each active group, then the end
+  for (const Group& g : groups) {
+    if (!g.active) continue;
+    first_piece.push_back(pieces.size());
+    const std::byte* grads = reducer->partition(g);
+    const auto n = static_cast<std::size_t>(g.shard.numel());
+    for (std::size_t at = 0; at < n; at += piece)
+      pieces.push_back({grads + at * gsize, std::min(piece, n - at)});
+  }
+  first_piece.push_back(pieces.size());
+  std::vector<double> sums(pieces.size());
+  if (!grads_on_host()) {
+    ops.sum_squares(pieces.data(), pieces.size(), grad_dtype, scale, sums.data());
+  } else {
+    for (std::size_t i = 0; i < pieces.size(); ++i) {
+      space.upload(slot_grad.data(), pieces[i].data, pieces[i].count * gsize);
+      const ConstSpan up{slot_grad.data(), pieces[i].count};
+      ops.sum_squares(&up, 1, grad_dtype, scale, &sums[i]);
     }
-    squares += ops.sum_squares(data, grad_dtype, count, scale);
+  }
+  double squares = 0.0;
+  for (std::size_t k = 0; k + 1 < first_piece.size(); ++k) {
+    double group = 0.0;  // as when each group was summed on its own
+    for (std::size_t i = first_piece[k]; i < first_piece[k + 1]; ++i) group += sums[i];
+    squares += group;
   }
   return squares;
 }

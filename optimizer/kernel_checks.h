@@ -15,6 +15,10 @@ namespace shardswap::detail {
 void require_data(const void* p, const char* fn, const char* name, std::size_t count,
                   const char* unit = "elements");
 
+/// Checks sum_squares' arguments: spans and sums present when n > 0, and every span's data
+/// present when it has elements ("<fn>: spans[i].data is null for <count> elements").
+void check_squares(const char* fn, const ConstSpan* spans, std::size_t n, const double* sums);
+
 /// Checks an update's arguments: bit16 params, gradients of the param type or fp32, step >= 1
 /// and every tensor the rule reads present. `fn` names the caller ("cpu_device_ops().update").
 /// Returns false when there is nothing to do (count 0).

@@ -150,6 +150,15 @@ void require_data(const void* p, const char* fn, const char* name, std::size_t c
     throw ConfigError(fmt::format("{}: {} is null for {} {}", fn, name, count, unit));
 }
 
+void check_squares(const char* fn, const ConstSpan* spans, std::size_t n, const double* sums) {
+  if (n == 0) return;
+  require_data(spans, fn, "spans", n, "spans");
+  require_data(sums, fn, "sums", n, "spans");
+  for (std::size_t i = 0; i < n; ++i)
+    if (spans[i].count > 0)
+      require_data(spans[i].data, fn, fmt::format("spans[{}].data", i).c_str(), spans[i].count);
+}
+
 bool check_update(const char* fn, const OptimizerConfig& config, const StepArgs& args,
                   const ShardTensors& t) {
   if (!is_bit16(t.dtype))

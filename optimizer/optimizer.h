@@ -66,10 +66,16 @@ struct StreamedTensors {
   std::size_t chunk = 0;
 };
 
+/// `count` elements in a backend's memory, from `data`.
+struct ConstSpan {
+  const void* data = nullptr;
+  std::size_t count = 0;
+};
+
 /// The kernels one backend provides, on that backend's memory. Capabilities are data: the engine
 /// calls through this table and never asks which backend it runs on. Kernels of a device backend
 /// are queued on the calling thread's stream (cudaStreamPerThread; between begin_side and end_side
-/// its side stream) in call order; a function returning a value (sum_squares, has_inf_or_nan) waits
+/// its side stream) in call order; a function giving a value (sum_squares, has_inf_or_nan) waits
 /// for its result.
 /// "any" below means fp32, bf16 or fp16; conversions round to nearest even.
 struct DeviceOps {
@@ -80,8 +86,12 @@ struct DeviceOps {
   /// in place. Returns when the host's master and state hold the result; on CUDA the copies of
   /// one chunk overlap the update of the next (two copy streams, ordered by events).
   void (*update_streamed)(const OptimizerConfig& config, const StreamedTensors& s);
-  /// sum over i of (double(data[i]) * scale)^2, data of any dtype; Inf/NaN make it non-finite.
-  double (*sum_squares)(const void* data, DType dtype, std::size_t count, double scale);
+  /// sums[i] = the sum over spans[i]'s elements x of (double(x) * scale)^2, every span of
+  /// `dtype` (any); Inf/NaN make a sum non-finite. A device backend queues the spans' reductions
+  /// together and waits once for a batch of them (not once a span: the engine's gradient norm
+  /// sums every group's partition), each sum the bits it has alone.
+  void (*sum_squares)(const ConstSpan* spans, std::size_t n, DType dtype, double scale,
+                      double* sums);
   /// True if any of the `count` values (any dtype) is Inf or NaN.
   bool (*has_inf_or_nan)(const void* data, DType dtype, std::size_t count);
   /// dst[i] = dst_dtype(src[i]), both of any dtype.

@@ -656,6 +656,14 @@ TEST_CASE("an exception in a pool thread reaches the caller after every part has
 
 // --- reductions, casts and copies -----------------------------------------------------------
 
+// sum_squares of one span.
+double squares_of(const void* data, DType dtype, std::size_t count, double scale) {
+  const ConstSpan span{data, count};
+  double sum = -1.0;
+  cpu_device_ops().sum_squares(&span, 1, dtype, scale, &sum);
+  return sum;
+}
+
 TEST_CASE("sum_squares accumulates the scaled upcast values in double") {
   for (DType dtype : bit16_types) {
     INFO("dtype " << dtype_name(dtype));
@@ -664,9 +672,9 @@ TEST_CASE("sum_squares accumulates the scaled upcast values in double") {
     const double scale = 1.0 / 4096.0 / 3.0;
     double expected = 0;
     for (std::uint16_t b : x) expected += (decode(dtype, b) * scale) * (decode(dtype, b) * scale);
-    const double got = cpu_device_ops().sum_squares(x.data(), dtype, x.size(), scale);
+    const double got = squares_of(x.data(), dtype, x.size(), scale);
     CHECK(std::abs(got - expected) <= 1e-12 * expected);
-    CHECK(cpu_device_ops().sum_squares(nullptr, dtype, 0, scale) == 0.0);
+    CHECK(squares_of(nullptr, dtype, 0, scale) == 0.0);
   }
 }
 
@@ -676,9 +684,9 @@ TEST_CASE("sum_squares of fp32 data accumulates the scaled values in double") {
   const double scale = 1.0 / 4096.0 / 3.0;
   double expected = 0;
   for (float f : x) expected += (static_cast<double>(f) * scale) * (static_cast<double>(f) * scale);
-  const double got = cpu_device_ops().sum_squares(x.data(), DType::f32, x.size(), scale);
+  const double got = squares_of(x.data(), DType::f32, x.size(), scale);
   CHECK(std::abs(got - expected) <= 1e-12 * expected);
-  CHECK(cpu_device_ops().sum_squares(nullptr, DType::f32, 0, scale) == 0.0);
+  CHECK(squares_of(nullptr, DType::f32, 0, scale) == 0.0);
 }
 
 TEST_CASE("sum_squares is not finite when the data holds an Inf or a NaN") {
@@ -687,10 +695,42 @@ TEST_CASE("sum_squares is not finite when the data holds an Inf or a NaN") {
     std::mt19937 rng(9);
     Data x = random_typed(rng, dtype, 100, 1e-3f, 10.0f);
     x.set(37, INFINITY);
-    CHECK_FALSE(std::isfinite(cpu_device_ops().sum_squares(x.data(), dtype, x.size(), 1.0)));
+    CHECK_FALSE(std::isfinite(squares_of(x.data(), dtype, x.size(), 1.0)));
     x.set(37, NAN);
-    CHECK(std::isnan(cpu_device_ops().sum_squares(x.data(), dtype, x.size(), 1.0)));
+    CHECK(std::isnan(squares_of(x.data(), dtype, x.size(), 1.0)));
   }
+}
+
+TEST_CASE("sum_squares gives each span its own sum, and a null span changes no sum") {
+  std::mt19937 rng(11);
+  const double scale = 1.0 / 4096.0;
+  std::vector<Data> data;
+  for (std::size_t n : {std::size_t{5}, std::size_t{0}, std::size_t{4099}, std::size_t{1}})
+    data.push_back(random_typed(rng, DType::bf16, n, 1e-3f, 100.0f));
+  std::vector<ConstSpan> spans;
+  for (const Data& x : data) spans.push_back({x.data(), x.size()});
+  std::vector<double> sums(spans.size(), -1.0);
+  cpu_device_ops().sum_squares(spans.data(), spans.size(), DType::bf16, scale, sums.data());
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    INFO("span " << i);
+    CHECK(sums[i] == squares_of(data[i].data(), DType::bf16, data[i].size(), scale));
+  }
+  CHECK(sums[1] == 0.0);
+  CHECK(sums[2] > 0.0);
+
+  spans[2].data = nullptr;
+  std::fill(sums.begin(), sums.end(), -1.0);
+  CHECK(test::contains(test::message_of<ConfigError>([&] {
+                         cpu_device_ops().sum_squares(spans.data(), spans.size(), DType::bf16,
+                                                      scale, sums.data());
+                       }),
+                       "spans[2].data is null for 4099 elements"));
+  for (double s : sums) CHECK(s == -1.0);  // refused before any sum was written
+  CHECK(test::contains(test::message_of<ConfigError>([&] {
+                         cpu_device_ops().sum_squares(nullptr, 2, DType::bf16, scale, sums.data());
+                       }),
+                       "spans is null for 2 spans"));
+  CHECK_NOTHROW(cpu_device_ops().sum_squares(nullptr, 0, DType::bf16, scale, nullptr));
 }
 
 TEST_CASE("has_inf_or_nan finds an Inf or NaN at any position and nothing in finite data") {
@@ -844,7 +884,7 @@ TEST_CASE("cast and accumulate reject fp64 and null data, and accept zero elemen
                        }),
                        "src is null"));
   CHECK(test::contains(
-      test::message_of<ConfigError>([&] { cpu_device_ops().sum_squares(&d, DType::f64, 1, 1.0); }),
+      test::message_of<ConfigError>([&] { squares_of(&d, DType::f64, 1, 1.0); }),
       "fp64"));
   CHECK_NOTHROW(cpu_device_ops().cast(nullptr, DType::bf16, nullptr, DType::f32, 0));
   CHECK_NOTHROW(cpu_device_ops().accumulate(nullptr, DType::f16, nullptr, DType::f32, 0));

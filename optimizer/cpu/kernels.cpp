@@ -217,17 +217,20 @@ void update(const OptimizerConfig& config, const StepArgs& args, const ShardTens
   });
 }
 
-double sum_squares(const void* data, DType dtype, std::size_t count, double scale) {
-  return with_any(dtype, "sum_squares", [&](auto tag) {
+void sum_squares(const ConstSpan* spans, std::size_t n, DType dtype, double scale,
+                 double* sums) {
+  with_any(dtype, "sum_squares", [&](auto tag) {
     using T = decltype(tag);
-    if (count > 0) detail::require_data(data, "cpu_device_ops().sum_squares", "data", count);
-    const T* x = static_cast<const T*>(data);
-    double sum = 0.0;  // sequential order: the same input always gives the same bits
-    for (std::size_t i = 0; i < count; ++i) {
-      const double v = static_cast<double>(static_cast<float>(x[i])) * scale;
-      sum += v * v;
+    detail::check_squares("cpu_device_ops().sum_squares", spans, n, sums);
+    for (std::size_t s = 0; s < n; ++s) {
+      const T* x = static_cast<const T*>(spans[s].data);
+      double sum = 0.0;  // sequential order: the same input always gives the same bits
+      for (std::size_t i = 0; i < spans[s].count; ++i) {
+        const double v = static_cast<double>(static_cast<float>(x[i])) * scale;
+        sum += v * v;
+      }
+      sums[s] = sum;
     }
-    return sum;
   });
 }
 

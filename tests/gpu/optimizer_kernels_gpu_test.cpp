@@ -5,6 +5,7 @@
 // 16-byte vector path only, the vector path and a tail, unaligned pointers (every element singly),
 // fewer elements than one vector unit, and more vector units than the grid has threads (the
 // grid-stride loop).
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -330,11 +331,22 @@ TEST_CASE("cuda: update rejects what the CPU kernels reject, before touching the
   CHECK_THROWS_AS(cuda_device_ops().cast(nullptr, DType::f32, nullptr, DType::f64, 1), ConfigError);
   CHECK_THROWS_AS(cuda_device_ops().accumulate(nullptr, DType::f32, nullptr, DType::bf16, 1),
                   ConfigError);
-  CHECK_THROWS_AS(cuda_device_ops().sum_squares(nullptr, DType::f32, 1, 1.0), ConfigError);
+  const ConstSpan null_span{nullptr, 1};
+  double sum = 0.0;
+  CHECK_THROWS_AS(cuda_device_ops().sum_squares(&null_span, 1, DType::f32, 1.0, &sum), ConfigError);
   CHECK_NOTHROW(cuda_device_ops().synchronize());  // nothing reached the device
 }
 
 // --- reductions -----------------------------------------------------------------------------
+
+// A backend's sum_squares of one span.
+double squares_of(const DeviceOps& ops, const void* data, DType dtype, std::size_t count,
+                  double scale) {
+  const ConstSpan span{data, count};
+  double sum = -1.0;
+  ops.sum_squares(&span, 1, dtype, scale, &sum);
+  return sum;
+}
 
 // The sums differ only in the order of additions (sequential on the CPU, a tree on the GPU);
 // missing or doubling one element of 3M would change them by about 3e-7.
@@ -345,7 +357,7 @@ TEST_CASE("cuda: sum_squares agrees with the CPU to 1e-10 and holds no device me
   {  // first launches load the kernels (lazy module loading): not memory held by the kernels
     const Host x(DType::f32, 64);
     const Device d(x, 0);
-    for (DType dtype : any_types) cuda_device_ops().sum_squares(d.get(), dtype, 16, 1.0);
+    for (DType dtype : any_types) squares_of(cuda_device_ops(), d.get(), dtype, 16, 1.0);
   }
   const test::DeviceMemoryGuard guard;
   for (DType dtype : any_types) {
@@ -355,11 +367,11 @@ TEST_CASE("cuda: sum_squares agrees with the CPU to 1e-10 and holds no device me
       const Host x = random_host(rng, dtype, shape.n, 1e-3f, 100.0f);
       const Device d(x, shape.offset);
       const double scale = 1.0 / 4096.0 / 3.0;
-      const double expected = cpu_device_ops().sum_squares(x.data(), dtype, x.size(), scale);
-      const double got = cuda_device_ops().sum_squares(d.get(), dtype, x.size(), scale);
+      const double expected = squares_of(cpu_device_ops(), x.data(), dtype, x.size(), scale);
+      const double got = squares_of(cuda_device_ops(), d.get(), dtype, x.size(), scale);
       CHECK(std::abs(got - expected) <= 1e-10 * expected);
     }
-    CHECK(cuda_device_ops().sum_squares(nullptr, dtype, 0, 1.0) == 0.0);
+    CHECK(squares_of(cuda_device_ops(), nullptr, dtype, 0, 1.0) == 0.0);
   }
   guard.require_returned();
 }
@@ -371,10 +383,46 @@ TEST_CASE("cuda: sum_squares is not finite when the data holds an Inf or a NaN")
     Host x = random_host(rng, dtype, 4099, 1e-3f, 10.0f);
     x.set(4097, INFINITY);
     const Device inf(x, 0);
-    CHECK_FALSE(std::isfinite(cuda_device_ops().sum_squares(inf.get(), dtype, x.size(), 1.0)));
+    CHECK_FALSE(std::isfinite(squares_of(cuda_device_ops(), inf.get(), dtype, x.size(), 1.0)));
     x.set(1000, NAN);
     const Device nan(x, 0);
-    CHECK(std::isnan(cuda_device_ops().sum_squares(nan.get(), dtype, x.size(), 1.0)));
+    CHECK(std::isnan(squares_of(cuda_device_ops(), nan.get(), dtype, x.size(), 1.0)));
+  }
+}
+
+// The engine's gradient norm queues every piece's reduction before it waits: more spans than
+// one wait's batch (64), of sizes from empty to several grids, unaligned ones among them.
+TEST_CASE("cuda: sum_squares of 150 spans gives each the bits it has alone, waiting once a batch") {
+  std::mt19937 rng(13);
+  std::uniform_int_distribution<std::size_t> length(0, 300000);
+  const double scale = 1.0 / 4096.0 / 3.0;
+  for (DType dtype : {DType::bf16, DType::f32}) {
+    INFO("dtype " << dtype_name(dtype));
+    std::vector<Host> hosts;
+    std::vector<std::unique_ptr<Device>> devices;
+    std::vector<ConstSpan> spans;
+    for (int i = 0; i < 150; ++i) {
+      const std::size_t n = i == 7 ? 0 : i == 70 ? 5 << 20 : length(rng);
+      hosts.push_back(random_host(rng, dtype, n, 1e-3f, 100.0f));
+      devices.push_back(std::make_unique<Device>(hosts.back(), i % 3 == 1 ? 1 : 0));
+      spans.push_back({devices.back()->get(), n});
+    }
+    std::vector<double> sums(spans.size(), -1.0);
+    cuda_device_ops().sum_squares(spans.data(), spans.size(), dtype, scale, sums.data());
+    for (std::size_t i = 0; i < spans.size(); ++i) {
+      INFO("span " << i << ", " << spans[i].count << " elements");
+      CHECK(sums[i] == squares_of(cuda_device_ops(), spans[i].data, dtype, spans[i].count, scale));
+      const double cpu =
+          squares_of(cpu_device_ops(), hosts[i].data(), dtype, hosts[i].size(), scale);
+      CHECK(std::abs(sums[i] - cpu) <= 1e-10 * cpu);
+    }
+    CHECK(sums[7] == 0.0);
+    spans[100].data = nullptr;  // refused before anything is queued or written
+    std::fill(sums.begin(), sums.end(), -1.0);
+    CHECK_THROWS_AS(
+        cuda_device_ops().sum_squares(spans.data(), spans.size(), dtype, scale, sums.data()),
+        ConfigError);
+    for (double s : sums) CHECK(s == -1.0);
   }
 }
 
