@@ -498,10 +498,11 @@ TEST_CASE("a LISA run with the update overlapping the next forward takes the ste
 
 // A precision option trains close to the fp32 run, not to its bits (its first step's loss is
 // the same when only the backward changes), and a non-boolean value is refused naming the key.
-TEST_CASE("the precision options (model.bit16_logits, model.bit16_swiglu_grad) train close to the "
-          "fp32 run, not its bits, and a non-boolean value is refused naming the key",
+TEST_CASE("the precision options (model.bit16_logits, model.bit16_swiglu_grad, "
+          "model.bit16_residual) train close to the fp32 run, not its bits, and a non-boolean "
+          "value is refused naming the key",
           "[decoder]") {
-  for (const char* option : {"bit16_logits", "bit16_swiglu_grad"}) {
+  for (const char* option : {"bit16_logits", "bit16_swiglu_grad", "bit16_residual"}) {
     CAPTURE(option);
     const ScratchFolder dir(std::string("decoder-") + option);
     auto j = decoder_run(dir, "qwen2_untied");

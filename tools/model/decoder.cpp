@@ -509,7 +509,8 @@ std::unique_ptr<Decoder> make_decoder(const DecoderShape& shape, int max_sequenc
   void* const base = memory.data();
   const DecoderPrecision& precision = options.precision;
   const lm::dec::Precision kept{precision.bit16_logits ? dtype : DType::f32,
-                                precision.bit16_swiglu_grad ? dtype : DType::f32};
+                                precision.bit16_swiglu_grad ? dtype : DType::f32,
+                                precision.bit16_residual ? dtype : DType::f32};
   auto model = std::make_unique<EngineDecoder>(shape, max_sequences, seq_len, dtype,
                                                std::move(memory));
   if (space.device() == DeviceKind::cuda)

@@ -73,6 +73,10 @@ struct DecoderPrecision {
   /// model.bit16_swiglu_grad: the gradient at SwiGLU's output (the down projection's input
   /// gradient), before SwiGLU's backward.
   bool bit16_swiglu_grad = false;
+  /// model.bit16_residual: the residual stream and the activation gradients that run along it
+  /// (each layer's input and post-attention sums, the products added into them, the gradient at
+  /// each norm's output and the stream's gradient).
+  bool bit16_residual = false;
 };
 
 /// How make_decoder builds a decoder beyond its shape and batch: the model.* keys of a run

@@ -309,6 +309,10 @@ class GradSink {
 struct Precision {
   DType logits = DType::f32;       ///< the head's logits (model.bit16_logits)
   DType swiglu_grad = DType::f32;  ///< the gradient at SwiGLU's output (model.bit16_swiglu_grad)
+  /// The residual stream and its gradient (model.bit16_residual): each layer's input x and
+  /// post-attention y, the o and down projections' products added into them, the gradient at
+  /// every norm's output (dz) and the residual stream's (dx).
+  DType residual = DType::f32;
 };
 
 /// model.attention: which attention the CUDA backend runs (docs/models.md). `automatic` is

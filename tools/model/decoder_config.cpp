@@ -109,6 +109,7 @@ DecoderConfig decoder_config_from_json(ConfigReader& c, int seq_len) {
   d.options.keep_norm_outputs = c.boolean("model.keep_norm_outputs", false);
   d.options.precision.bit16_logits = c.boolean("model.bit16_logits", false);
   d.options.precision.bit16_swiglu_grad = c.boolean("model.bit16_swiglu_grad", false);
+  d.options.precision.bit16_residual = c.boolean("model.bit16_residual", false);
   const std::string attention = c.string("model.attention", "auto");
   using lm::dec::Attention;
   bool known = false;

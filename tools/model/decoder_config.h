@@ -27,8 +27,9 @@ struct DecoderConfig {
   std::vector<HfSideFile> side_files;
   int seq_len = 0;  ///< data.seq_len, as the trainer read it
   /// model.recompute_layers, model.loss_chunk_rows, model.keep_norm_outputs, the precision
-  /// options (model.bit16_logits, model.bit16_swiglu_grad: docs/models.md) and model.attention
-  /// ("auto", "cudnn", "cudnn-atomic" or "own"), as make_decoder takes them.
+  /// options (model.bit16_logits, model.bit16_swiglu_grad, model.bit16_residual:
+  /// docs/models.md) and model.attention ("auto", "cudnn", "cudnn-atomic" or "own"), as
+  /// make_decoder takes them.
   DecoderOptions options;
   /// model.path's config.json, weight files and side files: what a run's outputs must never
   /// replace (empty from scratch).

@@ -246,6 +246,7 @@ class CpuCompute final : public Compute {
         recompute_(static_cast<std::size_t>(recompute)),
         logits_(precision.logits),
         swiglu_grad_(precision.swiglu_grad),
+        residual_(precision.residual),
         z_(sizes_of(s, max_sequences, seq_len)),
         loss_rows_(cpu_loss_rows(loss_rows, z_.n)),
         mem_(memory),
@@ -584,6 +585,10 @@ class CpuCompute final : public Compute {
                              static_cast<std::size_t>(b.inputs[r]) * row_bytes,
                          w.dtype, d);
     }
+    // x_0 is a row of the embedding, a value of the weights' dtype: under model.bit16_residual
+    // that is the residual's (make_decoder gives it the weights' dtype), so it needs no rounding.
+    // Weights of another dtype (a direct caller's) are rounded as a bit16 stream would hold them.
+    if (residual_ != DType::f32 && w.dtype != residual_) round_through(residual_, x0, n * d);
     for (int l = 0; l < s_.layers; ++l) forward_layer(upcast_layer(w, l), b, l, true);
   }
 
@@ -620,9 +625,9 @@ class CpuCompute final : public Compute {
     rope(k_out, b, z_.kv);
     attention(l, b);
     MapR y(slot_at(l_.ys, l, d), rows_i(n), cols(d));
-    y = CMapR(x, rows_i(n), cols(d));
-    y.noalias() += CMapR(slot_at(l_.os, l, z_.q), rows_i(n), cols(z_.q)) *
-                   CMapR(lw.o, cols(d), cols(z_.q)).transpose();
+    residual_sum(y, x,
+                 CMapR(slot_at(l_.os, l, z_.q), rows_i(n), cols(z_.q)) *
+                     CMapR(lw.o, cols(d), cols(z_.q)).transpose());
     rms_norm(y.data(), n, d, lw.mlp_norm, eps, normed, slot_at(l_.rstd_mlp, l, 1));
     MapR gate(slot_at(l_.gates, l, z_.inter), rows_i(n), cols(z_.inter));
     MapR up(slot_at(l_.ups, l, z_.inter), rows_i(n), cols(z_.inter));
@@ -632,8 +637,25 @@ class CpuCompute final : public Compute {
     MapR act(at(l_.act), rows_i(n), cols(z_.inter));
     act.array() = gate.array() * (1.0f + (-gate.array()).exp()).inverse() * up.array();
     MapR next(layer_at(l_.xs, l + 1, d), rows_i(n), cols(d));
-    next = y;
-    next.noalias() += act * CMapR(lw.down, cols(d), cols(z_.inter)).transpose();
+    residual_sum(next, y.data(), act * CMapR(lw.down, cols(d), cols(z_.inter)).transpose());
+  }
+
+  // out = in + product, a sum of the residual stream (in: x_l or y, rows as out's). In fp32 the
+  // product accumulates onto a copy of `in`; under model.bit16_residual out = round(in +
+  // round(product)), as a bit16 GEMM output added into a bit16 stream leaves it.
+  template <typename Product>
+  void residual_sum(MapR& out, const float* in, const Product& product) const {
+    const CMapR source(in, out.rows(), out.cols());
+    if (residual_ == DType::f32) {
+      out = source;
+      out.noalias() += product;
+      return;
+    }
+    const auto count = static_cast<std::size_t>(out.size());
+    out.noalias() = product;
+    round_through(residual_, out.data(), count);
+    out += source;
+    round_through(residual_, out.data(), count);
   }
 
   // f = rmsnorm(x_L) * norm into the normed scratch.
@@ -675,20 +697,28 @@ class CpuCompute final : public Compute {
       }
       if (alpha == nullptr) continue;
       MapR(at(l_.dn) + r0 * d, rows_i(rows), cols(d)).noalias() = z * hw.w;
+      round_residual(at(l_.dn) + r0 * d, rows * d);
       if (head_matrix) head_grad.noalias() += z.transpose() * f;
     }
     const std::size_t counted = counted_targets(b);
     return counted == 0 ? 0.0 : total / static_cast<double>(counted);
   }
 
-  // Each value rounded to `dtype` and back, as a GEMM with a bit16 output leaves it (the logits
-  // under model.bit16_logits, SwiGLU's output gradient under model.bit16_swiglu_grad).
+  // Each value rounded to `dtype` and back, as a GEMM or a sum with a bit16 output leaves it
+  // (the logits under model.bit16_logits, SwiGLU's output gradient under
+  // model.bit16_swiglu_grad, the residual stream and its gradients under model.bit16_residual).
   static void round_through(DType dtype, float* values, std::size_t count) {
     for (std::size_t i = 0; i < count; ++i) {
       std::uint16_t bits = 0;
       convert_elements(&bits, dtype, values + i, DType::f32, 1);
       convert_elements(values + i, DType::f32, &bits, dtype, 1);
     }
+  }
+
+  // A gradient along the residual stream (dx, or dn at a norm's output) as a bit16 one is
+  // stored under model.bit16_residual; untouched in fp32.
+  void round_residual(float* values, std::size_t count) const {
+    if (residual_ != DType::f32) round_through(residual_, values, count);
   }
 
   // ---- backward ----
@@ -796,6 +826,7 @@ class CpuCompute final : public Compute {
       if (lowest < head_group) MapR(dx, rows_i(n), cols(d)).setZero();
       rms_norm_backward(x_last, n, d, hw.norm, at(l_.rstd_final), dn, active ? g : nullptr,
                         lowest < head_group ? dx : nullptr);
+      if (lowest < head_group) round_residual(dx, n * d);
       if (active) emit(sink, {ParamKind::final_norm}, g, d);
     }
     for (int l = s_.layers - 1; l >= 0 && l + 1 >= lowest; --l)
@@ -845,9 +876,11 @@ class CpuCompute final : public Compute {
     MapR dnm(dn, rows_i(n), cols(d));
     dnm.noalias() = dgate * CMapR(lw.gate, cols(in), cols(d));
     dnm.noalias() += dup * CMapR(lw.up, cols(in), cols(d));
+    round_residual(dn, n * d);
     // dx becomes the gradient at y: the residual's plus the norm's.
     rms_norm_backward(y, n, d, lw.mlp_norm, slot_at(l_.rstd_mlp, l, 1), dn, active ? g : nullptr,
                       dx);
+    round_residual(dx, n * d);
     if (active) emit(sink, {ParamKind::mlp_norm, l}, g, d);
     // Attention: y = x + o Wo^T.
     MapR d_o(at(l_.d_o), rows_i(n), cols(z_.q));
@@ -884,8 +917,10 @@ class CpuCompute final : public Compute {
     dnm.noalias() = CMapR(dq, rows_i(n), cols(z_.q)) * CMapR(lw.q, cols(z_.q), cols(d));
     dnm.noalias() += CMapR(dk, rows_i(n), cols(z_.kv)) * CMapR(lw.k, cols(z_.kv), cols(d));
     dnm.noalias() += CMapR(dv, rows_i(n), cols(z_.kv)) * CMapR(lw.v, cols(z_.kv), cols(d));
+    round_residual(dn, n * d);
     rms_norm_backward(x, n, d, lw.attn_norm, slot_at(l_.rstd_attn, l, 1), dn, active ? g : nullptr,
                       below ? dx : nullptr);
+    if (below) round_residual(dx, n * d);
     if (active) emit(sink, {ParamKind::attn_norm, l}, g, d);
   }
 
@@ -894,6 +929,8 @@ class CpuCompute final : public Compute {
   std::size_t recompute_;  // the lowest layers that run their forward again in backward
   DType logits_;       // fp32, or bf16 / fp16 with model.bit16_logits (see round_through)
   DType swiglu_grad_;  // fp32, or bf16 / fp16 with model.bit16_swiglu_grad
+  // fp32, or bf16 / fp16 with model.bit16_residual: x, y and the sums into them, dn and dx
+  DType residual_;
   Sizes z_;
   std::size_t loss_rows_;  // token rows of the cross-entropy's chunk (model.loss_chunk_rows)
   std::byte* mem_;
@@ -914,7 +951,8 @@ std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequenc
                                           int loss_rows) {
   validate(s, max_sequences, seq_len, recompute_layers, loss_rows, "make_cpu_compute");
   for (const auto& [what, dtype] : {std::pair{"logits", precision.logits},
-                                    std::pair{"SwiGLU's gradient", precision.swiglu_grad}})
+                                    std::pair{"SwiGLU's gradient", precision.swiglu_grad},
+                                    std::pair{"the residual stream", precision.residual}})
     if (dtype != DType::f32 && !is_bit16(dtype))
       throw ConfigError(fmt::format("make_cpu_compute: {} of dtype {}: fp32, bf16 or fp16", what,
                                     dtype_name(dtype)));

@@ -25,9 +25,11 @@ std::size_t cpu_bytes(const DecoderShape& s, int max_sequences, int seq_len,
 /// configured. Throws ConfigError on a block that is too small or misaligned, or a precision
 /// that is not fp32, bf16 or fp16. `precision`: fp32 everywhere (the default), or bf16 / fp16
 /// logits (each rounded to it before the cross-entropy, as the CUDA backend's bit16 logits are:
-/// model.bit16_logits) and gradient at SwiGLU's output (rounded where the down projection's input
-/// gradient is formed: model.bit16_swiglu_grad). `loss_rows`: the cross-entropy's chunk
-/// (model.loss_chunk_rows), as cpu_bytes was given it.
+/// model.bit16_logits), gradient at SwiGLU's output (rounded where the down projection's input
+/// gradient is formed: model.bit16_swiglu_grad) and residual stream (the o and down projections'
+/// products, the sums x + o Wo^T and y + act Wdown^T, each norm's output gradient and the
+/// stream's gradient, each rounded after its fp32 product or sum: model.bit16_residual).
+/// `loss_rows`: the cross-entropy's chunk (model.loss_chunk_rows), as cpu_bytes was given it.
 std::unique_ptr<Compute> make_cpu_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                           void* memory, std::size_t bytes,
                                           int recompute_layers = 0, Precision precision = {},

@@ -41,7 +41,8 @@ inline constexpr std::size_t kCudaCublasWorkspaceBytes = std::size_t{32} << 20;
 
 /// Byte offsets of the backend's regions in its one block, for n = max_sequences * seq_len
 /// tokens. "b16" regions hold the weights' type (bf16 or fp16): GEMM inputs and attention's
-/// operands; the residual stream, norm statistics and reductions are fp32.
+/// operands; the residual stream, norm statistics and reductions are fp32 (the stream, dz and dx
+/// hold the weights' type under model.bit16_residual, in the first half of their regions).
 struct CudaLayout {
   std::size_t inv_freq;       // f32 head_dim / 2 (RoPE), uploaded once
   std::size_t rope_cos, rope_sin;  // f32 seq_len head_dim / 2: RoPE's angles, once a forward
@@ -352,14 +353,16 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
 /// The lowest `recompute` layers keep only their input and run their forward again at the start
 /// of their backward (model.recompute_layers): the same bits in cuda_bytes(..., recompute).
 /// `precision`: fp32 everywhere (the default), or in the weights' dtype the head's logits
-/// (model.bit16_logits: half the bytes the head writes and the cross-entropy reads) and the
+/// (model.bit16_logits: half the bytes the head writes and the cross-entropy reads), the
 /// gradient at SwiGLU's output (model.bit16_swiglu_grad: half the bytes the down projection's
-/// input-gradient GEMM writes and SwiGLU's backward reads); the loss and gradients then change
-/// in the last bits. Any other dtype is a ConfigError. `attention`: model.attention, resolved by
-/// cuda_attention (whose ConfigError it throws). `loss_rows`: the cross-entropy's chunk
-/// (model.loss_chunk_rows; 0: kCudaLossChunkRows), and `keep_norms` (model.keep_norm_outputs:
-/// each layer's norm outputs kept from forward for the weight gradients, not made again in
-/// backward; the same bits), as cuda_bytes was given them.
+/// input-gradient GEMM writes and SwiGLU's backward reads) and the residual stream with its
+/// gradients (model.bit16_residual: xs, ys, dz and dx in the weights' type, in the first half of
+/// their fp32-sized regions; the norms and the GEMMs that write the stream move half the bytes);
+/// the loss and gradients then change in the last bits. Any other dtype is a ConfigError.
+/// `attention`: model.attention, resolved by cuda_attention (whose ConfigError it throws).
+/// `loss_rows`: the cross-entropy's chunk (model.loss_chunk_rows; 0: kCudaLossChunkRows), and
+/// `keep_norms` (model.keep_norm_outputs: each layer's norm outputs kept from forward for the
+/// weight gradients, not made again in backward; the same bits), as cuda_bytes was given them.
 std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequences, int seq_len,
                                            DType dtype, void* memory, std::size_t bytes,
                                            int recompute = 0, Precision precision = {},

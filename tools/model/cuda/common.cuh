@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <type_traits>
 
 #include "support/cuda_check.h"
 #include "shardswap/error.h"
@@ -68,6 +69,37 @@ template <int N>
 struct alignas(N >= 4 ? 16 : sizeof(float) * N) FloatPack {
   float v[N];
 };
+
+// N values of R (fp32, or the weights' bf16 / fp16: the residual stream's type) at p, one pack
+// aligned, as fp32; and N fp32 values stored there, rounded to R.
+template <int N, class R>
+__device__ __forceinline__ FloatPack<N> load_floats(const R* p) {
+  if constexpr (std::is_same_v<R, float>) {
+    return *reinterpret_cast<const FloatPack<N>*>(p);
+  } else {
+    const Pack<R, N> a = *reinterpret_cast<const Pack<R, N>*>(p);
+    FloatPack<N> f;
+#pragma unroll
+    for (int e = 0; e < N; ++e) f.v[e] = to_float(a.v[e]);
+    return f;
+  }
+}
+template <int N, class R>
+__device__ __forceinline__ void store_floats(R* p, const FloatPack<N>& f) {
+  if constexpr (std::is_same_v<R, float>) {
+    *reinterpret_cast<FloatPack<N>*>(p) = f;
+  } else {
+    Pack<R, N> a;
+#pragma unroll
+    for (int e = 0; e < N; ++e) a.v[e] = from_float<R>(f.v[e]);
+    *reinterpret_cast<Pack<R, N>*>(p) = a;
+  }
+}
+// x as a value of R reads back (itself for fp32).
+template <class R>
+__device__ __forceinline__ float through(float x) {
+  return to_float(from_float<R>(x));
+}
 
 // Activations are row-major [token, feature], token = sequence * T + position.
 

@@ -7,11 +7,15 @@
 // RMSNorm, bias + RoPE, causal GQA attention (flash style), SwiGLU, the chunked cross-entropy,
 // bias and norm gradients and the embedding gradient.
 //
-// Precision: the residual stream, GEMM outputs that feed a reduction, norm statistics and the
-// softmaxes are fp32; GEMM inputs and attention's operands are rounded to the weights' type, as a
-// bf16 model in transformers rounds them. Activation gradients are those of the summed loss,
-// O(1) per token whatever the batch or the loss scale, so fp16 neither underflows nor overflows
-// there; grad_scale / tokens enters only where a param gradient is written.
+// Precision: the residual stream (R: fp32, or the weights' type T with model.bit16_residual, as
+// transformers' bf16 models and llm.q keep it), the GEMM products added into it and the
+// activation gradients along it (dz at a norm's output, dx the stream's) are of R; the other GEMM
+// outputs that feed a reduction, norm statistics and the softmaxes are fp32; GEMM inputs and
+// attention's operands are rounded to T, as a bf16 model in transformers rounds them. The
+// regions of R are sized for fp32 whichever R runs (the plan does not depend on the option).
+// Activation gradients are those of the summed loss, O(1) per token whatever the batch or the
+// loss scale, so fp16 neither underflows nor overflows there; grad_scale / tokens enters only
+// where a param gradient is written.
 //
 // Reproducibility: no atomics. Sums over tokens (bias and norm gradients) are fixed two-pass
 // trees; attention's dK and dV are summed by the block that owns the key tile, over queries in
@@ -45,6 +49,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "support/cuda_check.h"
@@ -119,7 +124,7 @@ int use_device_of(const void* p) {
   return attr.device;
 }
 
-template <class T>
+template <class T, class R>
 class CudaCompute final : public Compute {
  public:
   CudaCompute(const DecoderShape& s, int max_sequences, int seq_len, int recompute,
@@ -223,6 +228,10 @@ class CudaCompute final : public Compute {
  private:
   using K = ParamKind;
   static constexpr cudaDataType_t t16 = cuda_type<T>();
+  // The residual stream's type: fp32, or T (model.bit16_residual); then dx is its own GEMM
+  // input, no rounded copy in d16.
+  static constexpr bool kBit16Residual = !std::is_same_v<R, float>;
+  static constexpr cudaDataType_t r_type = kBit16Residual ? t16 : CUDA_R_32F;
 
   template <class U = float>
   U* at(std::size_t offset) const {
@@ -240,7 +249,7 @@ class CudaCompute final : public Compute {
   U* layer(std::size_t offset, int l, std::int64_t width) const {
     return rows_at<U>(offset, cuda_slot_of(l, recompute_), width);
   }
-  float* xs(int l) const { return rows_at<float>(l_.xs, static_cast<std::size_t>(l), s_.hidden); }
+  R* xs(int l) const { return rows_at<R>(l_.xs, static_cast<std::size_t>(l), s_.hidden); }
   // Layer l's gate|up rows [n, 2I]: gate at columns [0, I), up at [I, 2I).
   T* gate_up(int l) const { return layer<T>(l_.gate_up, l, 2 * std::int64_t{s_.intermediate}); }
   // Whether Wup follows Wgate in memory (the group's declaration order, as a layer's params lie
@@ -248,7 +257,7 @@ class CudaCompute final : public Compute {
   bool gate_up_together(const LayerWeights& lw) const {
     return cw(lw.up) == cw(lw.gate) + static_cast<std::size_t>(s_.intermediate) * s_.hidden;
   }
-  float* ys(int l) const { return layer<float>(l_.ys, l, s_.hidden); }
+  R* ys(int l) const { return layer<R>(l_.ys, l, s_.hidden); }
   // Where layer l's attention norm (which = 0) or MLP norm (1) writes its output: its slot's
   // kept rows with model.keep_norm_outputs, else the scratch `normed`, which backward fills
   // again for the weight gradients.
@@ -394,16 +403,16 @@ class CudaCompute final : public Compute {
     gemm(cublas_.get(), false, true, n, o, i, 1.0f, in, t16, ld_in, w, t16, i, beta, out, ct,
          ld_out);
   }
-  // din[n, i] (= or +=, fp32) = dout16[n, o] W for W [o, i].
+  // din[n, i] (= or +=, of R) = dout16[n, o] W for W [o, i]: the gradient at a norm's output.
   void linear_input_grad(int n, int o, int i, const T* dout, long long ld_dout, const void* w,
-                         float beta, float* din) {
+                         float beta, R* din) {
     gemm(cublas_.get(), false, false, n, i, o, 1.0f, dout, t16, ld_dout, w, t16, i, beta, din,
-         CUDA_R_32F, i);
+         r_type, i);
   }
 
-  void rms_norm(const float* x, const void* w, int n, T* y, float* rstd_out) {
-    launch_rms_norm_forward<T>(x, cw(w), n, s_.hidden, static_cast<float>(s_.rms_eps), y,
-                               rstd_out);
+  void rms_norm(const R* x, const void* w, int n, T* y, float* rstd_out) {
+    launch_rms_norm_forward<T, R>(x, cw(w), n, s_.hidden, static_cast<float>(s_.rms_eps), y,
+                                  rstd_out);
   }
   // Wq|Wk|Wv as one [(H + 2K) hd, D] matrix, so that the projections are one GEMM each way:
   // the weights themselves where the group holds them back to back (no biases or head norms
@@ -424,10 +433,10 @@ class CudaCompute final : public Compute {
     return out;
   }
   // sum = residual + sum (sum holds a GEMM's product), then the norm of it as rms_norm.
-  void residual_rms_norm(const float* residual, float* sum, const void* w, int n, T* y,
+  void residual_rms_norm(const R* residual, R* sum, const void* w, int n, T* y,
                          float* rstd_out) {
-    launch_residual_rms_norm_forward<T>(residual, sum, cw(w), n, s_.hidden,
-                                        static_cast<float>(s_.rms_eps), y, rstd_out);
+    launch_residual_rms_norm_forward<T, R>(residual, sum, cw(w), n, s_.hidden,
+                                           static_cast<float>(s_.rms_eps), y, rstd_out);
   }
 
   void forward(const Weights& w, const Batch& b) {
@@ -436,7 +445,7 @@ class CudaCompute final : public Compute {
     {
       const EmbedUse embed(w, w.embed);
       check_embed(w, *embed);
-      launch_embed_forward<T>(cw(*embed), at<int>(l_.tokens), n, d, xs(0));
+      launch_embed_forward<T, R>(cw(*embed), at<int>(l_.tokens), n, d, xs(0));
     }
     for (int l = 0; l < s_.layers; ++l) {
       const LayerUse use(w, l);
@@ -498,8 +507,8 @@ class CudaCompute final : public Compute {
     mark(PhaseClock::attention_forward);
     attention(b, q, k, v, o, lse(l));
     mark(PhaseClock::forward);
-    // y = x + o Wo^T: the product into y, the sum (fp32) made by the MLP norm's pass.
-    linear(n, d, qw, o, qw, lw.o, 0.0f, ys(l), CUDA_R_32F, d);
+    // y = x + o Wo^T: the product into y, the sum (of R) made by the MLP norm's pass.
+    linear(n, d, qw, o, qw, lw.o, 0.0f, ys(l), r_type, d);
     mark(PhaseClock::forward_mlp);
     normed = norm_out(l, 1);
     residual_rms_norm(xs(l), ys(l), lw.mlp_norm, n, normed, rstd_mlp(l));
@@ -514,7 +523,7 @@ class CudaCompute final : public Compute {
     if (recompute) return;
     launch_swiglu_forward<T>(gate, up, n, in, 2 * in, at<T>(l_.act));
     // x_{l+1} = y + act Wdown^T: the product here, the sum by the next norm's pass.
-    linear(n, d, in, at<T>(l_.act), in, lw.down, 0.0f, xs(l + 1), CUDA_R_32F, d);
+    linear(n, d, in, at<T>(l_.act), in, lw.down, 0.0f, xs(l + 1), r_type, d);
   }
 
   AttentionShape attention_shape(int sequences, int seq_len) const {
@@ -667,7 +676,7 @@ class CudaCompute final : public Compute {
              f + static_cast<long long>(r0) * d, t16, d, 1.0f, slot.data, slot_type(slot.dtype),
              d);
       gemm(cb, false, false, rows, d, vocab, 1.0f, dlogits, t16, ld_grad, head, t16, d,
-           0.0f, at(l_.dz) + static_cast<long long>(r0) * d, CUDA_R_32F, d);
+           0.0f, at<R>(l_.dz) + static_cast<long long>(r0) * d, r_type, d);
     }
     // Closed here even when tied: one slot is open at a time (a stage-2 bucket is reduced once
     // backward moves on to another group); the lookup's gradient opens the embedding again.
@@ -753,20 +762,23 @@ class CudaCompute final : public Compute {
   }
 
   // An RMSNorm's backward from dz at its output, in one pass over dz and x: with `with_dx`, dx
-  // (= or +=) the gradient at its input, and rounded into d16 (every later use of dx but the
-  // embedding's gradient starts from d16); with `grad`, its weight gradient, slot [D] +=
-  // alpha sum_t dz x rstd.
-  void norm_backward(const float* dz, const float* x, const float* r, const void* w, int n,
+  // (= or +=) the gradient at its input, and, where dx is fp32, rounded into d16 (every later
+  // use of dx but the embedding's gradient starts from d16()); with `grad`, its weight gradient,
+  // slot [D] += alpha sum_t dz x rstd.
+  void norm_backward(const R* dz, const R* x, const float* r, const void* w, int n,
                      bool with_dx, bool accumulate, GradSink& sink, std::optional<ParamId> grad,
                      float alpha) {
     if (!with_dx && !grad) return;
-    launch_rms_norm_backward<T>(dz, x, r, cw(w), n, s_.hidden, with_dx ? at(l_.dx) : nullptr,
-                                accumulate, with_dx ? at<T>(l_.d16) : nullptr,
-                                grad ? at(l_.partials) : nullptr);
+    launch_rms_norm_backward<T, R>(dz, x, r, cw(w), n, s_.hidden,
+                                   with_dx ? at<R>(l_.dx) : nullptr, accumulate,
+                                   with_dx && !kBit16Residual ? at<T>(l_.d16) : nullptr,
+                                   grad ? at(l_.partials) : nullptr);
     if (grad)
       finish(sink, *grad, (n + kCudaNormRowsPerPartial - 1) / kCudaNormRowsPerPartial, s_.hidden,
              alpha);
   }
+  // dx as a GEMM input: its rounded copy, or dx itself where the stream is T.
+  T* d16() const { return kBit16Residual ? at<T>(l_.dx) : at<T>(l_.d16); }
   static std::optional<ParamId> if_active(bool active, ParamId id) {
     return active ? std::optional<ParamId>(id) : std::nullopt;
   }
@@ -777,7 +789,7 @@ class CudaCompute final : public Compute {
                            GradSink& sink, int lowest) {
     const int n = b.sequences * b.seq_len, L = s_.layers;
     const float alpha = mean_factor(grad_scale);
-    float* dz = at(l_.dz);
+    R* dz = at<R>(l_.dz);
     norm_backward(dz, xs(L), rstd_final(), h.final_norm, n, lowest <= L, false, sink,
                   if_active(sink.active(L + 1), {K::final_norm}), alpha);
   }
@@ -789,8 +801,9 @@ class CudaCompute final : public Compute {
     const int qw = static_cast<int>(s_.q_width()), kw = static_cast<int>(s_.kv_width());
     const long long width = qkv_width();
     const float alpha = mean_factor(grad_scale);
-    float *dx = at(l_.dx), *dz = at(l_.dz), *g32 = at(l_.qkv32);
-    T *d16 = at<T>(l_.d16), *g16 = at<T>(l_.qkv16);
+    R *dx = at<R>(l_.dx), *dz = at<R>(l_.dz);
+    float* g32 = at(l_.qkv32);
+    T *d16 = this->d16(), *g16 = at<T>(l_.qkv16);
     T *act = at<T>(l_.act), *dout = at<T>(l_.dout);
 
     for (int l = L - 1; l >= 0 && l + 1 >= lowest; --l) {
@@ -805,7 +818,7 @@ class CudaCompute final : public Compute {
       T* gate = gate_up(l);
       T* up = gate + in;
       // MLP: x_{l+1} = y + act Wdown^T, act = silu(gate) * up, gate|up = rmsnorm(y) W^T.
-      // d16 = dx rounded, by the norm backward that made dx.
+      // d16 = dx rounded by the norm backward that made dx (dx itself when it is T).
       // act (recomputed) for the down projection's weight gradient in the same pass as SwiGLU's
       // backward. Its output's gradient in fp32, or (model.bit16_swiglu_grad) in T in the same
       // region: half the bytes written and read.
@@ -815,7 +828,8 @@ class CudaCompute final : public Compute {
              dact, t16, in);
         launch_swiglu_backward<T, T>(dact, gate, up, active ? act : nullptr, n, in, 2 * in);
       } else {
-        linear_input_grad(n, d, in, d16, d, lw.down, 0.0f, at(l_.dact));
+        gemm(cublas_.get(), false, false, n, in, d, 1.0f, d16, t16, d, lw.down, t16, in, 0.0f,
+             at(l_.dact), CUDA_R_32F, in);
         launch_swiglu_backward<T, float>(at(l_.dact), gate, up, active ? act : nullptr, n, in,
                                          2 * in);
       }
@@ -841,7 +855,7 @@ class CudaCompute final : public Compute {
       const T* v = layer<T>(l_.v, l, kw);
       const T* o = layer<T>(l_.o, l, qw);
       const float* lse = this->lse(l);
-      // d16 = dx rounded, by the norm backward that made dx.
+      // d16 = dx rounded by the norm backward that made dx (dx itself when it is T).
       if (active) weight_grad(sink, {K::o, l}, n, d, qw, alpha, d16, d, o, qw);
       gemm(cublas_.get(), false, false, n, qw, d, 1.0f, d16, t16, d, lw.o, t16, qw, 0.0f, dout,
            t16, qw);
@@ -885,7 +899,7 @@ class CudaCompute final : public Compute {
     const GradSlot slot = sink.open(id);  // tied: a second time, after the head's gradient
     with_slot_type<T>(slot, id, [&](auto g) {
       using G = decltype(g);
-      launch_embed_backward<G>(dx, at<int>(l_.embed_rows), static_cast<int>(rows_.size()),
+      launch_embed_backward<G, R>(dx, at<int>(l_.embed_rows), static_cast<int>(rows_.size()),
                                at<int>(l_.embed_starts), at<int>(l_.embed_positions), d, alpha,
                                static_cast<G*>(slot.data));
     });
@@ -1010,12 +1024,14 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
                                            int recompute, Precision precision,
                                            Attention requested, int loss_rows, bool keep_norms) {
   for (const auto& [what, of] : {std::pair{"logits", precision.logits},
-                                 std::pair{"SwiGLU's gradient", precision.swiglu_grad}})
+                                 std::pair{"SwiGLU's gradient", precision.swiglu_grad},
+                                 std::pair{"the residual stream", precision.residual}})
     if (of != DType::f32 && of != dtype)
       throw ConfigError(std::string("make_cuda_compute: ") + what + " of dtype " +
                         dtype_name(of) + ": fp32 or the weights' " + dtype_name(dtype));
   const bool bit16_logits = precision.logits != DType::f32,
-             bit16_swiglu_grad = precision.swiglu_grad != DType::f32;
+             bit16_swiglu_grad = precision.swiglu_grad != DType::f32,
+             bit16_residual = precision.residual != DType::f32;
   const std::size_t expected =
       cuda_bytes(s, max_sequences, seq_len, recompute, loss_rows, keep_norms);
   if (bytes != expected)
@@ -1027,15 +1043,20 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
   auto* base = static_cast<std::byte*>(memory);
   const Attention attention = cuda_attention(s, requested);
   const bool apart = cuda_apart_through_cudnn(s, max_sequences, seq_len, requested);
+  // T the weights' type, R the residual stream's (fp32, or T).
+  const auto make = [&](auto weights, auto stream) -> std::unique_ptr<Compute> {
+    using T = decltype(weights);
+    using R = decltype(stream);
+    return std::make_unique<CudaCompute<T, R>>(s, max_sequences, seq_len, recompute, loss_rows,
+                                               keep_norms, base, attention, bit16_logits,
+                                               bit16_swiglu_grad, apart);
+  };
   switch (dtype) {
     case DType::bf16:
-      return std::make_unique<CudaCompute<__nv_bfloat16>>(s, max_sequences, seq_len, recompute,
-                                                          loss_rows, keep_norms, base, attention,
-                                                          bit16_logits, bit16_swiglu_grad, apart);
+      return bit16_residual ? make(__nv_bfloat16{}, __nv_bfloat16{})
+                            : make(__nv_bfloat16{}, float{});
     case DType::f16:
-      return std::make_unique<CudaCompute<__half>>(s, max_sequences, seq_len, recompute,
-                                                   loss_rows, keep_norms, base, attention,
-                                                   bit16_logits, bit16_swiglu_grad, apart);
+      return bit16_residual ? make(__half{}, __half{}) : make(__half{}, float{});
     default:
       break;
   }

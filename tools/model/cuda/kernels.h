@@ -10,32 +10,33 @@
 namespace shardswap::lm::dec {
 
 // embedding.cu
-/// x0[t, :] = table[tokens[t], :] in fp32, for n tokens of width d.
-template <class T>
-void launch_embed_forward(const T* table, const int* tokens, int n, int d, float* x0);
-/// slot[rows[u], :] += alpha * the sum of dx over positions[starts[u] .. starts[u + 1]), for
-/// each of the `distinct` input tokens u.
-template <class G>
-void launch_embed_backward(const float* dx, const int* rows, int distinct, const int* starts,
+/// x0[t, :] = table[tokens[t], :] in R (the residual stream's type: float, or T), for n tokens
+/// of width d.
+template <class T, class R>
+void launch_embed_forward(const T* table, const int* tokens, int n, int d, R* x0);
+/// slot[rows[u], :] += alpha * the sum of dx (of R) over positions[starts[u] .. starts[u + 1]),
+/// for each of the `distinct` input tokens u.
+template <class G, class R>
+void launch_embed_backward(const R* dx, const int* rows, int distinct, const int* starts,
                            const int* positions, int d, float alpha, G* slot);
 
-// rms_norm.cu
+// rms_norm.cu (R: the residual stream's type, float or T; fp32 arithmetic either way)
 /// y = x / rms(x) * w per row in T; rstd (when not null) = 1 / rms.
-template <class T>
-void launch_rms_norm_forward(const float* x, const T* w, int n, int d, float eps, T* y,
-                             float* rstd);
+template <class T, class R>
+void launch_rms_norm_forward(const R* x, const T* w, int n, int d, float eps, T* y, float* rstd);
 /// The residual sum and its norm in one pass: sum = residual + sum (sum holds a GEMM's product
-/// on entry), then y and rstd of that sum as launch_rms_norm_forward.
-template <class T>
-void launch_residual_rms_norm_forward(const float* residual, float* sum, const T* w, int n, int d,
+/// on entry; the sum stored in R), then y and rstd of that sum as stored, as
+/// launch_rms_norm_forward.
+template <class T, class R>
+void launch_residual_rms_norm_forward(const R* residual, R* sum, const T* w, int n, int d,
                                       float eps, T* y, float* rstd);
 /// From dz at the norm's output, in one pass: when dx is not null, dx (= or += with accumulate)
 /// the gradient at its input, and the new dx rounded to T into d16 when d16 is not null; when
 /// partials is not null, partials [chunks, d] of the column sums of dz * x * rstd (its weight
 /// gradient), chunks of kCudaNormRowsPerPartial rows, for launch_finish_columns.
-template <class T>
-void launch_rms_norm_backward(const float* dz, const float* x, const float* rstd, const T* w,
-                              int n, int d, float* dx, bool accumulate, T* d16, float* partials);
+template <class T, class R>
+void launch_rms_norm_backward(const R* dz, const R* x, const float* rstd, const T* w, int n,
+                              int d, R* dx, bool accumulate, T* d16, float* partials);
 
 // rope_qkv.cu
 /// cos and sin of RoPE's angles pos * inv_freq[f], [seq_len, half] each.
