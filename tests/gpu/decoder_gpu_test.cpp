@@ -763,8 +763,8 @@ CudaRun run_cuda(const Case& c, const Params& p, const Tokens& b, double grad_sc
                  Precision precision = {}, Attention attention = Attention::automatic,
                  int loss_rows = 0, bool keep_norms = false) {
   const DeviceParams dev(c.shape, p, c.dtype, packed);
-  const std::size_t bytes =
-      cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute, loss_rows, keep_norms);
+  const std::size_t bytes = cuda_bytes(c.shape, c.max_sequences, c.seq_len, recompute, loss_rows,
+                                       keep_norms, precision.residual != DType::f32);
   DeviceBlock block(bytes);
   auto compute = make_cuda_compute(c.shape, c.max_sequences, c.seq_len, c.dtype, block.p, bytes,
                                    recompute, precision, attention, loss_rows, keep_norms);

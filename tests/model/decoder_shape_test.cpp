@@ -1,8 +1,10 @@
 // The decoder's shape limits (DecoderShapeLimits) and rules (validate_decoder_shape), the same
 // for every reader and backend, and its param count without the param list.
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardswap/error.h"
@@ -129,4 +131,47 @@ TEST_CASE("every reader and backend applies the same shape rules, naming the fie
   CHECK(m[1].rfind("cpu_bytes: DecoderShape.vocab = 0", 0) == 0);
   CHECK(m[2].rfind("decoder (cuda): DecoderShape.vocab = 0", 0) == 0);
   CHECK(m[3].rfind("hf_config_to_json: DecoderShape.vocab = 0", 0) == 0);
+}
+
+// model.bit16_residual: the CUDA layout sizes the residual stream (xs, ys), dz and dx for the
+// weights' type and drops dx's rounded copy (d16), so the plan is the bytes the option takes;
+// Decoder::activation_bytes, which the plan and the allocation both use, passes it on.
+TEST_CASE("the CUDA layout holds the residual stream and its gradients in 2 bytes under "
+          "model.bit16_residual") {
+  const DecoderShape s;  // 4 layers, hidden 128
+  const int sequences = 3, seq_len = 40;
+  const std::size_t n = 120, d = 128, layers = 4;
+  const auto rounded = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  for (const int recompute : {0, 4}) {
+    CAPTURE(recompute);
+    const std::size_t slots = lm::dec::cuda_kept_slots(s.layers, recompute);
+    const lm::dec::CudaLayout wide =
+        lm::dec::cuda_layout(s, sequences, seq_len, recompute, 0, false, false);
+    const lm::dec::CudaLayout narrow =
+        lm::dec::cuda_layout(s, sequences, seq_len, recompute, 0, false, true);
+    for (const auto& [l, size] :
+         {std::pair{wide, std::size_t{4}}, std::pair{narrow, std::size_t{2}}}) {
+      CHECK(l.ys - l.xs == rounded((layers + 1) * n * d * size));
+      CHECK(l.rstd_attn - l.ys == rounded(slots * n * d * size));
+      CHECK(l.dz - l.dx == rounded(n * d * size));
+      CHECK(l.d16 - l.dz == rounded(n * d * size));
+    }
+    CHECK(wide.dout - wide.d16 == rounded(n * d * 2));
+    CHECK(narrow.dout == narrow.d16);  // dx is its own GEMM input
+    const auto halved = [&](std::size_t elements) {
+      return rounded(elements * 4) - rounded(elements * 2);
+    };
+    const std::size_t saved = halved((layers + 1) * n * d) + halved(slots * n * d) +
+                              2 * halved(n * d) + rounded(n * d * 2);  // xs, ys, dx, dz; d16
+    CHECK(wide.bytes - narrow.bytes == saved);
+    CHECK(lm::dec::cuda_bytes(s, sequences, seq_len, recompute, 0, false, true) == narrow.bytes);
+    DecoderOptions options;
+    options.recompute_layers = recompute;
+    options.precision.bit16_residual = true;
+    CHECK(Decoder::activation_bytes(s, sequences, seq_len, DType::bf16, DeviceKind::cuda,
+                                    options) == static_cast<std::int64_t>(narrow.bytes));
+    options.precision.bit16_residual = false;
+    CHECK(Decoder::activation_bytes(s, sequences, seq_len, DType::bf16, DeviceKind::cuda,
+                                    options) == static_cast<std::int64_t>(wide.bytes));
+  }
 }

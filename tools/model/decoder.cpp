@@ -473,7 +473,8 @@ std::int64_t Decoder::activation_bytes(const DecoderShape& shape, int max_sequen
                                        ? lm::dec::cuda_bytes(shape, max_sequences, seq_len,
                                                              options.recompute_layers,
                                                              options.loss_chunk_rows,
-                                                             options.keep_norm_outputs)
+                                                             options.keep_norm_outputs,
+                                                             options.precision.bit16_residual)
                                        : lm::dec::cpu_bytes(shape, max_sequences, seq_len,
                                                             options.recompute_layers,
                                                             options.loss_chunk_rows));

@@ -41,8 +41,8 @@ inline constexpr std::size_t kCudaCublasWorkspaceBytes = std::size_t{32} << 20;
 
 /// Byte offsets of the backend's regions in its one block, for n = max_sequences * seq_len
 /// tokens. "b16" regions hold the weights' type (bf16 or fp16): GEMM inputs and attention's
-/// operands; the residual stream, norm statistics and reductions are fp32 (the stream, dz and dx
-/// hold the weights' type under model.bit16_residual, in the first half of their regions).
+/// operands; norm statistics and reductions are fp32; "r" regions, the residual stream and the
+/// gradients along it, fp32 or (model.bit16_residual) the weights' type.
 struct CudaLayout {
   std::size_t inv_freq;       // f32 head_dim / 2 (RoPE), uploaded once
   std::size_t rope_cos, rope_sin;  // f32 seq_len head_dim / 2: RoPE's angles, once a forward
@@ -57,8 +57,8 @@ struct CudaLayout {
   // Kept from forward for backward. xs holds every layer's input; the other per-layer regions
   // hold S = cuda_kept_slots(L, R) slots, layer l's at cuda_slot_of(l, R) (R = recompute_layers:
   // the lowest R layers share slot 0 and refill it in backward).
-  std::size_t xs;    // f32 (L + 1) n D: the residual stream entering each layer, then x_L
-  std::size_t ys;    // f32 S n D: the residual stream after attention
+  std::size_t xs;    // r (L + 1) n D: the residual stream entering each layer, then x_L
+  std::size_t ys;    // r S n D: the residual stream after attention
   std::size_t rstd_attn, rstd_mlp;  // f32 S n: 1 / rms of the attention and MLP norms' rows
   std::size_t rstd_final;           // f32 n: of the final norm's
   std::size_t q, k, v;  // b16 S n H hd, S n K hd, S n K hd: after bias, head norm and RoPE
@@ -85,9 +85,9 @@ struct CudaLayout {
   std::size_t dact;    // f32 n I: its gradient
   // act and dact together (free while attention runs, forward and backward) also hold a call's
   // padded buffers when documents apart go through cuDNN (cuda_apart_call_tokens).
-  std::size_t dx;      // f32 n D: gradient of the residual stream
-  std::size_t dz;      // f32 n D: gradient at a norm's output
-  std::size_t d16;     // b16 n D: dx rounded, a GEMM input
+  std::size_t dx;      // r n D: gradient of the residual stream
+  std::size_t dz;      // r n D: gradient at a norm's output
+  std::size_t d16;     // b16 n D: dx rounded, a GEMM input (0 bytes where dx is b16 itself)
   std::size_t dout;    // b16 n H hd: gradient of attention's output
   std::size_t delta;   // f32 n H: rowsum(dout * o) per head
   std::size_t logits;  // f32 cuda_loss_rows(.., n) V; its rows' gradient in place (b16)
@@ -197,7 +197,8 @@ inline std::size_t cuda_slot_of(int l, int recompute) {
 }
 
 inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_len,
-                              int recompute, int loss_rows = 0, bool keep_norms = false) {
+                              int recompute, int loss_rows = 0, bool keep_norms = false,
+                              bool bit16_residual = false) {
   check_cuda_shape(s, max_sequences, seq_len);
   if (recompute < 0 || recompute > s.layers)
     throw ConfigError("decoder (cuda): recompute_layers = " + std::to_string(recompute) +
@@ -214,6 +215,7 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
     }
   } a;
   constexpr std::size_t f32 = 4, b16 = 2, i32 = 4;
+  const std::size_t stream = bit16_residual ? b16 : f32;  // the "r" regions' element
   const auto n = static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len);
   const auto d = static_cast<std::size_t>(s.hidden), in = static_cast<std::size_t>(s.intermediate),
              layers = static_cast<std::size_t>(s.layers), h = static_cast<std::size_t>(s.heads),
@@ -235,8 +237,8 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.embed_positions = a.take(n, i32);
   l.documents = a.take(2 * n, i32);
   const std::size_t slots = cuda_kept_slots(s.layers, recompute);
-  l.xs = a.take((layers + 1) * n * d, f32);
-  l.ys = a.take(slots * n * d, f32);
+  l.xs = a.take((layers + 1) * n * d, stream);
+  l.ys = a.take(slots * n * d, stream);
   l.rstd_attn = a.take(slots * n, f32);
   l.rstd_mlp = a.take(slots * n, f32);
   l.rstd_final = a.take(n, f32);
@@ -256,9 +258,9 @@ inline CudaLayout cuda_layout(const DecoderShape& s, int max_sequences, int seq_
   l.wqkv = a.take((qw + 2 * kw) * d, b16);
   l.act = a.take(n * in, b16);
   l.dact = a.take(n * in, f32);
-  l.dx = a.take(n * d, f32);
-  l.dz = a.take(n * d, f32);
-  l.d16 = a.take(n * d, b16);
+  l.dx = a.take(n * d, stream);
+  l.dz = a.take(n * d, stream);
+  l.d16 = a.take(bit16_residual ? 0 : n * d, b16);
   l.dout = a.take(n * qw, b16);
   l.delta = a.take(n * h, f32);
   l.logits = a.take(rows * v, f32);
@@ -301,12 +303,16 @@ inline long long cuda_apart_call_tokens(const DecoderShape& s, int max_sequences
 /// tokens with the lowest `recompute` layers recomputed in backward: every activation it keeps,
 /// its scratch, the chunked cross-entropy's logits rows (cuda_loss_rows(loss_rows, tokens) of
 /// them), with keep_norms (model.keep_norm_outputs) each kept layer's two norm outputs, the
-/// cuBLAS workspace and, with cuDNN, its fp32 dQ and workspace. Nothing else is allocated on the
-/// device by train_step or loss. Throws ConfigError as check_cuda_shape, or naming
-/// recompute_layers outside [0, layers] or a negative loss_chunk_rows.
+/// residual stream and its gradients in the weights' type with bit16_residual
+/// (model.bit16_residual; else fp32), the cuBLAS workspace and, with cuDNN, its fp32 dQ and
+/// workspace. Nothing else is allocated on the device by train_step or loss. Throws ConfigError
+/// as check_cuda_shape, or naming recompute_layers outside [0, layers] or a negative
+/// loss_chunk_rows.
 inline std::size_t cuda_bytes(const DecoderShape& s, int max_sequences, int seq_len,
-                              int recompute = 0, int loss_rows = 0, bool keep_norms = false) {
-  return cuda_layout(s, max_sequences, seq_len, recompute, loss_rows, keep_norms).bytes;
+                              int recompute = 0, int loss_rows = 0, bool keep_norms = false,
+                              bool bit16_residual = false) {
+  return cuda_layout(s, max_sequences, seq_len, recompute, loss_rows, keep_norms, bit16_residual)
+      .bytes;
 }
 
 /// The attention the backend runs for shape s when a run asks for `requested` (model.attention):
@@ -356,8 +362,8 @@ void own_attention_backward(DType dtype, int sequences, int seq_len, int heads, 
 /// (model.bit16_logits: half the bytes the head writes and the cross-entropy reads), the
 /// gradient at SwiGLU's output (model.bit16_swiglu_grad: half the bytes the down projection's
 /// input-gradient GEMM writes and SwiGLU's backward reads) and the residual stream with its
-/// gradients (model.bit16_residual: xs, ys, dz and dx in the weights' type, in the first half of
-/// their fp32-sized regions; the norms and the GEMMs that write the stream move half the bytes);
+/// gradients (model.bit16_residual: xs, ys, dz and dx in the weights' type, the norms and the
+/// GEMMs that write the stream moving half the bytes; bytes as cuda_bytes gives them with it);
 /// the loss and gradients then change in the last bits. Any other dtype is a ConfigError.
 /// `attention`: model.attention, resolved by cuda_attention (whose ConfigError it throws).
 /// `loss_rows`: the cross-entropy's chunk (model.loss_chunk_rows; 0: kCudaLossChunkRows), and

@@ -11,8 +11,8 @@
 // transformers' bf16 models and llm.q keep it), the GEMM products added into it and the
 // activation gradients along it (dz at a norm's output, dx the stream's) are of R; the other GEMM
 // outputs that feed a reduction, norm statistics and the softmaxes are fp32; GEMM inputs and
-// attention's operands are rounded to T, as a bf16 model in transformers rounds them. The
-// regions of R are sized for fp32 whichever R runs (the plan does not depend on the option).
+// attention's operands are rounded to T, as a bf16 model in transformers rounds them (the
+// layout sizes the regions of R for R: cuda_bytes with bit16_residual).
 // Activation gradients are those of the summed loss, O(1) per token whatever the batch or the
 // loss scale, so fp16 neither underflows nor overflows there; grad_scale / tokens enters only
 // where a param gradient is written.
@@ -140,7 +140,8 @@ class CudaCompute final : public Compute {
         n_max_(static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(seq_len)),
         loss_rows_(cuda_loss_rows(loss_rows, n_max_)),
         mem_(memory),
-        l_(cuda_layout(s, max_sequences, seq_len, recompute, loss_rows, keep_norms)),
+        l_(cuda_layout(s, max_sequences, seq_len, recompute, loss_rows, keep_norms,
+                       kBit16Residual)),
         device_(use_device_of(memory)),  // current before the handle is made on it
         cublas_(memory + l_.workspace, kCudaCublasWorkspaceBytes),
         inv_freq_(rope_inv_freq(s)) {
@@ -1033,7 +1034,7 @@ std::unique_ptr<Compute> make_cuda_compute(const DecoderShape& s, int max_sequen
              bit16_swiglu_grad = precision.swiglu_grad != DType::f32,
              bit16_residual = precision.residual != DType::f32;
   const std::size_t expected =
-      cuda_bytes(s, max_sequences, seq_len, recompute, loss_rows, keep_norms);
+      cuda_bytes(s, max_sequences, seq_len, recompute, loss_rows, keep_norms, bit16_residual);
   if (bytes != expected)
     throw ConfigError("make_cuda_compute: the block has " + std::to_string(bytes) +
                       " bytes, the layout " + std::to_string(expected));
