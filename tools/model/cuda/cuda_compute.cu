@@ -823,17 +823,14 @@ class CudaCompute final : public Compute {
       // act (recomputed) for the down projection's weight gradient in the same pass as SwiGLU's
       // backward. Its output's gradient in fp32, or (model.bit16_swiglu_grad) in T in the same
       // region: half the bytes written and read.
-      if (bit16_swiglu_grad_) {
-        T* dact = at<T>(l_.dact);
-        gemm(cublas_.get(), false, false, n, in, d, 1.0f, d16, t16, d, lw.down, t16, in, 0.0f,
-             dact, t16, in);
-        launch_swiglu_backward<T, T>(dact, gate, up, active ? act : nullptr, n, in, 2 * in);
-      } else {
-        gemm(cublas_.get(), false, false, n, in, d, 1.0f, d16, t16, d, lw.down, t16, in, 0.0f,
-             at(l_.dact), CUDA_R_32F, in);
+      gemm(cublas_.get(), false, false, n, in, d, 1.0f, d16, t16, d, lw.down, t16, in, 0.0f,
+           at(l_.dact), bit16_swiglu_grad_ ? t16 : CUDA_R_32F, in);
+      if (bit16_swiglu_grad_)
+        launch_swiglu_backward<T, T>(at<T>(l_.dact), gate, up, active ? act : nullptr, n, in,
+                                     2 * in);
+      else
         launch_swiglu_backward<T, float>(at(l_.dact), gate, up, active ? act : nullptr, n, in,
                                          2 * in);
-      }
       if (active) {
         weight_grad(sink, {K::down, l}, n, d, in, alpha, d16, d, act, in);
         T* const normed = norm_out(l, 1);
