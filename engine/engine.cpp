@@ -776,6 +776,9 @@ double Engine::sum_across_ranks(double value) {
   // step() must not make its next forward wait for the whole update (overlap_update). With
   // ranks, the communicator's stream runs this after the update's all-gathers anyway.
   impl_->require_built_only("sum_across_ranks");
+  // One rank: the sum is the value, and the host must not wait for the GPU to say so (a trainer
+  // reducing its loss after step() would idle the GPU while it makes its next batch).
+  if (impl_->comm.world_size() == 1) return value;
   void* scalar = impl_->scalars.data();
   impl_->space.upload(scalar, &value, sizeof value);
   impl_->comm.all_reduce(scalar, 1, DType::f64, ReduceOp::sum);

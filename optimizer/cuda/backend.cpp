@@ -53,11 +53,12 @@ Elem bit16_elem_of(DType dtype, const char* fn) {
 // directly (unified addressing): no device memory outside the allocators' accounts, no second
 // pass, and the host adds the partials in block order, so a result is reproducible on a given
 // GPU model. One buffer per thread serves every device, since each call waits for its kernels
-// before it returns; it holds the partials of kSpansPerWait reductions, queued back to back and
-// waited for once (a wait drains the GPU: the engine's gradient norm makes one reduction a
-// 16M-element piece of every group, about 100 a step at 1.5B params).
+// before it returns; it holds the partials of kSpansPerWait reductions, made by one launch and
+// waited for once (a wait drains the GPU, and so does the tail of each small launch: the
+// engine's gradient norm makes one reduction a 16M-element piece of every group, about 100 a
+// step at 1.5B params).
 constexpr int kMaxBlocks = 4096;
-constexpr std::size_t kSpansPerWait = 64;
+constexpr std::size_t kSpansPerWait = detail::kMaxSquaresSpans;  // one launch a wait
 
 class HostScratch {
  public:
@@ -123,13 +124,15 @@ void sum_squares(const ConstSpan* spans, std::size_t n, DType dtype, double scal
   for (std::size_t first = 0; first < n; first += kSpansPerWait) {
     const std::size_t batch = std::min(kSpansPerWait, n - first);
     double* partials = scratch().doubles(batch);
-    int blocks[kSpansPerWait] = {};
+    const void* data[kSpansPerWait] = {};
+    std::size_t counts[kSpansPerWait] = {};
     for (std::size_t i = 0; i < batch; ++i) {
-      const ConstSpan& span = spans[first + i];
-      if (span.count > 0)
-        blocks[i] = detail::launch_sum_squares(span.data, e, span.count, scale,
-                                               partials + i * kMaxBlocks, kMaxBlocks);
+      data[i] = spans[first + i].data;
+      counts[i] = spans[first + i].count;
     }
+    int blocks[kSpansPerWait] = {};
+    detail::launch_sum_squares(data, counts, static_cast<int>(batch), e, scale, partials,
+                               kMaxBlocks, blocks);
     SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(detail::work_stream()));
     for (std::size_t i = 0; i < batch; ++i) {
       double sum = 0.0;

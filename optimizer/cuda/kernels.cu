@@ -279,13 +279,37 @@ __device__ double block_sum(double x) {
   return x;
 }
 
+// The spans of one sum_squares launch: span i's blocks are first_block[i] .. + blocks[i] - 1.
+struct SquaresSpans {
+  const void* data[kMaxSquaresSpans];
+  std::size_t count[kMaxSquaresSpans];
+  std::size_t vec_units[kMaxSquaresSpans];
+  int first_block[kMaxSquaresSpans];
+  int blocks[kMaxSquaresSpans];
+  int row[kMaxSquaresSpans];  // where its partials go: the caller's index (empty spans skipped)
+  int n;
+};
+
+// Each block finds its span and runs as block b of a grid of that span's blocks alone would, so
+// that a span's partials are those of a launch of its own whatever else shares the launch.
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    sum_squares_kernel(const typename T::Storage* __restrict__ x, std::size_t count,
-                       std::size_t vec_units, double scale, double* partials) {
+    sum_squares_kernel(const SquaresSpans spans, double scale, double* partials, int row) {
+  int lo = 0, hi = spans.n - 1;  // the last span starting at or before this block
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (spans.first_block[mid] <= static_cast<int>(blockIdx.x))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const auto* x = static_cast<const typename T::Storage*>(spans.data[lo]);
+  const std::size_t count = spans.count[lo], vec_units = spans.vec_units[lo];
+  const int block = static_cast<int>(blockIdx.x) - spans.first_block[lo];
+  const std::size_t stride = static_cast<std::size_t>(spans.blocks[lo]) * kThreads;
+  const std::size_t thread = static_cast<std::size_t>(block) * kThreads + threadIdx.x;
   double sum = 0.0;
-  const std::size_t stride = grid_threads();
-  for (std::size_t u = thread_index(); u < vec_units; u += stride) {
+  for (std::size_t u = thread; u < vec_units; u += stride) {
     float f[kVec];
     T::load_vec(x, u * kVec, f);
 #pragma unroll
@@ -294,12 +318,12 @@ __global__ void __launch_bounds__(kThreads)
       sum += d * d;
     }
   }
-  for (std::size_t i = vec_units * kVec + thread_index(); i < count; i += stride) {
+  for (std::size_t i = vec_units * kVec + thread; i < count; i += stride) {
     const double d = static_cast<double>(T::load(x, i)) * scale;
     sum += d * d;
   }
   sum = block_sum(sum);
-  if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+  if (threadIdx.x == 0) partials[static_cast<std::size_t>(spans.row[lo]) * row + block] = sum;
 }
 
 // bf16 and fp16 Inf/NaN upcast to fp32 Inf/NaN and finite values stay finite, so one test of the
@@ -467,18 +491,30 @@ void launch_sgd(const SgdScalars& s, const UpdateLaunch& t) {
   });
 }
 
-int launch_sum_squares(const void* x, Elem e, std::size_t count, double scale, double* partials,
-                       int max_blocks) {
-  int blocks = 0;
+void launch_sum_squares(const void* const* data, const std::size_t* counts, int n, Elem e,
+                        double scale, double* partials, int max_blocks, int* blocks) {
+  SquaresSpans spans{};
+  int total = 0;
+  for (int i = 0; i < n; ++i) {
+    blocks[i] = 0;
+    if (counts[i] == 0) continue;  // no block, no partial
+    const int k = spans.n++;
+    spans.data[k] = data[i];
+    spans.count[k] = counts[i];
+    spans.vec_units[k] = vector_units(counts[i], {data[i]});
+    spans.blocks[k] = grid_size(counts[i], spans.vec_units[k], static_cast<std::size_t>(max_blocks));
+    spans.first_block[k] = total;
+    total += spans.blocks[k];
+    spans.row[k] = i;
+    blocks[i] = spans.blocks[k];
+  }
+  if (spans.n == 0) return;
   with_elem(e, [&](auto type) {
     using T = decltype(type);
-    const std::size_t units = vector_units(count, {x});
-    blocks = grid_size(count, units, static_cast<std::size_t>(max_blocks));
-    sum_squares_kernel<T><<<blocks, kThreads, 0, detail::work_stream()>>>(
-        static_cast<const typename T::Storage*>(x), count, units, scale, partials);
+    sum_squares_kernel<T><<<total, kThreads, 0, detail::work_stream()>>>(spans, scale, partials,
+                                                                          max_blocks);
     SHARDSWAP_CUDA_CHECK(cudaGetLastError());
   });
-  return blocks;
 }
 
 int launch_find_inf_or_nan(const void* x, Elem e, std::size_t count, int* flags, int max_blocks) {

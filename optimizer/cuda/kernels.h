@@ -34,10 +34,16 @@ struct UpdateLaunch {
 void launch_adam(const AdamScalars& s, const UpdateLaunch& t);
 void launch_sgd(const SgdScalars& s, const UpdateLaunch& t);
 
-/// Block b writes sum over its elements of (double(x) * scale)^2 to partials[b], in memory the
-/// device can write (pinned host memory). Returns the number of blocks (<= max_blocks).
-int launch_sum_squares(const void* x, Elem e, std::size_t count, double scale, double* partials,
-                       int max_blocks);
+/// The most spans one launch_sum_squares call takes (its table travels as a kernel argument).
+constexpr int kMaxSquaresSpans = 64;
+
+/// One launch for up to kMaxSquaresSpans spans of n elements of type e: span i is cut into
+/// blocks[i] <= max_blocks blocks as a launch of its own would cut it (the same sums in the same
+/// order), and its block b writes the sum over its elements of (double(x) * scale)^2 to
+/// partials[i * max_blocks + b], in memory the device can write (pinned host memory). An empty
+/// span gets no block (blocks[i] = 0).
+void launch_sum_squares(const void* const* data, const std::size_t* counts, int n, Elem e,
+                        double scale, double* partials, int max_blocks, int* blocks);
 /// Block b writes 1 to flags[b] if one of its elements is Inf or NaN, else 0.
 int launch_find_inf_or_nan(const void* x, Elem e, std::size_t count, int* flags, int max_blocks);
 

@@ -8,7 +8,8 @@
 # the same machine state.
 # Prints each pair's tokens/s, the ratio and the phase split, and writes OUT/ab.json.
 #   usage: OUT=DIR BASE=<commit or folder> [SHAPES="0.5b 1.5b"] [MODES=full] [STEPS=25] [ROUNDS=1]
-#          [TESTS="<GPU test filter>"] bash tools/bench/ab_train.sh
+#          [TESTS="<GPU test filter>"] [SET="KEY=VALUE ..."] bash tools/bench/ab_train.sh
+# SET's keys are set in both sides' runs (train_bench.py --set), logging.timing=false say.
 # TESTS, when set, runs those GPU test cases of this tree first (shardswap_gpu_tests). PROFILE=1
 # then times every kernel of one step of this tree at Qwen2.5-0.5B, micro 8, seq 2048 on the same
 # text (tools/bench/profile_step.sh, needs ncu): OUT/profile/, and the table by kind of kernel in
@@ -33,7 +34,7 @@ step() { echo; echo "=== $* ==="; }
 
 step "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
-echo "this tree: $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' + changes'), base: $BASE" |
+echo "this tree: $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' + changes'), base: $BASE${SET:+, set: $SET}" |
   tee -a "$OUT/machine.txt"
 
 step "build this tree and $BASE"
@@ -71,8 +72,11 @@ for round in $(seq "$ROUNDS"); do
         bin=build/cuda/tools/shardswap
         [ $side = base ] && bin="$base_tree/build/cuda/tools/shardswap"
         dir="$OUT/$side-$shape-$mode-$round"
+        sets=()
+        for kv in ${SET:-}; do sets+=(--set "$kv"); done
         python3 tools/bench/train_bench.py --bin "$bin" --out "$dir" --shapes "$shape" \
-          --modes "$mode" --steps "$STEPS" --warmup 5 --text "$text" > "$dir.txt" 2>&1 || status=1
+          --modes "$mode" --steps "$STEPS" --warmup 5 --text "$text" "${sets[@]}" > "$dir.txt" 2>&1 ||
+          status=1
         echo "$side $(tail -1 "$dir.txt")"
       done
     done

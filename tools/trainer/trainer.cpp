@@ -126,6 +126,7 @@ void Trainer::run() {
     return;
   }
   begin_training();
+  step_clock_ = std::chrono::steady_clock::now();
   for (std::int64_t step = start_; step < config_.steps; ++step) {
     const Step s = train_step(step);
     // Rank 0's reports of the step, its metrics line first: a checkpoint of the step is saved
@@ -133,7 +134,10 @@ void Trainer::run() {
     // point the metrics have not reached.
     if (rank_ == 0) report(step, s);
     refuse_skips(step, s);
-    if (saves_after(step, s.stopping)) save(step, s.stopping);
+    if (saves_after(step, s.stopping)) {
+      save(step, s.stopping);
+      step_clock_ = std::chrono::steady_clock::now();  // a save is no step's time
+    }
     if (s.stopping) {
       stop(step);
       break;
@@ -309,7 +313,16 @@ Trainer::Step Trainer::train_step(std::int64_t step) {
   // The last step of a stopped run is evaluated as the last one of a finished run is.
   s.evaluating = (step + 1) % config_.eval_interval == 0 || step + 1 == config_.steps || s.stopping;
   if (s.evaluating) s.val = validate();
-  s.seconds = seconds_since(started);
+  // With one rank nothing above waits for the update (sum_across_ranks has no other rank to wait
+  // for): the host goes on to the next step's batch and launches while the GPU ends this step.
+  // So a step's seconds run from the end of the step before (the reports between steps
+  // included) to its own end, and the GPU is waited for wherever the run's time is read after
+  // it: the last step, one the run stops after or saves after.
+  if (step + 1 == config_.steps || s.stopping || saves_after(step, s.stopping))
+    run_.backend.synchronize();
+  const auto ended = std::chrono::steady_clock::now();
+  s.seconds = std::chrono::duration<double>(ended - step_clock_).count();
+  step_clock_ = ended;
   s.mem = engine_.memory_stats();
   s.host = engine_.host_memory_stats();
   // The plans of every rank on rank 0's GPU (in-process ranks share it; over NCCL a rank has a

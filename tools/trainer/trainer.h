@@ -2,6 +2,7 @@
 // (tools/trainer/train.cpp) sets the run up once, starts the ranks and makes a Trainer on each.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -127,6 +128,7 @@ class Trainer {
   double interval_loss_ = 0.0;
   int interval_steps_ = 0;
   double timed_seconds_ = 0.0, model_seconds_ = 0.0, engine_seconds_ = 0.0, first_seconds_ = 0.0;
+  std::chrono::steady_clock::time_point step_clock_;  // where the next step's seconds start
 };
 
 }  // namespace shardswap

@@ -14,8 +14,8 @@ namespace shardswap::lm::dec {
 
 // The GPU time of train_step's phases (PhaseTimes) from CUDA events on cudaStreamPerThread: a
 // mark records an event as the next phase's work is queued; the time between two marks is the
-// earlier mark's phase. Read after the stream was synchronized (read_loss), so reading waits
-// for nothing; off, a mark does nothing.
+// earlier mark's phase. Reading waits for the step's last mark (train_step returns once the
+// loss is read, with the backward still running); off, a mark does nothing and nothing waits.
 class PhaseClock {
  public:
   enum Phase {
@@ -50,9 +50,10 @@ class PhaseClock {
     SHARDSWAP_CUDA_CHECK(cudaEventRecord(events_[marks_.size()], cudaStreamPerThread));
     marks_.push_back(p);
   }
-  // After the step's last mark (done) and a synchronize: adds the step's phases to the sums.
+  // After the step's last mark (done): waits for it, then adds the step's phases to the sums.
   void add_step() {
     if (!on_ || marks_.empty()) return;
+    SHARDSWAP_CUDA_CHECK(cudaEventSynchronize(events_[marks_.size() - 1]));
     double* sums[] = {&times_.forward,      &times_.forward_mlp, &times_.attention_forward,
                       &times_.head,         &times_.backward_mlp, &times_.backward,
                       &times_.attention_backward};
