@@ -289,3 +289,30 @@ TEST_CASE("zero_grad discards accumulated gradients") {
     RANK_REQUIRE(r.grad_norm == 0.0);
   });
 }
+
+TEST_CASE("sum_across_ranks adds every rank's value; one rank gets its own value back, NaN too") {
+  for (int world : {1, 3}) {
+    CAPTURE(world);
+    run_ranks(world, [&](int rank, Communicator& comm) {
+      MemorySpace space(rank, make_host_allocator());
+      Engine e(base_config(2), comm, space);
+      declare(e);
+      e.build(init_weights);
+      // 0.1 + 0.2 x rank: no rank's value is exact in binary, so the sum is not one by luck.
+      const double sum = e.sum_across_ranks(0.1 + 0.2 * rank);
+      double expected = 0.0;
+      for (int r = 0; r < world; ++r) expected += 0.1 + 0.2 * r;
+      RANK_REQUIRE(std::abs(sum - expected) <= 1e-15 * world);
+      RANK_REQUIRE(std::isnan(e.sum_across_ranks(rank == 0 ? std::nan("") : 1.0)));
+      RANK_REQUIRE(e.sum_across_ranks(-2.5) == -2.5 * world);
+    });
+  }
+  // Before build there is no scalars buffer to reduce through: refused, naming the call.
+  run_ranks(1, [&](int rank, Communicator& comm) {
+    MemorySpace space(rank, make_host_allocator());
+    Engine e(base_config(2), comm, space);
+    declare(e);
+    RANK_REQUIRE(test::contains(test::message_of<StateError>([&] { e.sum_across_ranks(1.0); }),
+                                "sum_across_ranks"));
+  });
+}
