@@ -361,8 +361,7 @@ class CudaCompute final : public Compute {
     if (w.source != nullptr) check_layer(*use, l, "decoder (cuda): ");
   }
 
-  // Tokens and targets to the device; for train_step also the embedding gradient's grouping of
-  // positions by token (made here, on the host, from the host batch).
+  // Tokens, targets (and documents' positions) to the device, and the batch's counted targets.
   void upload(const Batch& b) {
     const auto n = static_cast<std::size_t>(b.sequences) * static_cast<std::size_t>(b.seq_len);
     counted_ = counted_targets(b);

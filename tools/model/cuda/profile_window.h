@@ -41,7 +41,11 @@ class ProfileWindow {
     if (step_ == first_) SHARDSWAP_CUDA_CHECK(cudaProfilerStart());
   }
   void after_step() {
-    if (step_ == last_) SHARDSWAP_CUDA_CHECK(cudaProfilerStop());
+    if (step_ != last_) return;
+    // train_step returns with its backward still queued: a profiler that records as kernels
+    // run (not at their launch, as Nsight Compute does) must see them end inside the window.
+    SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+    SHARDSWAP_CUDA_CHECK(cudaProfilerStop());
   }
 
  private:
