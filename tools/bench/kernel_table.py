@@ -49,7 +49,8 @@ KINDS = [
     ("RMSNorm weight and bias sums", ("norm_partials", "finish_columns", "column_partials",
                                       "bias", "reduce_add_sum")),
     ("q/k/v bias + RoPE", ("qkv_", "rope")),
-    ("optimizer step", ("adamw", "global_norm", "deterministic_sum", "onerankreduce")),
+    ("optimizer step", ("adamw", "global_norm", "deterministic_sum", "onerankreduce",
+                        "adam_kernel", "sgd_kernel", "sum_squares")),
     ("embedding", ("embed", "encoder", "wte")),
 ]
 

@@ -2,9 +2,10 @@
 # Every kernel of whole decoder training steps under Nsight Compute, on a machine with an NVIDIA
 # GPU and ncu: `shardswap train` of CONFIG with SHARDSWAP_CUDA_PROFILE_STEPS opening the capture
 # for steps FIRST..FIRST+COUNT-1 of train_step (the forward, head, backward and the gradient
-# reduction they queue; engine.step() is outside), each kernel's GPU time measured alone at the
-# clocks the GPU runs at (--clock-control none) with warm caches (--cache-control none), then
-# tools/bench/kernel_table.py ranks them.
+# reduction they queue, then engine.step()'s gradient norm and update: the capture closes as
+# step FIRST+COUNT begins; the gradients' memset is no kernel), each kernel's GPU time measured
+# alone at the clocks the GPU runs at (--clock-control none) with warm caches (--cache-control
+# none), then tools/bench/kernel_table.py ranks them.
 #   usage: bash tools/bench/profile_step.sh OUT_DIR CONFIG [--set KEY=VALUE ...]
 #   env:   BIN (default build/cuda/tools/shardswap), FIRST (3), COUNT (1), NCU (ncu)
 # Writes OUT_DIR/NAME.csv (ncu's raw rows), NAME.log (the run), NAME.txt (the table) and

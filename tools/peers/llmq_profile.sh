@@ -10,7 +10,8 @@
 #     and with the next (tools/bench/kernel_table.py --segment): that step's backward, optimizer
 #     (its AdamW kernel runs once a tensor, so it cannot mark steps), next forward and head.
 #  2. ShardSwap: tools/bench/profile_step.sh over configs/qwen2.5-SHAPE.json on real text
-#     (train_step only: engine.step() is outside its capture; its time is in train_bench's split),
+#     (train_step and the engine.step() after it: its norm and AdamW kernels are the table's
+#     "optimizer step" row, beside llm.q's),
 #     with OPTIONS (space-separated KEY=VALUE config overrides, e.g. "model.bit16_logits=true").
 # Writes under OUT: llmq-build/ (gpu_run.sh's files), llmq.csv, llmq.txt (the table),
 # llmq-sequence.txt (the step's launches in order), shardswap/ (profile_step.sh's files), and

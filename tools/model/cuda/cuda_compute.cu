@@ -196,7 +196,6 @@ class CudaCompute final : public Compute {
     // work (engine.step()'s bookkeeping, the next micro-batch) is queued while the GPU runs it.
     const double loss = loss_.wait();
     clock_.add_step();
-    profile_.after_step();
     return loss;
   }
 

@@ -14,9 +14,11 @@ namespace shardswap::lm::dec {
 
 // A profiler's capture window over train_step calls, from SHARDSWAP_CUDA_PROFILE_STEPS=FIRST or
 // FIRST,COUNT (1-based; COUNT 1 by default): cudaProfilerStart before step FIRST, cudaProfilerStop
-// after step FIRST + COUNT - 1, for a profiler started with capture off (Nsight Compute's
-// --profile-from-start off, Nsight Systems' --capture-range=cudaProfilerApi), so that it sees
-// whole steps and nothing of the set-up (tools/bench/profile_step.sh). Unset: nothing.
+// before step FIRST + COUNT, so that the window holds whole steps with what the caller queues
+// between them (engine.step()'s gradient norm and update) and nothing of the set-up, for a
+// profiler started with capture off (Nsight Compute's --profile-from-start off, Nsight Systems'
+// --capture-range=cudaProfilerApi; tools/bench/profile_step.sh). A run that ends at step FIRST +
+// COUNT - 1 captures to its exit. Unset: nothing.
 class ProfileWindow {
  public:
   ProfileWindow() {
@@ -38,14 +40,13 @@ class ProfileWindow {
   }
   void before_step() {
     ++step_;
+    if (first_ > 0 && step_ == last_ + 1) {
+      // What the last step queued (its backward, engine.step()'s work) ends inside the window,
+      // for a profiler that records kernels as they run rather than at their launch.
+      SHARDSWAP_CUDA_CHECK(cudaDeviceSynchronize());
+      SHARDSWAP_CUDA_CHECK(cudaProfilerStop());
+    }
     if (step_ == first_) SHARDSWAP_CUDA_CHECK(cudaProfilerStart());
-  }
-  void after_step() {
-    if (step_ != last_) return;
-    // train_step returns with its backward still queued: a profiler that records as kernels
-    // run (not at their launch, as Nsight Compute does) must see them end inside the window.
-    SHARDSWAP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
-    SHARDSWAP_CUDA_CHECK(cudaProfilerStop());
   }
 
  private:
