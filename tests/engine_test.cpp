@@ -290,7 +290,7 @@ TEST_CASE("zero_grad discards accumulated gradients") {
   });
 }
 
-TEST_CASE("sum_across_ranks adds every rank's value; one rank gets its own value back, NaN too") {
+TEST_CASE("sum_across_ranks adds every rank's value, and one rank gets its own value back (NaN too)") {
   for (int world : {1, 3}) {
     CAPTURE(world);
     run_ranks(world, [&](int rank, Communicator& comm) {
