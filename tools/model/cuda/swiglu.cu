@@ -28,20 +28,6 @@ __device__ __forceinline__ long long strided(long long i, int width, long long l
   return (i / per_row) * ld + (i % per_row) * N;
 }
 
-// Pack i of D (fp32, or a bit16 type) as fp32 values.
-template <int N, class D>
-__device__ __forceinline__ FloatPack<N> load_floats(const D* p, long long i) {
-  if constexpr (std::is_same_v<D, float>) {
-    return reinterpret_cast<const FloatPack<N>*>(p)[i];
-  } else {
-    const Pack<D, N> v = reinterpret_cast<const Pack<D, N>*>(p)[i];
-    FloatPack<N> out;
-#pragma unroll
-    for (int e = 0; e < N; ++e) out.v[e] = to_float(v.v[e]);
-    return out;
-  }
-}
-
 // act = silu(gate) * up in T, N elements a thread.
 template <class T, int N>
 __global__ void swiglu_forward(const T* __restrict__ gate, const T* __restrict__ up,
@@ -67,7 +53,7 @@ __global__ void swiglu_backward(const D* __restrict__ dact, T* __restrict__ gate
                                 int width, long long ld) {
   GRID_STRIDE(i, packs) {
     const long long at = strided<N>(i, width, ld);
-    const FloatPack<N> da = load_floats<N>(dact, i);
+    const FloatPack<N> da = load_floats<N>(dact + i * N);  // common.cuh
     Pack<T, N> g = *reinterpret_cast<const Pack<T, N>*>(gate + at);
     Pack<T, N> u = *reinterpret_cast<const Pack<T, N>*>(up + at);
     Pack<T, N> a;
